@@ -1,0 +1,112 @@
+"""Recipes: the YAML file that says what to train and how, validated up front.
+
+A mistake in a recipe is reported as one line naming the file and the field
+(``recipes/x.yaml: outer_optimizer.lr: Input should be a valid number``) before anything starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(Exception):
+    """A recipe that cannot be used; str() is the one line shown to the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InnerOptimizer(_Strict):
+    """AdamW, run by every node between syncs."""
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)
+
+
+class OuterOptimizer(_Strict):
+    """Nesterov SGD on the averaged pseudo-gradient, as in DiLoCo."""
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class Recipe(_Strict):
+    name: str
+    task: str = Field(description="task file, relative to the repo root")
+    task_config: dict[str, Any] = Field(default_factory=dict)
+    min_nodes: int = Field(1, ge=1)
+    rounds: int = Field(ge=1)
+    inner_steps: int = Field(ge=1, description="H: inner steps a node runs per round at equal speed")
+    batch_size: int = Field(ge=1)
+    unit_steps: int = Field(5, ge=1, description="inner steps per work unit")
+    round_samples: int | None = Field(None, ge=1, description="default: min_nodes*inner_steps*batch_size")
+    inner_optimizer: InnerOptimizer = Field(default_factory=InnerOptimizer)
+    outer_optimizer: OuterOptimizer = Field(default_factory=OuterOptimizer)
+    eval_batches: int = Field(8, ge=1)
+    codec: Literal["fp32"] = "fp32"
+    network: Literal["local", "lan", "relay"] = "local"
+    seed: int = 0
+    commit: str | None = Field(None, description="pin nodes to this commit (default: the repo's HEAD)")
+
+    @model_validator(mode="after")
+    def _budget(self) -> "Recipe":
+        if self.round_samples is None:
+            self.round_samples = self.min_nodes * self.inner_steps * self.batch_size
+        return self
+
+    @property
+    def unit_samples(self) -> int:
+        return self.unit_steps * self.batch_size
+
+    @property
+    def units_per_round(self) -> int:
+        assert self.round_samples is not None
+        return max(1, -(-self.round_samples // self.unit_samples))
+
+
+def repo_root(path: Path) -> Path:
+    """The git work tree holding `path`, or its directory when it is not in one."""
+    d = path.resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(d), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return d
+    return Path(out.stdout.strip()) if out.returncode == 0 else d
+
+
+def load_recipe(path: str | Path, check_task: bool = True) -> Recipe:
+    """Read and validate a recipe file; raise RecipeError with a one-line message."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"{p}: recipe file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise RecipeError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{p}: a recipe is a YAML mapping of fields, got {type(raw).__name__}")
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "recipe"
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "missing":
+            msg = "required field is missing"
+        raise RecipeError(f"{p}: {field}: {msg}") from None
+    if check_task:
+        task = repo_root(p) / recipe.task
+        if not task.is_file():
+            raise RecipeError(f"{p}: task: file {recipe.task} not found under {repo_root(p)}")
+    return recipe

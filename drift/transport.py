@@ -1,0 +1,234 @@
+"""iroh endpoints, tickets and length-prefixed frames: everything drift sends goes through here.
+
+Two ALPNs share one endpoint per process:
+  * ``drift/0``      control plane (coordinator <-> node), small typed messages;
+  * ``drift-ring/0`` data plane (node <-> ring neighbour), raw tensor chunks.
+
+Every connect, accept and read takes a timeout: iroh does not fail fast on a dead address or an
+ALPN the peer does not serve, it hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ipaddress
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+import iroh
+import numpy as np
+from iroh import iroh_ffi
+
+CONTROL_ALPN = b"drift/0"
+RING_ALPN = b"drift-ring/0"
+MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
+_LEN = struct.Struct(">I")
+
+NetworkMode = Literal["local", "lan", "relay"]
+
+
+class TransportError(Exception):
+    """A network operation failed or timed out; the message says what was tried."""
+
+
+# --- the copy fix -----------------------------------------------------------------------------
+# iroh's generated binding lowers every outgoing bytes object into a Rust buffer one byte at a
+# time in a Python loop (~3 MiB/s). We replace that single method with one memmove. The buffer
+# layout (len-prefixed by write_i32 before write() is called) is unchanged, so nothing else in the
+# binding notices. Pinned to iroh==1.2.0 in pyproject; install_copy_fix() checks the shape first.
+
+_original_write = iroh_ffi._UniffiRustBufferBuilder.write
+
+
+def _fast_write(self, value) -> None:  # noqa: ANN001 - signature fixed by the binding
+    n = len(value)
+    with self._reserve(n):
+        dst = ctypes.cast(self.rbuf.data, ctypes.c_void_p).value + self.rbuf.len
+        if isinstance(value, bytes):
+            ctypes.memmove(dst, value, n)
+        else:  # memoryview / bytearray / numpy: any contiguous 1-byte-item buffer, no extra copy
+            src = np.frombuffer(value, dtype=np.uint8)
+            if src.size != n:
+                raise ValueError("drift transport writes need a flat byte buffer")
+            ctypes.memmove(dst, src.ctypes.data, n)
+
+
+def install_copy_fix() -> None:
+    """Swap the per-byte copy in iroh's binding for one memmove (idempotent)."""
+    builder = iroh_ffi._UniffiRustBufferBuilder
+    if not hasattr(builder, "_reserve"):
+        raise RuntimeError("iroh binding changed shape; drift's copy fix does not apply")
+    builder.write = _fast_write
+
+
+def uninstall_copy_fix() -> None:
+    """Restore the binding's own copy loop (benchmarks compare both)."""
+    iroh_ffi._UniffiRustBufferBuilder.write = _original_write
+
+
+install_copy_fix()
+
+
+# --- tickets ----------------------------------------------------------------------------------
+
+def parse_ticket(ticket: str) -> iroh.EndpointAddr:
+    """Parse a join ticket, raising TransportError that quotes what was given."""
+    try:
+        return iroh.EndpointTicket.from_string(ticket.strip()).endpoint_addr()
+    except Exception as e:  # IrohError, plus anything odd the binding raises on garbage
+        shown = ticket if len(ticket) <= 24 else ticket[:24] + "..."
+        raise TransportError(f"malformed ticket {shown!r}: expected the 'endpoint...' string "
+                             f"that `drift coord` prints ({e})") from None
+
+
+def ticket_of(addr: iroh.EndpointAddr) -> str:
+    return str(iroh.EndpointTicket.from_addr(addr))
+
+
+def mode_for_ticket(ticket: str) -> NetworkMode:
+    """Pick how a joining node should bind, from what the coordinator's ticket advertises."""
+    addr = parse_ticket(ticket)
+    if addr.relay_url():
+        return "relay"
+    hosts = [a.rsplit(":", 1)[0].strip("[]") for a in addr.direct_addresses()]
+    if hosts and all(ipaddress.ip_address(h).is_loopback for h in hosts):
+        return "local"
+    return "lan"
+
+
+def describe_addr(addr: iroh.EndpointAddr) -> str:
+    parts = list(addr.direct_addresses())
+    if addr.relay_url():
+        parts.append(f"relay {addr.relay_url()}")
+    return f"{addr.id().fmt_short()} at {', '.join(parts) or 'no known address'}"
+
+
+# --- endpoints and channels -------------------------------------------------------------------
+
+def _iroh_reason(e: Exception) -> str:
+    """IrohError often has an empty str(); fall back to its repr/kind."""
+    return str(e).strip() or repr(e)
+
+
+async def _timed(aw, timeout: float, what: str):
+    try:
+        return await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        raise TransportError(f"timed out after {timeout:g}s {what}") from None
+    except iroh.IrohError as e:
+        raise TransportError(f"{what} failed: {_iroh_reason(e)}") from None
+
+
+class Channel:
+    """One bidirectional QUIC stream carrying length-prefixed frames."""
+
+    def __init__(self, conn: iroh.Connection, bi: iroh.BiStream):
+        self.conn = conn
+        self._send = bi.send()
+        self._recv = bi.recv()
+        self.peer_id: str = str(conn.remote_id())
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    async def send_frame(self, payload, timeout: float = 30.0) -> None:
+        """Send one frame: 4-byte big-endian length, then the payload (bytes or a flat buffer)."""
+        await self.send_parts([payload], timeout)
+
+    async def send_parts(self, parts: list, timeout: float = 30.0) -> None:
+        """Send one frame made of several buffers (header + tensor chunk) without joining them."""
+        views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
+        total = sum(len(v) for v in views)
+        await _timed(self._send.write_all(_LEN.pack(total)), timeout, "sending a frame header")
+        for v in views:
+            if len(v):
+                await _timed(self._send.write_all(v), timeout, f"sending {len(v)} bytes")
+        self.bytes_sent += total + _LEN.size
+
+    async def recv_frame(self, max_size: int, timeout: float | None = 30.0) -> bytes:
+        """Receive one frame; a frame over max_size is refused before its body is read."""
+        head = await _timed(self._recv.read_exact(_LEN.size), timeout or 1e9, "waiting for a frame")
+        (n,) = _LEN.unpack(head)
+        if n > max_size:
+            raise TransportError(f"frame of {n} bytes exceeds the {max_size}-byte cap")
+        body = await _timed(self._recv.read_exact(n), timeout or 1e9, f"reading a {n}-byte frame") if n else b""
+        self.bytes_received += n + _LEN.size
+        return body
+
+    async def finish(self) -> None:
+        try:
+            await asyncio.wait_for(self._send.finish(), 2.0)
+        except Exception:
+            pass
+
+    def close(self, reason: str = "") -> None:
+        try:
+            self.conn.close(0, reason.encode()[:100])
+        except Exception:
+            pass
+
+
+@dataclass
+class Endpoint:
+    """A bound iroh endpoint serving drift's ALPNs."""
+
+    ep: iroh.Endpoint
+    mode: NetworkMode
+
+    @classmethod
+    async def bind(cls, mode: NetworkMode = "local", secret_key: bytes | None = None,
+                   alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN)) -> "Endpoint":
+        """Bind an endpoint. local: loopback only; lan: all interfaces, no relay;
+        relay: iroh's public relays and hole-punching (needs internet)."""
+        preset = iroh.preset_n0() if mode == "relay" else iroh.preset_minimal()
+        bind_addr = "127.0.0.1:0" if mode == "local" else "0.0.0.0:0"
+        opts = iroh.EndpointOptions(preset=preset, bind_addr=bind_addr, alpns=list(alpns),
+                                    secret_key=secret_key)
+        try:
+            ep = await iroh.Endpoint.bind(opts)
+        except iroh.IrohError as e:
+            raise TransportError(f"could not bind an iroh endpoint ({mode}): {e}") from None
+        if mode == "relay":
+            await _timed(ep.online(), 30.0, "reaching an iroh relay (is this machine online?)")
+        return cls(ep, mode)
+
+    @property
+    def node_id(self) -> str:
+        return str(self.ep.id())
+
+    def ticket(self) -> str:
+        return ticket_of(self.ep.addr())
+
+    async def connect(self, ticket: str, alpn: bytes, timeout: float = 15.0) -> Channel:
+        """Connect to the endpoint in `ticket` and open one bidirectional stream."""
+        addr = parse_ticket(ticket)
+        what = f"connecting to {describe_addr(addr)} ({alpn.decode()})"
+        conn = await _timed(self.ep.connect(addr, alpn), timeout, what)
+        bi = await _timed(conn.open_bi(), timeout, what + ": opening a stream")
+        return Channel(conn, bi)
+
+    async def accept(self, timeout: float | None = None) -> tuple[bytes, iroh.Connection]:
+        """Accept the next incoming connection: (alpn, connection)."""
+        async def _one():
+            inc = await self.ep.accept_next()
+            if inc is None:
+                raise TransportError("endpoint closed")
+            accepting = await inc.accept()
+            alpn = await accepting.alpn()
+            return alpn, await accepting.connect()
+        return await _timed(_one(), timeout or 1e9, "accepting a connection")
+
+    @staticmethod
+    async def accept_channel(conn: iroh.Connection, timeout: float = 15.0) -> Channel:
+        """Wait for the peer to open its stream on an accepted connection.
+
+        QUIC only announces a stream once data flows on it, so the opener must send first."""
+        bi = await _timed(conn.accept_bi(), timeout, "waiting for the peer to open a stream")
+        return Channel(conn, bi)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.ep.close(), 3.0)
+        except Exception:
+            pass

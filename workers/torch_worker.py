@@ -1,0 +1,136 @@
+"""The torch backend: CUDA / ROCm (which torch also calls "cuda"), Apple MPS, or CPU."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import check_params
+
+OPTIM_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0}
+
+
+def available_devices() -> list[str]:
+    """Devices torch can use here, best first: cuda:N..., mps, cpu."""
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices + ["cpu"]
+
+
+def resolve_device(device: str = "auto") -> str:
+    """"auto" -> the best available device; an explicit one is checked. ValueError if unavailable."""
+    available = available_devices()
+    if device == "auto":
+        return available[0]
+    name = "cuda:0" if device == "cuda" else device
+    if name not in available:
+        raise ValueError(f"device {device!r} is not available here; available: {', '.join(available)}")
+    return name
+
+
+def _optim_config(optim_cfg: dict[str, Any]) -> dict[str, Any]:
+    """optim_cfg over OPTIM_DEFAULTS. Betas may be given as betas=(b1, b2) or as beta1/beta2
+    (the recipe's spelling); an unknown key is a ValueError."""
+    cfg = dict(optim_cfg)
+    if "beta1" in cfg or "beta2" in cfg:
+        if "betas" in cfg:
+            raise ValueError("optim_cfg: give either betas or beta1/beta2, not both")
+        b1, b2 = OPTIM_DEFAULTS["betas"]
+        cfg["betas"] = (cfg.pop("beta1", b1), cfg.pop("beta2", b2))
+    unknown = sorted(set(cfg) - set(OPTIM_DEFAULTS))
+    if unknown:
+        raise ValueError(f"optim_cfg: unknown key(s) {unknown}; known: {sorted(OPTIM_DEFAULTS)} or beta1/beta2")
+    cfg = {**OPTIM_DEFAULTS, **cfg}
+    b1, b2 = cfg["betas"]
+    return {"lr": float(cfg["lr"]), "weight_decay": float(cfg["weight_decay"]),
+            "betas": (float(b1), float(b2)), "grad_clip": float(cfg["grad_clip"])}
+
+
+class TorchWorker:
+    """Worker backed by torch: the task's model, trained with AdamW on the task's dataset."""
+
+    backend = "torch"
+
+    def __init__(self, task_module: ModuleType, task_cfg: dict[str, Any], optim_cfg: dict[str, Any],
+                 device: str = "auto", seed: int = 0, threads: int | None = None) -> None:
+        for attr in ("make_dataset", "make_torch_model"):
+            if not callable(getattr(task_module, attr, None)):
+                raise TypeError(f"task {getattr(task_module, '__file__', task_module)!r} has no {attr}()")
+        self.device: str = resolve_device(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        opt = _optim_config(optim_cfg)
+        self._grad_clip: float = opt["grad_clip"]
+
+        self.dataset = task_module.make_dataset(task_cfg)
+        self.n_train: int = int(self.dataset.n_train)
+        self.n_val: int = int(self.dataset.n_val)
+
+        torch.manual_seed(seed)  # same seed -> identical initial parameters on every node
+        self.model: torch.nn.Module = task_module.make_torch_model(task_cfg, self.dataset.vocab_size)
+        self.model.to(self.device)
+        self._params: dict[str, torch.nn.Parameter] = dict(sorted(self.model.named_parameters()))
+        self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
+
+        # As in nanoGPT: decay matrices and embeddings, not biases or LayerNorm gains.
+        params = list(self._params.values())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=opt["betas"],
+                                           fused=self.device.startswith("cuda"))
+
+    def param_names(self) -> list[str]:
+        """Parameter names, sorted."""
+        return list(self._params)
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        """A float32 C-contiguous copy of every parameter."""
+        with torch.no_grad():
+            return {name: p.detach().to("cpu", torch.float32, copy=True).contiguous().numpy()
+                    for name, p in self._params.items()}
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        """Copy params into the existing tensors in place, keeping the optimizer state."""
+        check_params(self._shapes, params)
+        with torch.no_grad():
+            for name, p in self._params.items():
+                src = torch.from_numpy(np.ascontiguousarray(params[name], dtype=np.float32))
+                p.copy_(src)
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def train_step(self, indices: np.ndarray) -> float:
+        """One AdamW step on the given training samples; returns the loss."""
+        if len(indices) == 0:
+            raise ValueError("train_step needs at least one sample index")
+        x, y = self.dataset.batch("train", indices)
+        self.model.train()
+        loss = self.model(self._to_device(x), self._to_device(y))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self._grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self._params.values(), self._grad_clip)
+        self.optimizer.step()
+        return float(loss.item())
+
+    def evaluate(self, max_batches: int, batch_size: int) -> float:
+        """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
+        if max_batches < 1 or batch_size < 1:
+            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
+        n = min(self.n_val, max_batches * batch_size)
+        if n == 0:
+            raise ValueError("the task has no validation samples")
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                idx = np.arange(start, min(start + batch_size, n))
+                x, y = self.dataset.batch("val", idx)
+                total += float(self.model(self._to_device(x), self._to_device(y))) * len(idx)
+        self.model.train()
+        return total / n
