@@ -16,14 +16,16 @@ from pathlib import Path
 
 import click
 
+from auth import AuthError, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.monitor import Monitor
 from drift.node import NodeError, NodeOptions, run_node
 from drift.recipe import RecipeError, load_recipe, repo_root
+from drift.repo import RepoError, dirty_files, resolve_commit, tree_of
 from drift.ring import RingError
-from drift.transport import TransportError
+from drift.transport import TransportError, parse_ticket
 
-USER_ERRORS = (RecipeError, TransportError, CoordinatorError, NodeError, RingError)
+USER_ERRORS = (RecipeError, TransportError, CoordinatorError, NodeError, RingError, AuthError, RepoError)
 
 
 def _fail(msg: str, code: int = 1) -> None:
@@ -56,6 +58,24 @@ def _git_head(root: Path) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _key(path: Path | None, kind: str):  # noqa: ANN202 - auth.NodeKey
+    """Load (or create on first use) a key file; a bad one ends in one error line."""
+    try:
+        return load_or_create_key(path or default_key_path(kind))
+    except AuthError as e:
+        _fail(str(e))
+
+
+@main.command("id")
+@click.option("--key", type=click.Path(path_type=Path), default=None,
+              help="Key file [default: ~/.drift/node.key, or ~/.drift/coord.key with --coord; "
+                   "$DRIFT_HOME replaces ~/.drift].")
+@click.option("--coord", is_flag=True, help="Print the coordinator's id instead of the node's.")
+def id_(key: Path | None, coord: bool) -> None:
+    """Print this machine's node id (its Ed25519 public key), creating the key on first use."""
+    click.echo(_key(key, "coord" if coord else "node").node_id)
+
+
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--local", "local", type=click.IntRange(min=0), default=0, show_default=True,
@@ -67,7 +87,10 @@ def _git_head(root: Path) -> str | None:
                    "hole-punching [default: the recipe's].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Torch threads per --local node [default: cores / N].")
-def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, threads: int | None) -> None:
+@click.option("--key", type=click.Path(path_type=Path), default=None,
+              help="The coordinator's key file [default: ~/.drift/coord.key; with --local: RUN_DIR/keys/coord.key].")
+def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, threads: int | None,
+          key: Path | None) -> None:
     """Coordinate a run: print a join ticket, admit nodes, run the rounds."""
     try:
         r = load_recipe(recipe)
@@ -78,24 +101,42 @@ def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, t
     mode = network or r.network
     if local and mode == "relay":
         mode = "local" if network is None else mode
-    sys.exit(_run(_coord(r, root, run_dir, mode, local, threads)))
+    coord_key = _key(key or (run_dir / "keys" / "coord.key" if local else None), "coord")
+    try:
+        commit = resolve_commit(root, r.commit) if r.commit else _git_head(root)
+    except RepoError as e:
+        _fail(f"{recipe}: commit: {e}")
+    if commit is None:
+        _fail(f"{recipe}: {root} is not a git repository and the recipe pins no commit: nodes run only "
+              f"committed code (git init && git commit there, or set commit:)")
+    sys.exit(_run(_coord(r, root, run_dir, mode, local, threads, coord_key, commit)))
 
 
-async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: int | None) -> int:  # noqa: ANN001
+async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: int | None,  # noqa: ANN001
+                 coord_key=None, commit: str | None = None) -> int:  # noqa: ANN001
     monitor = Monitor(run_dir)
-    coordinator = Coordinator(r, run_dir, mode=mode, commit=r.commit or _git_head(root), monitor=monitor)
+    commit = commit or r.commit or _git_head(root)
+    node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
+    coordinator = Coordinator(r, run_dir, mode=mode, commit=commit, monitor=monitor,
+                              key=coord_key.seed if coord_key else None,
+                              tree=tree_of(root, commit) if commit else None,
+                              extra_allowed=tuple(k.node_id for k in node_keys))
     children: list[tuple[subprocess.Popen, Path]] = []
     try:
         ticket = await coordinator.start()
         monitor.say(f"run {coordinator.run_id}: {r.name}, {r.rounds} rounds, waiting for {r.min_nodes} node(s)")
         monitor.say(f"join with:  drift join --repo {root} --ticket {ticket}")
         monitor.say(f"run dir:    {run_dir}")
+        monitor.say(f"commit:     {commit} (coordinator {coordinator.endpoint.node_id[:10]})")
+        if commit and commit == _git_head(root) and _dirty(root):
+            monitor.say(f"note: {root} has uncommitted changes; nodes run commit {commit[:12]} as committed")
         if local:
             per_node = threads or max(1, (os.cpu_count() or 1) // local)
             for i in range(local):
                 logf = run_dir / f"node-{i}.log"
                 cmd = [sys.executable, "-m", "drift", "join", "--repo", str(root), "--ticket", ticket,
-                       "--name", f"local-{i}", "--threads", str(per_node)]
+                       "--name", f"local-{i}", "--threads", str(per_node), "--key", str(node_keys[i].path),
+                       "--cache-dir", str(run_dir / "repos")]
                 with open(logf, "w") as fh:
                     children.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                                       env={**os.environ, "PYTHONUNBUFFERED": "1"}), logf))
@@ -137,18 +178,60 @@ async def _watch_children(children: list[tuple[subprocess.Popen, Path]]) -> None
         await asyncio.sleep(0.5)
 
 
+def _dirty(root: Path) -> bool:
+    try:
+        return bool(dirty_files(root))
+    except Exception:
+        return False
+
+
 @main.command()
-@click.option("--repo", required=True, type=click.Path(path_type=Path),
-              help="The repo holding the task code (a local checkout for now).")
+@click.option("--repo", required=True, metavar="URL_OR_PATH",
+              help="The git repo holding the task code (URL or path); drift clones it and runs "
+                   "exactly the commit the coordinator names, from a clean checkout.")
 @click.option("--ticket", required=True, help="The ticket `drift coord` printed.")
 @click.option("--name", default=None, help="A name for this node in the coordinator's view.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N, mps.")
+@click.option("--backend", type=click.Choice(["auto", "torch", "mlx", "numpy"]), default="auto",
+              show_default=True, help="The framework this node trains with.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch CPU threads.")
-def join(repo: Path, ticket: str, name: str | None, device: str, threads: int | None) -> None:
-    """Join a swarm: load the task from REPO, train, sync, until the run completes."""
-    if not repo.is_dir():
-        _fail(f"--repo {repo}: no such directory")
-    opts = NodeOptions(ticket=ticket, repo=repo.resolve(), device=device, threads=threads)
+@click.option("--key", type=click.Path(path_type=Path), default=None,
+              help="This node's key file [default: ~/.drift/node.key]; created on first use.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where --repo is cloned and checked out [default: ~/.drift/repos].")
+def join(repo: str, ticket: str, name: str | None, backend: str, device: str, threads: int | None,
+         key: Path | None, cache_dir: Path | None) -> None:
+    """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
+    try:
+        parse_ticket(ticket)
+    except TransportError as e:
+        _fail(str(e))
+    from workers import BackendError, choose
+    try:  # fail before connecting when this machine cannot do what was asked
+        choose(backend, device)
+    except BackendError as e:
+        _fail(str(e))
+    opts = NodeOptions(ticket=ticket, repo=repo, device=device, backend=backend, threads=threads,
+                       key=_key(key, "node"), cache_dir=cache_dir)
     if name:
         opts.name = name
     sys.exit(_run(run_node(opts)))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for machines).")
+def status(as_json: bool) -> None:
+    """What this machine can train with: GPUs, Apple Silicon, CPU, and the backends installed."""
+    import json
+
+    from rich.console import Console
+
+    from workers.detect import detect, status_renderables
+    info = detect()
+    if as_json:
+        click.echo(json.dumps(info.to_dict(), indent=2))
+        return
+    console = Console()
+    for part in status_renderables(info):
+        console.print(part, highlight=False)

@@ -14,10 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from auth import Admission, AuthError
 from drift import protocol as P
 from drift.monitor import Monitor, NodeView
 from drift.recipe import Recipe
-from drift.scheduler import UnitQueue, split_proportional
+from drift.inner import finite_positive
+from drift.scheduler import Ledger, RoundPlan, UnitQueue, check_accounting
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Channel, Endpoint, NetworkMode, TransportError
 
 log = logging.getLogger("drift.coord")
@@ -60,8 +62,16 @@ class Coordinator:
     commit: str | None = None
     monitor: Monitor | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    key: bytes | None = None            # Ed25519 seed (auth.NodeKey.seed): the coordinator's node id
+    tree: str | None = None             # tree id of `commit`, when the coordinator's repo has it
+    extra_allowed: tuple[str, ...] = ()  # ids admitted on top of the recipe's allowlist (--local nodes)
 
     def __post_init__(self) -> None:
+        r = self.recipe
+        allow = None if r.allowlist is None else frozenset([*r.allowlist, *self.extra_allowed])
+        self.admission = Admission(commit=self.commit, run_id=self.run_id, allowlist=allow,
+                                   threshold=r.auth_threshold or r.min_nodes, tree=self.tree)
+        self._auth_abort: str | None = None  # why the whole swarm is cancelled (auth_threshold)
         self.endpoint: Endpoint | None = None
         self.ready: dict[str, Peer] = {}
         self.events: asyncio.Queue[tuple[Peer, P.Message | None]] = asyncio.Queue()
@@ -71,13 +81,17 @@ class Coordinator:
         self._tasks: set[asyncio.Task] = set()
         self.results: list[RoundResult] = []
         self.initial_val_loss: float | None = None
+        self.members: dict[str, Peer] = {}       # nodes in the run now
+        self.speed: dict[str, float] = {}        # samples/s: calibrated at join, then measured
+        self.last_seen: dict[str, float] = {}    # monotonic time of each node's last message
+        self.ledger = Ledger()
         self.rejected: list[str] = []  # why connections were dropped (also logged)
 
     # --- serving connections -------------------------------------------------------------------
 
     async def start(self) -> str:
         """Bind and start accepting; returns the join ticket."""
-        self.endpoint = await Endpoint.bind(self.mode, alpns=(CONTROL_ALPN,))
+        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN,))
         self._spawn(self._accept_loop())
         return self.endpoint.ticket()
 
@@ -103,10 +117,42 @@ class Coordinator:
             self.monitor.event("connection_dropped", peer=peer, reason=why)
         (ch.close(why) if ch else conn.close(1, why.encode()[:100]))
 
+    async def _refuse(self, ch: Channel, conn, why: str) -> None:  # noqa: ANN001
+        """Tell a node why it is refused (TrainingCancel), let it read that, then drop it."""
+        try:
+            await ch.send_frame(P.encode(P.TrainingCancel(reason=why)), timeout=5.0)
+            await ch.finish()
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:  # ends when the node hangs up, having read it
+                await ch.recv_frame(MAX_CONTROL_FRAME, timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:
+            pass
+        self._drop(ch, conn, why)
+
+    async def _auth_failed(self, ch: Channel, conn, node_id: str, why: str, tell: bool = True) -> None:  # noqa: ANN001
+        """A node failed a trust check: refuse it, and cancel the swarm if auth_threshold is now out of reach."""
+        self.admission.refuse(node_id, why)
+        if self.monitor:
+            self.monitor.event("node_refused", node_id=node_id, reason=why)
+        if tell:
+            await self._refuse(ch, conn, why)
+        else:
+            self._drop(ch, conn, why)
+        abort = self.admission.unreachable()
+        if abort and not self._started:
+            async with self._joined:
+                self._auth_abort = abort
+                self._joined.notify_all()
+
     async def _serve(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
         ch: Channel | None = None
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
+            try:
+                self.admission.check_allowed(ch.peer_id)
+            except AuthError as e:
+                await self._auth_failed(ch, conn, ch.peer_id, str(e))
+                return
             info = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=HANDSHAKE_TIMEOUT))
             if not isinstance(info, P.NodeInfo):
                 raise P.ProtocolError(f"expected NodeInfo first, got {info.type}")
@@ -120,8 +166,17 @@ class Coordinator:
             await ch.send_frame(P.encode(P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"),
                                                        commit=self.commit)))
             rc = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=LOAD_TIMEOUT))
+            if isinstance(rc, P.TrainingCancel):  # the node refused the code it was asked to run
+                await self._auth_failed(ch, conn, peer.id, f"node {info.name} ({peer.id[:10]}) refused to run: "
+                                        f"{rc.reason}", tell=False)
+                return
             if not isinstance(rc, P.RepoCommit):
                 raise P.ProtocolError(f"expected RepoCommit, got {rc.type}")
+            try:
+                self.admission.verify(rc.model_dump(mode="json"), ch.peer_id)
+            except AuthError as e:
+                await self._auth_failed(ch, conn, peer.id, f"RepoCommit refused: {e}")
+                return
             peer.commit = rc
             async with self._joined:
                 self.ready[peer.id] = peer
@@ -149,10 +204,22 @@ class Coordinator:
         await asyncio.gather(*(p.ch.send_frame(P.encode(msg)) for p in peers))
 
     async def wait_for_nodes(self) -> list[Peer]:
-        n = self.recipe.min_nodes
+        n = max(self.recipe.min_nodes, self.admission.threshold)
         async with self._joined:
-            await self._joined.wait_for(lambda: len(self.ready) >= n)
+            await self._joined.wait_for(lambda: len(self.ready) >= n or self._auth_abort is not None)
             self._started = True
+        if self._auth_abort is not None:
+            peers = list(self.ready.values())
+            await self._broadcast(peers, P.TrainingCancel(reason=self._auth_abort))
+            left: set[str] = set()
+            try:  # give every node the time to read why before the endpoint closes
+                while len(left) < len(peers):
+                    peer, msg = await asyncio.wait_for(self.events.get(), 5.0)
+                    if msg is None:
+                        left.add(peer.id)
+            except asyncio.TimeoutError:
+                pass
+            raise CoordinatorError(self._auth_abort)
         return list(self.ready.values())
 
     async def run(self) -> list[RoundResult]:
@@ -163,83 +230,255 @@ class Coordinator:
             if len(seen) != 1:
                 await self._broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
                 raise CoordinatorError(f"nodes loaded different tasks: {what} differs {sorted(map(str, seen))}")
-        await self._broadcast(peers, P.TrainingReady(nodes=[p.id for p in peers]))
+        await self._broadcast(peers, P.TrainingReady(nodes=[p.id for p in peers],
+                                                     signatures=self.admission.signatures(p.id for p in peers)))
         r = self.recipe
+        self.members = {p.id: p for p in peers}
+        for p in peers:
+            self.speed[p.id] = self._checked_speed(p, p.commit.samples_per_s)
+            self.last_seen[p.id] = time.monotonic()
         queue = UnitQueue(peers[0].commit.n_train, r.unit_samples)
         for rnd in range(r.rounds):
             if self.monitor:
                 self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
-            result = await self._round(rnd, peers, queue)
-            self.results.append(result)
+            if not self.members:
+                raise CoordinatorError(f"every node has left (round {rnd})")
+            self.results.append(await self._round(rnd, queue))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
-        await self._broadcast(peers, P.TrainComplete(rounds=r.rounds, final_val_loss=final))
+        await self._broadcast(list(self.members.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final)
         return self.results
 
-    async def _round(self, rnd: int, peers: list[Peer], queue: UnitQueue) -> RoundResult:
-        t0 = time.time()
+    # --- one round -----------------------------------------------------------------------------
+
+    def _checked_speed(self, peer: Peer, sps: float | None) -> float:
+        """A node's claimed speed, unless it is absurd (then: the slowest speed we trust)."""
+        if finite_positive(sps):
+            return float(sps)
+        trusted = [v for k, v in self.speed.items() if k != peer.id]
+        fallback = min(trusted) if trusted else 1.0
+        log.warning("node %s reported an absurd speed (%r); planning with %.3g samples/s until measured",
+                    peer.info.name, sps, fallback)
+        self._note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
+        return fallback
+
+    def _note(self, kind: str, **fields) -> None:  # noqa: ANN003
+        if self.monitor:
+            self.monitor.event(kind, **fields)
+
+    def _evaluators(self, budget: int) -> set[str]:
+        """Nodes so slow that one inner step would hold the swarm back: they evaluate instead.
+
+        A node evaluates when a single inner step of it takes longer than slow_node_fraction of
+        the round's expected length (the round budget over the trainers' summed speed); the
+        fastest node always trains."""
         r = self.recipe
-        epoch, units = queue.take(r.units_per_round)
-        shares = split_proportional(units, [p.info.samples_per_s or 1.0 for p in peers])
-        for i, (p, share) in enumerate(zip(peers, shares)):
-            await p.ch.send_frame(P.encode(P.ShardAssignment(round=rnd, epoch=epoch, units=share,
-                                                             evaluate=(i == 0))))
-        synced: dict[str, P.BarrierSync] = {}
-        done: dict[str, P.RoundDone] = {}
-        while len(done) < len(peers):
-            peer, msg = await self.events.get()
-            if msg is None:
-                raise CoordinatorError(f"node {peer.info.name} ({peer.id[:10]}) left during round {rnd}")
-            if isinstance(msg, P.TrainProgress):
-                if self.monitor and peer.id in self.monitor.nodes:
-                    v = self.monitor.nodes[peer.id]
-                    v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + msg.samples
-                    self.monitor.event("progress", node_id=peer.id, round=rnd, unit=msg.unit,
-                                       samples=msg.samples, loss=msg.loss, samples_per_s=msg.samples_per_s)
-            elif isinstance(msg, P.AskForMoreWork):
-                await peer.ch.send_frame(P.encode(P.NoMoreWork(round=rnd)))
-            elif isinstance(msg, P.BarrierSync):
-                synced[peer.id] = msg
-                if len(synced) == len(peers):
-                    total = sum(s.samples for s in synced.values())
-                    ring = [P.RingMember(node_id=p.id, ticket=p.info.ring_ticket,
-                                         weight=synced[p.id].samples / total if total else 1 / len(peers))
-                            for p in peers]
-                    await self._broadcast(peers, P.BarrierReady(round=rnd, ring=ring, codec=r.codec))
-            elif isinstance(msg, P.RoundDone):
-                done[peer.id] = msg
-            elif isinstance(msg, (P.Heartbeat, P.Pong)):
-                pass
+        speeds = {i: self.speed[i] for i in self.members}
+        fastest = max(speeds, key=speeds.get)
+        evaluators: set[str] = set()
+        for i in sorted(speeds, key=speeds.get):  # slowest first
+            if i == fastest:
+                break
+            trainers = sum(v for k, v in speeds.items() if k not in evaluators)
+            round_s = budget / trainers
+            if r.batch_size / speeds[i] > r.slow_node_fraction * round_s:
+                evaluators.add(i)
+        return evaluators
+
+    async def _send(self, peer: Peer, msg: P._Msg) -> None:
+        try:
+            await peer.ch.send_frame(P.encode(msg))
+        except TransportError as e:
+            log.warning("could not send %s to %s: %s", msg.type, peer.info.name, e)
+
+    async def _round(self, rnd: int, queue: UnitQueue) -> RoundResult:
+        r = self.recipe
+        t0 = time.monotonic()
+        steal = r.schedule == "steal"
+        budget = r.round_samples if steal else len(self.members) * r.inner_steps * r.batch_size
+        evaluators = self._evaluators(budget) if steal else set()
+        trainers = {i: self.speed[i] for i in self.members if i not in evaluators}
+        epoch, units = queue.take(budget)
+        plan = RoundPlan.make(units, trainers, steal)
+        fastest = max(trainers, key=trainers.get)
+        for i, peer in list(self.members.items()):
+            if i in evaluators:
+                a = P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate")
             else:
-                log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, rnd)
+                a = P.ShardAssignment(round=rnd, epoch=epoch, units=plan.grant_first(i), planned=len(plan.planned[i]),
+                                      report_val=i == fastest and (not evaluators or rnd == r.rounds - 1))
+            await self._send(peer, a)
+        last_progress = {i: time.monotonic() for i in self.members}
+        synced: dict[str, P.BarrierSync] = {}
+        t_sync: dict[str, float] = {}
+        done: dict[str, P.RoundDone] = {}
+        excluded: set[str] = set()
+        give_back: list[P.WorkUnit] = []
+        stop_sent = False
+        ring: list[P.RingMember] | None = None
+
+        async def stop_all(reason: str) -> None:
+            nonlocal stop_sent
+            if not stop_sent:
+                stop_sent = True
+                log.info("round %d: %s; stopping at the next inner step", rnd, reason)
+                await asyncio.gather(*(self._send(p, P.StopRound(round=rnd))
+                                       for i, p in self.members.items() if i not in synced))
+
+        def drop(i: str, why: str) -> None:
+            """Remove a node from the swarm mid-round; its work this round is redone."""
+            peer = self.members.pop(i)
+            log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
+            self._note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
+            if i in synced and i not in excluded:
+                give_back.extend(synced[i].trained)
+            synced.pop(i, None)
+            plan.drop(i)
+            peer.ch.close(why)
+            if self.monitor:
+                self.monitor.nodes.pop(i, None)
+
+        while len(done) < len(self.members):
+            try:
+                peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
+            except asyncio.TimeoutError:
+                peer, msg = None, None
+            now = time.monotonic()
+            if peer is not None:
+                if peer.id not in self.members:
+                    continue  # a message from a node already dropped
+                self.last_seen[peer.id] = now
+                i = peer.id
+                if msg is None:
+                    if ring is not None:
+                        raise CoordinatorError(f"node {peer.info.name} ({i[:10]}) left during the all-reduce of "
+                                               f"round {rnd}")
+                    drop(i, "connection closed")
+                elif isinstance(msg, P.TrainProgress):
+                    last_progress[i] = now
+                    if finite_positive(msg.samples_per_s):
+                        self.speed[i] = 0.5 * self.speed[i] + 0.5 * msg.samples_per_s
+                    if self.monitor and i in self.monitor.nodes:
+                        v = self.monitor.nodes[i]
+                        n = msg.unit.hi - msg.unit.lo
+                        v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + n
+                        self.monitor.event("progress", node_id=i, round=rnd, unit=[msg.unit.id, msg.unit.lo, msg.unit.hi],
+                                           loss=msg.loss, samples_per_s=msg.samples_per_s)
+                elif isinstance(msg, P.AskForMoreWork):
+                    nxt = plan.next_for(i) if i not in excluded and msg.round == rnd else None
+                    if nxt is not None:
+                        last_progress[i] = now
+                        await self._send(peer, P.AssignNext(round=rnd, unit=nxt))
+                    else:
+                        await self._send(peer, P.NoMoreWork(round=msg.round))
+                        if steal and plan.remaining() == 0:
+                            await stop_all("the round's budget is handed out")
+                elif isinstance(msg, P.BarrierSync):
+                    synced[i], t_sync[i] = msg, now
+                    if i not in excluded and i not in evaluators:
+                        wrong = check_accounting(plan.granted.get(i, []), msg.trained, msg.returned)
+                        if wrong:
+                            log.warning("node %s: bad work report (%s); its work this round is redone",
+                                        peer.info.name, wrong)
+                            self._note("bad_report", node_id=i, reason=wrong, round=rnd)
+                            excluded.add(i)
+                            plan.drop(i)
+                        else:
+                            give_back.extend(msg.returned)
+                    if msg.val_loss is not None:
+                        if rnd == 0:
+                            self.initial_val_loss = msg.val_loss
+                            self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
+                        else:
+                            self._note("val", after_round=rnd - 1, val_loss=msg.val_loss, val_samples=msg.val_samples)
+                elif isinstance(msg, P.RoundDone):
+                    done[i] = msg
+                elif isinstance(msg, (P.Heartbeat, P.Pong)):
+                    pass
+                else:
+                    log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, rnd)
+
+            # Liveness, deadlines and the barrier (checked on every event and twice a second).
+            for i in list(self.members):
+                silent = now - self.last_seen.get(i, now)
+                if silent > r.stale_after_s:
+                    if ring is not None:
+                        raise CoordinatorError(f"node {self.members[i].info.name} went silent during the "
+                                               f"all-reduce of round {rnd}")
+                    drop(i, f"silent for {silent:.0f}s")
+                elif ring is None and i in trainers and i not in synced and i not in excluded and not stop_sent \
+                        and plan.granted.get(i):
+                    expected = r.unit_samples / max(self.speed[i], 1e-9)
+                    limit = r.unit_deadline_factor * expected + 2 * r.heartbeat_s
+                    if now - last_progress[i] > limit:
+                        log.warning("node %s has not finished a unit in %.0fs (expected %.1fs): its units are "
+                                    "reassigned and it sits out this round", self.members[i].info.name,
+                                    now - last_progress[i], expected)
+                        self._note("deadline", node_id=i, round=rnd, waited_s=now - last_progress[i],
+                                   expected_s=expected)
+                        excluded.add(i)
+                        plan.drop(i)
+                        await self._send(self.members[i], P.StopRound(round=rnd))
+            if ring is None and self.members and all(i in synced or i in excluded for i in self.members) \
+                    and any(i in synced for i in self.members):
+                waiting = [i for i in self.members if i not in synced]
+                if waiting:  # only excluded stragglers left: give them until stale_after_s
+                    if now - max(t_sync.values()) < r.stale_after_s:
+                        continue
+                    for i in waiting:
+                        drop(i, "did not reach the barrier after its work was reassigned")
+                if trainers and all(i in synced for i in trainers if i in self.members) and not stop_sent:
+                    await stop_all("every trainer is done")  # evaluators stop now
+                if not all(i in synced for i in self.members):
+                    continue
+                total = sum(sum(u.hi - u.lo for u in synced[i].trained)
+                            for i in self.members if i not in excluded and i not in evaluators)
+                def weight(i: str) -> float:
+                    if i in excluded or i in evaluators or total == 0:
+                        return 0.0
+                    return sum(u.hi - u.lo for u in synced[i].trained) / total
+                ring = [P.RingMember(node_id=i, ticket=p.info.ring_ticket, weight=weight(i))
+                        for i, p in self.members.items()]
+                t_ready = now
+                await self._broadcast(list(self.members.values()), P.BarrierReady(round=rnd, ring=ring, codec=r.codec))
+            elif ring is None and not self.members:
+                raise CoordinatorError(f"every node has left (round {rnd})")
+            elif ring is None and all(i in synced for i in trainers if i in self.members) and not stop_sent \
+                    and any(i in synced for i in trainers):
+                await stop_all("every trainer is done")
+
         checksums = {d.checksum for d in done.values()}
         if len(checksums) != 1:
-            detail = ", ".join(f"{self.ready[i].info.name}={d.checksum[:12]}" for i, d in done.items())
-            await self._broadcast(peers, P.TrainingCancel(reason=f"replicas diverged in round {rnd}"))
+            detail = ", ".join(f"{self.members[i].info.name}={d.checksum[:12]}" for i, d in done.items())
+            await self._broadcast(list(self.members.values()), P.TrainingCancel(reason=f"replicas diverged in round {rnd}"))
             raise CoordinatorError(f"replicas diverged after round {rnd}: {detail}")
-        losses = [(s.loss, s.samples) for s in synced.values() if s.loss is not None]
+        weights = {m.node_id: m.weight for m in ring}
+        for i, s in synced.items():
+            if weights.get(i, 0) > 0:
+                self.ledger.add(epoch, s.trained)
+        queue.give_back(give_back + plan.leftover())
+        losses = [(s.loss, s.samples) for i, s in synced.items() if s.loss is not None and weights.get(i, 0) > 0]
         train_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None
         val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
-        val_start = next((s.val_loss_start for s in synced.values() if s.val_loss_start is not None), None)
-        if val_start is not None:
-            self.initial_val_loss = val_start
-            if self.monitor:
-                self.monitor.event("initial", val_loss=val_start)
-        samples = sum(s.samples for s in synced.values())
-        res = RoundResult(rnd, val, train_loss, checksums.pop(), samples, time.time() - t0)
+        samples = sum(sum(u.hi - u.lo for u in s.trained) for i, s in synced.items() if weights.get(i, 0) > 0)
+        res = RoundResult(rnd, val, train_loss, checksums.pop(), samples, time.monotonic() - t0)
         if self.monitor:
-            self.monitor.val_loss = val
-            for pid, d in done.items():
-                if pid in self.monitor.nodes:
-                    self.monitor.nodes[pid].bytes_sent += d.bytes_sent
-            self.monitor.event("round", round=rnd, val_loss=val, train_loss=train_loss, samples=samples,
+            self.monitor.val_loss = val if val is not None else self.monitor.val_loss
+            for i, d in done.items():
+                if i in self.monitor.nodes:
+                    self.monitor.nodes[i].bytes_sent += d.bytes_sent
+            self.monitor.event("round", round=rnd, epoch=epoch, val_loss=val, train_loss=train_loss, samples=samples,
                                seconds=res.seconds, checksum=res.checksum,
                                bytes_sent=sum(d.bytes_sent for d in done.values()),
                                reduce_s=max(d.reduce_s for d in done.values()),
-                               nodes={self.ready[i].info.name: {"samples": s.samples, "steps": s.steps}
-                                      for i, s in synced.items()})
+                               nodes={self.members[i].info.name: {
+                                   "node_id": i, "samples": sum(u.hi - u.lo for u in s.trained), "steps": s.steps,
+                                   "weight": weights.get(i, 0.0), "idle_s": t_ready - t_sync[i],
+                                   "role": "evaluate" if i in evaluators else "train",
+                                   "trained": [[u.id, u.lo, u.hi] for u in s.trained]}
+                                   for i, s in synced.items()})
         return res
 
     async def close(self) -> None:

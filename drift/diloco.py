@@ -102,6 +102,7 @@ def epoch_order(n_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_samples)
 
 
-def unit_indices(order: np.ndarray, unit: int, unit_samples: int) -> np.ndarray:
-    """The samples of work unit `unit` (units tile the epoch's order; the last may be short)."""
-    return order[unit * unit_samples:(unit + 1) * unit_samples]
+def unit_indices(order: np.ndarray, unit, unit_samples: int) -> np.ndarray:  # noqa: ANN001 - a WorkUnit
+    """The samples [unit.lo, unit.hi) of work unit `unit.id` (units tile the epoch's order)."""
+    base = unit.id * unit_samples
+    return order[base + unit.lo:base + min(unit.hi, unit_samples)]

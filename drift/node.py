@@ -20,13 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
+from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
-from drift.diloco import NesterovOuter, ParamLayout, checksum, epoch_order, unit_indices, weighted_delta
+from drift.diloco import NesterovOuter, ParamLayout, checksum, weighted_delta
+from drift.inner import InnerLoop, SpeedSchedule, StopTraining, calibrate
 from drift.recipe import Recipe
+from drift.repo import RepoCache, RepoError
 from drift.ring import Ring
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, Channel, Endpoint, mode_for_ticket
-from workers import load_task
-from workers.torch_worker import TorchWorker, resolve_device
+from workers import BackendError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
 
@@ -38,11 +40,14 @@ class NodeError(Exception):
 @dataclass
 class NodeOptions:
     ticket: str
-    repo: Path
+    repo: str | Path                  # URL or path of the git repo the task code comes from
+    key: NodeKey | None = None        # this node's identity; None: a throwaway key (tests)
+    cache_dir: Path | None = None     # where --repo is cloned [default: ~/.drift/repos]
     name: str = field(default_factory=socket.gethostname)
     device: str = "auto"
+    backend: str = "auto"             # torch, mlx, numpy (auto: the best one here)
     threads: int | None = None
-    speed: float = 1.0   # simulations only: <1 stretches every inner step by 1/speed
+    speed: SpeedSchedule = field(default_factory=SpeedSchedule)  # simulations only
 
 
 def _git(repo: Path, *args: str) -> str | None:
@@ -61,6 +66,7 @@ class Node:
         self.endpoint: Endpoint | None = None
         self.ring: Ring | None = None
         self._tasks: list[asyncio.Task] = []
+        self.round = -1
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -107,13 +113,58 @@ class Node:
                             f"(expected {'/'.join(t.__name__ for t in types)})")
         return msg
 
+    # --- trust: the code we run, and who we run it with ----------------------------------------
+
+    async def _refuse(self, reason: str) -> NodeError:
+        """Tell the coordinator why this node will not go on; returns the error to raise."""
+        try:
+            await self.send(P.TrainingCancel(reason=reason))
+        except Exception:
+            pass
+        return NodeError(reason)
+
+    async def _checkout(self, cfg: P.TrainConfig, recipe: Recipe) -> Path:
+        """Check out the commit the coordinator names from --repo; the task file inside it."""
+        loop = asyncio.get_running_loop()
+        try:
+            work = await loop.run_in_executor(None, self.cache.checkout, cfg.commit or "")
+            self.tree = self.cache.tree(work)
+            self.commit = cfg.commit
+            return self.cache.task_path(work, recipe.task)
+        except RepoError as e:
+            raise await self._refuse(str(e)) from None
+
+    def _repo_commit(self, cfg: P.TrainConfig, param_checksum: str, n_train: int,
+                     samples_per_s: float | None = None) -> P.RepoCommit:
+        """This node's RepoCommit, signed with its key."""
+        rc = P.RepoCommit(repo=self.cache.source, commit=self.commit, tree=self.tree,
+                          node_id=self.endpoint.node_id, timestamp=time.time(), nonce=secrets.token_hex(16),
+                          param_checksum=param_checksum, n_train=n_train, run_id=cfg.run_id,
+                          samples_per_s=samples_per_s)
+        return P.RepoCommit.model_validate(sign_message(self.key, rc.model_dump(mode="json")))
+
+    async def _verify_ready(self, ready: P.TrainingReady, cfg: P.TrainConfig, recipe: Recipe) -> None:
+        """Check every peer's signed RepoCommit in TrainingReady before training with them."""
+        try:
+            verify_peers(ready.signatures, ready.nodes, commit=self.commit, run_id=cfg.run_id,
+                         threshold=recipe.auth_threshold or 1,
+                         allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist))
+        except AuthError as e:
+            raise await self._refuse(f"peer check failed: {e}") from None
+        if self.endpoint.node_id not in ready.nodes:
+            raise await self._refuse("TrainingReady does not list this node")
+
     # --- the run -------------------------------------------------------------------------------
 
     async def run(self) -> int:
         opts = self.opts
-        if not (opts.repo / ".git").exists() and not opts.repo.is_dir():
-            raise NodeError(f"--repo {opts.repo}: not a directory")
-        self.endpoint = await Endpoint.bind(mode_for_ticket(opts.ticket))
+        mode = mode_for_ticket(opts.ticket)
+        try:
+            self.cache = RepoCache(opts.repo, opts.cache_dir)  # fetched once TrainConfig names the commit
+        except RepoError as e:
+            raise NodeError(str(e)) from None
+        self.key = opts.key or NodeKey.generate()
+        self.endpoint = await Endpoint.bind(mode, secret_key=self.key.seed)
         self.ring = Ring(self.endpoint)
         self._tasks.append(asyncio.ensure_future(self._accept_ring()))
         try:
@@ -131,88 +182,70 @@ class Node:
 
     async def _train(self) -> int:
         opts = self.opts
-        try:
-            device = resolve_device(opts.device)
-        except ValueError as e:
-            raise NodeError(f"--device {opts.device}: {e}") from None
-        await self.send(P.NodeInfo(node_id=self.endpoint.node_id, name=opts.name, backend="torch",
-                                   device=device, ring_ticket=self.endpoint.ticket()))
+        try:  # the backend and device this machine would use; the task may narrow it below
+            choice = choose(opts.backend, opts.device)
+        except BackendError as e:
+            raise NodeError(str(e)) from None
+        await self.send(P.NodeInfo(node_id=self.endpoint.node_id, name=opts.name, backend=choice.backend,
+                                   device=choice.device, device_name=choice.device_name,
+                                   ring_ticket=self.endpoint.ticket()))
         cfg = await self.expect(P.TrainConfig, timeout=60)
         recipe = Recipe.model_validate(cfg.recipe)
-        task_path = opts.repo / recipe.task
-        if not task_path.is_file():
-            raise NodeError(f"task file {recipe.task} not found in --repo {opts.repo}")
-        task = load_task(task_path)
+        task = load_task(await self._checkout(cfg, recipe))  # only from the checkout of cfg.commit
         io = recipe.inner_optimizer
-        worker = TorchWorker(task, recipe.task_config,
-                             dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2),
-                                  grad_clip=io.grad_clip),
-                             device=device, seed=recipe.seed, threads=opts.threads)
+        try:  # workers.make_worker: torch / mlx / numpy, among the backends the task implements
+            worker = make_worker(task, recipe.task_config,
+                                 dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2),
+                                      grad_clip=io.grad_clip),
+                                 backend=opts.backend, device=opts.device, seed=recipe.seed,
+                                 threads=opts.threads, task_name=f"task {recipe.task}")
+        except BackendError as e:
+            raise await self._refuse(str(e)) from None
         layout = ParamLayout.of(worker.get_params())
         theta = layout.flatten(worker.get_params())
         oo = recipe.outer_optimizer
         outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov)
-        log.info("loaded %s: %d parameters on %s", recipe.task, layout.size, device)
-        await self.send(P.RepoCommit(repo=str(opts.repo), commit=_git(opts.repo, "rev-parse", "HEAD"),
-                                     tree=_git(opts.repo, "rev-parse", "HEAD^{tree}"),
-                                     node_id=self.endpoint.node_id, timestamp=time.time(),
-                                     nonce=secrets.token_hex(16), param_checksum=checksum(theta),
-                                     n_train=worker.n_train))
-        await self.expect(P.TrainingReady, timeout=None)
+        log.info("loaded %s: %d parameters, %s on %s", recipe.task, layout.size, worker.backend, worker.device)
+        speed = await calibrate(worker, recipe, self.opts.speed)
+        worker.set_params(layout.unflatten(theta))  # calibration trained a few steps: back to θ0
+        await self.send(self._repo_commit(cfg, checksum(theta), worker.n_train, speed))
+        await self._verify_ready(await self.expect(P.TrainingReady, timeout=None), cfg, recipe)
 
-        orders: dict[int, np.ndarray] = {}
+        inner = InnerLoop(worker, recipe, self.inbox, self.send, self.opts.speed)
+        self._tasks.append(asyncio.ensure_future(self._heartbeat(recipe.heartbeat_s)))
         loop = asyncio.get_running_loop()
         while True:
             msg = await self.expect(P.ShardAssignment, P.TrainComplete, timeout=None)
             if isinstance(msg, P.TrainComplete):
                 log.info("training complete after %d rounds", msg.rounds)
                 return 0
-            rnd = msg.round
-            if msg.epoch not in orders:
-                orders = {msg.epoch: epoch_order(worker.n_train, recipe.seed, msg.epoch)}
-            order = orders[msg.epoch]
-            queue = list(msg.units)
-            val_start = None
-            if msg.evaluate and rnd == 0:
-                val_start = await loop.run_in_executor(None, worker.evaluate, recipe.eval_batches,
-                                                       recipe.batch_size)
-            samples = steps = 0
-            losses: list[float] = []
-            while True:
-                for unit in queue:
-                    idx = unit_indices(order, unit, recipe.unit_samples)
-                    t0 = time.perf_counter()
-                    u_losses = []
-                    for a in range(0, len(idx), recipe.batch_size):
-                        u_losses.append(await loop.run_in_executor(None, worker.train_step,
-                                                                   idx[a:a + recipe.batch_size]))
-                        if opts.speed < 1.0:
-                            await asyncio.sleep((time.perf_counter() - t0) / len(u_losses) * (1 / opts.speed - 1))
-                    dt = time.perf_counter() - t0
-                    samples += len(idx)
-                    steps += len(u_losses)
-                    losses += u_losses
-                    await self.send(P.TrainProgress(round=rnd, unit=unit, samples=len(idx), steps=len(u_losses),
-                                                    loss=float(np.mean(u_losses)), samples_per_s=len(idx) / dt))
-                await self.send(P.AskForMoreWork(round=rnd))
-                more = await self.expect(P.AssignNext, P.NoMoreWork, timeout=None)
-                if isinstance(more, P.NoMoreWork):
-                    break
-                queue = [more.unit]
-            await self.send(P.BarrierSync(round=rnd, samples=samples, steps=steps,
-                                          loss=float(np.mean(losses)) if losses else None,
-                                          val_loss_start=val_start))
+            rnd = self.round = msg.round
+            try:
+                report = await inner.run_round(msg)
+            except StopTraining as e:
+                raise NodeError(str(e)) from None
+            await self.send(report.barrier_sync(rnd))
             ready = await self.expect(P.BarrierReady, timeout=None)
             me = next(m for m in ready.ring if m.node_id == self.endpoint.node_id)
             local = layout.flatten(worker.get_params())
             delta = weighted_delta(theta, local, me.weight)
-            stats = await self.ring.allreduce_sum(delta, ready.ring, rnd)
+            stats = await self.ring.allreduce_sum(delta, ready.ring, rnd, codec=ready.codec,
+                                                  topk_fraction=recipe.topk_fraction)
             outer.step(theta, delta)
             worker.set_params(layout.unflatten(theta))
             val = await loop.run_in_executor(None, worker.evaluate, recipe.eval_batches, recipe.batch_size) \
-                if msg.evaluate else None
+                if msg.report_val else None
             await self.send(P.RoundDone(round=rnd, checksum=checksum(theta), val_loss=val,
                                         bytes_sent=stats.bytes_sent, reduce_s=stats.seconds))
+
+    async def _heartbeat(self, every_s: float) -> None:
+        """Tell the coordinator we are alive, also while a long inner step runs."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.send(P.Heartbeat(round=self.round))
+            except Exception:
+                return
 
 
 async def run_node(opts: NodeOptions) -> int:

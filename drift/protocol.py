@@ -54,16 +54,18 @@ class RepoCommit(_Msg):
     node_id: str
     timestamp: float
     nonce: str
-    signature: str = ""               # hex Ed25519 over the canonical fields
+    signature: str = ""               # hex Ed25519 over every other field (auth.repo_commit)
     param_checksum: str               # checksum of the initial θ this node built
     n_train: int                      # training samples in the task this node loaded
+    run_id: str = ""                  # TrainConfig.run_id: binds the signature to this run
+    samples_per_s: float | None = None  # calibrated on the loaded task (a few timed inner steps)
 
 
 class TrainingReady(_Msg):
     """Coordinator -> nodes: the swarm is admitted; rounds start."""
     type: Literal["TrainingReady"] = "TrainingReady"
     nodes: list[str]
-    signatures: list[dict[str, Any]] = Field(default_factory=list)
+    signatures: list[dict[str, Any]] = Field(default_factory=list)  # each node's signed RepoCommit
 
 
 class TrainingCancel(_Msg):
@@ -91,21 +93,32 @@ class Heartbeat(_Msg):
 
 # --- work --------------------------------------------------------------------------------------
 
+class WorkUnit(_Msg):
+    """Samples [lo, hi) of unit `id` in the epoch's order (a unit cut short comes back as a tail)."""
+    id: int = Field(ge=0)
+    lo: int = Field(ge=0)
+    hi: int = Field(ge=0)
+
+
 class ShardAssignment(_Msg):
-    """Coordinator -> node: this round's first work units (ids into the epoch's sample order)."""
+    """Coordinator -> node, at the start of a round: the units granted now, and the role.
+
+    `planned` is how many more units the plan holds for this node; they are granted one at a time
+    (AskForMoreWork -> AssignNext), so a faster node can take them instead (work stealing)."""
     type: Literal["ShardAssignment"] = "ShardAssignment"
     round: int
     epoch: int
-    units: list[int]
-    evaluate: bool = False            # this node reports the global model's val loss this round
+    units: list[WorkUnit]
+    planned: int = 0
+    role: Literal["train", "evaluate"] = "train"   # evaluate: val loss of θ at round start, no training
+    report_val: bool = False          # evaluate θ after the outer step and report it in RoundDone
 
 
 class TrainProgress(_Msg):
-    """Node -> coordinator: one unit finished (or a progress tick)."""
+    """Node -> coordinator: one unit finished."""
     type: Literal["TrainProgress"] = "TrainProgress"
     round: int
-    unit: int
-    samples: int
+    unit: WorkUnit
     steps: int
     loss: float
     samples_per_s: float
@@ -119,7 +132,7 @@ class AskForMoreWork(_Msg):
 class AssignNext(_Msg):
     type: Literal["AssignNext"] = "AssignNext"
     round: int
-    unit: int
+    unit: WorkUnit
 
 
 class NoMoreWork(_Msg):
@@ -136,15 +149,17 @@ class StopRound(_Msg):
 # --- barrier and reduce ------------------------------------------------------------------------
 
 class BarrierSync(_Msg):
-    """Node -> coordinator: I stopped training for this round."""
+    """Node -> coordinator: I stopped for this round. `trained` lists exactly the samples that
+    went into my θ_local; `returned` the granted samples I did not train (back to the queue)."""
     type: Literal["BarrierSync"] = "BarrierSync"
     round: int
     samples: int
     steps: int
     loss: float | None
-    partial_unit: int | None = None   # a unit cut short by StopRound: goes back to the queue
-    partial_samples: int = 0
-    val_loss_start: float | None = None  # round 0's evaluator: val loss of the initial θ
+    trained: list[WorkUnit] = Field(default_factory=list)
+    returned: list[WorkUnit] = Field(default_factory=list)
+    val_loss: float | None = None     # evaluators: val loss of θ at the start of this round
+    val_samples: int = 0
 
 
 class RingMember(_Msg):
@@ -202,7 +217,7 @@ def encode(msg: _Msg) -> bytes:
 def decode(frame: bytes) -> Message:
     """Decode one frame body, or raise ProtocolError saying what is wrong with it."""
     try:
-        obj = json.loads(frame)
+        obj = json.loads(frame.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"frame is not JSON ({e.__class__.__name__}: {e})") from None
     if not isinstance(obj, dict):

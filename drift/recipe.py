@@ -51,10 +51,28 @@ class Recipe(_Strict):
     inner_optimizer: InnerOptimizer = Field(default_factory=InnerOptimizer)
     outer_optimizer: OuterOptimizer = Field(default_factory=OuterOptimizer)
     eval_batches: int = Field(8, ge=1)
-    codec: Literal["fp32"] = "fp32"
+    schedule: Literal["steal", "lockstep"] = Field(
+        "steal", description="steal: shares by speed, idle nodes take unstarted units, the round stops "
+                             "at the next inner step once the budget is handed out; lockstep: every node "
+                             "does inner_steps, the barrier waits for the slowest (for comparison)")
+    slow_node_fraction: float = Field(
+        0.1, gt=0, description="a node whose single inner step would take longer than this fraction of "
+                               "the round evaluates instead of training")
+    unit_deadline_factor: float = Field(
+        4.0, gt=1, description="a unit not finished within this many times its expected time is reassigned")
+    heartbeat_s: float = Field(2.0, gt=0)
+    stale_after_s: float = Field(10.0, gt=0, description="a node silent this long is dropped")
+    codec: Literal["fp32", "fp16", "bf16", "int8", "topk"] = Field(
+        "int8", description="how the ring sends pseudo-gradients (drift/compress.py)")
+    topk_fraction: float = Field(0.01, gt=0, le=1, description="codec topk: share of values sent per chunk")
     network: Literal["local", "lan", "relay"] = "local"
     seed: int = 0
     commit: str | None = Field(None, description="pin nodes to this commit (default: the repo's HEAD)")
+    allowlist: list[str] | str | None = Field(
+        None, description="node ids admitted (a list, or a file of ids relative to the recipe); default: anyone")
+    auth_threshold: int | None = Field(
+        None, ge=1, description="verified nodes the run needs; the swarm is cancelled once it cannot "
+                                "be met (default: min_nodes)")
 
     @model_validator(mode="after")
     def _budget(self) -> "Recipe":
@@ -105,8 +123,27 @@ def load_recipe(path: str | Path, check_task: bool = True) -> Recipe:
         if err["type"] == "missing":
             msg = "required field is missing"
         raise RecipeError(f"{p}: {field}: {msg}") from None
+    if recipe.allowlist is not None:
+        recipe.allowlist = _load_allowlist(p, recipe.allowlist)
     if check_task:
         task = repo_root(p) / recipe.task
         if not task.is_file():
             raise RecipeError(f"{p}: task: file {recipe.task} not found under {repo_root(p)}")
     return recipe
+
+
+def _load_allowlist(recipe_path: Path, value: list[str] | str) -> list[str]:
+    """The recipe's allowlist as sorted node ids; a string names a file (one id per line)."""
+    from auth import AuthError, parse_allowlist
+    source, entries = f"{recipe_path}: allowlist", value
+    if isinstance(value, str):
+        f = (recipe_path.parent / value).expanduser()
+        try:
+            entries = f.read_text()
+        except OSError as e:
+            raise RecipeError(f"{recipe_path}: allowlist: cannot read {f}: {e.strerror}") from None
+        source = f"{f}"
+    try:
+        return sorted(parse_allowlist(entries, source))
+    except AuthError as e:
+        raise RecipeError(str(e)) from None

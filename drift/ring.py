@@ -2,12 +2,34 @@
 
 Each node sends to its right neighbour and receives from its left, on connections it keeps
 between rounds while the ring order stays the same. The vector is cut into N segments
-(reduce-scatter, then all-gather) and each segment into chunks; a chunk is forwarded as soon as
-it has been received and reduced, so the 2(N-1) steps overlap on the wire.
+(reduce-scatter, then all-gather) and each segment into chunks of ~1 MiB of float32; a chunk is
+forwarded as soon as it has been received and reduced, so the 2(N-1) steps overlap on the wire.
+Sending and receiving run as two concurrent tasks.
 
-Invariant (replicas bit-identical): every reduced segment is computed once, at the node that
-owns it after reduce-scatter, and then copied verbatim around the ring; no node ever adds the
-same numbers in a different order from another.
+Chunks travel compressed by a codec (drift/compress.py):
+  * reduce-scatter: a node decodes the partial sum it receives, adds its own float32 values
+    (float32 accumulation) and encodes the new partial sum for its right neighbour;
+  * the owner of a segment (the node that adds the last contribution) encodes the full sum once;
+  * all-gather: that payload is forwarded byte for byte, and every node, the owner included,
+    decodes the same bytes.
+
+Invariant (replicas bit-identical): every reduced chunk is encoded once, at its owner, and every
+node's result for that chunk is ``decode(those bytes)``; no node ever computes its copy of the
+result any other way. Decoding is deterministic (compress.py), so all replicas agree to the bit.
+
+Error feedback (codecs with ``error_feedback``, i.e. top-k): whenever this node encodes a chunk
+(as a reduce-scatter hop or as the owner) it first adds its residual for that range, and keeps
+as its new residual what the payload failed to carry. Nothing is lost: the sum over nodes of
+(residual before + input) equals result + residual after, up to float rounding.
+
+Wire format of one chunk: a frame (transport.py: 4-byte length) holding a 32-byte header, then
+the codec's payload::
+
+    >4s B B H I I I Q I = magic "DRNG", version, codec id, step, round, chunk index,
+                          n values, vector size, payload bytes
+
+The receiver checks every header field against what it expects at that point of the ring and the
+payload size against the codec, and aborts the all-reduce with RingError on any mismatch.
 """
 
 from __future__ import annotations
@@ -20,13 +42,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
 from drift.protocol import RingMember
 from drift.transport import RING_ALPN, Channel, Endpoint, TransportError
 
-_HEADER = struct.Struct(">4sIIIBI")  # magic, round, step, chunk, codec, n elements
+_HEADER = struct.Struct(">4sBBHIIIQI")
 _MAGIC = b"DRNG"
-CODEC_FP32 = 0
-CHUNK_BYTES = 1 << 20  # 1 MiB writes measured fastest through the binding
+_VERSION = 1
+CHUNK_BYTES = 1 << 20  # 1 MiB of float32 per chunk: 1 MiB writes measured fastest through the binding
 
 
 class RingError(Exception):
@@ -38,6 +61,8 @@ class ReduceStats:
     seconds: float
     bytes_sent: int
     bytes_received: int
+    codec_seconds: float = 0.0   # encode + decode + accumulate, on this node
+    codec: str = "fp32"
 
 
 def segment_bounds(n: int, parts: int) -> list[int]:
@@ -50,13 +75,20 @@ def segment_bounds(n: int, parts: int) -> list[int]:
 
 
 class Ring:
-    """This node's side of the ring: accepts its left neighbour, connects to its right."""
+    """This node's side of the ring: accepts its left neighbour, connects to its right.
 
-    def __init__(self, endpoint: Endpoint, timeout: float = 120.0, chunk_bytes: int = CHUNK_BYTES):
+    Holds, per node, the error-feedback residual of codecs that use it (`residual`)."""
+
+    def __init__(self, endpoint: Endpoint, timeout: float = 120.0, chunk_bytes: int = CHUNK_BYTES,
+                 codec: Codec | str = "fp32"):
         self.endpoint = endpoint
         self.node_id = endpoint.node_id
         self.timeout = timeout
         self.chunk_elems = max(1, chunk_bytes // 4)
+        self.codec = make_codec(codec) if isinstance(codec, str) else codec
+        self.residual: np.ndarray | None = None
+        self._codecs: dict[tuple, Codec] = {}
+        self._arena: np.ndarray | None = None
         self._incoming: dict[str, Channel] = {}
         self._arrived = asyncio.Condition()
         self._right: Channel | None = None
@@ -112,14 +144,24 @@ class Ring:
 
     # --- the all-reduce ------------------------------------------------------------------------
 
-    async def allreduce_sum(self, x: np.ndarray, members: list[RingMember], round_: int) -> ReduceStats:
-        """Replace x (flat float32, in place) by the sum of every member's x."""
+    async def allreduce_sum(self, x: np.ndarray, members: list[RingMember], round_: int,
+                            codec: Codec | str | None = None, **codec_options) -> ReduceStats:
+        """Replace x (flat float32, in place) by the sum of every member's x, sent with `codec`
+        (a Codec, or a name plus make_codec options; default: the ring's). All members must use
+        the same codec and options, or the all-reduce fails."""
         if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous:
             raise ValueError("allreduce_sum needs a flat, contiguous float32 array")
+        if codec is None:
+            codec = self.codec
+        elif isinstance(codec, str):
+            key = (codec, tuple(sorted(codec_options.items())))
+            if key not in self._codecs:  # codecs hold scratch buffers: reuse them across rounds
+                self._codecs[key] = make_codec(codec, **codec_options)
+            codec = self._codecs[key]
         t0 = time.perf_counter()
         n_nodes = len(members)
         if n_nodes == 1:
-            return ReduceStats(0.0, 0, 0)
+            return ReduceStats(0.0, 0, 0, codec=codec.name)
         try:
             right, left = await self._configure(members)
         except TransportError as e:
@@ -127,37 +169,75 @@ class Ring:
         sent0, recv0 = right.bytes_sent, left.bytes_received
         r = [m.node_id for m in members].index(self.node_id)
         bounds = segment_bounds(x.size, n_nodes)
-
-        def chunks(seg: int) -> list[tuple[int, int]]:
-            lo, hi = bounds[seg], bounds[seg + 1]
-            return [(a, min(a + self.chunk_elems, hi)) for a in range(lo, hi, self.chunk_elems)] or [(lo, lo)]
+        seg_chunks = []  # per segment: [(a, b, arena offset)]
+        off = 0
+        for s in range(n_nodes):
+            lo, hi = bounds[s], bounds[s + 1]
+            cs = []
+            for a in range(lo, hi, self.chunk_elems) if hi > lo else [lo]:
+                b = min(a + self.chunk_elems, hi)
+                cs.append((a, b, off))
+                off += codec.encoded_nbytes(b - a)
+            seg_chunks.append(cs)
+        lossless = isinstance(codec, Fp32)
+        arena = self._buffers(x.size, off, codec, lossless)
+        residual = self.residual if codec.error_feedback else None
+        codec_s = 0.0
 
         steps = 2 * (n_nodes - 1)
         send_seg = [(r - s) % n_nodes if s < n_nodes - 1 else (r + 1 - (s - n_nodes + 1)) % n_nodes
                     for s in range(steps)]
         recv_seg = [(r - s - 1) % n_nodes if s < n_nodes - 1 else (r - (s - n_nodes + 1)) % n_nodes
                     for s in range(steps)]
-        # What a node sends at step g >= 1 is exactly what it received at step g-1, so a chunk
-        # may be forwarded as soon as it has been reduced: the queue carries that hand-off.
-        forward: asyncio.Queue[tuple[int, int, int, int]] = asyncio.Queue()
+        owner_step = n_nodes - 2  # the last reduce-scatter receive completes the segment we own
+
+        def encode(a: int, b: int, o: int, owner: bool):
+            """Encode x[a:b] (our partial or full sum) once; owners keep decode(payload)."""
+            if lossless:
+                return x[a:b]
+            v = x[a:b]
+            if residual is not None:
+                v += residual[a:b]
+            payload = codec.encode(v, out=arena[o:o + codec.encoded_nbytes(b - a)])
+            if residual is not None:
+                np.subtract(v, codec.decode(payload, residual[a:b]), out=residual[a:b])
+            if owner:
+                codec.decode(payload, v)
+            return payload
+
+        # What a node sends at step g >= 1 is what it finished at step g-1 (a partial sum during
+        # reduce-scatter, the owner's payload during all-gather): the queue carries that hand-off.
+        forward: asyncio.Queue = asyncio.Queue()
 
         async def sender() -> None:
-            for c, (a, b) in enumerate(chunks(send_seg[0])):
-                await self._send_chunk(right, x, a, b, round_, 0, c)
-            for _ in range(sum(len(chunks(send_seg[g])) for g in range(1, steps))):
-                g, c, a, b = await forward.get()
-                await self._send_chunk(right, x, a, b, round_, g, c)
+            nonlocal codec_s
+            for c, (a, b, o) in enumerate(seg_chunks[send_seg[0]]):
+                t = time.perf_counter()
+                payload = encode(a, b, o, owner=False)
+                codec_s += time.perf_counter() - t
+                await self._send_chunk(right, payload, codec, round_, 0, c, b - a, x.size)
+            for _ in range(sum(len(seg_chunks[send_seg[g]]) for g in range(1, steps))):
+                g, c, n, payload = await forward.get()
+                await self._send_chunk(right, payload, codec, round_, g, c, n, x.size)
 
         async def receiver() -> None:
+            nonlocal codec_s
             for g in range(steps):
-                for c, (a, b) in enumerate(chunks(recv_seg[g])):
-                    data = await self._recv_chunk(left, round_, g, c, b - a)
-                    if g < n_nodes - 1:
-                        x[a:b] += data   # reduce-scatter: accumulate into our partial sum
-                    else:
-                        x[a:b] = data    # all-gather: take the owner's final values verbatim
+                for c, (a, b, o) in enumerate(seg_chunks[recv_seg[g]]):
+                    payload = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size)
+                    t = time.perf_counter()
+                    try:
+                        if g < n_nodes - 1:
+                            codec.decode_add(payload, x[a:b])   # reduce-scatter: fp32 accumulation
+                            out = encode(a, b, o, owner=g == owner_step)
+                        else:
+                            codec.decode(payload, x[a:b])       # all-gather: the owner's bytes
+                            out = payload                       # forwarded verbatim
+                    except CodecError as e:
+                        raise RingError(f"bad chunk from left neighbour: {e}") from None
+                    codec_s += time.perf_counter() - t
                     if g + 1 < steps:
-                        forward.put_nowait((g + 1, c, a, b))
+                        forward.put_nowait((g + 1, c, b - a, out))
 
         tasks = [asyncio.ensure_future(sender()), asyncio.ensure_future(receiver())]
         try:
@@ -168,21 +248,47 @@ class Ring:
             self.close()
             raise RingError(f"all-reduce of round {round_} failed: {e}") from None
         return ReduceStats(time.perf_counter() - t0, right.bytes_sent - sent0,
-                           left.bytes_received - recv0)
+                           left.bytes_received - recv0, codec_s, codec.name)
 
-    async def _send_chunk(self, ch: Channel, x: np.ndarray, a: int, b: int,
-                          round_: int, step: int, chunk: int) -> None:
-        head = _HEADER.pack(_MAGIC, round_, step, chunk, CODEC_FP32, b - a)
-        await ch.send_parts([head, x[a:b]], timeout=self.timeout)
+    def _buffers(self, n: int, arena_bytes: int, codec: Codec, lossless: bool) -> np.ndarray:
+        """Preallocated payload arena (one slot per chunk) and, for error feedback, the residual."""
+        if codec.error_feedback and (self.residual is None or self.residual.size != n):
+            self.residual = np.zeros(n, np.float32)  # a new model size starts with no residual
+        if lossless:
+            return np.empty(0, np.uint8)
+        if self._arena is None or self._arena.size < arena_bytes:
+            self._arena = np.empty(arena_bytes, np.uint8)
+        return self._arena
 
-    async def _recv_chunk(self, ch: Channel, round_: int, step: int, chunk: int, n: int) -> np.ndarray:
-        frame = await ch.recv_frame(_HEADER.size + 4 * n, timeout=self.timeout)
+    async def _send_chunk(self, ch: Channel, payload, codec: Codec, round_: int, step: int,
+                          chunk: int, n: int, total: int) -> None:
+        nbytes = memoryview(payload).nbytes
+        head = _HEADER.pack(_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
+        await ch.send_parts([head, payload], timeout=self.timeout)
+
+    async def _recv_chunk(self, ch: Channel, codec: Codec, round_: int, step: int, chunk: int,
+                          n: int, total: int) -> memoryview:
+        nbytes = codec.encoded_nbytes(n)
+        # The cap admits any codec's chunk of our chunk size, so that a peer with another codec or
+        # vector size gets a diagnosis from its header rather than a bare "frame too big".
+        cap = _HEADER.size + max(nbytes, 8 * self.chunk_elems)
+        frame = await ch.recv_frame(cap, timeout=self.timeout)
         if len(frame) < _HEADER.size:
             raise RingError(f"ring chunk of {len(frame)} bytes is shorter than its header")
-        magic, fr, fs, fc, codec, fn = _HEADER.unpack_from(frame)
-        want = (_MAGIC, round_, step, chunk, CODEC_FP32, n)
-        if (magic, fr, fs, fc, codec, fn) != want or len(frame) != _HEADER.size + 4 * n:
-            raise RingError(f"unexpected ring chunk: got (round {fr}, step {fs}, chunk {fc}, codec {codec}, "
-                            f"{fn} values), expected (round {round_}, step {step}, chunk {chunk}, "
-                            f"codec {CODEC_FP32}, {n} values)")
-        return np.frombuffer(frame, dtype=np.float32, offset=_HEADER.size)
+        got = _HEADER.unpack_from(frame)
+        want = (_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
+        if got != want or len(frame) != _HEADER.size + nbytes:
+            names = ("magic", "version", "codec", "step", "round", "chunk", "values", "vector size",
+                     "payload bytes")
+            diff = ", ".join(f"{k} {_show(k, g)} (expected {_show(k, w)})"
+                             for k, g, w in zip(names, got, want) if g != w)
+            if len(frame) != _HEADER.size + nbytes and got[-1] == nbytes:
+                diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + nbytes}"
+            raise RingError(f"unexpected ring chunk: {diff}")
+        return memoryview(frame)[_HEADER.size:]
+
+
+def _show(field: str, v) -> str:  # noqa: ANN001
+    if field == "codec":
+        return f"{CODEC_IDS.get(v, '?')}({v})"
+    return repr(v) if isinstance(v, bytes) else str(v)

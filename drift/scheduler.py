@@ -1,44 +1,60 @@
-"""Work units: how a round's sample budget is cut up and handed out.
+"""Work units: how a round's sample budget is cut up, planned by speed, and handed out.
 
 The epoch is a fixed permutation of the training samples (diloco.epoch_order), tiled into units
-of `unit_samples`. Each round takes the next units of the epoch; units cut short come back to the
-front of the queue, so every unit of an epoch is trained exactly once.
+of `unit_samples`. A WorkUnit(id, lo, hi) is samples [lo, hi) of unit `id`.
+
+Exactly once: the coordinator's event loop is the only place that grants units, and it grants
+each unit to one node at a time. What a node did not train (cut by StopRound, never started, or
+lost with a node that left) comes back to the front of the UnitQueue; what was trained is
+recorded in the Ledger only when it made it into θ (the node's Δ was reduced).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
+
+from drift.protocol import WorkUnit
 
 
 class UnitQueue:
-    """The epoch's units not yet handed out, plus those given back."""
+    """The current epoch's samples not yet trained: pieces handed back first, then fresh units."""
 
     def __init__(self, n_samples: int, unit_samples: int):
         if n_samples < 1:
             raise ValueError("the task has no training samples")
+        self.n_samples = n_samples
+        self.unit_samples = unit_samples
         self.units_per_epoch = -(-n_samples // unit_samples)
         self.epoch = 0
         self._next = 0
-        self._returned: deque[int] = deque()
+        self._returned: deque[WorkUnit] = deque()
 
-    def take(self, k: int) -> tuple[int, list[int]]:
-        """Up to k units of the current epoch (a new epoch starts when it is used up)."""
+    def full(self, uid: int) -> WorkUnit:
+        return WorkUnit(id=uid, lo=0, hi=min(self.unit_samples, self.n_samples - uid * self.unit_samples))
+
+    def take(self, budget: int) -> tuple[int, list[WorkUnit]]:
+        """Units worth about `budget` samples (at least one) from the current epoch."""
         if not self._returned and self._next >= self.units_per_epoch:
-            self.epoch += 1
-            self._next = 0
-        out: list[int] = []
-        while self._returned and len(out) < k:
-            out.append(self._returned.popleft())
-        n = min(k - len(out), self.units_per_epoch - self._next)
-        out += range(self._next, self._next + n)
-        self._next += n
+            self.epoch, self._next = self.epoch + 1, 0
+        out: list[WorkUnit] = []
+        got = 0
+        while got < budget:
+            if self._returned:
+                u = self._returned.popleft()
+            elif self._next < self.units_per_epoch:
+                u, self._next = self.full(self._next), self._next + 1
+            else:
+                break
+            out.append(u)
+            got += u.hi - u.lo
         return self.epoch, out
 
-    def give_back(self, units: list[int]) -> None:
-        self._returned.extendleft(reversed(units))
+    def give_back(self, units: list[WorkUnit]) -> None:
+        self._returned.extendleft(reversed([u for u in units if u.hi > u.lo]))
 
 
-def split_proportional(units: list[int], speeds: list[float]) -> list[list[int]]:
+def split_proportional(units: list, speeds: list[float]) -> list[list]:
     """Contiguous shares of `units`, sized in proportion to `speeds` (largest remainder)."""
     total = sum(speeds)
     exact = [len(units) * s / total for s in speeds]
@@ -52,3 +68,113 @@ def split_proportional(units: list[int], speeds: list[float]) -> list[list[int]]
         shares.append(units[i:i + c])
         i += c
     return shares
+
+
+@dataclass
+class RoundPlan:
+    """One round's units: planned per node by speed, granted one at a time.
+
+    With `steal`, a node whose plan is empty takes the last planned unit of the node expected to
+    finish last (most planned samples per unit of speed). Without it (lockstep), nodes only ever
+    get their own plan."""
+
+    speeds: dict[str, float]
+    steal: bool = True
+    planned: dict[str, deque[WorkUnit]] = field(default_factory=dict)
+    granted: dict[str, list[WorkUnit]] = field(default_factory=dict)
+    orphans: deque[WorkUnit] = field(default_factory=deque)  # from nodes that left mid-round
+
+    @classmethod
+    def make(cls, units: list[WorkUnit], speeds: dict[str, float], steal: bool = True) -> "RoundPlan":
+        ids = list(speeds)
+        shares = split_proportional(units, [speeds[i] for i in ids])
+        return cls(dict(speeds), steal, {i: deque(s) for i, s in zip(ids, shares)}, {i: [] for i in ids})
+
+    def grant_first(self, node: str, k: int = 1) -> list[WorkUnit]:
+        out = [self.next_for(node) for _ in range(k)]
+        return [u for u in out if u is not None]
+
+    def next_for(self, node: str) -> WorkUnit | None:
+        """The next unit this node should train, or None when nothing is left for it."""
+        if node not in self.planned:
+            return None
+        if self.planned[node]:
+            u = self.planned[node].popleft()
+        elif self.orphans and self.steal:
+            u = self.orphans.popleft()
+        elif self.steal:
+            victims = [(sum(x.hi - x.lo for x in q) / self.speeds[v], v) for v, q in self.planned.items() if q]
+            if not victims:
+                return None
+            u = self.planned[max(victims)[1]].pop()
+        else:
+            return None
+        self.granted[node].append(u)
+        return u
+
+    def remaining(self) -> int:
+        """Samples not yet granted to anyone."""
+        return sum(u.hi - u.lo for q in (*self.planned.values(), self.orphans) for u in q)
+
+    def drop(self, node: str) -> None:
+        """A node left or was excluded: everything granted to it (trained or not) is redone, and
+        its plan goes to the others."""
+        self.orphans.extend(self.granted.pop(node, []))
+        self.orphans.extend(self.planned.pop(node, deque()))
+        self.speeds.pop(node, None)
+
+    def leftover(self) -> list[WorkUnit]:
+        """Units planned but never granted, at the end of the round."""
+        out = list(self.orphans)
+        for q in self.planned.values():
+            out += q
+        return out
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """Sorted spans with touching ones joined; None if two overlap."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo < out[-1][1]:
+            return None
+        if out and lo == out[-1][1]:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def check_accounting(granted: list[WorkUnit], trained: list[WorkUnit], returned: list[WorkUnit]) -> str | None:
+    """Trained + returned must tile exactly what was granted; returns what is wrong, or None."""
+    def by_id(units: list[WorkUnit]) -> dict[int, list[tuple[int, int]]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for u in units:
+            if u.hi > u.lo:
+                out.setdefault(u.id, []).append((u.lo, u.hi))
+        return out
+
+    want, got = by_id(granted), by_id([*trained, *returned])
+    if set(got) - set(want):
+        return f"reported units {sorted(set(got) - set(want))} it was never granted"
+    if set(want) - set(got):
+        return f"did not account for units {sorted(set(want) - set(got))}"
+    for uid, spans in want.items():
+        pieces = _merged(got[uid])
+        if pieces is None:
+            return f"reported samples of unit {uid} twice"
+        if pieces != _merged(spans):
+            return f"unit {uid}: reported {sorted(got[uid])}, granted {sorted(spans)}"
+    return None
+
+
+@dataclass
+class Ledger:
+    """Samples whose training reached θ, per epoch: the record behind 'exactly once'."""
+
+    trained: dict[int, list[WorkUnit]] = field(default_factory=dict)
+
+    def add(self, epoch: int, units: list[WorkUnit]) -> None:
+        self.trained.setdefault(epoch, []).extend(units)
+
+    def samples(self, epoch: int) -> int:
+        return sum(u.hi - u.lo for u in self.trained.get(epoch, []))

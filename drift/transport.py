@@ -108,8 +108,11 @@ def describe_addr(addr: iroh.EndpointAddr) -> str:
 # --- endpoints and channels -------------------------------------------------------------------
 
 def _iroh_reason(e: Exception) -> str:
-    """IrohError often has an empty str(); fall back to its repr/kind."""
-    return str(e).strip() or repr(e)
+    """IrohError has an empty str(); its message() says what happened."""
+    try:
+        return e.message()  # type: ignore[attr-defined]
+    except Exception:
+        return str(e).strip() or repr(e)
 
 
 async def _timed(aw, timeout: float, what: str):
@@ -131,6 +134,7 @@ class Channel:
         self.peer_id: str = str(conn.remote_id())
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._send_lock = asyncio.Lock()  # a frame's header and body must not interleave with another's
 
     async def send_frame(self, payload, timeout: float = 30.0) -> None:
         """Send one frame: 4-byte big-endian length, then the payload (bytes or a flat buffer)."""
@@ -140,10 +144,11 @@ class Channel:
         """Send one frame made of several buffers (header + tensor chunk) without joining them."""
         views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
         total = sum(len(v) for v in views)
-        await _timed(self._send.write_all(_LEN.pack(total)), timeout, "sending a frame header")
-        for v in views:
-            if len(v):
-                await _timed(self._send.write_all(v), timeout, f"sending {len(v)} bytes")
+        async with self._send_lock:
+            await _timed(self._send.write_all(_LEN.pack(total)), timeout, "sending a frame header")
+            for v in views:
+                if len(v):
+                    await _timed(self._send.write_all(v), timeout, f"sending {len(v)} bytes")
         self.bytes_sent += total + _LEN.size
 
     async def recv_frame(self, max_size: int, timeout: float | None = 30.0) -> bytes:

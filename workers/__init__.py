@@ -1,7 +1,9 @@
 """Local compute: device detection, the Worker interface and its backends.
 
 Nothing here knows about networking, and nothing here imports drift. Importing this package
-does not import torch; `from workers.torch_worker import TorchWorker` does.
+imports neither torch nor mlx; `from workers.torch_worker import TorchWorker` does, and so does
+asking which devices torch can use. `make_worker(...)` picks the backend and device (or checks the
+ones forced with --backend/--device) and builds the worker.
 """
 
 from __future__ import annotations
@@ -9,12 +11,121 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from .base import Worker
+from .base import BACKENDS, MODEL_FACTORIES, BackendError, Worker, task_backends
 
-__all__ = ["Worker", "load_task"]
+if TYPE_CHECKING:
+    from .detect import BackendInfo
+
+__all__ = ["BACKENDS", "BackendError", "Choice", "Worker", "choose", "load_task", "make_worker", "task_backends"]
+
+INSTALL_HINT = {"torch": "pip install torch", "mlx": 'pip install mlx (on Linux: pip install "mlx[cpu]")',
+                "numpy": "pip install numpy"}
+DEVICE_HELP = "auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple)"
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str   # "torch", "mlx", "numpy"
+    device: str    # as the backend names it: "cuda:0", "mps", "metal", "cpu"
+
+    @property
+    def device_name(self) -> str:
+        from .detect import device_name
+        return device_name(self.backend, self.device)
+
+
+def _rank(backend: str, device: str) -> tuple[int, int]:
+    """Auto preference: discrete GPUs (torch CUDA/ROCm), Apple GPU via mlx, then torch MPS,
+    then the CPU with torch, mlx, numpy in that order."""
+    if device.startswith("cuda"):
+        return 0, int(device.partition(":")[2] or 0)
+    order = {("mlx", "metal"): 1, ("torch", "mps"): 2, ("torch", "cpu"): 3, ("mlx", "cpu"): 4, ("numpy", "cpu"): 5}
+    return order.get((backend, device), 9), 0
+
+
+def _listing(pairs: list[tuple[str, str]]) -> str:
+    by_device: dict[str, list[str]] = {}
+    for b, d in pairs:
+        by_device.setdefault(d, []).append(b)
+    return ", ".join(f"{d} ({', '.join(bs)})" for d, bs in by_device.items()) or "nothing"
+
+
+def choose(backend: str = "auto", device: str = "auto", supported: list[str] | None = None,
+           task_name: str = "the task", infos: "dict[str, BackendInfo] | None" = None) -> Choice:
+    """The backend and device this node trains on; BackendError (one line, for the user) if none fits.
+
+    backend: "auto" or one of BACKENDS; device: "auto" or a device name (see DEVICE_HELP).
+    supported: the backends the task implements (None: not known yet, e.g. before joining).
+    Only the backends that could be picked are probed, so `--backend numpy` never imports torch.
+    """
+    from .detect import backend_info
+
+    if backend != "auto" and backend not in BACKENDS:
+        raise BackendError(f"--backend {backend}: unknown backend; choose from auto, {', '.join(BACKENDS)}")
+    if supported is not None and backend != "auto" and backend not in supported:
+        raise BackendError(f"{task_name} has no {backend} implementation ({MODEL_FACTORIES[backend]}); "
+                           f"it supports: {', '.join(supported) or 'no backend drift knows'}")
+    wanted = list(BACKENDS) if backend == "auto" else [backend]
+    if supported is not None:
+        wanted = [b for b in wanted if b in supported]
+    infos = dict(infos or {})
+    for b in wanted:
+        if b not in infos:
+            infos[b] = backend_info(b)
+    installed = [b for b in wanted if infos[b].installed]
+    if not installed:
+        if backend != "auto":
+            raise BackendError(f"--backend {backend}: {backend} is not installed here ({INSTALL_HINT[backend]})")
+        raise BackendError(f"{task_name} supports {', '.join(supported or [])}, and none of these is "
+                           f"installed here ({'; '.join(INSTALL_HINT[b] for b in wanted) or 'nothing to install'})")
+    pairs = sorted(((b, d) for b in installed for d in infos[b].devices), key=lambda p: _rank(*p))
+    if device == "auto":
+        return Choice(*pairs[0])
+
+    hip = infos["torch"].detail.startswith("ROCm") if "torch" in infos else False
+    want = device.strip().lower()
+    if want.startswith("rocm"):
+        want = ("cuda" + want[4:]) if hip else want  # "rocm" on a non-ROCm machine matches nothing
+    if want == "cuda":
+        matches = [p for p in pairs if p[1].startswith("cuda:")]
+    else:
+        matches = [p for p in pairs if p[1] == want]
+    if matches:
+        return Choice(*matches[0])
+    if backend != "auto":
+        others = [b for b in BACKENDS if b != backend]
+        for b in others:
+            if b not in infos:
+                infos[b] = backend_info(b)
+        everything = sorted(((b, d) for b in BACKENDS if infos[b].installed for d in infos[b].devices),
+                            key=lambda p: _rank(*p))
+        raise BackendError(f"--device {device} is not available to the {backend} backend here; {backend} runs on: "
+                           f"{', '.join(infos[backend].devices)} (all devices here: {_listing(everything)})")
+    raise BackendError(f"--device {device} is not available here; available: {_listing(pairs)}")
+
+
+def make_worker(task: ModuleType, task_cfg: dict[str, Any], optim_cfg: dict[str, Any], backend: str = "auto",
+                device: str = "auto", seed: int = 0, threads: int | None = None,
+                task_name: str | None = None) -> Worker:
+    """Pick the backend and device (among those the task implements) and build its Worker.
+
+    BackendError when the forced backend/device is unavailable or the task lacks that backend.
+    """
+    name = task_name or f"task {Path(getattr(task, '__file__', '?')).name}"
+    c = choose(backend, device, supported=task_backends(task), task_name=name)
+    if c.backend == "torch":
+        from .torch_worker import TorchWorker
+        return TorchWorker(task, task_cfg, optim_cfg, device=c.device, seed=seed, threads=threads)
+    if c.backend == "mlx":
+        from .mlx_worker import MlxWorker
+        return MlxWorker(task, task_cfg, optim_cfg, device=c.device, seed=seed, threads=threads)
+    from .numpy_worker import NumpyWorker
+    return NumpyWorker(task, task_cfg, optim_cfg, device=c.device, seed=seed, threads=threads)
 
 
 def load_task(path: str | Path) -> ModuleType:

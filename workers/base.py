@@ -8,17 +8,27 @@ keeps each node's AdamW state across outer rounds.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+BACKENDS: tuple[str, ...] = ("torch", "mlx", "numpy")
+MODEL_FACTORIES: dict[str, str] = {"torch": "make_torch_model", "mlx": "make_mlx_model",
+                                   "numpy": "make_numpy_model"}
+OPTIM_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
+                                  "eps": 1e-8}
+
+
+class BackendError(ValueError):
+    """A backend or device that cannot be used here (or for this task); str() is one line for the user."""
 
 
 @runtime_checkable
 class Worker(Protocol):
-    """One node's local trainer (torch today; mlx and numpy backends fit the same shape)."""
+    """One node's local trainer: TorchWorker, MlxWorker or NumpyWorker."""
 
-    backend: str  # "torch"
-    device: str   # "cpu", "cuda:0", "mps", ...
+    backend: str  # "torch", "mlx", "numpy"
+    device: str   # "cpu", "cuda:0", "mps" (torch), "metal" (mlx), ...
     n_train: int  # training samples available (valid indices: 0 .. n_train-1)
     n_val: int    # validation samples available
 
@@ -62,3 +72,39 @@ def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndar
         shape = tuple(np.shape(params[name]))
         if shape != expected[name]:
             raise ValueError(f"parameter {name}: shape {shape}, expected {expected[name]}")
+
+
+def task_backends(task: Any) -> list[str]:
+    """The backends a task module implements (it has make_torch_model / make_mlx_model / make_numpy_model)."""
+    return [b for b in BACKENDS if callable(getattr(task, MODEL_FACTORIES[b], None))]
+
+
+def optim_config(optim_cfg: dict[str, Any]) -> dict[str, Any]:
+    """optim_cfg over OPTIM_DEFAULTS. Betas may be given as betas=(b1, b2) or as beta1/beta2
+    (the recipe's spelling); an unknown key is a ValueError."""
+    cfg = dict(optim_cfg)
+    if "beta1" in cfg or "beta2" in cfg:
+        if "betas" in cfg:
+            raise ValueError("optim_cfg: give either betas or beta1/beta2, not both")
+        b1, b2 = OPTIM_DEFAULTS["betas"]
+        cfg["betas"] = (cfg.pop("beta1", b1), cfg.pop("beta2", b2))
+    unknown = sorted(set(cfg) - set(OPTIM_DEFAULTS))
+    if unknown:
+        raise ValueError(f"optim_cfg: unknown key(s) {unknown}; known: {sorted(OPTIM_DEFAULTS)} or beta1/beta2")
+    cfg = {**OPTIM_DEFAULTS, **cfg}
+    b1, b2 = cfg["betas"]
+    return {"lr": float(cfg["lr"]), "weight_decay": float(cfg["weight_decay"]),
+            "betas": (float(b1), float(b2)), "grad_clip": float(cfg["grad_clip"]), "eps": float(cfg["eps"])}
+
+
+def check_task(task: Any, backend: str) -> None:
+    """TypeError unless the task has make_dataset() and this backend's model factory."""
+    for attr in ("make_dataset", MODEL_FACTORIES[backend]):
+        if not callable(getattr(task, attr, None)):
+            raise TypeError(f"task {getattr(task, '__file__', task)!r} has no {attr}()")
+
+
+def initial_params(task: Any, task_cfg: dict[str, Any], vocab_size: int, seed: int) -> dict[str, np.ndarray] | None:
+    """The task's backend-neutral initial θ (task.init_params), or None when it has none."""
+    fn = getattr(task, "init_params", None)
+    return fn(task_cfg, vocab_size, seed) if callable(fn) else None

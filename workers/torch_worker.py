@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import check_params
+from .base import OPTIM_DEFAULTS, check_params, check_task, initial_params, optim_config
 
-OPTIM_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0}
+__all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device"]
 
 
 def available_devices() -> list[str]:
-    """Devices torch can use here, best first: cuda:N..., mps, cpu."""
+    """Devices torch can use here, best first: cuda:N... (NVIDIA, or AMD on a ROCm build), mps, cpu."""
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     if torch.backends.mps.is_available():
         devices.append("mps")
@@ -22,32 +22,24 @@ def available_devices() -> list[str]:
 
 
 def resolve_device(device: str = "auto") -> str:
-    """"auto" -> the best available device; an explicit one is checked. ValueError if unavailable."""
+    """"auto" -> the best available device; an explicit one is checked. ValueError if unavailable.
+
+    "cuda" means cuda:0; "rocm" / "rocm:N" are accepted on a ROCm build of torch (which calls AMD
+    GPUs "cuda" too).
+    """
     available = available_devices()
     if device == "auto":
         return available[0]
-    name = "cuda:0" if device == "cuda" else device
+    name = device
+    if device.startswith("rocm") and getattr(torch.version, "hip", None):
+        name = "cuda" + device[4:]
+    name = "cuda:0" if name == "cuda" else name
     if name not in available:
         raise ValueError(f"device {device!r} is not available here; available: {', '.join(available)}")
     return name
 
 
-def _optim_config(optim_cfg: dict[str, Any]) -> dict[str, Any]:
-    """optim_cfg over OPTIM_DEFAULTS. Betas may be given as betas=(b1, b2) or as beta1/beta2
-    (the recipe's spelling); an unknown key is a ValueError."""
-    cfg = dict(optim_cfg)
-    if "beta1" in cfg or "beta2" in cfg:
-        if "betas" in cfg:
-            raise ValueError("optim_cfg: give either betas or beta1/beta2, not both")
-        b1, b2 = OPTIM_DEFAULTS["betas"]
-        cfg["betas"] = (cfg.pop("beta1", b1), cfg.pop("beta2", b2))
-    unknown = sorted(set(cfg) - set(OPTIM_DEFAULTS))
-    if unknown:
-        raise ValueError(f"optim_cfg: unknown key(s) {unknown}; known: {sorted(OPTIM_DEFAULTS)} or beta1/beta2")
-    cfg = {**OPTIM_DEFAULTS, **cfg}
-    b1, b2 = cfg["betas"]
-    return {"lr": float(cfg["lr"]), "weight_decay": float(cfg["weight_decay"]),
-            "betas": (float(b1), float(b2)), "grad_clip": float(cfg["grad_clip"])}
+_optim_config = optim_config  # the old private name
 
 
 class TorchWorker:
@@ -57,13 +49,11 @@ class TorchWorker:
 
     def __init__(self, task_module: ModuleType, task_cfg: dict[str, Any], optim_cfg: dict[str, Any],
                  device: str = "auto", seed: int = 0, threads: int | None = None) -> None:
-        for attr in ("make_dataset", "make_torch_model"):
-            if not callable(getattr(task_module, attr, None)):
-                raise TypeError(f"task {getattr(task_module, '__file__', task_module)!r} has no {attr}()")
+        check_task(task_module, "torch")
         self.device: str = resolve_device(device)
         if threads is not None:
             torch.set_num_threads(threads)
-        opt = _optim_config(optim_cfg)
+        opt = optim_config(optim_cfg)
         self._grad_clip: float = opt["grad_clip"]
 
         self.dataset = task_module.make_dataset(task_cfg)
@@ -75,12 +65,15 @@ class TorchWorker:
         self.model.to(self.device)
         self._params: dict[str, torch.nn.Parameter] = dict(sorted(self.model.named_parameters()))
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
+        init = initial_params(task_module, task_cfg, self.dataset.vocab_size, seed)
+        if init is not None:  # the task's backend-neutral θ: mlx and numpy nodes start from it too
+            self.set_params(init)
 
         # As in nanoGPT: decay matrices and embeddings, not biases or LayerNorm gains.
         params = list(self._params.values())
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=opt["betas"],
+        self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=opt["betas"], eps=opt["eps"],
                                            fused=self.device.startswith("cuda"))
 
     def param_names(self) -> list[str]:

@@ -1,0 +1,105 @@
+"""Bandwidth-limited links between network namespaces, for benchmarks (needs root).
+
+    with Swarm(n=4, rate="100mbit") as sw:
+        subprocess.Popen(sw.exec_prefix(0) + ["python", ...])   # runs inside node 0's namespace
+        sw.addr(1)                                               # node 1's address, e.g. 10.77.0.2
+
+Topology: one namespace per node plus one "switch" namespace holding a bridge. Each node has a
+veth pair to the bridge; both ends carry `tbf rate <rate>`, so a node's upload and download are
+each limited, like a home link. Safety rules:
+  * addresses exist only inside namespaces created here (10.77.0.0/24, no address on the bridge);
+  * no default route anywhere: traffic cannot leave the namespaces;
+  * nothing here sends a packet; the root namespace never gets an address on these links;
+  * everything is deleted on exit, also on Ctrl-C and SIGTERM (close() is idempotent).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from types import FrameType
+
+
+class NetnsUnavailable(RuntimeError):
+    """Not root, or the kernel/tools refuse namespaces, veth or tbf."""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _in(ns: str, *cmd: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, capture_output=True, text=True)
+
+
+class Swarm:
+    """N namespaces joined through a bridge by rate-limited veth links."""
+
+    def __init__(self, n: int, rate: str = "100mbit", subnet: str = "10.77.0"):
+        if os.geteuid() != 0:
+            raise NetnsUnavailable("network namespaces need root (run with sudo); skipping the "
+                                   "bandwidth-limited section")
+        self.n, self.rate, self.subnet = n, rate, subnet
+        tag = f"{os.getpid() % 100000}"
+        self.sw = f"drb{tag}sw"
+        self.nodes = [f"drb{tag}n{i}" for i in range(n)]
+        self.ifname = "eth0"  # inside each node namespace
+        self._created: list[str] = []
+        self._old_term = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Swarm":
+        self._old_term = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            self._build()
+        except subprocess.CalledProcessError as e:
+            self.close()
+            raise NetnsUnavailable(f"could not build namespaces: {' '.join(e.cmd)}: {e.stderr.strip()}") from None
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        self.close()
+
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt  # unwinds through every finally, which deletes the namespaces
+
+    def _build(self) -> None:
+        for ns in [self.sw, *self.nodes]:
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            _in(ns, "ip", "link", "set", "lo", "up")
+        _in(self.sw, "ip", "link", "add", "br0", "type", "bridge")
+        _in(self.sw, "ip", "link", "set", "br0", "up")
+        for i, ns in enumerate(self.nodes):
+            port = f"p{i}"
+            # create the pair directly inside the two namespaces: it never exists in the root one
+            _ip("link", "add", self.ifname, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.sw)
+            _in(ns, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", self.ifname)
+            _in(ns, "ip", "link", "set", self.ifname, "up")
+            _in(self.sw, "ip", "link", "set", port, "master", "br0")
+            _in(self.sw, "ip", "link", "set", port, "up")
+            for where, dev in ((ns, self.ifname), (self.sw, port)):
+                _in(where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                    "burst", "256kb", "latency", "100ms")
+
+    def close(self) -> None:
+        """Delete every namespace created (their veth pairs and the bridge go with them)."""
+        while self._created:
+            ns = self._created.pop()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
+            self._old_term = None
+
+    # --- use -----------------------------------------------------------------------------------
+
+    def addr(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.nodes[i]]

@@ -1,0 +1,259 @@
+"""One model, three backends: torch, mlx and numpy implementations of the default task agree on
+names, shapes, initial values, losses and gradients, and train one model together in a swarm."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, drift_cmd, git, make_task_repo
+from workers import Worker, load_task, make_worker
+
+CFG = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 32}
+BACKENDS = ("torch", "mlx", "numpy")
+
+
+@pytest.fixture(scope="module")
+def task() -> ModuleType:
+    return load_task(ROOT / "recipes" / "shakespeare_char.py")
+
+
+@pytest.fixture(scope="module")
+def cached(task: ModuleType) -> SimpleNamespace:
+    """The real task with its dataset built once for the module."""
+    ds = task.make_dataset(CFG)
+    return SimpleNamespace(make_dataset=lambda cfg: ds, **{k: getattr(task, k) for k in (
+        "init_params", "make_torch_model", "make_mlx_model", "make_numpy_model")})
+
+
+def workers(task: SimpleNamespace, seed: int = 3, **optim) -> dict[str, Worker]:
+    return {b: make_worker(task, CFG, optim, backend=b, device="cpu", seed=seed) for b in BACKENDS}
+
+
+# ---- the models ----------------------------------------------------------------------------------
+
+def test_same_names_and_shapes_on_every_backend(task: ModuleType) -> None:
+    import mlx.utils
+    cfg, vocab = {**CFG, "n_layer": 2}, 67
+    expected = task.param_shapes(cfg, vocab)
+    torch_shapes = {n: tuple(p.shape) for n, p in task.make_torch_model(cfg, vocab).named_parameters()}
+    mlx_shapes = {n: tuple(a.shape) for n, a in mlx.utils.tree_flatten(task.make_mlx_model(cfg, vocab).parameters())}
+    init = task.init_params(cfg, vocab, seed=1)
+    assert torch_shapes == mlx_shapes == task.make_numpy_model(cfg, vocab).shapes == expected
+    assert {n: a.shape for n, a in init.items()} == expected and "tok_emb.weight" in expected
+    assert all(a.dtype == np.float32 for a in init.values())
+    again, other = task.init_params(cfg, vocab, seed=1), task.init_params(cfg, vocab, seed=2)
+    assert all(np.array_equal(init[n], again[n]) for n in init)
+    assert not np.array_equal(init["tok_emb.weight"], other["tok_emb.weight"])
+    assert np.all(init["blocks.1.ln2.weight"] == 1) and np.all(init["blocks.0.attn.qkv.bias"] == 0)
+
+
+def test_numpy_backward_matches_torch_autograd(task: ModuleType) -> None:
+    """The hand-written backward pass against torch autograd, on the same parameters and batch."""
+    import mlx.core as mx
+    import torch
+    from mlx.utils import tree_unflatten
+    cfg, vocab = {**CFG, "n_layer": 2}, 61
+    params = task.init_params(cfg, vocab, seed=5)
+    params = {n: a + np.float32(0.05) * np.random.default_rng(1).standard_normal(a.shape, dtype=np.float32)
+              for n, a in params.items()}  # off the init, so LayerNorm gains and biases matter too
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, vocab, (3, 24)), rng.integers(0, vocab, (3, 24))
+
+    model = task.make_torch_model(cfg, vocab)
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(torch.from_numpy(params[n]))
+    ref = model(torch.from_numpy(x), torch.from_numpy(y))
+    ref.backward()
+
+    loss, grads = task.make_numpy_model(cfg, vocab).loss_and_grads(params, x, y)
+    assert loss == pytest.approx(ref.item(), rel=1e-5)
+    for n, p in named.items():
+        g = p.grad.numpy()
+        np.testing.assert_allclose(grads[n], g, rtol=0, atol=1e-4 * float(np.abs(g).max()), err_msg=n)
+
+    mlx_model = task.make_mlx_model(cfg, vocab)
+    mlx_model.update(tree_unflatten([(n, mx.array(a)) for n, a in params.items()]))
+    assert mlx_model(mx.array(x), mx.array(y)).item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_numpy_model_refuses_dropout(task: ModuleType) -> None:
+    with pytest.raises(ValueError, match="dropout"):
+        task.make_numpy_model({**CFG, "dropout": 0.1}, 60)
+
+
+# ---- the workers ---------------------------------------------------------------------------------
+
+def test_three_workers_start_identical_and_train_alike(cached: SimpleNamespace) -> None:
+    ws = workers(cached, lr=0.01)
+    first = {b: w.get_params() for b, w in ws.items()}
+    for b, w in ws.items():
+        assert isinstance(w, Worker) and (w.backend, w.device) == (b, "cpu")
+        assert w.param_names() == sorted(first["torch"])
+        assert all(np.array_equal(first["torch"][n], first[b][n]) for n in first["torch"])  # bit-identical θ0
+    rng = np.random.default_rng(0)
+    losses: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    for _ in range(12):
+        idx = rng.integers(0, ws["torch"].n_train, 16)
+        for b, w in ws.items():
+            losses[b].append(w.train_step(idx))
+    # Same AdamW (bias correction, decay groups, clipping) on the same batches: the same path down.
+    for b in ("mlx", "numpy"):
+        np.testing.assert_allclose(losses[b], losses["torch"], rtol=2e-4, err_msg=b)
+    assert np.mean(losses["torch"][-3:]) < losses["torch"][0] - 0.5
+    after = {b: w.get_params() for b, w in ws.items()}
+    for b in ("mlx", "numpy"):
+        moved = max(float(np.abs(after[b][n] - first[b][n]).max()) for n in after[b])
+        off = max(float(np.abs(after[b][n] - after["torch"][n]).max()) for n in after[b])
+        assert off < 0.05 * moved, (b, off, moved)
+    vals = {b: w.evaluate(2, 16) for b, w in ws.items()}
+    assert vals["mlx"] == pytest.approx(vals["torch"], rel=1e-3) and vals["numpy"] == pytest.approx(vals["torch"], rel=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["mlx", "numpy"])
+def test_worker_contract(cached: SimpleNamespace, backend: str) -> None:
+    """What test_worker.py checks for torch, for the other two backends."""
+    w = make_worker(cached, CFG, {"beta1": 0.8}, backend=backend, seed=0)
+    rng = np.random.default_rng(0)
+    w.train_step(rng.integers(0, w.n_train, 8))
+    params = w.get_params()
+    assert all(a.dtype == np.float32 and a.flags.c_contiguous for a in params.values())
+    params["ln_f.weight"][:] = 123.0  # a copy
+    assert not np.any(w.get_params()["ln_f.weight"] == 123.0)
+    other = make_worker(cached, CFG, {}, backend=backend, seed=1).get_params()
+    w.set_params(other)
+    got = w.get_params()
+    assert all(np.array_equal(got[n], other[n]) for n in other)
+    assert w.step == 1  # the optimizer state survived set_params
+    w.train_step(rng.integers(0, w.n_train, 8))
+    assert w.step == 2
+    before = w.get_params()
+    for bad, needle in ((dict(before, **{"ln_f.weight": np.zeros(5, np.float32)}), r"ln_f\.weight"),
+                        ({n: a for n, a in before.items() if n != "pos_emb.weight"}, r"pos_emb\.weight"),
+                        (dict(before, bogus=np.zeros(1, np.float32)), "bogus")):
+        with pytest.raises(ValueError, match=needle):
+            w.set_params(bad)
+    a, b = w.evaluate(3, 16), w.evaluate(3, 16)
+    assert a == b and math.isfinite(a)
+    assert w.evaluate(1, 48) == pytest.approx(a, rel=1e-5)
+    after = w.get_params()
+    assert all(np.array_equal(before[n], after[n]) for n in before) and w.step == 2
+    with pytest.raises(ValueError, match="at least one"):
+        w.train_step(np.array([], dtype=np.int64))
+
+
+def test_diloco_rounds_over_mixed_backends_keep_one_theta(cached: SimpleNamespace) -> None:
+    """Three backends, DiLoCo outer rounds in process: every node's θ is bit-identical each round
+    (the swarm test below does the same over iroh with real processes)."""
+    from drift.diloco import NesterovOuter, ParamLayout, checksum, weighted_delta
+    ws = workers(cached, lr=0.01)
+    layout = ParamLayout.of(ws["torch"].get_params())
+    thetas = {b: layout.flatten(w.get_params()) for b, w in ws.items()}
+    outers = {b: NesterovOuter(layout.size) for b in BACKENDS}
+    weights = {"torch": 0.5, "mlx": 0.3, "numpy": 0.2}
+    rng = np.random.default_rng(0)
+    sums = []
+    for _ in range(3):
+        for b, w in ws.items():
+            for _ in range(3):
+                w.train_step(rng.integers(0, w.n_train, 16))
+        deltas = {b: weighted_delta(thetas[b], layout.flatten(w.get_params()), weights[b]) for b, w in ws.items()}
+        total = deltas["torch"] + deltas["mlx"] + deltas["numpy"]  # what the ring all-reduce delivers
+        for b, w in ws.items():
+            outers[b].step(thetas[b], total.copy())
+            w.set_params(layout.unflatten(thetas[b]))
+        sums.append({checksum(layout.flatten(w.get_params())) for w in ws.values()})
+    assert all(len(s) == 1 for s in sums) and len(set().union(*sums)) == 3
+
+
+# ---- a real swarm: three processes, three backends ----------------------------------------------
+
+def _start_coord(recipe: Path, tmp: Path) -> tuple[subprocess.Popen, Path, str]:
+    out = tmp / "coord.out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_HOME": str(tmp / "home"), "COLUMNS": "400"}
+    proc = subprocess.Popen(drift_cmd("coord", str(recipe), "--run-dir", str(tmp / "run")),
+                            stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        text = out.read_text()
+        if "--ticket " in text:
+            return proc, out, text.split("--ticket ", 1)[1].split()[0]
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"coordinator printed no ticket: {out.read_text()}")
+
+
+def _join(repo: Path, ticket: str, tmp: Path, backend: str, no_torch: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_HOME": str(tmp / f"home-{backend}")}
+    if no_torch:  # this node's Python cannot import torch at all
+        block = tmp / "no-torch"
+        block.mkdir(exist_ok=True)
+        (block / "torch.py").write_text("raise ImportError('torch is not installed (blocked by this test)')\n")
+        env["PYTHONPATH"] = f"{block}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    cmd = drift_cmd("join", "--repo", str(repo), "--ticket", ticket, "--backend", backend, "--threads", "1",
+                    "--name", f"node-{backend}", "--key", str(tmp / f"{backend}.key"),
+                    "--cache-dir", str(tmp / f"cache-{backend}"))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_swarm_of_torch_mlx_and_numpy_nodes_trains_one_model(tmp_path: Path) -> None:
+    recipe = make_task_repo(tmp_path / "repo", rounds=3)
+    coord, out, ticket = _start_coord(recipe, tmp_path)
+    nodes = [_join(tmp_path / "repo", ticket, tmp_path, b, no_torch=(b == "numpy")) for b in BACKENDS]
+    try:
+        coord.wait(300)
+        results = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        _stop(coord, *nodes)
+    assert coord.returncode == 0, out.read_text() + "\n".join(e for _, e in results)
+    for n, (_, err) in zip(nodes, results):
+        assert n.returncode == 0 and "Traceback" not in err, err
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(e["backend"] for e in events if e["event"] == "node_joined") == sorted(BACKENDS)
+    rounds = [e for e in events if e["event"] == "round"]
+    # The coordinator accepts a round only when every node reported the same checksum of θ.
+    assert [r["round"] for r in rounds] == [0, 1, 2] and len({r["checksum"] for r in rounds}) == 3
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert rounds[-1]["val_loss"] < initial - 0.3
+
+
+def test_task_without_the_nodes_backend_is_refused_at_join(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    recipe = make_task_repo(repo, min_nodes=1)
+    with open(repo / "recipes" / "shakespeare_char.py", "a") as f:
+        f.write("\ndel make_mlx_model  # this task offers torch and numpy only\n")
+    git(repo, "commit", "-qam", "torch and numpy only")
+    coord, _, ticket = _start_coord(recipe, tmp_path)
+    node = _join(repo, ticket, tmp_path, "mlx")
+    try:
+        _, err = node.communicate(timeout=120)
+    finally:
+        _stop(node, coord)
+    assert node.returncode != 0 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0] == ("drift: error: task recipes/shakespeare_char.py has no mlx implementation "
+                        "(make_mlx_model); it supports: torch, numpy")

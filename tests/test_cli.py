@@ -1,0 +1,79 @@
+"""A user mistake is one line naming what is wrong and where, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import TINY_RECIPE, drift_cmd
+
+
+def _drift(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(drift_cmd(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("drift: error: "), out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"rounds": None}, "rounds: required field is missing"),
+    ({"warp_speed": 9}, "warp_speed: unknown field"),
+    ({"batch_size": "lots"}, "batch_size: Input should be a valid integer"),
+    ({"outer_optimizer": {"lr": "fast"}}, "outer_optimizer.lr: Input should be a valid number"),
+    ({"min_nodes": 0}, "min_nodes: Input should be greater than or equal to 1"),
+    ({"task": "recipes/nope.py"}, "task: file recipes/nope.py not found"),
+])
+def test_bad_recipe_fields(tiny_recipe: Path, change: dict, needle: str) -> None:
+    data = yaml.safe_load(tiny_recipe.read_text())
+    for k, v in change.items():
+        if v is None:
+            data.pop(k)
+        else:
+            data[k] = v
+    tiny_recipe.write_text(yaml.safe_dump(data))
+    line = _one_line_error(_drift("coord", str(tiny_recipe)))
+    assert str(tiny_recipe) in line and needle in line
+
+
+def test_missing_and_unparsable_recipe_files(tmp_path: Path) -> None:
+    assert "recipe file not found" in _one_line_error(_drift("coord", str(tmp_path / "none.yaml")))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    assert "not valid YAML" in _one_line_error(_drift("coord", str(bad)))
+
+
+def test_malformed_ticket(repo_root: Path) -> None:
+    line = _one_line_error(_drift("join", "--repo", str(repo_root), "--ticket", "garbage"))
+    assert "malformed ticket 'garbage'" in line
+
+
+def test_unreachable_ticket_says_what_was_tried(repo_root: Path) -> None:
+    # A real ticket of an endpoint that no longer exists.
+    import asyncio
+
+    from drift.transport import Endpoint
+
+    async def dead_ticket() -> str:
+        ep = await Endpoint.bind("local")
+        t = ep.ticket()
+        await ep.close()
+        return t
+
+    line = _one_line_error(_drift("join", "--repo", str(repo_root), "--ticket", asyncio.run(dead_ticket())))
+    assert "connecting to" in line and "127.0.0.1" in line
+
+
+def test_recipe_used_by_default_is_valid(repo_root: Path) -> None:
+    from drift.recipe import load_recipe
+
+    r = load_recipe(repo_root / "recipes" / "shakespeare.yaml")
+    assert r.min_nodes == 3 and r.outer_optimizer.lr == 0.7 and r.outer_optimizer.momentum == 0.9
+    assert set(TINY_RECIPE) <= set(r.model_dump())

@@ -1,0 +1,208 @@
+"""Trust in a live swarm: real keys, a real git repo, real iroh on loopback, real `drift join`.
+
+Bad peers (forged signature, wrong signer, replay, stale timestamp, wrong commit, unknown node, a
+node whose checkout is dirty, a key file with loose permissions) are each refused with a clear
+message on both sides, while the honest nodes train the run to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from auth import NodeKey, load_or_create_key, sign_message
+from conftest import drift_cmd, git, make_task_repo, run_async
+from drift import protocol as P
+from drift.coordinator import Coordinator, CoordinatorError
+from drift.recipe import load_recipe
+from drift.repo import RepoCache
+from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Endpoint
+
+FAST = dict(min_nodes=2, rounds=2, inner_steps=2, batch_size=8, unit_steps=1, eval_batches=1)
+
+
+class RawNode:
+    """A hand-driven control connection: says whatever the test wants, with a real key."""
+
+    def __init__(self, key: NodeKey):
+        self.key = key
+        self.ep: Endpoint | None = None
+        self.ch = None
+
+    async def hello(self, ticket: str) -> P.Message:
+        self.ep = await Endpoint.bind("local", secret_key=self.key.seed)
+        self.ch = await self.ep.connect(ticket, CONTROL_ALPN, timeout=60)
+        await self.ch.send_frame(P.encode(P.NodeInfo(node_id=self.key.node_id, name="raw", backend="torch",
+                                                     device="cpu", ring_ticket=self.ep.ticket())))
+        return await self.reply()
+
+    async def reply(self) -> P.Message:
+        return P.decode(await self.ch.recv_frame(MAX_CONTROL_FRAME, timeout=120))
+
+    async def send(self, frame: bytes) -> None:
+        await self.ch.send_frame(frame)
+
+    async def close(self) -> None:
+        if self.ep:
+            await self.ep.close()
+
+
+def _repo_commit(signer: NodeKey, cfg: P.TrainConfig, **over) -> bytes:
+    body = P.RepoCommit(repo="x", commit=cfg.commit, tree=None, node_id=signer.node_id, timestamp=time.time(),
+                        nonce=os.urandom(16).hex(), param_checksum="p", n_train=100, run_id=cfg.run_id)
+    signed = sign_message(signer, {**body.model_dump(mode="json"), **over})
+    return P.encode(P.RepoCommit.model_validate(signed))
+
+
+async def _refused(node: RawNode, ticket: str, make_frame, replay: bytes | None = None) -> tuple[str, bytes]:
+    """Connect, answer TrainConfig with make_frame(cfg) (or `replay`), return the cancel reason."""
+    try:
+        first = await node.hello(ticket)
+        if isinstance(first, P.TrainingCancel):
+            return first.reason, b""
+        assert isinstance(first, P.TrainConfig), first
+        frame = replay if replay is not None else make_frame(first)
+        await node.send(frame)
+        cancel = await node.reply()
+        assert isinstance(cancel, P.TrainingCancel), cancel
+        return cancel.reason, frame
+    finally:
+        await node.close()
+
+
+def _join(repo: Path, ticket: str, key: Path, cache: Path, name: str) -> subprocess.Popen:
+    return subprocess.Popen(drift_cmd("join", "--repo", str(repo), "--ticket", ticket, "--key", str(key),
+                                      "--cache-dir", str(cache), "--name", name, "--threads", "1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
+    recipe_path = make_task_repo(tmp_path / "repo", **FAST)
+    repo = recipe_path.parents[1]
+    head = git(repo, "rev-parse", "HEAD")
+    keys = {n: load_or_create_key(tmp_path / "keys" / f"{n}.key")
+            for n in ("good0", "good1", "dirty", "forger", "impostor", "victim", "stale", "wrong", "loose")}
+    stranger = NodeKey.generate()
+    recipe = load_recipe(recipe_path)
+    recipe.allowlist = sorted(k.node_id for k in keys.values())
+    # A node whose cached checkout of the run's commit was edited by hand.
+    dirty_cache = tmp_path / "dirty-cache"
+    work = RepoCache(str(repo), dirty_cache).checkout(head)
+    (work / "recipes" / "shakespeare_char.py").write_text("raise SystemExit('patched')\n")
+    keys["loose"].path.chmod(0o644)
+
+    async def main():
+        coord = Coordinator(recipe, tmp_path / "run", commit=head, tree=git(repo, "rev-parse", "HEAD^{tree}"))
+        ticket = await coord.start()
+        procs: list[subprocess.Popen] = []
+        try:
+            dirty = _join(repo, ticket, keys["dirty"].path, dirty_cache, "dirty")
+            loose = _join(repo, ticket, keys["loose"].path, tmp_path / "c-loose", "loose")
+            procs += [dirty, loose]
+            k = keys
+            reasons = {}
+            reasons["forged"], _ = await _refused(RawNode(k["forger"]), ticket,
+                                                  lambda cfg: _repo_commit(k["forger"], cfg)
+                                                  .replace(b'"n_train":100', b'"n_train":101'))
+            reasons["impostor"], _ = await _refused(RawNode(k["impostor"]), ticket,
+                                                    lambda cfg: _repo_commit(k["victim"], cfg))
+            reasons["stale"], _ = await _refused(RawNode(k["stale"]), ticket,
+                                                 lambda cfg: _repo_commit(k["stale"], cfg, timestamp=time.time() - 3600))
+            reasons["wrong"], frame = await _refused(RawNode(k["wrong"]), ticket,
+                                                     lambda cfg: _repo_commit(k["wrong"], cfg, commit="0" * 40))
+            reasons["replay"], _ = await _refused(RawNode(k["wrong"]), ticket, None, replay=frame)
+            reasons["stranger"], _ = await _refused(RawNode(stranger), ticket, None)
+            dirty_rc, dirty_err = await asyncio.to_thread(_wait, dirty)
+            loose_rc, loose_err = await asyncio.to_thread(_wait, loose)
+
+            # The honest nodes join now and train the whole run.
+            cache = tmp_path / "cache"
+            good = [_join(repo, ticket, k[f"good{i}"].path, cache, f"good{i}") for i in range(2)]
+            procs += good
+            run = asyncio.ensure_future(coord.run())
+            while len(coord.ready) < 2 and not run.done():
+                await asyncio.sleep(0.2)
+            # An unknown node knocking during the run is refused at connect; the run goes on.
+            reasons["stranger_late"], _ = await _refused(RawNode(stranger), ticket, None)
+            results = await run
+            good_out = [await asyncio.to_thread(_wait, p) for p in good]
+            return reasons, (dirty_rc, dirty_err), (loose_rc, loose_err), results, good_out, list(coord.rejected)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            await coord.close()
+
+    reasons, (dirty_rc, dirty_err), (loose_rc, loose_err), results, good_out, rejected = run_async(main(), 600)
+    k = keys
+    assert "bad signature (forged" in reasons["forged"]
+    assert (f"wrong signer: RepoCommit is signed as node {k['victim'].node_id[:10]} but the connection is from "
+            f"node {k['impostor'].node_id[:10]}") in reasons["impostor"]
+    assert "stale RepoCommit" in reasons["stale"] and "signed 3600 s ago" in reasons["stale"]
+    assert f"wrong commit: node {k['wrong'].node_id[:10]} runs 0000000000, this run needs {head[:10]}" in reasons["wrong"]
+    assert "replayed RepoCommit" in reasons["replay"]
+    for r in ("stranger", "stranger_late"):
+        assert f"node {stranger.node_id} is not on this swarm's allowlist" in reasons[r]
+    # Each refusal is logged on the coordinator's side with the same reason.
+    log = "\n".join(rejected)
+    for r in reasons.values():
+        assert r in log
+    # The node with the dirty checkout refused to run it, said why on both sides, and exited non-zero.
+    assert dirty_rc != 0 and "Traceback" not in dirty_err
+    assert dirty_err.strip().splitlines()[-1].startswith("drift: error: checkout ")
+    assert "has uncommitted changes (recipes/shakespeare_char.py)" in dirty_err
+    assert "refused to run: checkout" in log and "has uncommitted changes" in log
+    # A key file others can read stops the node before it connects.
+    assert loose_rc != 0 and loose_err.strip().splitlines() == [
+        f"drift: error: key file {k['loose'].path} is readable by other users (mode 0644); "
+        f"fix with: chmod 600 {k['loose'].path}"]
+    # ...and the honest nodes trained the whole run.
+    assert [r.round for r in results] == [0, 1]
+    for rc, err in good_out:
+        assert rc == 0, err
+
+
+def test_swarm_is_cancelled_when_auth_threshold_cannot_be_met(tmp_path: Path) -> None:
+    recipe_path = make_task_repo(tmp_path / "repo", **FAST)
+    head = git(recipe_path.parents[1], "rev-parse", "HEAD")
+    keys = [NodeKey.generate() for _ in range(3)]
+    recipe = load_recipe(recipe_path)
+    recipe.allowlist = [k.node_id for k in keys]
+    recipe.auth_threshold = 2
+
+    async def main():
+        coord = Coordinator(recipe, tmp_path / "run", commit=head)
+        ticket = await coord.start()
+        run = asyncio.ensure_future(coord.run())
+        good = RawNode(keys[0])
+        try:
+            cfg = await good.hello(ticket)
+            await good.send(_repo_commit(keys[0], cfg))        # verified: waits for TrainingReady
+            while keys[0].node_id not in coord.ready:
+                await asyncio.sleep(0.05)
+            first, _ = await _refused(RawNode(keys[1]), ticket, lambda c: _repo_commit(keys[1], c, commit="1" * 40))
+            assert not run.done()                             # 2 of 3 can still verify
+            await _refused(RawNode(keys[2]), ticket, lambda c: _repo_commit(keys[2], c, commit="2" * 40))
+            cancel = await good.reply()                       # now only 1 can: everyone is told
+            try:
+                await run
+            except CoordinatorError as e:
+                return first, cancel, str(e)
+            raise AssertionError("the run should have been cancelled")
+        finally:
+            await good.close()
+            await coord.close()
+
+    first, cancel, err = run_async(main(), 120)
+    assert "wrong commit" in first
+    assert isinstance(cancel, P.TrainingCancel)
+    assert "auth_threshold 2 can no longer be met: 2 of the 3 allowlisted nodes were refused" in cancel.reason
+    assert err == cancel.reason

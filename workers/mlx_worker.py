@@ -1,0 +1,131 @@
+"""The mlx backend: Apple Silicon's GPU through Metal (or the CPU; `mlx[cpu]` runs it on Linux).
+
+The task supplies ``make_mlx_model(cfg, vocab_size)`` -> an ``mlx.nn.Module`` whose
+``__call__(x, y)`` returns the mean loss, with the same parameter names and shapes as the torch
+model. The inner optimizer is AdamW written out here so that it matches torch.optim.AdamW
+exactly (bias correction, decoupled decay on 2+-dim tensors only, global-norm gradient clipping);
+mlx.optimizers.AdamW differs on each of these points.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .base import BackendError, check_params, check_task, initial_params, optim_config
+
+
+def available_devices() -> list[str]:
+    """Devices mlx can use here, best first: "metal" (the Apple GPU) when present, then "cpu"."""
+    return (["metal"] if mx.metal.is_available() else []) + ["cpu"]
+
+
+def resolve_device(device: str = "auto") -> str:
+    available = available_devices()
+    if device == "auto":
+        return available[0]
+    if device not in available:
+        raise BackendError(f"device {device!r} is not available to the mlx backend here; "
+                           f"available: {', '.join(available)}")
+    return device
+
+
+class MlxWorker:
+    """Worker backed by mlx."""
+
+    backend = "mlx"
+
+    def __init__(self, task_module: ModuleType, task_cfg: dict[str, Any], optim_cfg: dict[str, Any],
+                 device: str = "auto", seed: int = 0, threads: int | None = None) -> None:
+        check_task(task_module, "mlx")
+        self.device: str = resolve_device(device)
+        self._mx_device = mx.gpu if self.device == "metal" else mx.cpu
+        mx.set_default_device(self._mx_device)
+        opt = optim_config(optim_cfg)
+        self._lr, self._wd, self._eps, self._clip = opt["lr"], opt["weight_decay"], opt["eps"], opt["grad_clip"]
+        self._b1, self._b2 = opt["betas"]
+
+        self.dataset = task_module.make_dataset(task_cfg)
+        self.n_train: int = int(self.dataset.n_train)
+        self.n_val: int = int(self.dataset.n_val)
+        mx.random.seed(seed)
+        self.model: nn.Module = task_module.make_mlx_model(task_cfg, self.dataset.vocab_size)
+        self.model.train()
+        self._shapes = {name: tuple(a.shape) for name, a in sorted(tree_flatten(self.model.parameters()))}
+        init = initial_params(task_module, task_cfg, self.dataset.vocab_size, seed)
+        if init is not None:
+            self.set_params(init)
+        params = self._flat()
+        self._decay = {name: a.ndim >= 2 and self._wd > 0 for name, a in params.items()}
+        self._m = {name: mx.zeros_like(a) for name, a in params.items()}
+        self._v = {name: mx.zeros_like(a) for name, a in params.items()}
+        mx.eval(self._m, self._v)
+        self.step: int = 0
+        self._loss_and_grad = nn.value_and_grad(self.model, self.model.__call__)
+
+    def _flat(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.model.parameters()))
+
+    def param_names(self) -> list[str]:
+        return list(self._shapes)
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        flat = self._flat()
+        return {name: np.array(flat[name], dtype=np.float32, copy=True, order="C") for name in self._shapes}
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        check_params(self._shapes, params)
+        new = [(name, mx.array(np.ascontiguousarray(params[name], dtype=np.float32))) for name in self._shapes]
+        self.model.update(tree_unflatten(new))
+        mx.eval(self.model.parameters())
+
+    def train_step(self, indices: np.ndarray) -> float:
+        """One AdamW step on the given training samples; returns the loss."""
+        if len(indices) == 0:
+            raise ValueError("train_step needs at least one sample index")
+        x, y = self.dataset.batch("train", indices)
+        loss, grads = self._loss_and_grad(mx.array(x), mx.array(y))
+        grads = dict(tree_flatten(grads))
+        if self._clip > 0:
+            total = mx.sqrt(sum(mx.sum(g * g) for g in grads.values()))
+            coef = mx.minimum(self._clip / (total + 1e-6), 1.0)
+            grads = {name: g * coef for name, g in grads.items()}
+        self.step += 1
+        b1, b2 = self._b1, self._b2
+        step_size = self._lr / (1 - b1 ** self.step)
+        bc2_sqrt = math.sqrt(1 - b2 ** self.step)
+        new = []
+        for name, p in self._flat().items():
+            g = grads[name]
+            if self._decay[name]:
+                p = p * (1 - self._lr * self._wd)
+            m = self._m[name] = b1 * self._m[name] + (1 - b1) * g
+            v = self._v[name] = b2 * self._v[name] + (1 - b2) * g * g
+            new.append((name, p - step_size * m / (mx.sqrt(v) / bc2_sqrt + self._eps)))
+        self.model.update(tree_unflatten(new))
+        mx.eval(loss, self.model.parameters(), self._m, self._v)
+        return float(loss.item())
+
+    def evaluate(self, max_batches: int, batch_size: int) -> float:
+        """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
+        if max_batches < 1 or batch_size < 1:
+            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
+        n = min(self.n_val, max_batches * batch_size)
+        if n == 0:
+            raise ValueError("the task has no validation samples")
+        self.model.eval()
+        total = 0.0
+        try:
+            for start in range(0, n, batch_size):
+                idx = np.arange(start, min(start + batch_size, n))
+                x, y = self.dataset.batch("val", idx)
+                total += float(self.model(mx.array(x), mx.array(y)).item()) * len(idx)
+        finally:
+            self.model.train()
+        return total / n
