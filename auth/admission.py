@@ -125,8 +125,10 @@ class Admission:
         return msg
 
     def refuse(self, node_id: str, reason: str) -> None:
+        """Record a refusal (of allowlisted nodes only: strangers could fill memory with new ids)."""
         self.verified.pop(node_id, None)
-        self.refused[node_id] = reason
+        if self.allowlist is not None and node_id in self.allowlist:
+            self.refused[node_id] = reason
 
     def forget(self, node_id: str) -> None:
         """A verified node left before the run used it."""
@@ -142,7 +144,10 @@ class Admission:
         left = [n for n in self.allowlist if n not in self.refused]
         if len(left) >= self.threshold:
             return None
-        last = next(reversed(self.refused.values()), "")
+        if not self.refused:
+            return (f"auth_threshold {self.threshold} can never be met: the allowlist names only "
+                    f"{len(self.allowlist)} node(s)")
+        last = next(reversed(self.refused.values()))
         return (f"auth_threshold {self.threshold} can no longer be met: {len(self.allowlist) - len(left)} of "
                 f"the {len(self.allowlist)} allowlisted nodes were refused (last: {last})")
 

@@ -18,6 +18,8 @@ after a gloo barrier; its time is the slowest node's. Figures printed per row:
                receiving from its left at once, raw frames, no reduction (the ring's own link
                load, measured; on 2 shared cores this is what the CPU leaves for each link)
   CPU s/MiB    CPU seconds of all nodes (all threads) per MiB sent by all nodes
+  py CPU       share of that CPU spent on each node's main (Python/asyncio/numpy) thread; the rest
+               is iroh's Rust threads (QUIC, encryption, UDP); gloo runs in a helper thread: `-`
   codec s      seconds a node spent encoding/decoding/accumulating (drift rows)
 """
 
@@ -64,7 +66,7 @@ async def _worker(a: argparse.Namespace) -> None:
 
     rank, world = a.rank, a.world
     ep = await Endpoint.bind(a.mode)
-    ring = Ring(ep, timeout=600)
+    ring = Ring(ep, timeout=600, chunk_bytes=a.chunk_kib * 1024)
     print(json.dumps({"ticket": ep.ticket(), "node_id": ep.node_id}), flush=True)
     peers = json.loads(sys.stdin.readline())
     members = [RingMember(node_id=p["node_id"], ticket=p["ticket"], weight=1 / world) for p in peers]
@@ -90,16 +92,17 @@ async def _worker(a: argparse.Namespace) -> None:
     base = (rng.standard_normal(n) * 1e-3).astype(np.float32)
     results: dict[str, list[dict]] = {}
 
-    def record(name: str, t: float, cpu: float, sent: int, wire: int, codec_s: float = 0.0) -> None:
-        results.setdefault(name, []).append(dict(t=t, cpu=cpu, sent=sent, wire=wire, codec_s=codec_s))
+    def record(name: str, **kw) -> None:  # noqa: ANN003
+        results.setdefault(name, []).append(kw)
 
     async def measure(name: str, body) -> None:  # noqa: ANN001
         for _ in range(a.reps):
             await barrier()
-            w0, c0, t0 = _wire_tx(a.ifname), time.process_time(), time.perf_counter()
+            w0, c0, m0, t0 = _wire_tx(a.ifname), time.process_time(), time.thread_time(), time.perf_counter()
             sent, codec_s = await body()
             t = time.perf_counter() - t0
-            record(name, t, time.process_time() - c0, sent, _wire_tx(a.ifname) - w0, codec_s)
+            record(name, t=t, cpu=time.process_time() - c0, main=time.thread_time() - m0, sent=sent,
+                   wire=_wire_tx(a.ifname) - w0, codec_s=codec_s)
 
     # connections up once (and warm) before anything is timed
     await barrier()
@@ -187,7 +190,8 @@ def run_swarm(world: int, args: argparse.Namespace, swarm=None) -> dict[str, lis
             cmd = [*prefixes[i], sys.executable, str(Path(__file__).resolve()), "--worker",
                    "--rank", str(i), "--world", str(world), "--master", master, "--mode", mode,
                    "--mib", str(args.mib), "--reps", str(args.reps), "--ifname", ifname,
-                   "--topk-fraction", str(args.topk_fraction), "--codecs", *args.codecs]
+                   "--topk-fraction", str(args.topk_fraction), "--chunk-kib", str(args.chunk_kib),
+                   "--codecs", *args.codecs]
             procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                           env={**os.environ, "OMP_NUM_THREADS": "1"}))
         peers = [json.loads(p.stdout.readline()) for p in procs]
@@ -225,7 +229,7 @@ def summarize(world: int, per_node: list[dict], mib: int, label: str) -> list[di
     print(f"  ring links, iroh (all {world} at once):     {link_bps / MiB:8.1f} MiB/s per link")
     print(f"  point to point, gloo TCP (alone):       {tensor / t['gloo_p2p'] / MiB:8.1f} MiB/s")
     hdr = (f"  {'method':<12}{'time s':>8}{'algbw MiB/s':>13}{'MiB/node':>10}{'wire MiB':>10}{'x gloo':>8}"
-           f"{'vs bound':>10}{'vs links':>10}{'CPU s/MiB':>11}{'codec s':>9}")
+           f"{'vs bound':>10}{'vs links':>10}{'CPU s/MiB':>11}{'py CPU':>8}{'codec s':>9}")
     print(hdr)
     rows = []
     for k in ["gloo", *[c for c in names if c not in ("p2p", "links", "gloo_p2p", "gloo")]]:
@@ -233,15 +237,18 @@ def summarize(world: int, per_node: list[dict], mib: int, label: str) -> list[di
         wire = med(k, "wire", lambda v: sum(v) / world)
         cpu = med(k, "cpu", sum)
         codec_s = med(k, "codec_s", max)
+        main = med(k, "main", sum)
         row = dict(method=k if k == "gloo" else f"drift {k}", nodes=world, link=label, time_s=t[k],
                    algbw=tensor / t[k] / MiB, mib_node=sent / MiB, wire_mib=wire / MiB,
                    x_gloo=t["gloo"] / t[k], vs_bound=(sent / p2p_bps) / t[k],
                    vs_links=(sent / link_bps) / t[k], cpu_per_mib=cpu / (sent * world / MiB),
-                   codec_s=codec_s)
+                   py_share=main / cpu if cpu else 0.0, codec_s=codec_s)
         rows.append(row)
+        wire_s = f"{row['wire_mib']:.1f}" if wire else "-"
+        py_s = f"{row['py_share']:.2f}" if k != "gloo" else "-"
         print(f"  {row['method']:<12}{t[k]:>8.2f}{row['algbw']:>13.1f}{row['mib_node']:>10.1f}"
-              f"{row['wire_mib']:>10.1f}{row['x_gloo']:>8.2f}{row['vs_bound']:>10.2f}{row['vs_links']:>10.2f}"
-              f"{row['cpu_per_mib']:>11.4f}{codec_s:>9.2f}")
+              f"{wire_s:>10}{row['x_gloo']:>8.2f}{row['vs_bound']:>10.2f}{row['vs_links']:>10.2f}"
+              f"{row['cpu_per_mib']:>11.4f}{py_s:>8}{codec_s:>9.2f}")
     return rows
 
 
@@ -252,6 +259,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--codecs", nargs="+", default=["fp32", "int8", "topk"])
     ap.add_argument("--topk-fraction", type=float, default=0.01)
+    ap.add_argument("--chunk-kib", type=int, default=1024, help="ring chunk size (KiB of float32)")
     ap.add_argument("--rate", default="100mbit", help="tbf rate of each namespace link")
     ap.add_argument("--netns-mib", type=int, default=None, help="tensor size on limited links (default --mib)")
     ap.add_argument("--no-loopback", action="store_true")

@@ -18,10 +18,11 @@ import click
 
 from auth import AuthError, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
+from drift.inner import SpeedSchedule
 from drift.monitor import Monitor
 from drift.node import NodeError, NodeOptions, run_node
 from drift.recipe import RecipeError, load_recipe, repo_root
-from drift.repo import RepoError, dirty_files, resolve_commit, tree_of
+from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError, parse_ticket
 
@@ -103,7 +104,8 @@ def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, t
         mode = "local" if network is None else mode
     coord_key = _key(key or (run_dir / "keys" / "coord.key" if local else None), "coord")
     try:
-        commit = resolve_commit(root, r.commit) if r.commit else _git_head(root)
+        pin = r.commit.lower() if r.commit and is_commit_id(r.commit.lower()) else None
+        commit = pin or (resolve_commit(root, r.commit) if r.commit else _git_head(root))
     except RepoError as e:
         _fail(f"{recipe}: commit: {e}")
     if commit is None:
@@ -155,8 +157,10 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
                 proc.kill()
             if proc.returncode:
                 raise CoordinatorError(f"local node exited with code {proc.returncode}; see {logf}")
-        first = coordinator.initial_val_loss or results[0].val_loss
-        monitor.say(f"done: {len(results)} rounds, val loss {first:.4f} -> {results[-1].val_loss:.4f}; "
+        first = coordinator.initial_val_loss
+        first = first if first is not None else results[0].val_loss
+        vals = [f"{v:.4f}" if v is not None else "?" for v in (first, results[-1].val_loss)]
+        monitor.say(f"done: {len(results)} rounds, val loss {vals[0]} -> {vals[1]}; "
                     f"metrics in {run_dir / 'metrics.jsonl'}")
         return 0
     finally:
@@ -191,8 +195,8 @@ def _dirty(root: Path) -> bool:
                    "exactly the commit the coordinator names, from a clean checkout.")
 @click.option("--ticket", required=True, help="The ticket `drift coord` printed.")
 @click.option("--name", default=None, help="A name for this node in the coordinator's view.")
-@click.option("--backend", type=click.Choice(["auto", "torch", "mlx", "numpy"]), default="auto",
-              show_default=True, help="The framework this node trains with.")
+@click.option("--backend", default="auto", show_default=True,
+              help="The framework this node trains with: auto, torch, mlx, numpy.")
 @click.option("--device", default="auto", show_default=True,
               help="auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch CPU threads.")
@@ -200,8 +204,11 @@ def _dirty(root: Path) -> bool:
               help="This node's key file [default: ~/.drift/node.key]; created on first use.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where --repo is cloned and checked out [default: ~/.drift/repos].")
+@click.option("--speed", default="1", show_default=True,
+              help="Simulations only: stretch each inner step to 1/F of its length; F per round, "
+                   "e.g. 0.25 or 1,1,0.25 (slows down from round 2).")
 def join(repo: str, ticket: str, name: str | None, backend: str, device: str, threads: int | None,
-         key: Path | None, cache_dir: Path | None) -> None:
+         key: Path | None, cache_dir: Path | None, speed: str) -> None:
     """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
     try:
         parse_ticket(ticket)
@@ -212,8 +219,12 @@ def join(repo: str, ticket: str, name: str | None, backend: str, device: str, th
         choose(backend, device)
     except BackendError as e:
         _fail(str(e))
+    try:
+        schedule = SpeedSchedule.parse(speed)
+    except ValueError as e:
+        _fail(str(e))
     opts = NodeOptions(ticket=ticket, repo=repo, device=device, backend=backend, threads=threads,
-                       key=_key(key, "node"), cache_dir=cache_dir)
+                       key=_key(key, "node"), cache_dir=cache_dir, speed=schedule)
     if name:
         opts.name = name
     sys.exit(_run(run_node(opts)))

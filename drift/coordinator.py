@@ -68,7 +68,9 @@ class Coordinator:
 
     def __post_init__(self) -> None:
         r = self.recipe
-        allow = None if r.allowlist is None else frozenset([*r.allowlist, *self.extra_allowed])
+        if r.allowlist is not None and self.extra_allowed:  # nodes check peers against the same list
+            r.allowlist = sorted({*r.allowlist, *self.extra_allowed})
+        allow = None if r.allowlist is None else frozenset(r.allowlist)
         self.admission = Admission(commit=self.commit, run_id=self.run_id, allowlist=allow,
                                    threshold=r.auth_threshold or r.min_nodes, tree=self.tree)
         self._auth_abort: str | None = None  # why the whole swarm is cancelled (auth_threshold)
@@ -85,12 +87,18 @@ class Coordinator:
         self.speed: dict[str, float] = {}        # samples/s: calibrated at join, then measured
         self.last_seen: dict[str, float] = {}    # monotonic time of each node's last message
         self.ledger = Ledger()
+        self.joining: list[Peer] = []           # admitted after the start: enter at the next round
+        self.state_round: dict[str, int] = {}   # the round whose θ each node holds (-1: initial θ)
+        self.checksums: dict[int, str] = {}     # the agreed checksum of θ after each round
+        self.evaluating: set[str] = set()       # evaluators with an evaluation in flight
         self.rejected: list[str] = []  # why connections were dropped (also logged)
 
     # --- serving connections -------------------------------------------------------------------
 
     async def start(self) -> str:
         """Bind and start accepting; returns the join ticket."""
+        if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
+            raise CoordinatorError(why)
         self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN,))
         self._spawn(self._accept_loop())
         return self.endpoint.ticket()
@@ -158,10 +166,6 @@ class Coordinator:
                 raise P.ProtocolError(f"expected NodeInfo first, got {info.type}")
             if info.node_id != ch.peer_id:
                 raise P.ProtocolError("NodeInfo.node_id is not the id of the connecting endpoint")
-            if self._started:
-                await ch.send_frame(P.encode(P.TrainingCancel(
-                    reason="the run has already started; late join is not supported yet")))
-                raise P.ProtocolError("joined after the run started")
             peer = Peer(info, ch)
             await ch.send_frame(P.encode(P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"),
                                                        commit=self.commit)))
@@ -180,6 +184,8 @@ class Coordinator:
             peer.commit = rc
             async with self._joined:
                 self.ready[peer.id] = peer
+                if self._started:  # a late joiner: it enters at the next round, fetching θ first
+                    self.joining.append(peer)
                 self._joined.notify_all()
             if self.monitor:
                 self.monitor.nodes[peer.id] = NodeView(info.name, info.device)
@@ -233,23 +239,82 @@ class Coordinator:
         await self._broadcast(peers, P.TrainingReady(nodes=[p.id for p in peers],
                                                      signatures=self.admission.signatures(p.id for p in peers)))
         r = self.recipe
-        self.members = {p.id: p for p in peers}
+        self.checksums[-1] = peers[0].commit.param_checksum
+        self.n_train = peers[0].commit.n_train
         for p in peers:
-            self.speed[p.id] = self._checked_speed(p, p.commit.samples_per_s)
-            self.last_seen[p.id] = time.monotonic()
-        queue = UnitQueue(peers[0].commit.n_train, r.unit_samples)
+            self._enter(p, -1)
+        queue = UnitQueue(self.n_train, r.unit_samples)
         for rnd in range(r.rounds):
             if self.monitor:
                 self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
+            await self._admit_late_joiners(rnd)
             if not self.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
             self.results.append(await self._round(rnd, queue))
+        await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
         await self._broadcast(list(self.members.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
-            self.monitor.event("complete", rounds=r.rounds, final_val_loss=final)
+            self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
+
+    async def _finish_evaluations(self, timeout: float) -> None:
+        """Give evaluations still in flight a chance to land before the run ends."""
+        deadline = time.monotonic() + timeout
+        while self.evaluating and time.monotonic() < deadline:
+            try:
+                peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
+            except asyncio.TimeoutError:
+                continue
+            if msg is None or peer.id not in self.members:
+                self.evaluating.discard(peer.id)
+            elif isinstance(msg, P.EvalResult):
+                self._on_eval(peer.id, msg)
+        if self.evaluating:
+            log.warning("ending without %d evaluation(s) still running", len(self.evaluating))
+
+    def _on_eval(self, i: str, msg: P.EvalResult) -> None:
+        self.evaluating.discard(i)
+        self.state_round[i] = msg.after_round
+        if msg.after_round < 0:
+            self.initial_val_loss = msg.val_loss
+            self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
+        else:
+            self._note("val", after_round=msg.after_round, val_loss=msg.val_loss, val_samples=msg.val_samples)
+
+    # --- membership ----------------------------------------------------------------------------
+
+    def _enter(self, p: Peer, state_round: int) -> None:
+        self.members[p.id] = p
+        self.speed[p.id] = self._checked_speed(p, p.commit.samples_per_s)
+        self.last_seen[p.id] = time.monotonic()
+        self.state_round[p.id] = state_round
+
+    async def _admit_late_joiners(self, rnd: int) -> None:
+        """Nodes admitted during the last round join now; they fetch θ from a peer first."""
+        async with self._joined:
+            joining, self.joining = self.joining, []
+        for p in joining:
+            if (p.commit.param_checksum, p.commit.n_train) != (self.checksums[-1], self.n_train):
+                why = "this node loaded a different task (initial θ or dataset differs)"
+                await self._send(p, P.TrainingCancel(reason=why))
+                self._note("node_refused", node_id=p.id, reason=why)
+                continue
+            ids = [*self.members, p.id]
+            await self._send(p, P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids)))
+            self._enter(p, -1)
+            self._note("node_entered", node_id=p.id, name=p.info.name, round=rnd)
+
+    def _state_source(self, node: str) -> P.StateSource | None:
+        """Where `node` gets the swarm's current θ, or None when it already holds it."""
+        last = max(self.checksums)
+        if self.state_round.get(node) == last:
+            return None
+        donors = sorted((i for i in self.members if self.state_round.get(i) == last and i != node),
+                        key=lambda i: -self.speed[i])
+        return P.StateSource(round=last, checksum=self.checksums[last],
+                             tickets=[self.members[i].info.ring_ticket for i in donors])
 
     # --- one round -----------------------------------------------------------------------------
 
@@ -271,9 +336,9 @@ class Coordinator:
     def _evaluators(self, budget: int) -> set[str]:
         """Nodes so slow that one inner step would hold the swarm back: they evaluate instead.
 
-        A node evaluates when a single inner step of it takes longer than slow_node_fraction of
-        the round's expected length (the round budget over the trainers' summed speed); the
-        fastest node always trains."""
+        A node evaluates when it is more than 1/slow_node_fraction times slower than the fastest
+        node AND a single inner step of it takes longer than slow_node_fraction of the round's
+        expected length (the round budget over the trainers' summed speed). The fastest trains."""
         r = self.recipe
         speeds = {i: self.speed[i] for i in self.members}
         fastest = max(speeds, key=speeds.get)
@@ -283,7 +348,8 @@ class Coordinator:
                 break
             trainers = sum(v for k, v in speeds.items() if k not in evaluators)
             round_s = budget / trainers
-            if r.batch_size / speeds[i] > r.slow_node_fraction * round_s:
+            if speeds[i] < r.slow_node_fraction * speeds[fastest] and \
+                    r.batch_size / speeds[i] > r.slow_node_fraction * round_s:
                 evaluators.add(i)
         return evaluators
 
@@ -304,28 +370,36 @@ class Coordinator:
         plan = RoundPlan.make(units, trainers, steal)
         fastest = max(trainers, key=trainers.get)
         for i, peer in list(self.members.items()):
-            if i in evaluators:
-                a = P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate")
-            else:
-                a = P.ShardAssignment(round=rnd, epoch=epoch, units=plan.grant_first(i), planned=len(plan.planned[i]),
-                                      report_val=i == fastest and (not evaluators or rnd == r.rounds - 1))
-            await self._send(peer, a)
+            if i in evaluators:  # evaluators work at their own pace: a new job once the last is done
+                if i not in self.evaluating:
+                    self.evaluating.add(i)
+                    await self._send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate",
+                                                             state=self._state_source(i)))
+                continue
+            await self._send(peer, P.ShardAssignment(
+                round=rnd, epoch=epoch, units=plan.grant_first(i), planned=len(plan.planned[i]),
+                report_val=i == fastest and (not evaluators or rnd == r.rounds - 1), state=self._state_source(i)))
+
+        def part() -> list[str]:
+            """The nodes in this round's barrier and ring (evaluators are not)."""
+            return [i for i in self.members if i not in evaluators]
+
         last_progress = {i: time.monotonic() for i in self.members}
         synced: dict[str, P.BarrierSync] = {}
         t_sync: dict[str, float] = {}
         done: dict[str, P.RoundDone] = {}
         excluded: set[str] = set()
         give_back: list[P.WorkUnit] = []
-        stop_sent = False
+        stop_sent, t_stop = False, 0.0
         ring: list[P.RingMember] | None = None
 
         async def stop_all(reason: str) -> None:
-            nonlocal stop_sent
+            nonlocal stop_sent, t_stop
             if not stop_sent:
-                stop_sent = True
+                stop_sent, t_stop = True, time.monotonic()
                 log.info("round %d: %s; stopping at the next inner step", rnd, reason)
-                await asyncio.gather(*(self._send(p, P.StopRound(round=rnd))
-                                       for i, p in self.members.items() if i not in synced))
+                await asyncio.gather(*(self._send(self.members[i], P.StopRound(round=rnd))
+                                       for i in part() if i not in synced))
 
         def drop(i: str, why: str) -> None:
             """Remove a node from the swarm mid-round; its work this round is redone."""
@@ -340,7 +414,7 @@ class Coordinator:
             if self.monitor:
                 self.monitor.nodes.pop(i, None)
 
-        while len(done) < len(self.members):
+        while ring is None or len(done) < len(part()):
             try:
                 peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
             except asyncio.TimeoutError:
@@ -395,6 +469,8 @@ class Coordinator:
                             self._note("val", after_round=rnd - 1, val_loss=msg.val_loss, val_samples=msg.val_samples)
                 elif isinstance(msg, P.RoundDone):
                     done[i] = msg
+                elif isinstance(msg, P.EvalResult):
+                    self._on_eval(i, msg)
                 elif isinstance(msg, (P.Heartbeat, P.Pong)):
                     pass
                 else:
@@ -408,46 +484,51 @@ class Coordinator:
                         raise CoordinatorError(f"node {self.members[i].info.name} went silent during the "
                                                f"all-reduce of round {rnd}")
                     drop(i, f"silent for {silent:.0f}s")
-                elif ring is None and i in trainers and i not in synced and i not in excluded and not stop_sent \
-                        and plan.granted.get(i):
-                    expected = r.unit_samples / max(self.speed[i], 1e-9)
-                    limit = r.unit_deadline_factor * expected + 2 * r.heartbeat_s
-                    if now - last_progress[i] > limit:
-                        log.warning("node %s has not finished a unit in %.0fs (expected %.1fs): its units are "
-                                    "reassigned and it sits out this round", self.members[i].info.name,
-                                    now - last_progress[i], expected)
-                        self._note("deadline", node_id=i, round=rnd, waited_s=now - last_progress[i],
-                                   expected_s=expected)
-                        excluded.add(i)
-                        plan.drop(i)
-                        await self._send(self.members[i], P.StopRound(round=rnd))
-            if ring is None and self.members and all(i in synced or i in excluded for i in self.members) \
-                    and any(i in synced for i in self.members):
-                waiting = [i for i in self.members if i not in synced]
-                if waiting:  # only excluded stragglers left: give them until stale_after_s
-                    if now - max(t_sync.values()) < r.stale_after_s:
-                        continue
-                    for i in waiting:
-                        drop(i, "did not reach the barrier after its work was reassigned")
-                if trainers and all(i in synced for i in trainers if i in self.members) and not stop_sent:
-                    await stop_all("every trainer is done")  # evaluators stop now
-                if not all(i in synced for i in self.members):
                     continue
-                total = sum(sum(u.hi - u.lo for u in synced[i].trained)
-                            for i in self.members if i not in excluded and i not in evaluators)
-                def weight(i: str) -> float:
-                    if i in excluded or i in evaluators or total == 0:
-                        return 0.0
-                    return sum(u.hi - u.lo for u in synced[i].trained) / total
-                ring = [P.RingMember(node_id=i, ticket=p.info.ring_ticket, weight=weight(i))
-                        for i, p in self.members.items()]
-                t_ready = now
-                await self._broadcast(list(self.members.values()), P.BarrierReady(round=rnd, ring=ring, codec=r.codec))
-            elif ring is None and not self.members:
-                raise CoordinatorError(f"every node has left (round {rnd})")
-            elif ring is None and all(i in synced for i in trainers if i in self.members) and not stop_sent \
-                    and any(i in synced for i in trainers):
-                await stop_all("every trainer is done")
+                if ring is not None or i in synced or i in excluded or i in evaluators:
+                    continue
+                # Deadlines: a unit should take unit_samples/speed, and after StopRound a node
+                # should reach the barrier within one inner step. Past unit_deadline_factor times
+                # that (plus heartbeat slack), its work is reassigned and it sits this round out.
+                if stop_sent:
+                    since, expected = max(t_stop, last_progress[i]), r.batch_size / self.speed[i]
+                elif i in trainers and plan.granted.get(i):
+                    since, expected = last_progress[i], r.unit_samples / self.speed[i]
+                else:
+                    continue
+                waited = now - since
+                if waited > r.unit_deadline_factor * expected + 2 * r.heartbeat_s:
+                    name = self.members[i].info.name
+                    log.warning("node %s has not finished its work in %.1fs (expected %.2fs): its units are "
+                                "reassigned and it sits out this round", name, waited, expected)
+                    self._note("deadline", node_id=i, name=name, round=rnd, waited_s=waited, expected_s=expected)
+                    excluded.add(i)
+                    plan.drop(i)
+                    # What we know now: it is at least this slow. Plans (and the choice of
+                    # evaluators) from the next round on use that.
+                    self.speed[i] = min(self.speed[i], r.batch_size / waited)
+                    await self._send(self.members[i], P.StopRound(round=rnd))
+            if ring is not None:
+                continue
+            if not part():
+                raise CoordinatorError(f"every training node has left (round {rnd})")
+            unsynced = [i for i in part() if i not in synced]
+            if unsynced and not all(i in excluded for i in unsynced):
+                continue
+            if not any(i in synced and i not in excluded for i in part()):
+                continue  # nobody useful yet (e.g. everyone excluded): keep waiting for stragglers
+            for i in unsynced:  # only stragglers past their deadline are left: go on without them
+                drop(i, "did not reach the barrier in time after its work was reassigned")
+            total = sum(sum(u.hi - u.lo for u in synced[i].trained) for i in part() if i not in excluded)
+
+            def weight(i: str) -> float:
+                if i in excluded or i in evaluators or total == 0:
+                    return 0.0
+                return sum(u.hi - u.lo for u in synced[i].trained) / total
+
+            ring = [P.RingMember(node_id=i, ticket=self.members[i].info.ring_ticket, weight=weight(i)) for i in part()]
+            t_ready = now
+            await self._broadcast([self.members[i] for i in part()], P.BarrierReady(round=rnd, ring=ring, codec=r.codec))
 
         checksums = {d.checksum for d in done.values()}
         if len(checksums) != 1:
@@ -455,6 +536,9 @@ class Coordinator:
             await self._broadcast(list(self.members.values()), P.TrainingCancel(reason=f"replicas diverged in round {rnd}"))
             raise CoordinatorError(f"replicas diverged after round {rnd}: {detail}")
         weights = {m.node_id: m.weight for m in ring}
+        self.checksums[rnd] = next(iter(checksums))
+        for i in done:
+            self.state_round[i] = rnd
         for i, s in synced.items():
             if weights.get(i, 0) > 0:
                 self.ledger.add(epoch, s.trained)
@@ -472,6 +556,7 @@ class Coordinator:
             self.monitor.event("round", round=rnd, epoch=epoch, val_loss=val, train_loss=train_loss, samples=samples,
                                seconds=res.seconds, checksum=res.checksum,
                                bytes_sent=sum(d.bytes_sent for d in done.values()),
+                               evaluators=sorted(self.members[i].info.name for i in evaluators if i in self.members),
                                reduce_s=max(d.reduce_s for d in done.values()),
                                nodes={self.members[i].info.name: {
                                    "node_id": i, "samples": sum(u.hi - u.lo for u in s.trained), "steps": s.steps,

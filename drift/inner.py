@@ -6,8 +6,8 @@ the steps left in hand cover about one round trip to the coordinator — so a no
 the network. StopRound cuts the round at the next inner step: the part of a unit already trained
 counts (it is in θ_local), the rest is handed back and trained in a later round.
 
-Evaluator nodes (too slow to train without holding everyone back) instead compute the validation
-loss of θ at the start of the round, in small batches, until StopRound.
+Evaluator nodes (too slow to train without holding everyone back) are not in the round at all:
+node.py has them fetch the newest θ from a peer and report its validation loss, at their own pace.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class RoundReport:
     losses: list[float] = field(default_factory=list)
     trained: list[P.WorkUnit] = field(default_factory=list)
     returned: list[P.WorkUnit] = field(default_factory=list)
-    val_loss: float | None = None
+    val_loss: float | None = None     # report_val in round 0: the loss of the initial θ
     val_samples: int = 0
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
@@ -122,8 +122,6 @@ class InnerLoop:
 
     async def run_round(self, a: P.ShardAssignment) -> RoundReport:
         self._factor = self.speed.at(a.round)
-        if a.role == "evaluate":
-            return await self._evaluate_round(a)
         report = RoundReport()
         if a.report_val and a.round == 0:  # the loss before any training, for the record
             report.val_loss = await self._step(self.worker.evaluate, self.recipe.eval_batches,
@@ -182,33 +180,10 @@ class InnerLoop:
         state["asked"], state["asked_at"] = True, time.perf_counter()
         await self.send(P.AskForMoreWork(round=state["round"]))
 
-    async def _evaluate_round(self, a: P.ShardAssignment) -> RoundReport:
-        """Validation loss of θ at round start, a few samples at a time, until StopRound."""
-        report = RoundReport()
-        state = {"round": a.round, "granted": deque(), "asked": False, "asked_at": 0.0,
-                 "no_more": True, "stop": False}
-        total = min(self.worker.n_val, self.recipe.eval_batches * self.recipe.batch_size)
-        mb = max(1, min(8, self.recipe.batch_size))
-        loss_sum = 0.0
-        evaluate_range = getattr(self.worker, "evaluate_range", None)
-        while report.val_samples < total:
-            self._poll(state)
-            if state["stop"]:
-                break
-            if evaluate_range is None:  # a backend without ranged evaluation: one uninterruptible pass
-                loss_sum = total * await self._step(self.worker.evaluate, self.recipe.eval_batches,
-                                                    self.recipe.batch_size)
-                report.val_samples = total
-                break
-            n = min(mb, total - report.val_samples)
-            loss = await self._step(evaluate_range, report.val_samples, n)
-            loss_sum += loss * n
-            report.val_samples += n
-        if report.val_samples:
-            report.val_loss = loss_sum / report.val_samples
-        while not state["stop"]:
-            self._apply(await self.inbox.get(), state)
-        return report
+    async def evaluate(self, rnd: int) -> float:
+        """Validation loss of the worker's θ (an evaluator's job; at the node's own pace)."""
+        self._factor = self.speed.at(rnd)
+        return await self._step(self.worker.evaluate, self.recipe.eval_batches, self.recipe.batch_size)
 
 
 def finite_positive(x: float | None) -> bool:

@@ -13,7 +13,6 @@ import logging
 import os
 import secrets
 import socket
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +23,11 @@ from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
 from drift.diloco import NesterovOuter, ParamLayout, checksum, weighted_delta
 from drift.inner import InnerLoop, SpeedSchedule, StopTraining, calibrate
+from drift.state import StateError, StateServer, fetch_state
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
 from drift.ring import Ring
-from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, Channel, Endpoint, mode_for_ticket
+from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, mode_for_ticket
 from workers import BackendError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
@@ -50,14 +50,6 @@ class NodeOptions:
     speed: SpeedSchedule = field(default_factory=SpeedSchedule)  # simulations only
 
 
-def _git(repo: Path, *args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 class Node:
     def __init__(self, opts: NodeOptions):
         self.opts = opts
@@ -67,6 +59,7 @@ class Node:
         self.ring: Ring | None = None
         self._tasks: list[asyncio.Task] = []
         self.round = -1
+        self.state = StateServer()
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -94,8 +87,10 @@ class Node:
                 return
             if alpn == RING_ALPN:
                 self._tasks.append(asyncio.ensure_future(self.ring.handle_incoming(conn)))
+            elif alpn == STATE_ALPN:
+                self._tasks.append(asyncio.ensure_future(self.state.handle(conn)))
             else:
-                conn.close(2, b"nodes serve drift-ring/0 only")
+                conn.close(2, b"nodes serve drift-ring/0 and drift-state/0 only")
 
     async def expect(self, *types: type, timeout: float | None = None) -> P.Message:
         """Next control message, which must be one of `types` (TrainingCancel always ends us)."""
@@ -212,6 +207,7 @@ class Node:
         await self._verify_ready(await self.expect(P.TrainingReady, timeout=None), cfg, recipe)
 
         inner = InnerLoop(worker, recipe, self.inbox, self.send, self.opts.speed)
+        self.state.publish(-1, theta, outer.velocity)
         self._tasks.append(asyncio.ensure_future(self._heartbeat(recipe.heartbeat_s)))
         loop = asyncio.get_running_loop()
         while True:
@@ -220,6 +216,21 @@ class Node:
                 log.info("training complete after %d rounds", msg.rounds)
                 return 0
             rnd = self.round = msg.round
+            if msg.state is not None:  # a late joiner, or an evaluator: take the swarm's θ first
+                try:
+                    snap = await fetch_state(self.endpoint, msg.state.tickets, msg.state.round,
+                                             msg.state.checksum, layout.size)
+                except StateError as e:
+                    raise await self._refuse(str(e)) from None
+                theta[:], outer.velocity[:] = snap.theta, snap.velocity
+                worker.set_params(layout.unflatten(theta))
+                self.state.publish(snap.round, theta, outer.velocity)
+                log.info("took θ after round %d from a peer", snap.round)
+            if msg.role == "evaluate":
+                val = await inner.evaluate(msg.round)
+                n = min(worker.n_val, recipe.eval_batches * recipe.batch_size)
+                await self.send(P.EvalResult(after_round=self.state.snapshot.round, val_loss=val, val_samples=n))
+                continue
             try:
                 report = await inner.run_round(msg)
             except StopTraining as e:
@@ -233,6 +244,7 @@ class Node:
                                                   topk_fraction=recipe.topk_fraction)
             outer.step(theta, delta)
             worker.set_params(layout.unflatten(theta))
+            self.state.publish(rnd, theta, outer.velocity)
             val = await loop.run_in_executor(None, worker.evaluate, recipe.eval_batches, recipe.batch_size) \
                 if msg.report_val else None
             await self.send(P.RoundDone(round=rnd, checksum=checksum(theta), val_loss=val,

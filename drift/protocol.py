@@ -100,6 +100,13 @@ class WorkUnit(_Msg):
     hi: int = Field(ge=0)
 
 
+class StateSource(_Msg):
+    """Where a node that lacks the swarm's θ fetches it (ALPN drift-state/0), and what to expect."""
+    round: int                        # θ after this round's outer step (-1: the initial θ)
+    checksum: str
+    tickets: list[str]                # peers that hold it, tried in order
+
+
 class ShardAssignment(_Msg):
     """Coordinator -> node, at the start of a round: the units granted now, and the role.
 
@@ -112,6 +119,7 @@ class ShardAssignment(_Msg):
     planned: int = 0
     role: Literal["train", "evaluate"] = "train"   # evaluate: val loss of θ at round start, no training
     report_val: bool = False          # evaluate θ after the outer step and report it in RoundDone
+    state: StateSource | None = None  # fetch θ first (late joiners, evaluators)
 
 
 class TrainProgress(_Msg):
@@ -186,6 +194,14 @@ class RoundDone(_Msg):
     reduce_s: float = 0.0
 
 
+class EvalResult(_Msg):
+    """Evaluator -> coordinator: validation loss of θ after round `after_round`."""
+    type: Literal["EvalResult"] = "EvalResult"
+    after_round: int
+    val_loss: float
+    val_samples: int
+
+
 class CheckpointInfo(_Msg):
     type: Literal["CheckpointInfo"] = "CheckpointInfo"
     round: int
@@ -202,7 +218,7 @@ class TrainComplete(_Msg):
 Message = Annotated[
     Union[NodeInfo, TrainConfig, RepoCommit, TrainingReady, TrainingCancel, Ping, Pong, Heartbeat,
           ShardAssignment, TrainProgress, AskForMoreWork, AssignNext, NoMoreWork, StopRound,
-          BarrierSync, BarrierReady, RoundDone, CheckpointInfo, TrainComplete],
+          BarrierSync, BarrierReady, RoundDone, EvalResult, CheckpointInfo, TrainComplete],
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

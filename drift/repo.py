@@ -100,7 +100,8 @@ class RepoCache:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # checkouts are private
+        self.root.mkdir(mode=0o700, exist_ok=True)
         with open(self.root.parent / f"{self.root.name}.lock", "a") as fh:
             try:
                 import fcntl
@@ -154,8 +155,8 @@ class RepoCache:
     def checkout(self, commit: str) -> Path:
         """A clean checkout of `commit` (full id), fetched if needed; RepoError if impossible."""
         if not is_commit_id(commit):
-            raise RepoError(f"the coordinator named {commit!r}, not a full commit id; "
-                            f"drift runs only code pinned to one commit")
+            named = f"{commit!r}, not a full commit id" if commit else "no commit"
+            raise RepoError(f"the coordinator named {named}; drift runs only code pinned to one commit")
         with self._locked():
             repo = self._mirror()
             if not self._reachable(repo, commit):

@@ -50,6 +50,11 @@ class UnitQueue:
             got += u.hi - u.lo
         return self.epoch, out
 
+    def position(self) -> dict:
+        """Where the epoch stands: every sample of units [0, next_unit) was trained, except `pending`."""
+        return {"epoch": self.epoch, "next_unit": self._next,
+                "pending": [[u.id, u.lo, u.hi] for u in self._returned]}
+
     def give_back(self, units: list[WorkUnit]) -> None:
         self._returned.extendleft(reversed([u for u in units if u.hi > u.lo]))
 

@@ -23,6 +23,7 @@ from iroh import iroh_ffi
 
 CONTROL_ALPN = b"drift/0"
 RING_ALPN = b"drift-ring/0"
+STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 _LEN = struct.Struct(">I")
 
@@ -183,7 +184,7 @@ class Endpoint:
 
     @classmethod
     async def bind(cls, mode: NetworkMode = "local", secret_key: bytes | None = None,
-                   alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN)) -> "Endpoint":
+                   alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN)) -> "Endpoint":
         """Bind an endpoint. local: loopback only; lan: all interfaces, no relay;
         relay: iroh's public relays and hole-punching (needs internet)."""
         preset = iroh.preset_n0() if mode == "relay" else iroh.preset_minimal()

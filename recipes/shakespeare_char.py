@@ -109,6 +109,14 @@ class CharDataset:
         self.n_val: int = max(0, (len(tokens) - n - 1) // block_size)
         self._offsets = np.arange(block_size + 1)
 
+    def tokens(self, split: str) -> np.ndarray:
+        """The whole split as one token array (read-only view): for loops that gather windows themselves."""
+        if split not in self._splits:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        view = self._splits[split].view()
+        view.flags.writeable = False
+        return view
+
     def encode(self, s: str) -> np.ndarray:
         """String -> int64 token ids (every character must be in the vocabulary)."""
         stoi = {c: i for i, c in enumerate(self.chars)}

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from drift import simulate
+from drift.simulate import git  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough that a 3-node swarm finishes a few rounds in seconds on 2 cores.
 TINY_RECIPE = {
     "name": "tiny",
-    "task": "recipes/shakespeare_char.py",
     "task_config": {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
     "min_nodes": 3,
     "rounds": 4,
@@ -40,23 +38,9 @@ def run_async(coro, timeout: float = 120.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()
-
-
 def make_task_repo(path: Path, **recipe_overrides) -> Path:
-    """A real git repo holding the default task file and recipes/tiny.yaml; returns the recipe path."""
-    (path / "recipes").mkdir(parents=True)
-    shutil.copy(ROOT / "recipes" / "shakespeare_char.py", path / "recipes" / "shakespeare_char.py")
-    recipe = path / "recipes" / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe_overrides}, sort_keys=False))
-    git(path, "init", "-q", "-b", "main")
-    git(path, "add", "-A")
-    git(path, "commit", "-q", "-m", "task")
-    return recipe
+    """A real git repo holding the default task and recipes/tiny.yaml; returns the recipe path."""
+    return simulate.make_task_repo(path, {**TINY_RECIPE, **recipe_overrides})
 
 
 @pytest.fixture
@@ -66,3 +50,32 @@ def tiny_recipe(tmp_path: Path) -> Path:
 
 def drift_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "drift", *args]
+
+
+def check_exactly_once(events: list[dict], unit_samples: int) -> int:
+    """Every sample of the epochs touched was trained exactly once (or is still pending);
+    returns the number of samples accounted for."""
+    rounds = [e for e in events if e["event"] == "round"]
+    complete = next(e for e in events if e["event"] == "complete")
+    per_epoch: dict[int, list[tuple[int, int, int]]] = {}
+    for r in rounds:
+        for n in r["nodes"].values():
+            if n["weight"] > 0:
+                per_epoch.setdefault(r["epoch"], []).extend(map(tuple, n["trained"]))
+    last = complete["epoch"]
+    per_epoch.setdefault(last, []).extend(map(tuple, complete["pending"]))
+    total = 0
+    for epoch, pieces in per_epoch.items():
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for uid, lo, hi in pieces:
+            spans.setdefault(uid, []).append((lo, hi))
+        for uid, s in spans.items():
+            s.sort()
+            assert s[0][0] == 0, (epoch, uid, s)
+            for (a, b), (c, d) in zip(s, s[1:]):
+                assert b == c, f"epoch {epoch} unit {uid}: samples lost or trained twice: {s}"
+            assert s[-1][1] == unit_samples, f"epoch {epoch} unit {uid}: tail lost: {s}"
+            total += s[-1][1]
+        if epoch == last:
+            assert sorted(spans) == list(range(complete["next_unit"])), (sorted(spans), complete["next_unit"])
+    return total

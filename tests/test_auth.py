@@ -184,6 +184,9 @@ def test_allowlist_and_threshold() -> None:
     why = adm.unreachable()
     assert why and "auth_threshold 2 can no longer be met: 2 of the 3 allowlisted nodes were refused" in why
     assert _admission(threshold=5).unreachable() is None  # an open swarm can always gain nodes
+    adm.refuse(stranger.node_id, "unknown")                 # strangers are not remembered
+    assert stranger.node_id not in adm.refused
+    assert "can never be met: the allowlist names only 3 node(s)" in _admission(allowlist=ids, threshold=4).unreachable()
 
 
 def test_node_checks_its_peers_signatures() -> None:
@@ -284,3 +287,42 @@ def test_repo_must_be_git_and_task_must_stay_inside(tmp_path: Path) -> None:
     for task in ("../../x.py", "link.py"):
         with pytest.raises(RepoError, match="outside the checkout"):
             cache.task_path(work, task)
+
+
+# --- the coordinator's side of the CLI -----------------------------------------------------------
+
+def _coord_error(recipe: Path, tmp_path: Path) -> str:
+    env = {**os.environ, "DRIFT_HOME": str(tmp_path / "home")}
+    out = subprocess.run(drift_cmd("coord", str(recipe), "--run-dir", str(tmp_path / "run")),
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("drift: error: "), out.stderr
+    return lines[0]
+
+
+def test_coord_refuses_unpinnable_code_and_bad_allowlists(tmp_path: Path) -> None:
+    import shutil
+
+    import yaml
+
+    from conftest import ROOT, make_task_repo
+    recipe = make_task_repo(tmp_path / "repo")
+    data = yaml.safe_load(recipe.read_text())
+
+    def write(**over) -> Path:
+        recipe.write_text(yaml.safe_dump({**data, **over}))
+        return recipe
+
+    assert "commit: commit 'no-such-branch' is not in the repository" in _coord_error(
+        write(commit="no-such-branch"), tmp_path)
+    (recipe.parent / "allow.txt").write_text(f"{NodeKey.generate().node_id} ok\nbogus line\n")
+    line = _coord_error(write(allowlist="allow.txt"), tmp_path)
+    assert "allow.txt, entry 2: 'bogus' is not a node id" in line
+    line = _coord_error(write(allowlist=[NodeKey.generate().node_id], auth_threshold=2), tmp_path)
+    assert "auth_threshold 2 can never be met: the allowlist names only 1 node(s)" in line
+    plain = tmp_path / "plain"
+    (plain / "recipes").mkdir(parents=True)
+    shutil.copy(ROOT / "recipes" / "shakespeare_char.py", plain / "recipes")
+    (plain / "tiny.yaml").write_text(yaml.safe_dump(data))  # outside git, the root is the recipe's dir
+    assert "is not a git repository and the recipe pins no commit" in _coord_error(plain / "tiny.yaml", tmp_path)

@@ -18,6 +18,8 @@ import pytest
 from conftest import ROOT, drift_cmd, git, make_task_repo
 from workers import Worker, load_task, make_worker
 
+pytest.importorskip("mlx.core", reason="the mlx backend is not installed (pip install -e '.[test]')")
+
 CFG = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 32}
 BACKENDS = ("torch", "mlx", "numpy")
 
@@ -220,7 +222,8 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 def test_swarm_of_torch_mlx_and_numpy_nodes_trains_one_model(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", rounds=3)
+    # lockstep: every node trains its share each round (steal would let the slow ones evaluate instead)
+    recipe = make_task_repo(tmp_path / "repo", rounds=3, schedule="lockstep")
     coord, out, ticket = _start_coord(recipe, tmp_path)
     nodes = [_join(tmp_path / "repo", ticket, tmp_path, b, no_torch=(b == "numpy")) for b in BACKENDS]
     try:
@@ -236,6 +239,9 @@ def test_swarm_of_torch_mlx_and_numpy_nodes_trains_one_model(tmp_path: Path) -> 
     rounds = [e for e in events if e["event"] == "round"]
     # The coordinator accepts a round only when every node reported the same checksum of θ.
     assert [r["round"] for r in rounds] == [0, 1, 2] and len({r["checksum"] for r in rounds}) == 3
+    for r in rounds:  # and every backend's node trained, so θ moved by all three kinds of Δ
+        assert sorted(r["nodes"]) == [f"node-{b}" for b in sorted(BACKENDS)]
+        assert all(n["samples"] > 0 and n["weight"] > 0 for n in r["nodes"].values()), r["nodes"]
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     assert rounds[-1]["val_loss"] < initial - 0.3
 
@@ -257,3 +263,22 @@ def test_task_without_the_nodes_backend_is_refused_at_join(tmp_path: Path) -> No
     assert len(lines) == 1, err
     assert lines[0] == ("drift: error: task recipes/shakespeare_char.py has no mlx implementation "
                         "(make_mlx_model); it supports: torch, numpy")
+
+
+def test_mlx_worker_runs_mlx_on_its_own_thread(cached: SimpleNamespace) -> None:
+    """Metal streams are thread-local (mlx >= 0.31.2) and drift calls train_step from executor
+    threads: the mlx worker must do all mlx work on one thread of its own."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    w = make_worker(cached, CFG, {}, backend="mlx", seed=0)
+    seen: list[int] = []
+    for name in ("_train_step", "_get_params", "_set_params", "_evaluate"):
+        inner = getattr(w, name)
+        setattr(w, name, lambda *a, _f=inner: (seen.append(threading.get_ident()), _f(*a))[1])
+    with ThreadPoolExecutor(2) as ex:
+        ex.submit(w.train_step, np.arange(8)).result()
+        params = ex.submit(w.get_params).result()
+        ex.submit(w.set_params, params).result()
+        ex.submit(w.evaluate, 1, 8).result()
+    w.train_step(np.arange(8))  # and from this (the main) thread
+    assert len(seen) == 5 and set(seen) == {w._thread_id} != {threading.get_ident()}

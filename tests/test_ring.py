@@ -84,12 +84,13 @@ def test_wrong_round_header_fails_loudly() -> None:
                                            rings[1].allreduce_sum(b, members, 4), return_exceptions=True)
         finally:
             await _close(eps, rings, tasks)
-        errors = [r for r in results if isinstance(r, RingError)]
-        assert errors, results
-        return str(errors[0])
+        errors = [str(r) for r in results if isinstance(r, RingError)]
+        assert len(errors) == 2, results  # neither node returns numbers
+        # whoever noticed first says why; its neighbour may only see the connection close
+        return next(e for e in errors if "unexpected ring chunk" in e)
 
     msg = run_async(main())
-    assert "unexpected ring chunk" in msg and "round" in msg
+    assert "round 4 (expected 3)" in msg or "round 3 (expected 4)" in msg
 
 
 def test_rejects_non_float32() -> None:
@@ -127,11 +128,11 @@ def _pseudo_grads(n: int, size: int, seed: int) -> list[np.ndarray]:
     return [((common + rng.standard_normal(size)) * np.float32(1e-3 / n)).astype(np.float32) for _ in range(n)]
 
 
-@pytest.mark.parametrize("codec", list(CODECS))
-def test_compressed_round_leaves_replicas_byte_identical(codec: str) -> None:
+@pytest.mark.parametrize("codec,n", [(c, 3) for c in CODECS] + [("int8", 2), ("int8", 4), ("topk", 4)])
+def test_compressed_round_leaves_replicas_byte_identical(codec: str, n: int) -> None:
     """After a compressed all-reduce and the outer step, theta is the same bytes on every node,
     and the averaged delta is close to the exact one (as close as the codec allows)."""
-    n, size = 3, 600_011
+    size = 600_011
     xs = _pseudo_grads(n, size, seed=1)
     outs, _ = run_async(_reduce(n, [xs], codec, topk_fraction=0.05))
     exact = np.sum(np.stack(xs).astype(np.float64), axis=0)
@@ -178,10 +179,9 @@ def test_codec_mismatch_fails_loudly() -> None:
                                            return_exceptions=True)
         finally:
             await _close(eps, rings, tasks)
-        errors = [r for r in results if isinstance(r, RingError)]
-        assert errors, results
-        assert np.all(a == 1) or np.all(b == 1) or True  # no numbers are trusted after a failure
-        return str(errors[0])
+        errors = [str(r) for r in results if isinstance(r, RingError)]
+        assert len(errors) == 2, results  # neither node returns numbers
+        return next(e for e in errors if "unexpected ring chunk" in e)
 
     msg = run_async(main())
     assert "codec" in msg and "int8" in msg and "fp32" in msg
@@ -197,9 +197,9 @@ def test_size_mismatch_fails_loudly() -> None:
                                            return_exceptions=True)
         finally:
             await _close(eps, rings, tasks)
-        errors = [r for r in results if isinstance(r, RingError)]
-        assert len(errors) == 2, results  # neither node returns a result
-        return str(errors[0])
+        errors = [str(r) for r in results if isinstance(r, RingError)]
+        assert len(errors) == 2, results  # neither node returns numbers
+        return next(e for e in errors if "unexpected ring chunk" in e)
 
     msg = run_async(main())
     assert "unexpected ring chunk" in msg and "vector size" in msg

@@ -74,14 +74,22 @@ async def _refused(node: RawNode, ticket: str, make_frame, replay: bytes | None 
 
 
 def _join(repo: Path, ticket: str, key: Path, cache: Path, name: str) -> subprocess.Popen:
-    return subprocess.Popen(drift_cmd("join", "--repo", str(repo), "--ticket", ticket, "--key", str(key),
+    err = open(cache.parent / f"{name}.err", "w+")  # a file, not a pipe: nobody has to drain it
+    proc = subprocess.Popen(drift_cmd("join", "--repo", str(repo), "--ticket", ticket, "--key", str(key),
                                       "--cache-dir", str(cache), "--name", name, "--threads", "1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc.err_file = err  # type: ignore[attr-defined]
+    return proc
+
+
+def _err(proc: subprocess.Popen) -> str:
+    proc.err_file.seek(0)  # type: ignore[attr-defined]
+    return proc.err_file.read()  # type: ignore[attr-defined]
 
 
 def _wait(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err
+    proc.wait(timeout=timeout)
+    return proc.returncode, _err(proc)
 
 
 def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
@@ -132,7 +140,11 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
                 await asyncio.sleep(0.2)
             # An unknown node knocking during the run is refused at connect; the run goes on.
             reasons["stranger_late"], _ = await _refused(RawNode(stranger), ticket, None)
-            results = await run
+            while not run.done():  # a good node that fails ends the test with its error, not a hang
+                for p in good:
+                    assert p.poll() in (None, 0), _err(p)
+                await asyncio.sleep(0.2)
+            results = run.result()
             good_out = [await asyncio.to_thread(_wait, p) for p in good]
             return reasons, (dirty_rc, dirty_err), (loose_rc, loose_err), results, good_out, list(coord.rejected)
         finally:
@@ -206,3 +218,45 @@ def test_swarm_is_cancelled_when_auth_threshold_cannot_be_met(tmp_path: Path) ->
     assert isinstance(cancel, P.TrainingCancel)
     assert "auth_threshold 2 can no longer be met: 2 of the 3 allowlisted nodes were refused" in cancel.reason
     assert err == cancel.reason
+
+
+def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
+    import numpy as np
+
+    from drift.ring import Ring
+    from drift.transport import RING_ALPN, TransportError
+
+    async def serve(ep: Endpoint, ring: Ring) -> None:
+        while True:
+            _alpn, conn = await ep.accept()
+            asyncio.ensure_future(ring.handle_incoming(conn))
+
+    async def main():
+        eps = [await Endpoint.bind("local") for _ in range(3)]
+        rings = [Ring(ep, timeout=20) for ep in eps[:2]]
+        tasks = [asyncio.ensure_future(serve(ep, ring)) for ep, ring in zip(eps, rings)]
+        try:
+            members = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=0.5) for ep in eps[:2]]
+            xs = [np.ones(8, np.float32), np.full(8, 2, np.float32)]
+            await asyncio.gather(*(r.allreduce_sum(x, members, 0) for r, x in zip(rings, xs)))
+            # A third endpoint, not in the ring, dials node 0's ring ALPN: it is hung up on.
+            ch = await eps[2].connect(eps[0].ticket(), RING_ALPN, timeout=60)
+            await ch.send_frame(b'{"node_id": "stranger"}')
+            try:
+                await ch.recv_frame(4096, timeout=60)
+                closed = ""
+            except TransportError as e:
+                closed = str(e)
+            return xs, closed, set(rings[0]._incoming), eps[1].node_id
+        finally:
+            for t in tasks:
+                t.cancel()
+            for r in rings:
+                r.close()
+            for ep in eps:
+                await ep.close()
+
+    xs, closed, incoming, left_neighbour = run_async(main(), 180)
+    assert all((x == 3).all() for x in xs)
+    assert "not in the current ring" in closed
+    assert incoming == {left_neighbour}

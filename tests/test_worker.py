@@ -186,3 +186,26 @@ def test_load_task_errors_name_the_path(tmp_path: Path) -> None:
         load_task(broken)
     with pytest.raises(TypeError, match="make_dataset"):
         TorchWorker(SimpleNamespace(), CFG, {}, device="cpu")
+
+
+def test_starts_from_the_tasks_backend_neutral_init(cached_task: SimpleNamespace, task: ModuleType) -> None:
+    """With init_params in the task, θ0 is that (what mlx and numpy nodes load too); without it,
+    torch's own seeded init."""
+    with_init = SimpleNamespace(**vars(cached_task), init_params=task.init_params)
+    w = make_worker(with_init, seed=4)
+    expected = task.init_params(CFG, w.dataset.vocab_size, 4)
+    got = w.get_params()
+    assert all(np.array_equal(got[k], expected[k]) for k in expected)
+    own = make_worker(cached_task, seed=4).get_params()  # cached_task has no init_params
+    assert not np.array_equal(own["tok_emb.weight"], expected["tok_emb.weight"])
+
+
+def test_dataset_tokens_view(cached_task: SimpleNamespace) -> None:
+    ds = cached_task.make_dataset(CFG)
+    tokens = ds.tokens("train")
+    x, y = ds.batch("train", np.array([3]))
+    np.testing.assert_array_equal(tokens[3 * CFG["block_size"]: 4 * CFG["block_size"]], x[0])
+    with pytest.raises(ValueError):
+        tokens[0] = 1  # read-only
+    with pytest.raises(ValueError, match="split"):
+        ds.tokens("test")

@@ -245,11 +245,11 @@ def device_name(backend: str, device: str) -> str:
     return _cpu_model()
 
 
-def detect(backends: tuple[str, ...] = BACKENDS) -> MachineInfo:
-    """Everything above in one record (`drift status` prints it)."""
+def detect(backends: tuple[str, ...] = BACKENDS, nvml: ModuleType | None = None) -> MachineInfo:
+    """Everything above in one record (`drift status` prints it). nvml: pynvml or a stand-in."""
     notes: list[str] = []
     infos = {b: backend_info(b) for b in backends}
-    nvidia, why = detect_nvidia()
+    nvidia, why = detect_nvidia(nvml)
     if why:
         notes.append(why)
     torch = import_torch() if infos.get("torch") and infos["torch"].installed else None
@@ -259,6 +259,11 @@ def detect(backends: tuple[str, ...] = BACKENDS) -> MachineInfo:
     via = (["mlx"] if "metal" in infos.get("mlx", BackendInfo("mlx", False)).devices else []) + \
           (["torch-mps"] if "mps" in infos.get("torch", BackendInfo("torch", False)).devices else [])
     apple = detect_apple(metal_via=via)
+    torch_info = infos.get("torch")
+    if nvidia and torch_info is not None and not any(d.startswith("cuda") for d in torch_info.devices):
+        notes.append(f"nvidia: {len(nvidia)} GPU(s) found, but torch here cannot use them "
+                     f"({torch_info.detail if torch_info.installed else 'torch not installed'}): "
+                     "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
     from . import choose  # late: workers/__init__ imports this module
     default: dict[str, str] | None = None
     try:

@@ -5,13 +5,20 @@ The task supplies ``make_mlx_model(cfg, vocab_size)`` -> an ``mlx.nn.Module`` wh
 model. The inner optimizer is AdamW written out here so that it matches torch.optim.AdamW
 exactly (bias correction, decoupled decay on 2+-dim tensors only, global-norm gradient clipping);
 mlx.optimizers.AdamW differs on each of these points.
+
+Threads: since mlx 0.31.2 Metal streams are thread-local ("There is no Stream(gpu, N) in current
+thread" when arrays made on one thread are evaluated on another), while drift calls train_step
+from an executor thread. So the worker owns one thread and runs every mlx operation on it,
+whichever thread calls it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +26,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .base import BackendError, check_params, check_task, initial_params, optim_config
+
+T = TypeVar("T")
 
 
 def available_devices() -> list[str]:
@@ -45,8 +54,19 @@ class MlxWorker:
                  device: str = "auto", seed: int = 0, threads: int | None = None) -> None:
         check_task(task_module, "mlx")
         self.device: str = resolve_device(device)
-        self._mx_device = mx.gpu if self.device == "metal" else mx.cpu
-        mx.set_default_device(self._mx_device)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drift-mlx")
+        self._thread_id: int = self._executor.submit(threading.get_ident).result()
+        self._on_mlx_thread(self._setup, task_module, task_cfg, optim_cfg, seed)
+
+    def _on_mlx_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on this worker's own thread (directly when already there)."""
+        if threading.get_ident() == self._thread_id:
+            return fn(*args)
+        return self._executor.submit(fn, *args).result()
+
+    def _setup(self, task_module: ModuleType, task_cfg: dict[str, Any], optim_cfg: dict[str, Any],
+               seed: int) -> None:
+        mx.set_default_device(mx.gpu if self.device == "metal" else mx.cpu)
         opt = optim_config(optim_cfg)
         self._lr, self._wd, self._eps, self._clip = opt["lr"], opt["weight_decay"], opt["eps"], opt["grad_clip"]
         self._b1, self._b2 = opt["betas"]
@@ -60,7 +80,7 @@ class MlxWorker:
         self._shapes = {name: tuple(a.shape) for name, a in sorted(tree_flatten(self.model.parameters()))}
         init = initial_params(task_module, task_cfg, self.dataset.vocab_size, seed)
         if init is not None:
-            self.set_params(init)
+            self._set_params(init)
         params = self._flat()
         self._decay = {name: a.ndim >= 2 and self._wd > 0 for name, a in params.items()}
         self._m = {name: mx.zeros_like(a) for name, a in params.items()}
@@ -76,19 +96,34 @@ class MlxWorker:
         return list(self._shapes)
 
     def get_params(self) -> dict[str, np.ndarray]:
-        flat = self._flat()
-        return {name: np.array(flat[name], dtype=np.float32, copy=True, order="C") for name in self._shapes}
+        return self._on_mlx_thread(self._get_params)
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
-        check_params(self._shapes, params)
-        new = [(name, mx.array(np.ascontiguousarray(params[name], dtype=np.float32))) for name in self._shapes]
-        self.model.update(tree_unflatten(new))
-        mx.eval(self.model.parameters())
+        self._on_mlx_thread(self._set_params, params)
 
     def train_step(self, indices: np.ndarray) -> float:
         """One AdamW step on the given training samples; returns the loss."""
         if len(indices) == 0:
             raise ValueError("train_step needs at least one sample index")
+        return self._on_mlx_thread(self._train_step, indices)
+
+    def evaluate(self, max_batches: int, batch_size: int) -> float:
+        """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
+        if max_batches < 1 or batch_size < 1:
+            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
+        return self._on_mlx_thread(self._evaluate, max_batches, batch_size)
+
+    def _get_params(self) -> dict[str, np.ndarray]:
+        flat = self._flat()
+        return {name: np.array(flat[name], dtype=np.float32, copy=True, order="C") for name in self._shapes}
+
+    def _set_params(self, params: dict[str, np.ndarray]) -> None:
+        check_params(self._shapes, params)
+        new = [(name, mx.array(np.ascontiguousarray(params[name], dtype=np.float32))) for name in self._shapes]
+        self.model.update(tree_unflatten(new))
+        mx.eval(self.model.parameters())
+
+    def _train_step(self, indices: np.ndarray) -> float:
         x, y = self.dataset.batch("train", indices)
         loss, grads = self._loss_and_grad(mx.array(x), mx.array(y))
         grads = dict(tree_flatten(grads))
@@ -112,10 +147,7 @@ class MlxWorker:
         mx.eval(loss, self.model.parameters(), self._m, self._v)
         return float(loss.item())
 
-    def evaluate(self, max_batches: int, batch_size: int) -> float:
-        """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
-        if max_batches < 1 or batch_size < 1:
-            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
+    def _evaluate(self, max_batches: int, batch_size: int) -> float:
         n = min(self.n_val, max_batches * batch_size)
         if n == 0:
             raise ValueError("the task has no validation samples")

@@ -1,0 +1,89 @@
+"""Swarm efficiency of heterogeneous swarms: drift's work stealing versus lockstep DiLoCo.
+
+    python benchmarks/bench_swarm.py [--base 0.1] [--rounds 4]
+
+Every node is a real `drift join` process (real iroh on loopback, real training of a small char
+GPT). Device speeds are simulated: a node with relative speed s runs with `--speed base*s`, which
+stretches each inner step to 1/(base*s) of its real length by sleeping. With base 0.1 the stretched
+part is ~90% of even the fastest node's step, so the figures measure scheduling, not the fight of
+4 processes for 2 cores.
+
+Swarm efficiency = swarm samples/s / sum of each node's solo samples/s. A node's solo samples/s
+is measured by running that node alone (a one-node swarm, same recipe) just before the mixes.
+Swarm samples/s = samples trained in rounds 1.. / their wall-clock (round 0 is warm-up); that
+time includes barriers, the ring all-reduce, evaluation and scheduling. Idle = mean time a node
+waited at the barrier per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from drift.simulate import Swarm, make_task_repo
+
+TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
+BATCH, UNIT_STEPS = 8, 2
+MIXES = {"[1, .5, .25, .1]": [1, 0.5, 0.25, 0.1], "[1, 1, 1, 1]": [1, 1, 1, 1], "[1, .002]": [1, 0.002]}
+
+
+def recipe(n: int, schedule: str, inner_steps: int, rounds: int) -> dict:
+    return {"name": f"bench-{schedule}", "task_config": TASK, "min_nodes": n, "rounds": rounds,
+            "inner_steps": inner_steps, "batch_size": BATCH, "unit_steps": UNIT_STEPS, "eval_batches": 1,
+            "schedule": schedule, "seed": 1, "stale_after_s": 120.0, "heartbeat_s": 1.0}
+
+
+def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds: int) -> dict:
+    work.mkdir(parents=True)
+    swarm = Swarm(make_task_repo(work / "repo", recipe(len(speeds), schedule, inner_steps, rounds)), work)
+    for s in speeds:
+        swarm.join(f"{s:.6g}")
+    rc = swarm.finish(timeout=3600)
+    if rc != 0:
+        raise SystemExit(f"swarm failed:\n{swarm.log()}")
+    ev = [e for e in swarm.events() if e["event"] == "round"]
+    timed = ev[1:] if len(ev) > 1 else ev
+    names = sorted(timed[0]["nodes"])
+    return {
+        "sps": sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed),
+        "round_s": sum(e["seconds"] for e in timed) / len(timed),
+        "idle": {n: sum(e["nodes"][n]["idle_s"] for e in timed if n in e["nodes"]) / len(timed) for n in names},
+        "evaluators": timed[-1]["evaluators"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", type=float, default=0.1, help="speed factor of a relative speed of 1")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--inner-steps", type=int, default=60)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="drift-bench-swarm-"))
+    solo = {}
+    for s in sorted({s for m in MIXES.values() for s in m}):
+        steps = a.inner_steps if s > 0.01 else 2  # a 500x slower node: few steps are plenty
+        solo[s] = run(tmp / f"solo-{s}", [a.base * s], "steal", steps, 3)["sps"]
+        print(f"solo speed {s:<6g} (--speed {a.base * s:.6g}): {solo[s]:8.1f} samples/s", flush=True)
+    rows = []
+    for label, mix in MIXES.items():
+        for schedule in ("steal", "lockstep"):
+            # Lockstep waits for the slowest node's inner_steps: keep that wait finite.
+            steps = a.inner_steps if schedule == "steal" or min(mix) > 0.01 else 2
+            rounds = a.rounds if schedule == "steal" or min(mix) > 0.01 else 2
+            res = run(tmp / f"{schedule}-{label.strip('[]').replace(', ', '_')}", [a.base * s for s in mix],
+                      schedule, steps, rounds)
+            eff = res["sps"] / sum(solo[s] for s in mix)
+            idle = ", ".join(f"{v:.2f}" for v in res["idle"].values())
+            roles = f"evaluators {res['evaluators']}" if res["evaluators"] else "all train"
+            rows.append({"mix": label, "schedule": schedule, "efficiency": eff, **res})
+            print(f"{label:<18}{schedule:<10} efficiency {eff:6.1%}  swarm {res['sps']:7.1f} samples/s  "
+                  f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"solo": solo, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

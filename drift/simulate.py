@@ -1,0 +1,110 @@
+"""Swarms of real processes on one machine, for tests and benchmarks of staggered devices.
+
+A Swarm is a real `drift coord` plus `drift join` processes on real iroh (loopback) training the
+real task; a node's speed factor f < 1 stretches its inner steps to 1/f of their length
+(`drift join --speed`), so a 2-core machine can play a swarm of very different devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+class Swarm:
+    def __init__(self, recipe: Path, work: Path):
+        self.recipe, self.work = recipe, work
+        self.run_dir = work / "run"
+        self.nodes: list[subprocess.Popen] = []
+        self.coord_log = open(work / "coord.log", "w+")
+        self.coord = subprocess.Popen([sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
+                                       str(self.run_dir), "--key", str(work / "coord.key")],
+                                      stdout=self.coord_log, stderr=subprocess.STDOUT, env=ENV)
+        self.ticket = self._wait_for(r"--ticket (\S+)", 60)
+
+    def _wait_for(self, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, (self.work / "coord.log").read_text())
+            if m:
+                return m.group(1)
+            if self.coord.poll() is not None:
+                raise AssertionError("coordinator exited early:\n" + (self.work / "coord.log").read_text())
+            time.sleep(0.1)
+        raise AssertionError(f"coordinator never printed {pattern!r}")
+
+    def join(self, speed: str = "1", name: str | None = None) -> subprocess.Popen:
+        i = len(self.nodes)
+        name = name or f"n{i}"
+        log = open(self.work / f"{name}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "drift", "join", "--repo", str(self.recipe.parents[1]),
+                              "--ticket", self.ticket, "--name", name, "--threads", "1", "--speed", speed,
+                              "--key", str(self.work / f"{name}.key"), "--cache-dir", str(self.work / "cache")],
+                             stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        self.nodes.append(p)
+        return p
+
+    def events(self) -> list[dict]:
+        f = self.run_dir / "metrics.jsonl"
+        if not f.exists():
+            return []
+        return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+    def wait_event(self, pred, timeout: float = 120) -> dict:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events():
+                if pred(e):
+                    return e
+            if self.coord.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError("event never came; coordinator log:\n" + (self.work / "coord.log").read_text())
+
+    def kill(self, p: subprocess.Popen) -> None:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            return self.coord.wait(timeout)
+        finally:
+            for p in [self.coord, *self.nodes]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def log(self) -> str:
+        return (self.work / "coord.log").read_text()
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "drift", "GIT_AUTHOR_EMAIL": "drift@localhost",
+           "GIT_COMMITTER_NAME": "drift", "GIT_COMMITTER_EMAIL": "drift@localhost"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env=env).stdout.strip()
+
+
+def make_task_repo(path: Path, recipe: dict, task: Path = ROOT / "recipes" / "shakespeare_char.py") -> Path:
+    """A real git repo holding `task` and recipes/<name>.yaml, committed; returns the recipe path."""
+    (path / "recipes").mkdir(parents=True)
+    shutil.copy(task, path / "recipes" / task.name)
+    out = path / "recipes" / f"{recipe['name']}.yaml"
+    out.write_text(yaml.safe_dump({"task": f"recipes/{task.name}", **recipe}, sort_keys=False))
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "task")
+    return out

@@ -1,0 +1,91 @@
+"""Handing the swarm's state (θ and the outer optimizer's velocity) to a node that lacks it:
+a late joiner, or an evaluator that wants the newest θ. ALPN ``drift-state/0``, peer to peer.
+
+Every training node publishes a snapshot after each outer step. A node that needs the state of
+round r asks any peer that has it, and checks the checksum the coordinator agreed on for round r
+before using it: a peer cannot slip it a different θ.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from drift.diloco import checksum
+from drift.transport import STATE_ALPN, Endpoint, TransportError
+
+log = logging.getLogger("drift.state")
+
+
+class StateError(Exception):
+    """No peer could hand over the state asked for."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    round: int            # θ after this round's outer step (-1: the initial θ)
+    theta: np.ndarray
+    velocity: np.ndarray
+    checksum: str
+
+
+class StateServer:
+    """Serves this node's latest snapshot to peers that ask (one request per connection)."""
+
+    def __init__(self) -> None:
+        self.snapshot: Snapshot | None = None
+
+    def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
+        # Copies: the node keeps updating its own arrays in place while a peer may be reading.
+        self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta))
+
+    async def handle(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
+        try:
+            ch = await Endpoint.accept_channel(conn, timeout=30)
+            want = json.loads(await ch.recv_frame(4096, timeout=30))
+            snap = self.snapshot
+            if snap is None or snap.round != want.get("round"):
+                have = None if snap is None else snap.round
+                await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+            else:
+                await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
+                                                "n": int(snap.theta.size)}).encode())
+                await ch.send_frame(snap.theta)
+                await ch.send_frame(snap.velocity)
+            await ch.recv_frame(16, timeout=60)  # the peer says when it has everything
+        except (TransportError, ValueError) as e:
+            log.info("state request failed: %s", e)
+        finally:
+            conn.close(0, b"done")
+
+
+async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_checksum: str,
+                      size: int, timeout: float = 120.0) -> Snapshot:
+    """The state after round `rnd` from the first peer in `tickets` that has it and whose θ
+    matches `want_checksum`."""
+    errors = []
+    for ticket in tickets:
+        try:
+            ch = await endpoint.connect(ticket, STATE_ALPN, timeout=timeout)
+            try:
+                await ch.send_frame(json.dumps({"round": rnd}).encode())
+                head = json.loads(await ch.recv_frame(4096, timeout=timeout))
+                if "error" in head:
+                    raise StateError(head["error"])
+                if head.get("n") != size:
+                    raise StateError(f"peer sent {head.get('n')} parameters, expected {size}")
+                theta = np.frombuffer(await ch.recv_frame(4 * size, timeout=timeout), dtype=np.float32).copy()
+                velocity = np.frombuffer(await ch.recv_frame(4 * size, timeout=timeout), dtype=np.float32).copy()
+                await ch.send_frame(b"ok")
+            finally:
+                ch.close("state received")
+            got = checksum(theta)
+            if got != want_checksum:
+                raise StateError(f"θ checksum {got} is not the swarm's {want_checksum}")
+            return Snapshot(rnd, theta, velocity, got)
+        except (StateError, TransportError, ValueError) as e:
+            errors.append(f"{ticket[:20]}...: {e}")
+    raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors))
