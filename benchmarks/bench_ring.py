@@ -16,7 +16,9 @@ after a gloo barrier; its time is the slowest node's. Figures printed per row:
                this is the ring's lower bound 2(N-1)/N x bytes / p2p
   vs links     the same against `links`: every node sending to its right neighbour and
                receiving from its left at once, raw frames, no reduction (the ring's own link
-               load, measured; on 2 shared cores this is what the CPU leaves for each link)
+               load, measured; on 2 shared cores this is what the CPU leaves for each link).
+               Also printed: the same raw transfer at 1/4 of the volume (about int8's), to show
+               the fixed start-up cost a shorter transfer pays.
   CPU s/MiB    CPU seconds of all nodes (all threads) per MiB sent by all nodes
   py CPU       share of that CPU spent on each node's main (Python/asyncio/numpy) thread; the rest
                is iroh's Rust threads (QUIC, encryption, UDP); gloo runs in a helper thread: `-`
@@ -134,6 +136,12 @@ async def _worker(a: argparse.Namespace) -> None:
         await asyncio.gather(raw_send(right, link_bytes), raw_recv(left, link_bytes))
         return link_bytes, 0.0
 
+    small_bytes = link_bytes // 4  # about what int8 sends: the fixed cost of a shorter transfer
+
+    async def links_small():
+        await asyncio.gather(raw_send(right, small_bytes), raw_recv(left, small_bytes))
+        return small_bytes, 0.0
+
     async def gloo_p2p():
         t = torch.from_numpy(base)
         if rank == 0:
@@ -157,6 +165,7 @@ async def _worker(a: argparse.Namespace) -> None:
 
     await measure("p2p", p2p)
     await measure("links", links)
+    await measure("links_small", links_small)
     await measure("gloo_p2p", gloo_p2p)
     await measure("gloo", gloo)
     for codec in a.codecs:
@@ -227,12 +236,15 @@ def summarize(world: int, per_node: list[dict], mib: int, label: str) -> list[di
     print(f"\n{label}: {world} nodes, {mib} MiB fp32, median of {reps} runs (slowest node each)")
     print(f"  point to point, iroh (1 stream, alone): {p2p_bps / MiB:8.1f} MiB/s")
     print(f"  ring links, iroh (all {world} at once):     {link_bps / MiB:8.1f} MiB/s per link")
+    small = (2 * (world - 1) * tensor // world) // 4
+    print(f"  ring links, 1/4 of that volume:         {small / t['links_small'] / MiB:8.1f} MiB/s per link"
+          f" ({t['links_small']:.2f} s: a shorter transfer pays the same start-up)")
     print(f"  point to point, gloo TCP (alone):       {tensor / t['gloo_p2p'] / MiB:8.1f} MiB/s")
     hdr = (f"  {'method':<12}{'time s':>8}{'algbw MiB/s':>13}{'MiB/node':>10}{'wire MiB':>10}{'x gloo':>8}"
            f"{'vs bound':>10}{'vs links':>10}{'CPU s/MiB':>11}{'py CPU':>8}{'codec s':>9}")
     print(hdr)
     rows = []
-    for k in ["gloo", *[c for c in names if c not in ("p2p", "links", "gloo_p2p", "gloo")]]:
+    for k in ["gloo", *[c for c in names if c not in ("p2p", "links", "links_small", "gloo_p2p", "gloo")]]:
         sent = med(k, "sent", lambda v: sum(v) / world)
         wire = med(k, "wire", lambda v: sum(v) / world)
         cpu = med(k, "cpu", sum)

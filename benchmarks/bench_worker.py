@@ -104,24 +104,30 @@ def main() -> None:
     rng = np.random.default_rng(0)
     draw = lambda n: [rng.integers(0, ds.n_train, bs) for _ in range(n)]  # noqa: E731
 
-    def timed_worker(batches: list[np.ndarray], w=worker) -> float:  # noqa: ANN001
+    cpu_rates: dict[str, list[float]] = {"worker": [], "plain": []}
+
+    def timed(fn, batches: list[np.ndarray], key: str | None) -> float:  # noqa: ANN001
+        """samples/s of wall time; also records samples per CPU-second of this process (on the
+        CPU that is the figure other jobs on a shared machine do not disturb much)."""
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn(batches)
+        sync(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if key:
+            cpu_rates[key].append(len(batches) * bs / cpu)
+        return len(batches) * bs / wall
+
+    def run_worker(batches: list[np.ndarray], w=worker) -> None:  # noqa: ANN001
         for idx in batches:
             w.train_step(idx)
-        sync(device)
-        return len(batches) * bs / (time.perf_counter() - t0)
 
-    def timed_plain(batches: list[np.ndarray]) -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        plain.run(batches)
-        sync(device)
-        return len(batches) * bs / (time.perf_counter() - t0)
+    timed_worker = lambda b, key="worker": timed(run_worker, b, key)  # noqa: E731
+    timed_plain = lambda b, key="plain": timed(plain.run, b, key)  # noqa: E731
 
     warm = draw(args.warmup)
-    timed_worker(warm)
-    timed_plain(warm)
+    timed_worker(warm, None)
+    timed_plain(warm, None)
     w_rates, p_rates = [], []
     for i in range(args.pairs):  # same batches for both; who goes first alternates
         batches = draw(args.steps)
@@ -142,6 +148,11 @@ def main() -> None:
     print(f"  drift TorchWorker: {statistics.median(w_rates):9.1f} samples/s")
     print(f"  worker / plain   : {statistics.median(ratios) * 100:6.1f} %  "
           f"(pairs: {', '.join(f'{r * 100:.1f}' for r in ratios)})")
+    if device == "cpu":
+        cpu_ratios = [w / p for w, p in zip(cpu_rates["worker"], cpu_rates["plain"])]
+        print(f"  per CPU-second   : plain {statistics.median(cpu_rates['plain']):.1f}, worker "
+              f"{statistics.median(cpu_rates['worker']):.1f} samples/s; worker / plain "
+              f"{statistics.median(cpu_ratios) * 100:.1f} %  (pairs: {', '.join(f'{r * 100:.1f}' for r in cpu_ratios)})")
     if args.backends:
         for backend in ("mlx", "numpy"):
             try:
@@ -149,8 +160,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - not installed here
                 print(f"  {backend:5s} worker     : unavailable ({e})")
                 continue
-            timed_worker(draw(args.warmup), w)
-            rates = [timed_worker(draw(args.steps), w) for _ in range(max(1, args.pairs // 2))]
+            timed(lambda b: run_worker(b, w), draw(args.warmup), None)
+            rates = [timed(lambda b: run_worker(b, w), draw(args.steps), None)
+                     for _ in range(max(1, args.pairs // 2))]
             print(f"  {backend:5s} worker ({w.device}): {statistics.median(rates):9.1f} samples/s")
 
 

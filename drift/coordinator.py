@@ -25,6 +25,7 @@ from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Channel, Endpoint, 
 log = logging.getLogger("drift.coord")
 
 HANDSHAKE_TIMEOUT = 30.0
+MAX_RING_RETRIES = 5
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 
 
@@ -91,6 +92,7 @@ class Coordinator:
         self.state_round: dict[str, int] = {}   # the round whose θ each node holds (-1: initial θ)
         self.checksums: dict[int, str] = {}     # the agreed checksum of θ after each round
         self.evaluating: set[str] = set()       # evaluators with an evaluation in flight
+        self.ring_epoch = 0                     # +1 per retried all-reduce (ring connections renew)
         self.rejected: list[str] = []  # why connections were dropped (also logged)
 
     # --- serving connections -------------------------------------------------------------------
@@ -380,6 +382,22 @@ class Coordinator:
                 round=rnd, epoch=epoch, units=plan.grant_first(i), planned=len(plan.planned[i]),
                 report_val=i == fastest and (not evaluators or rnd == r.rounds - 1), state=self._state_source(i)))
 
+        async def send_ring() -> list[P.RingMember]:
+            """BarrierReady to every node in the barrier: the ring order and each node's weight."""
+            total = sum(sum(u.hi - u.lo for u in synced[i].trained) for i in part() if i not in excluded)
+
+            def weight(i: str) -> float:
+                if i in excluded or total == 0:
+                    return 0.0
+                return sum(u.hi - u.lo for u in synced[i].trained) / total
+
+            members = [P.RingMember(node_id=i, ticket=self.members[i].info.ring_ticket, weight=weight(i))
+                       for i in part()]
+            self._note("barrier", round=rnd, ring_epoch=self.ring_epoch, nodes=len(members))
+            await self._broadcast([self.members[i] for i in part()],
+                                  P.BarrierReady(round=rnd, ring=members, codec=r.codec, ring_epoch=self.ring_epoch))
+            return members
+
         def part() -> list[str]:
             """The nodes in this round's barrier and ring (evaluators are not)."""
             return [i for i in self.members if i not in evaluators]
@@ -392,6 +410,9 @@ class Coordinator:
         give_back: list[P.WorkUnit] = []
         stop_sent, t_stop = False, 0.0
         ring: list[P.RingMember] | None = None
+        retry_reason: str | None = None       # why the all-reduce in flight must be redone
+        ring_failed_at: float | None = None
+        epoch0 = self.ring_epoch
 
         async def stop_all(reason: str) -> None:
             nonlocal stop_sent, t_stop
@@ -426,10 +447,9 @@ class Coordinator:
                 self.last_seen[peer.id] = now
                 i = peer.id
                 if msg is None:
-                    if ring is not None:
-                        raise CoordinatorError(f"node {peer.info.name} ({i[:10]}) left during the all-reduce of "
-                                               f"round {rnd}")
                     drop(i, "connection closed")
+                    if ring is not None:
+                        retry_reason = f"{peer.info.name} left during the all-reduce"
                 elif isinstance(msg, P.TrainProgress):
                     last_progress[i] = now
                     if finite_positive(msg.samples_per_s):
@@ -459,8 +479,9 @@ class Coordinator:
                             self._note("bad_report", node_id=i, reason=wrong, round=rnd)
                             excluded.add(i)
                             plan.drop(i)
-                        else:
+                        else:  # accounted for: what it trained is in synced, the rest goes back
                             give_back.extend(msg.returned)
+                            plan.granted[i] = []
                     if msg.val_loss is not None:
                         if rnd == 0:
                             self.initial_val_loss = msg.val_loss
@@ -468,7 +489,12 @@ class Coordinator:
                         else:
                             self._note("val", after_round=rnd - 1, val_loss=msg.val_loss, val_samples=msg.val_samples)
                 elif isinstance(msg, P.RoundDone):
-                    done[i] = msg
+                    if msg.ring_epoch == self.ring_epoch:
+                        done[i] = msg
+                elif isinstance(msg, P.RingFailed):
+                    if ring is not None and msg.ring_epoch == self.ring_epoch and ring_failed_at is None:
+                        log.warning("round %d: %s reports the all-reduce failed: %s", rnd, peer.info.name, msg.reason)
+                        ring_failed_at = now
                 elif isinstance(msg, P.EvalResult):
                     self._on_eval(i, msg)
                 elif isinstance(msg, (P.Heartbeat, P.Pong)):
@@ -480,10 +506,10 @@ class Coordinator:
             for i in list(self.members):
                 silent = now - self.last_seen.get(i, now)
                 if silent > r.stale_after_s:
-                    if ring is not None:
-                        raise CoordinatorError(f"node {self.members[i].info.name} went silent during the "
-                                               f"all-reduce of round {rnd}")
+                    name = self.members[i].info.name
                     drop(i, f"silent for {silent:.0f}s")
+                    if ring is not None:
+                        retry_reason = f"{name} went silent during the all-reduce"
                     continue
                 if ring is not None or i in synced or i in excluded or i in evaluators:
                     continue
@@ -509,6 +535,23 @@ class Coordinator:
                     self.speed[i] = min(self.speed[i], r.batch_size / waited)
                     await self._send(self.members[i], P.StopRound(round=rnd))
             if ring is not None:
+                # A ring that lost a member (or that a member says broke) is rebuilt from the
+                # survivors, weights renormalised; every node rolls back and reduces again.
+                if retry_reason is None and ring_failed_at is not None and now - ring_failed_at > 2 * r.heartbeat_s + 1:
+                    retry_reason = "a node reported a broken all-reduce and nobody left"
+                if retry_reason is None:
+                    continue
+                if not part():
+                    raise CoordinatorError(f"every training node has left (round {rnd})")
+                if self.ring_epoch - epoch0 >= MAX_RING_RETRIES:
+                    raise CoordinatorError(f"the all-reduce of round {rnd} failed {MAX_RING_RETRIES} times "
+                                           f"(last: {retry_reason})")
+                log.warning("round %d: %s; retrying the all-reduce with %d node(s)", rnd, retry_reason, len(part()))
+                self._note("ring_retry", round=rnd, reason=retry_reason, nodes=len(part()))
+                retry_reason, ring_failed_at = None, None
+                done.clear()
+                self.ring_epoch += 1
+                ring = await send_ring()
                 continue
             if not part():
                 raise CoordinatorError(f"every training node has left (round {rnd})")
@@ -519,16 +562,8 @@ class Coordinator:
                 continue  # nobody useful yet (e.g. everyone excluded): keep waiting for stragglers
             for i in unsynced:  # only stragglers past their deadline are left: go on without them
                 drop(i, "did not reach the barrier in time after its work was reassigned")
-            total = sum(sum(u.hi - u.lo for u in synced[i].trained) for i in part() if i not in excluded)
-
-            def weight(i: str) -> float:
-                if i in excluded or i in evaluators or total == 0:
-                    return 0.0
-                return sum(u.hi - u.lo for u in synced[i].trained) / total
-
-            ring = [P.RingMember(node_id=i, ticket=self.members[i].info.ring_ticket, weight=weight(i)) for i in part()]
             t_ready = now
-            await self._broadcast([self.members[i] for i in part()], P.BarrierReady(round=rnd, ring=ring, codec=r.codec))
+            ring = await send_ring()
 
         checksums = {d.checksum for d in done.values()}
         if len(checksums) != 1:

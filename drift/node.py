@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 import os
 import secrets
 import socket
@@ -26,7 +27,7 @@ from drift.inner import InnerLoop, SpeedSchedule, StopTraining, calibrate
 from drift.state import StateError, StateServer, fetch_state
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
-from drift.ring import Ring
+from drift.ring import Ring, RingError
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, mode_for_ticket
 from workers import BackendError, choose, load_task, make_worker
 
@@ -60,6 +61,7 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         self.round = -1
         self.state = StateServer()
+        self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -95,7 +97,7 @@ class Node:
     async def expect(self, *types: type, timeout: float | None = None) -> P.Message:
         """Next control message, which must be one of `types` (TrainingCancel always ends us)."""
         try:
-            msg = await asyncio.wait_for(self.inbox.get(), timeout)
+            msg = self._stash.popleft() if self._stash else await asyncio.wait_for(self.inbox.get(), timeout)
         except asyncio.TimeoutError:
             names = "/".join(t.__name__ for t in types)
             raise NodeError(f"coordinator sent no {names} within {timeout:g}s") from None
@@ -112,8 +114,14 @@ class Node:
 
     async def _refuse(self, reason: str) -> NodeError:
         """Tell the coordinator why this node will not go on; returns the error to raise."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
         try:
             await self.send(P.TrainingCancel(reason=reason))
+            # Closing at once could drop the frame in flight: wait until the coordinator hangs up.
+            while loop.time() < deadline:
+                if await asyncio.wait_for(self.inbox.get(), deadline - loop.time()) is None:
+                    break
         except Exception:
             pass
         return NodeError(reason)
@@ -206,15 +214,18 @@ class Node:
         await self.send(self._repo_commit(cfg, checksum(theta), worker.n_train, speed))
         await self._verify_ready(await self.expect(P.TrainingReady, timeout=None), cfg, recipe)
 
+        self.worker, self.layout, self.theta, self.outer, self.recipe = worker, layout, theta, outer, recipe
         inner = InnerLoop(worker, recipe, self.inbox, self.send, self.opts.speed)
         self.state.publish(-1, theta, outer.velocity)
         self._tasks.append(asyncio.ensure_future(self._heartbeat(recipe.heartbeat_s)))
-        loop = asyncio.get_running_loop()
         while True:
-            msg = await self.expect(P.ShardAssignment, P.TrainComplete, timeout=None)
+            msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.BarrierReady, timeout=None)
             if isinstance(msg, P.TrainComplete):
                 log.info("training complete after %d rounds", msg.rounds)
                 return 0
+            if isinstance(msg, P.BarrierReady):  # the last all-reduce is retried (a member was lost)
+                await self._sync(msg)
+                continue
             rnd = self.round = msg.round
             if msg.state is not None:  # a late joiner, or an evaluator: take the swarm's θ first
                 try:
@@ -237,18 +248,57 @@ class Node:
                 raise NodeError(str(e)) from None
             await self.send(report.barrier_sync(rnd))
             ready = await self.expect(P.BarrierReady, timeout=None)
-            me = next(m for m in ready.ring if m.node_id == self.endpoint.node_id)
-            local = layout.flatten(worker.get_params())
-            delta = weighted_delta(theta, local, me.weight)
-            stats = await self.ring.allreduce_sum(delta, ready.ring, rnd, codec=ready.codec,
-                                                  topk_fraction=recipe.topk_fraction)
-            outer.step(theta, delta)
-            worker.set_params(layout.unflatten(theta))
-            self.state.publish(rnd, theta, outer.velocity)
-            val = await loop.run_in_executor(None, worker.evaluate, recipe.eval_batches, recipe.batch_size) \
-                if msg.report_val else None
-            await self.send(P.RoundDone(round=rnd, checksum=checksum(theta), val_loss=val,
-                                        bytes_sent=stats.bytes_sent, reduce_s=stats.seconds))
+            # Kept until the next round: a retried all-reduce starts again from exactly these.
+            self._saved = (theta.copy(), outer.velocity.copy(), layout.flatten(worker.get_params()),
+                           msg.report_val)
+            await self._sync(ready)
+
+    async def _sync(self, ready: P.BarrierReady) -> None:
+        """All-reduce the weighted pseudo-gradient, apply the outer step, report the checksum.
+
+        A newer BarrierReady for the same round (the coordinator lost a ring member) aborts the
+        reduce in flight; so does a ring failure here (then we report it and wait for the retry).
+        Either way θ and the outer state roll back to the round's start first."""
+        theta_prev, velocity_prev, local, report_val = self._saved
+        theta, outer, worker, layout, recipe = self.theta, self.outer, self.worker, self.layout, self.recipe
+        theta[:], outer.velocity[:] = theta_prev, velocity_prev
+        me = next(m for m in ready.ring if m.node_id == self.endpoint.node_id)
+        delta = weighted_delta(theta_prev, local, me.weight)
+        reduce = asyncio.ensure_future(self.ring.allreduce_sum(
+            delta, ready.ring, ready.round, codec=ready.codec, topk_fraction=recipe.topk_fraction,
+            generation=ready.ring_epoch))
+        while True:
+            getter = asyncio.ensure_future(self.inbox.get())
+            done, _ = await asyncio.wait({reduce, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                msg = getter.result()
+                if isinstance(msg, P.BarrierReady) and msg.round == ready.round and msg.ring_epoch > ready.ring_epoch:
+                    reduce.cancel()
+                    self._stash.append(msg)  # the main loop picks it up and retries
+                    return
+                if msg is None or isinstance(msg, P.TrainingCancel):
+                    reduce.cancel()
+                    self._stash.append(msg)
+                    await self.expect()  # raises the matching NodeError
+                self._stash.append(msg)
+                if reduce not in done:
+                    continue
+            else:
+                getter.cancel()
+            break
+        try:
+            stats = reduce.result()
+        except RingError as e:
+            log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", ready.round, e)
+            await self.send(P.RingFailed(round=ready.round, ring_epoch=ready.ring_epoch, reason=str(e)[:500]))
+            return
+        outer.step(theta, delta)
+        worker.set_params(layout.unflatten(theta))
+        self.state.publish(ready.round, theta, outer.velocity)
+        val = await asyncio.get_running_loop().run_in_executor(
+            None, worker.evaluate, recipe.eval_batches, recipe.batch_size) if report_val else None
+        await self.send(P.RoundDone(round=ready.round, ring_epoch=ready.ring_epoch, checksum=checksum(theta),
+                                    val_loss=val, bytes_sent=stats.bytes_sent, reduce_s=stats.seconds))
 
     async def _heartbeat(self, every_s: float) -> None:
         """Tell the coordinator we are alive, also while a long inner step runs."""

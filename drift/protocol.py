@@ -181,13 +181,23 @@ class BarrierReady(_Msg):
     type: Literal["BarrierReady"] = "BarrierReady"
     round: int
     ring: list[RingMember]            # ring order; weights sum to 1
+    ring_epoch: int = 0               # bumped on every retry: ring connections of older epochs are stale
     codec: str = "fp32"
+
+
+class RingFailed(_Msg):
+    """Node -> coordinator: the all-reduce broke (a neighbour vanished?); waiting for a retry."""
+    type: Literal["RingFailed"] = "RingFailed"
+    round: int
+    ring_epoch: int
+    reason: str
 
 
 class RoundDone(_Msg):
     """Node -> coordinator: outer step applied; the checksum of the new θ."""
     type: Literal["RoundDone"] = "RoundDone"
     round: int
+    ring_epoch: int = 0
     checksum: str
     val_loss: float | None = None
     bytes_sent: int = 0
@@ -218,7 +228,7 @@ class TrainComplete(_Msg):
 Message = Annotated[
     Union[NodeInfo, TrainConfig, RepoCommit, TrainingReady, TrainingCancel, Ping, Pong, Heartbeat,
           ShardAssignment, TrainProgress, AskForMoreWork, AssignNext, NoMoreWork, StopRound,
-          BarrierSync, BarrierReady, RoundDone, EvalResult, CheckpointInfo, TrainComplete],
+          BarrierSync, BarrierReady, RingFailed, RoundDone, EvalResult, CheckpointInfo, TrainComplete],
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

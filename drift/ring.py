@@ -122,6 +122,10 @@ class Ring:
         self._arrived = asyncio.Condition()
         self._right: Channel | None = None
         self._expected: set[str] = set()
+        # Connections belong to a generation (the coordinator's ring_epoch). A retried all-reduce
+        # uses a new one: whatever a cancelled attempt left half-sent on the old streams is never read.
+        self._generation = 0
+        self._incoming_gen: dict[str, int] = {}
 
     # --- connections ---------------------------------------------------------------------------
 
@@ -130,35 +134,52 @@ class Ring:
         peer = str(conn.remote_id())
         try:
             ch = await Endpoint.accept_channel(conn, timeout=self.timeout)
-            await ch.recv_frame(4096, timeout=self.timeout)  # hello: makes the stream visible
-        except TransportError:
+            hello = await ch.recv_frame(4096, timeout=self.timeout)  # also makes the stream visible
+            gen = int(json.loads(hello).get("generation", 0))
+        except (TransportError, ValueError, AttributeError):
             conn.close(1, b"ring hello failed")
             return
         async with self._arrived:
-            if peer not in self._expected:
+            # A neighbour may reach this round's all-reduce before we do: give our side until the
+            # timeout to learn the ring, then admit only peers it names.
+            try:
+                await asyncio.wait_for(self._arrived.wait_for(
+                    lambda: peer in self._expected or self._generation > gen), self.timeout)
+            except asyncio.TimeoutError:
+                pass
+            if gen < self._generation or gen < self._incoming_gen.get(peer, -1) or peer not in self._expected:
                 ch.close("not in the current ring")
                 return
             old = self._incoming.pop(peer, None)
             if old is not None:
                 old.close("replaced")
-            self._incoming[peer] = ch
+            self._incoming[peer], self._incoming_gen[peer] = ch, gen
             self._arrived.notify_all()
 
-    async def _configure(self, members: list[RingMember]) -> tuple[Channel, Channel]:
+    async def _configure(self, members: list[RingMember], generation: int) -> tuple[Channel, Channel]:
         ids = [m.node_id for m in members]
         r = ids.index(self.node_id)
         right, left = members[(r + 1) % len(members)], members[(r - 1) % len(members)]
         async with self._arrived:
             self._expected = set(ids) - {self.node_id}
+            self._arrived.notify_all()
+            if generation != self._generation:
+                self._generation = generation
+                for peer in [p for p, g in self._incoming_gen.items() if g < generation]:
+                    self._incoming.pop(peer).close("stale ring generation")
+                    del self._incoming_gen[peer]
+                if self._right is not None:
+                    self._right.close("stale ring generation")
+                    self._right = None
         if self._right is None or self._right.peer_id != right.node_id:
             if self._right is not None:
                 self._right.close("ring changed")
             self._right = await self.endpoint.connect(right.ticket, RING_ALPN, timeout=self.timeout)
-            await self._right.send_frame(json.dumps({"node_id": self.node_id}).encode())
+            await self._right.send_frame(json.dumps({"node_id": self.node_id, "generation": generation}).encode())
         try:
             async with self._arrived:
-                await asyncio.wait_for(self._arrived.wait_for(lambda: left.node_id in self._incoming),
-                                       self.timeout)
+                await asyncio.wait_for(self._arrived.wait_for(
+                    lambda: self._incoming_gen.get(left.node_id) == generation), self.timeout)
                 left_ch = self._incoming[left.node_id]
         except asyncio.TimeoutError:
             raise RingError(f"left neighbour {left.node_id[:10]} never connected "
@@ -170,12 +191,13 @@ class Ring:
         for ch in [self._right, *self._incoming.values()]:
             if ch is not None:
                 ch.close(reason)
-        self._right, self._incoming = None, {}
+        self._right, self._incoming, self._incoming_gen = None, {}, {}
 
     # --- the all-reduce ------------------------------------------------------------------------
 
     async def allreduce_sum(self, x: np.ndarray, members: list[RingMember], round_: int,
-                            codec: Codec | str | None = None, **codec_options) -> ReduceStats:
+                            codec: Codec | str | None = None, generation: int = 0,
+                            **codec_options) -> ReduceStats:
         """Replace x (flat float32, in place) by the sum of every member's x, sent with `codec`
         (a Codec, or a name plus make_codec options; default: the ring's). All members must use
         the same codec and options, or the all-reduce fails."""
@@ -193,7 +215,7 @@ class Ring:
         if n_nodes == 1:
             return ReduceStats(0.0, 0, 0, codec=codec.name)
         try:
-            right, left = await self._configure(members)
+            right, left = await self._configure(members, generation)
         except TransportError as e:
             raise RingError(f"ring setup failed: {e}") from None
         sent0, recv0 = right.bytes_sent, left.bytes_received

@@ -28,6 +28,12 @@ TINY_RECIPE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _drift_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys and repo caches of every drift process a test starts stay out of ~/.drift."""
+    monkeypatch.setenv("DRIFT_HOME", str(tmp_path_factory.mktemp("drift-home")))
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT

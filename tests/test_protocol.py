@@ -20,7 +20,7 @@ SAMPLES = [
     P.BarrierSync(round=1, samples=64, steps=2, loss=None, trained=[P.WorkUnit(id=1, lo=0, hi=64)],
                   returned=[P.WorkUnit(id=9, lo=32, hi=64)], val_loss=2.5, val_samples=8),
     P.BarrierReady(round=1, ring=[P.RingMember(node_id="a", ticket="t", weight=1.0)]),
-    P.RoundDone(round=1, checksum="c"), P.EvalResult(after_round=1, val_loss=2.0, val_samples=8),
+    P.RoundDone(round=1, checksum="c"), P.RingFailed(round=1, ring_epoch=2, reason="gone"), P.EvalResult(after_round=1, val_loss=2.0, val_samples=8),
     P.ShardAssignment(round=2, epoch=0, units=[], role="evaluate",
                       state=P.StateSource(round=1, checksum="c", tickets=["t"])), P.CheckpointInfo(round=1, path="p", checksum="c"),
     P.TrainComplete(rounds=3, final_val_loss=1.0),

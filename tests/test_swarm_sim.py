@@ -129,3 +129,24 @@ def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
     assert vals and vals[0]["event"] == "initial"          # the evaluator's first job: θ0
     assert any(e["event"] == "val" for e in vals)           # then the newest θ, fetched from n0
     check_exactly_once(events, 2 * BATCH)
+
+
+def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
+    """kill -9 a ring member while the swarm reduces: the survivors retry without it, weights
+    renormalised, and no sample is lost or counted twice."""
+    big = {**SIM, "task_config": {"block_size": 32, "n_layer": 4, "n_head": 4, "n_embd": 256}}
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, inner_steps=4, **big)
+    swarm = Swarm(recipe, tmp_path)
+    victim = swarm.join("1")
+    swarm.join("1")
+    swarm.join("1")
+    swarm.wait_event(lambda e: e["event"] == "barrier" and e["round"] == 1, timeout=300)
+    swarm.kill(victim)
+    assert swarm.finish() == 0, swarm.log()
+    events = swarm.events()
+    retry = [e for e in events if e["event"] == "ring_retry"]
+    assert retry and retry[0]["round"] == 1 and retry[0]["nodes"] == 2, [e for e in events if e["event"] != "progress"]
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 3 and sorted(rounds[1]["nodes"]) == ["n1", "n2"]
+    assert abs(sum(n["weight"] for n in rounds[1]["nodes"].values()) - 1) < 1e-6
+    check_exactly_once(events, 2 * BATCH)
