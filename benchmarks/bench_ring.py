@@ -109,7 +109,7 @@ async def _worker(a: argparse.Namespace) -> None:
     # connections up once (and warm) before anything is timed
     await barrier()
     await ring.allreduce_sum(np.ones(1024, np.float32), members, 0)
-    right, left = await ring._configure(members)
+    right, left = await ring._configure(members, 0)
     frame = np.zeros(MiB, np.uint8)
 
     async def raw_send(ch, total: int) -> None:  # noqa: ANN001

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,14 +91,19 @@ def id_(key: Path | None, coord: bool) -> None:
               help="Torch threads per --local node [default: cores / N].")
 @click.option("--key", type=click.Path(path_type=Path), default=None,
               help="The coordinator's key file [default: ~/.drift/coord.key; with --local: RUN_DIR/keys/coord.key].")
+@click.option("--resume", is_flag=True,
+              help="Continue from the newest checkpoint that verifies (in --run-dir, else the newest runs/NAME-*).")
 def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, threads: int | None,
-          key: Path | None) -> None:
+          key: Path | None, resume: bool) -> None:
     """Coordinate a run: print a join ticket, admit nodes, run the rounds."""
     try:
         r = load_recipe(recipe)
     except RecipeError as e:
         _fail(str(e))
     root = repo_root(recipe)
+    checkpoint = None
+    if resume:
+        run_dir, checkpoint = _find_checkpoint(r.name, run_dir)
     run_dir = run_dir or Path("runs") / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = network or r.network
     if local and mode == "relay":
@@ -111,24 +117,42 @@ def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, t
     if commit is None:
         _fail(f"{recipe}: {root} is not a git repository and the recipe pins no commit: nodes run only "
               f"committed code (git init && git commit there, or set commit:)")
-    sys.exit(_run(_coord(r, root, run_dir, mode, local, threads, coord_key, commit)))
+    sys.exit(_run(_coord(r, root, run_dir, mode, local, threads, coord_key, commit, checkpoint)))
+
+
+def _find_checkpoint(name: str, run_dir: Path | None):  # noqa: ANN202
+    """--resume: the newest checkpoint that verifies, in RUN_DIR or else the newest runs/NAME-* ."""
+    from drift.checkpoint import latest_checkpoint
+    if run_dir is None:
+        runs = sorted(Path("runs").glob(f"{name}-*/checkpoints"), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            _fail(f"--resume: no runs/{name}-*/checkpoints here; name the run with --run-dir")
+        run_dir = runs[-1].parent
+    ckpt, warnings = latest_checkpoint(run_dir / "checkpoints")
+    for w in warnings:
+        click.echo(f"drift: warning: {w}", err=True)
+    if ckpt is None:
+        _fail(f"--resume: no checkpoint that verifies in {run_dir / 'checkpoints'}")
+    return run_dir, ckpt
 
 
 async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: int | None,  # noqa: ANN001
-                 coord_key=None, commit: str | None = None) -> int:  # noqa: ANN001
+                 coord_key=None, commit: str | None = None, checkpoint=None) -> int:  # noqa: ANN001
     monitor = Monitor(run_dir)
     commit = commit or r.commit or _git_head(root)
     node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
     coordinator = Coordinator(r, run_dir, mode=mode, commit=commit, monitor=monitor,
                               key=coord_key.seed if coord_key else None,
                               tree=tree_of(root, commit) if commit else None,
-                              extra_allowed=tuple(k.node_id for k in node_keys))
+                              extra_allowed=tuple(k.node_id for k in node_keys), resume=checkpoint)
     children: list[tuple[subprocess.Popen, Path]] = []
     try:
         ticket = await coordinator.start()
         monitor.say(f"run {coordinator.run_id}: {r.name}, {r.rounds} rounds, waiting for {r.min_nodes} node(s)")
         monitor.say(f"join with:  drift join --repo {root} --ticket {ticket}")
         monitor.say(f"run dir:    {run_dir}")
+        if checkpoint is not None:
+            monitor.say(f"resuming:   after round {checkpoint.round} ({checkpoint.path})")
         monitor.say(f"commit:     {commit} (coordinator {coordinator.endpoint.node_id[:10]})")
         if commit and commit == _git_head(root) and _dirty(root):
             monitor.say(f"note: {root} has uncommitted changes; nodes run commit {commit[:12]} as committed")
@@ -144,7 +168,19 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
                                                       env={**os.environ, "PYTHONUNBUFFERED": "1"}), logf))
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children))
-        done, _ = await asyncio.wait({run, watch}, return_when=asyncio.FIRST_COMPLETED)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C: checkpoint, tell the nodes, exit
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        stopper = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({run, watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            run.cancel()
+            watch.cancel()
+            path = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")
+            where = f"checkpoint {path}" if path else "no checkpoint (no round had finished)"
+            monitor.say(f"interrupted: {where}; resume with: drift coord RECIPE --resume --run-dir {run_dir}")
+            return 130
+        stopper.cancel()
         if run not in done:
             run.cancel()
             watch.result()  # raises the child's failure

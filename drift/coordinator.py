@@ -18,9 +18,12 @@ from auth import Admission, AuthError
 from drift import protocol as P
 from drift.monitor import Monitor, NodeView
 from drift.recipe import Recipe
+from drift.checkpoint import Checkpoint, recipe_hash, save_checkpoint
+from drift.diloco import ParamLayout, checksum
 from drift.inner import finite_positive
+from drift.state import StateError, StateServer, fetch_state
 from drift.scheduler import Ledger, RoundPlan, UnitQueue, check_accounting
-from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Channel, Endpoint, NetworkMode, TransportError
+from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Channel, Endpoint, NetworkMode, TransportError
 
 log = logging.getLogger("drift.coord")
 
@@ -66,6 +69,7 @@ class Coordinator:
     key: bytes | None = None            # Ed25519 seed (auth.NodeKey.seed): the coordinator's node id
     tree: str | None = None             # tree id of `commit`, when the coordinator's repo has it
     extra_allowed: tuple[str, ...] = ()  # ids admitted on top of the recipe's allowlist (--local nodes)
+    resume: Checkpoint | None = None     # continue from this checkpoint (nodes fetch its θ from us)
 
     def __post_init__(self) -> None:
         r = self.recipe
@@ -93,6 +97,10 @@ class Coordinator:
         self.checksums: dict[int, str] = {}     # the agreed checksum of θ after each round
         self.evaluating: set[str] = set()       # evaluators with an evaluation in flight
         self.ring_epoch = 0                     # +1 per retried all-reduce (ring connections renew)
+        self.state = StateServer()              # serves a resumed checkpoint's θ to the nodes
+        self.last_checkpoint: int | None = None
+        self.last_checkpoint_path: Path | None = None
+        self.samples_seen = 0
         self.rejected: list[str] = []  # why connections were dropped (also logged)
 
     # --- serving connections -------------------------------------------------------------------
@@ -101,7 +109,7 @@ class Coordinator:
         """Bind and start accepting; returns the join ticket."""
         if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
             raise CoordinatorError(why)
-        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN,))
+        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN))
         self._spawn(self._accept_loop())
         return self.endpoint.ticket()
 
@@ -114,10 +122,10 @@ class Coordinator:
         assert self.endpoint is not None
         while True:
             try:
-                _alpn, conn = await self.endpoint.accept()
+                alpn, conn = await self.endpoint.accept()
             except TransportError:
                 return
-            self._spawn(self._serve(conn))
+            self._spawn(self.state.handle(conn) if alpn == STATE_ALPN else self._serve(conn))
 
     def _drop(self, ch: Channel | None, conn, why: str) -> None:  # noqa: ANN001
         peer = str(conn.remote_id())[:10]
@@ -246,13 +254,20 @@ class Coordinator:
         for p in peers:
             self._enter(p, -1)
         queue = UnitQueue(self.n_train, r.unit_samples)
-        for rnd in range(r.rounds):
+        first = 0
+        if self.resume is not None:
+            first = self._load_resume(queue)
+        self.queue = queue
+        for rnd in range(first, r.rounds):
             if self.monitor:
                 self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
             await self._admit_late_joiners(rnd)
             if not self.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
             self.results.append(await self._round(rnd, queue))
+            self.samples_seen += self.results[-1].samples
+            if (rnd + 1) % r.checkpoint_every == 0 or rnd == r.rounds - 1:
+                await self.checkpoint(rnd)
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
@@ -260,6 +275,80 @@ class Coordinator:
         if self.monitor:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def _model_fields(self) -> dict:
+        """What a checkpoint's θ depends on: resuming with other values is refused."""
+        r = self.recipe
+        return {"task": r.task, "task_config": r.task_config, "seed": r.seed}
+
+    def _load_resume(self, queue: UnitQueue) -> int:
+        """Take over a checkpoint: serve its θ, restore the data position; returns the next round."""
+        ck = self.resume
+        assert ck is not None
+        if ck.manifest.get("recipe_hash") != recipe_hash(self._model_fields()):
+            raise CoordinatorError(f"{ck.path}: checkpoint was made with another task, task_config or seed")
+        layout = ParamLayout.of(ck.theta)
+        theta, velocity = layout.flatten(ck.theta), layout.flatten(ck.velocity)
+        if checksum(theta) != ck.manifest.get("checksum"):
+            raise CoordinatorError(f"{ck.path}: θ does not match the checksum in its manifest")
+        self.state.layout = layout
+        self.state.publish(ck.round, theta, velocity)
+        self.checksums[ck.round] = self.state.snapshot.checksum
+        queue.restore(ck.manifest["queue"])
+        self.samples_seen = ck.manifest.get("samples_seen", 0)
+        self.last_checkpoint, self.last_checkpoint_path = ck.round, ck.path
+        self._note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
+        return ck.round + 1
+
+    async def checkpoint(self, rnd: int) -> Path | None:
+        """Fetch θ after round `rnd` from a node (checksum-verified) and write it atomically."""
+        if self.last_checkpoint == rnd:
+            return self.last_checkpoint_path
+        if rnd not in self.checksums or self.endpoint is None:
+            return None
+        donors = [self.members[i].info.ring_ticket for i in self.members if self.state_round.get(i) == rnd]
+        if self.state.snapshot is not None and self.state.snapshot.round == rnd:
+            snap = self.state.snapshot
+        else:
+            try:
+                snap = await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd])
+            except StateError as e:
+                log.warning("no checkpoint for round %d: %s", rnd, e)
+                return None
+        if snap.layout is None:
+            return None
+        meta = {"checksum": snap.checksum, "samples_seen": self.samples_seen, "commit": self.commit,
+                "recipe_hash": recipe_hash(self._model_fields()), "run_id": self.run_id,
+                "queue": self.queue.position()}
+        named = snap.layout.unflatten
+        path = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: save_checkpoint(self.run_dir / "checkpoints", rnd, named(snap.theta),
+                                          named(snap.velocity), meta, keep=self.recipe.keep_checkpoints))
+        self.last_checkpoint, self.last_checkpoint_path = rnd, path
+        self._note("checkpoint", round=rnd, path=str(path))
+        return path
+
+    async def interrupt(self, reason: str) -> Path | None:
+        """A clean stop (Ctrl-C): checkpoint the last finished round, tell every node why."""
+        path = None
+        if self.checksums:
+            path = await self.checkpoint(max(self.checksums))
+        self._finished = True
+        peers = list(self.members.values()) or list(self.ready.values())
+        await asyncio.gather(*(self._send(p, P.TrainingCancel(reason=reason)) for p in peers))
+        # Closing now could discard that message in flight: wait (briefly) for each node to hang up.
+        left: set[str] = set()
+        deadline = time.monotonic() + 5.0
+        while len(left) < len(peers) and time.monotonic() < deadline:
+            try:
+                peer, msg = await asyncio.wait_for(self.events.get(), max(0.05, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+            if msg is None:
+                left.add(peer.id)
+        return path
 
     async def _finish_evaluations(self, timeout: float) -> None:
         """Give evaluations still in flight a chance to land before the run ends."""
@@ -315,8 +404,10 @@ class Coordinator:
             return None
         donors = sorted((i for i in self.members if self.state_round.get(i) == last and i != node),
                         key=lambda i: -self.speed[i])
-        return P.StateSource(round=last, checksum=self.checksums[last],
-                             tickets=[self.members[i].info.ring_ticket for i in donors])
+        tickets = [self.members[i].info.ring_ticket for i in donors]
+        if self.state.snapshot is not None and self.state.snapshot.round == last:
+            tickets.append(self.endpoint.ticket())  # a resumed checkpoint, served by us
+        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets)
 
     # --- one round -----------------------------------------------------------------------------
 
@@ -522,8 +613,11 @@ class Coordinator:
                     since, expected = last_progress[i], r.unit_samples / self.speed[i]
                 else:
                     continue
+                if rnd == 0 and i == fastest and not stop_sent:  # it evaluates θ0 before training
+                    expected += r.eval_batches * r.batch_size / self.speed[i]
                 waited = now - since
-                if waited > r.unit_deadline_factor * expected + 2 * r.heartbeat_s:
+                others = [j for j in part() if j != i and j not in excluded]
+                if others and waited > r.unit_deadline_factor * expected + 2 * r.heartbeat_s:
                     name = self.members[i].info.name
                     log.warning("node %s has not finished its work in %.1fs (expected %.2fs): its units are "
                                 "reassigned and it sits out this round", name, waited, expected)

@@ -215,6 +215,7 @@ class Node:
         await self._verify_ready(await self.expect(P.TrainingReady, timeout=None), cfg, recipe)
 
         self.worker, self.layout, self.theta, self.outer, self.recipe = worker, layout, theta, outer, recipe
+        self.state.layout = layout
         inner = InnerLoop(worker, recipe, self.inbox, self.send, self.opts.speed)
         self.state.publish(-1, theta, outer.velocity)
         self._tasks.append(asyncio.ensure_future(self._heartbeat(recipe.heartbeat_s)))

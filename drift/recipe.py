@@ -60,6 +60,8 @@ class Recipe(_Strict):
                                "the round evaluates instead of training")
     unit_deadline_factor: float = Field(
         4.0, gt=1, description="a unit not finished within this many times its expected time is reassigned")
+    checkpoint_every: int = Field(5, ge=1, description="rounds between checkpoints (one is always written at the end)")
+    keep_checkpoints: int = Field(3, ge=1)
     heartbeat_s: float = Field(2.0, gt=0)
     stale_after_s: float = Field(10.0, gt=0, description="a node silent this long is dropped")
     codec: Literal["fp32", "fp16", "bf16", "int8", "topk"] = Field(

@@ -20,7 +20,10 @@ result any other way. Decoding is deterministic (compress.py), so all replicas a
 Error feedback (codecs with ``error_feedback``, i.e. top-k): whenever this node encodes a chunk
 (as a reduce-scatter hop or as the owner) it first adds its residual for that range, and keeps
 as its new residual what the payload failed to carry. Nothing is lost: the sum over nodes of
-(residual before + input) equals result + residual after, up to float rounding.
+(residual before + input) equals result + residual after, up to float rounding. Every node
+encodes each range of the vector exactly once per round, so the new residual is written whole
+into a second buffer and swapped in only when the all-reduce succeeds: a failed or cancelled
+attempt leaves the residual as it was, and its retry starts from the same state.
 
 Wire format of one chunk: a frame (transport.py: 4-byte length) holding a 32-byte header, then
 the codec's payload::
@@ -116,6 +119,7 @@ class Ring:
         self.chunk_elems = max(1, chunk_bytes // 4)
         self.codec = make_codec(codec) if isinstance(codec, str) else codec
         self.residual: np.ndarray | None = None
+        self._residual_next: np.ndarray | None = None
         self._codecs: dict[tuple, Codec] = {}
         self._arena: np.ndarray | None = None
         self._incoming: dict[str, Channel] = {}
@@ -233,7 +237,7 @@ class Ring:
             seg_chunks.append(cs)
         lossless = isinstance(codec, Fp32)
         arena = self._buffers(x.size, off, codec, lossless)
-        residual = self.residual if codec.error_feedback else None
+        residual, new_residual = (self.residual, self._residual_next) if codec.error_feedback else (None, None)
         codec_s = 0.0
 
         steps = 2 * (n_nodes - 1)
@@ -252,7 +256,7 @@ class Ring:
                 v += residual[a:b]
             payload = codec.encode(v, out=arena[o:o + codec.encoded_nbytes(b - a)])
             if residual is not None:
-                np.subtract(v, codec.decode(payload, residual[a:b]), out=residual[a:b])
+                np.subtract(v, codec.decode(payload, new_residual[a:b]), out=new_residual[a:b])
             if owner:
                 codec.decode(payload, v)
             return payload
@@ -302,13 +306,17 @@ class Ring:
                 msg = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0]
             self.close(msg if msg.startswith(_RELAYED) else _RELAYED + msg)  # they fail too, and say why
             raise RingError(f"all-reduce of round {round_} failed: {msg}") from None
+        if residual is not None:
+            self.residual, self._residual_next = new_residual, residual
         return ReduceStats(time.perf_counter() - t0, right.bytes_sent - sent0,
                            left.bytes_received - recv0, codec_s, codec.name)
 
     def _buffers(self, n: int, arena_bytes: int, codec: Codec, lossless: bool) -> np.ndarray:
-        """Preallocated payload arena (one slot per chunk) and, for error feedback, the residual."""
+        """Preallocated payload arena (one slot per chunk) and, for error feedback, the residual
+        and the buffer its next value is written to."""
         if codec.error_feedback and (self.residual is None or self.residual.size != n):
             self.residual = np.zeros(n, np.float32)  # a new model size starts with no residual
+            self._residual_next = np.empty(n, np.float32)
         if lossless:
             return np.empty(0, np.uint8)
         if self._arena is None or self._arena.size < arena_bytes:

@@ -55,6 +55,11 @@ class UnitQueue:
         return {"epoch": self.epoch, "next_unit": self._next,
                 "pending": [[u.id, u.lo, u.hi] for u in self._returned]}
 
+    def restore(self, position: dict) -> None:
+        """Continue from a position() saved in a checkpoint."""
+        self.epoch, self._next = int(position["epoch"]), int(position["next_unit"])
+        self._returned = deque(WorkUnit(id=i, lo=lo, hi=hi) for i, lo, hi in position["pending"])
+
     def give_back(self, units: list[WorkUnit]) -> None:
         self._returned.extendleft(reversed([u for u in units if u.hi > u.lo]))
 

@@ -25,24 +25,25 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 class Swarm:
-    def __init__(self, recipe: Path, work: Path):
+    def __init__(self, recipe: Path, work: Path, *coord_args: str, log_name: str = "coord.log"):
         self.recipe, self.work = recipe, work
         self.run_dir = work / "run"
         self.nodes: list[subprocess.Popen] = []
-        self.coord_log = open(work / "coord.log", "w+")
-        self.coord = subprocess.Popen([sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
-                                       str(self.run_dir), "--key", str(work / "coord.key")],
-                                      stdout=self.coord_log, stderr=subprocess.STDOUT, env=ENV)
+        self.coord_log = work / log_name
+        with open(self.coord_log, "w") as fh:
+            self.coord = subprocess.Popen([sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
+                                           str(self.run_dir), "--key", str(work / "coord.key"), *coord_args],
+                                          stdout=fh, stderr=subprocess.STDOUT, env=ENV)
         self.ticket = self._wait_for(r"--ticket (\S+)", 60)
 
     def _wait_for(self, pattern: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            m = re.search(pattern, (self.work / "coord.log").read_text())
+            m = re.search(pattern, self.log())
             if m:
                 return m.group(1)
             if self.coord.poll() is not None:
-                raise AssertionError("coordinator exited early:\n" + (self.work / "coord.log").read_text())
+                raise AssertionError("coordinator exited early:\n" + self.log())
             time.sleep(0.1)
         raise AssertionError(f"coordinator never printed {pattern!r}")
 
@@ -72,11 +73,11 @@ class Swarm:
             if self.coord.poll() is not None:
                 break
             time.sleep(0.05)
-        raise AssertionError("event never came; coordinator log:\n" + (self.work / "coord.log").read_text())
+        raise AssertionError("event never came; coordinator log:\n" + self.log())
 
-    def kill(self, p: subprocess.Popen) -> None:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+    def kill(self, p: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
+        p.send_signal(sig)
+        return p.wait(timeout=120)
 
     def finish(self, timeout: float = 300) -> int:
         try:
@@ -88,7 +89,7 @@ class Swarm:
                     p.wait()
 
     def log(self) -> str:
-        return (self.work / "coord.log").read_text()
+        return self.coord_log.read_text()
 
 
 def git(repo: Path, *args: str) -> str:

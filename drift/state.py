@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from drift.diloco import checksum
+from drift.diloco import ParamLayout, checksum
 from drift.transport import STATE_ALPN, Endpoint, TransportError
 
 log = logging.getLogger("drift.state")
@@ -30,17 +30,19 @@ class Snapshot:
     theta: np.ndarray
     velocity: np.ndarray
     checksum: str
+    layout: ParamLayout | None = None  # names and shapes (for checkpoints)
 
 
 class StateServer:
     """Serves this node's latest snapshot to peers that ask (one request per connection)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: ParamLayout | None = None) -> None:
         self.snapshot: Snapshot | None = None
+        self.layout = layout
 
     def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
         # Copies: the node keeps updating its own arrays in place while a peer may be reading.
-        self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta))
+        self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta), self.layout)
 
     async def handle(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
         try:
@@ -51,8 +53,10 @@ class StateServer:
                 have = None if snap is None else snap.round
                 await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
             else:
+                layout = {} if snap.layout is None else {"names": list(snap.layout.names),
+                                                          "shapes": [list(x) for x in snap.layout.shapes]}
                 await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
-                                                "n": int(snap.theta.size)}).encode())
+                                                "n": int(snap.theta.size), **layout}).encode())
                 await ch.send_frame(snap.theta)
                 await ch.send_frame(snap.velocity)
             await ch.recv_frame(16, timeout=60)  # the peer says when it has everything
@@ -63,9 +67,9 @@ class StateServer:
 
 
 async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_checksum: str,
-                      size: int, timeout: float = 120.0) -> Snapshot:
+                      size: int | None = None, timeout: float = 120.0) -> Snapshot:
     """The state after round `rnd` from the first peer in `tickets` that has it and whose θ
-    matches `want_checksum`."""
+    matches `want_checksum` (and has `size` parameters, when given)."""
     errors = []
     for ticket in tickets:
         try:
@@ -75,8 +79,12 @@ async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_che
                 head = json.loads(await ch.recv_frame(4096, timeout=timeout))
                 if "error" in head:
                     raise StateError(head["error"])
-                if head.get("n") != size:
-                    raise StateError(f"peer sent {head.get('n')} parameters, expected {size}")
+                n = head.get("n")
+                if not isinstance(n, int) or n < 0 or (size is not None and n != size):
+                    raise StateError(f"peer sent {n} parameters, expected {size}")
+                size = n
+                layout = ParamLayout(tuple(head["names"]), tuple(tuple(x) for x in head["shapes"])) \
+                    if "names" in head else None
                 theta = np.frombuffer(await ch.recv_frame(4 * size, timeout=timeout), dtype=np.float32).copy()
                 velocity = np.frombuffer(await ch.recv_frame(4 * size, timeout=timeout), dtype=np.float32).copy()
                 await ch.send_frame(b"ok")
@@ -85,7 +93,7 @@ async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_che
             got = checksum(theta)
             if got != want_checksum:
                 raise StateError(f"θ checksum {got} is not the swarm's {want_checksum}")
-            return Snapshot(rnd, theta, velocity, got)
-        except (StateError, TransportError, ValueError) as e:
+            return Snapshot(rnd, theta, velocity, got, layout)
+        except (StateError, TransportError, ValueError, KeyError, TypeError) as e:
             errors.append(f"{ticket[:20]}...: {e}")
     raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors))

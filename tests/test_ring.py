@@ -203,3 +203,28 @@ def test_size_mismatch_fails_loudly() -> None:
 
     msg = run_async(main())
     assert "unexpected ring chunk" in msg and "vector size" in msg
+
+
+def test_failed_round_leaves_the_residual_untouched() -> None:
+    """A top-k all-reduce that fails midway must not half-update the residual: the retry starts
+    from the same state, and nothing put in is lost."""
+    n, size = 2, 200_003
+    xs = _pseudo_grads(n, size, seed=4)
+
+    async def main():
+        eps, rings, tasks = await _ring_of(n, timeout=10, chunk_bytes=64 * 1024, codec=make_codec("topk"))
+        members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
+        try:
+            await asyncio.gather(*(r.allreduce_sum(x.copy(), members, 0) for r, x in zip(rings, xs)))
+            before = [r.residual.copy() for r in rings]
+            bad = await asyncio.gather(rings[0].allreduce_sum(xs[0].copy(), members, 1),
+                                       rings[1].allreduce_sum(xs[1].copy(), members, 2), return_exceptions=True)
+            assert all(isinstance(b, RingError) for b in bad), bad
+            after = [r.residual.copy() for r in rings]
+        finally:
+            await _close(eps, rings, tasks)
+        return before, after
+
+    before, after = run_async(main())
+    for b, a in zip(before, after):
+        assert b.tobytes() == a.tobytes()

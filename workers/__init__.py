@@ -25,7 +25,6 @@ __all__ = ["BACKENDS", "BackendError", "Choice", "Worker", "choose", "load_task"
 
 INSTALL_HINT = {"torch": "pip install torch", "mlx": 'pip install mlx (on Linux: pip install "mlx[cpu]")',
                 "numpy": "pip install numpy"}
-DEVICE_HELP = "auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple)"
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,8 @@ def choose(backend: str = "auto", device: str = "auto", supported: list[str] | N
            task_name: str = "the task", infos: "dict[str, BackendInfo] | None" = None) -> Choice:
     """The backend and device this node trains on; BackendError (one line, for the user) if none fits.
 
-    backend: "auto" or one of BACKENDS; device: "auto" or a device name (see DEVICE_HELP).
+    backend: "auto" or one of BACKENDS; device: "auto", cpu, cuda, cuda:N, rocm, rocm:N (a ROCm
+    build of torch), mps (torch on Apple) or metal (mlx on Apple).
     supported: the backends the task implements (None: not known yet, e.g. before joining).
     Only the backends that could be picked are probed, so `--backend numpy` never imports torch.
     """

@@ -212,10 +212,9 @@ def backend_info(name: str) -> BackendInfo:
             return BackendInfo("torch", False, detail="not installed")
         from .torch_worker import available_devices
         hip, cuda = getattr(torch.version, "hip", None), getattr(torch.version, "cuda", None)
-        detail = f"ROCm {hip}" if hip else f"CUDA {cuda}" if cuda else "CPU build"
         devices = available_devices()
-        if "mps" in devices:
-            detail += ", MPS"
+        detail = f"ROCm {hip}" if hip else f"CUDA {cuda}" if cuda else "MPS (Metal)" if "mps" in devices \
+            else "CPU build"
         return BackendInfo("torch", True, torch.__version__, devices, detail)
     if name == "mlx":
         mx = import_mlx()
