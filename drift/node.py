@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-import os
 import secrets
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
 from drift.diloco import NesterovOuter, ParamLayout, checksum, weighted_delta
 from drift.inner import InnerLoop, SpeedSchedule, StopTraining, calibrate
-from drift.state import StateError, StateServer, fetch_state
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
 from drift.ring import Ring, RingError
+from drift.state import StateError, StateServer, fetch_state
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, mode_for_ticket
 from workers import BackendError, choose, load_task, make_worker
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from conftest import check_exactly_once, make_task_repo
 from drift.simulate import Swarm
