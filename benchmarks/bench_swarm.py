@@ -1,12 +1,13 @@
 """Swarm efficiency of heterogeneous swarms: drift's work stealing versus lockstep DiLoCo.
 
-    python benchmarks/bench_swarm.py [--base 0.1] [--rounds 4]
+    python benchmarks/bench_swarm.py [--rounds 4] [--inner-steps 40]
 
 Every node is a real `drift join` process (real iroh on loopback, real training of a small char
 GPT). Device speeds are simulated: a node with relative speed s runs with `--speed base*s`, which
-stretches each inner step to 1/(base*s) of its real length by sleeping. With base 0.1 the stretched
-part is ~90% of even the fastest node's step, so the figures measure scheduling, not the fight of
-4 processes for 2 cores.
+stretches each inner step to 1/(base*s) of its real length by sleeping. With base 0.03 the
+stretched part is ~97% of even the fastest node's step, so the figures measure scheduling, not
+the fight of 4 processes for 2 cores. (The [1, .002] mix uses base 0.1: two processes fight less,
+and its slow node's step is already ~50 s.)
 
 Swarm efficiency = swarm samples/s / sum of each node's solo samples/s. A node's solo samples/s
 is measured by running that node alone (a one-node swarm, same recipe) just before the mixes;
@@ -28,7 +29,8 @@ from drift.simulate import Swarm, make_task_repo
 
 TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 BATCH, UNIT_STEPS = 8, 2
-MIXES = {"[1, .5, .25, .1]": [1, 0.5, 0.25, 0.1], "[1, 1, 1, 1]": [1, 1, 1, 1], "[1, .002]": [1, 0.002]}
+MIXES = {"[1, .5, .25, .1]": ([1, 0.5, 0.25, 0.1], 0.03), "[1, 1, 1, 1]": ([1, 1, 1, 1], 0.03),
+         "[1, .002]": ([1, 0.002], 0.1)}
 
 
 def recipe(n: int, schedule: str, inner_steps: int, rounds: int) -> dict:
@@ -58,36 +60,36 @@ def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", type=float, default=0.1, help="speed factor of a relative speed of 1")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--inner-steps", type=int, default=60)
+    ap.add_argument("--inner-steps", type=int, default=40)
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="drift-bench-swarm-"))
-    solo = {}
-    for s in sorted({s for m in MIXES.values() for s in m}, reverse=True):
+    solo: dict[tuple[float, float], float] = {}
+    for s, base in sorted({(s, b) for m, b in MIXES.values() for s in m}, reverse=True):
         if s < 0.01:
-            solo[s] = s * solo[1]
-            print(f"solo speed {s:<6g} (--speed {a.base * s:.6g}): {solo[s]:8.2f} samples/s (derived)", flush=True)
+            solo[s, base] = s * solo[1, base]
+            print(f"solo speed {s:<6g} (--speed {base * s:.6g}): {solo[s, base]:8.2f} samples/s (derived)", flush=True)
             continue
-        solo[s] = run(tmp / f"solo-{s}", [a.base * s], "steal", 20, 3)["sps"]
-        print(f"solo speed {s:<6g} (--speed {a.base * s:.6g}): {solo[s]:8.1f} samples/s", flush=True)
+        solo[s, base] = run(tmp / f"solo-{s}-{base}", [base * s], "steal", 5, 3)["sps"]
+        print(f"solo speed {s:<6g} (--speed {base * s:.6g}): {solo[s, base]:8.1f} samples/s", flush=True)
     rows = []
-    for label, mix in MIXES.items():
+    for label, (mix, base) in MIXES.items():
         for schedule in ("steal", "lockstep"):
-            # Lockstep waits for the slowest node's inner_steps: keep that wait finite.
-            steps = a.inner_steps if schedule == "steal" or min(mix) > 0.01 else 2
-            rounds = a.rounds if schedule == "steal" or min(mix) > 0.01 else 2
-            res = run(tmp / f"{schedule}-{label.strip('[]').replace(', ', '_')}", [a.base * s for s in mix],
+            # Lockstep waits for the slowest node's inner_steps; its efficiency does not depend on
+            # how many, so keep that wait finite.
+            steps = a.inner_steps if schedule == "steal" else (10 if min(mix) > 0.01 else 1)
+            rounds = a.rounds if schedule == "steal" else 2
+            res = run(tmp / f"{schedule}-{label.strip('[]').replace(', ', '_')}", [base * s for s in mix],
                       schedule, steps, rounds)
-            eff = res["sps"] / sum(solo[s] for s in mix)
+            eff = res["sps"] / sum(solo[s, base] for s in mix)
             idle = ", ".join(f"{v:.2f}" for v in res["idle"].values())
             roles = f"evaluators {res['evaluators']}" if res["evaluators"] else "all train"
             rows.append({"mix": label, "schedule": schedule, "efficiency": eff, **res})
             print(f"{label:<18}{schedule:<10} efficiency {eff:6.1%}  swarm {res['sps']:7.1f} samples/s  "
                   f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}", flush=True)
     if a.json:
-        a.json.write_text(json.dumps({"solo": solo, "rows": rows}, indent=1))
+        a.json.write_text(json.dumps({"solo": {f"{s}@{b}": v for (s, b), v in solo.items()}, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -500,6 +500,7 @@ class Coordinator:
         excluded: set[str] = set()
         give_back: list[P.WorkUnit] = []
         stop_sent, t_stop = False, 0.0
+        early: set[str] = set()               # stopped ahead of the others (see the round's tail)
         ring: list[P.RingMember] | None = None
         retry_reason: str | None = None       # why the all-reduce in flight must be redone
         ring_failed_at: float | None = None
@@ -552,7 +553,7 @@ class Coordinator:
                         self.monitor.event("progress", node_id=i, round=rnd, unit=[msg.unit.id, msg.unit.lo, msg.unit.hi],
                                            loss=msg.loss, samples_per_s=msg.samples_per_s)
                 elif isinstance(msg, P.AskForMoreWork):
-                    nxt = plan.next_for(i) if i not in excluded and msg.round == rnd else None
+                    nxt = plan.next_for(i) if i not in excluded | early and msg.round == rnd else None
                     if nxt is not None:
                         last_progress[i] = now
                         await self._send(peer, P.AssignNext(round=rnd, unit=nxt))
@@ -592,6 +593,17 @@ class Coordinator:
                     pass
                 else:
                     log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, rnd)
+
+            # The round's tail: a node whose next inner step would end after everyone else ran out
+            # of work stops now, so nobody waits at the barrier for most of a slow step.
+            if steal and ring is None and not stop_sent:
+                active = [i for i in part() if i not in synced and i not in excluded and i not in early]
+                left_s = plan.remaining() / max(sum(self.speed[i] for i in active), 1e-9)
+                for i in active:
+                    if len(active) > 1 and r.batch_size / self.speed[i] > left_s:
+                        early.add(i)
+                        active.remove(i)
+                        await self._send(self.members[i], P.StopRound(round=rnd))
 
             # Liveness, deadlines and the barrier (checked on every event and twice a second).
             for i in list(self.members):

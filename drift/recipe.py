@@ -56,7 +56,7 @@ class Recipe(_Strict):
                              "at the next inner step once the budget is handed out; lockstep: every node "
                              "does inner_steps, the barrier waits for the slowest (for comparison)")
     slow_node_fraction: float = Field(
-        0.1, gt=0, description="a node whose single inner step would take longer than this fraction of "
+        0.05, gt=0, description="a node whose single inner step would take longer than this fraction of "
                                "the round evaluates instead of training")
     unit_deadline_factor: float = Field(
         4.0, gt=1, description="a unit not finished within this many times its expected time is reassigned")
