@@ -523,6 +523,7 @@ class Coordinator:
                 give_back.extend(synced[i].trained)
             synced.pop(i, None)
             plan.drop(i)
+            self.evaluating.discard(i)
             peer.ch.close(why)
             if self.monitor:
                 self.monitor.nodes.pop(i, None)
