@@ -10,7 +10,8 @@ the fight of 4 processes for 2 cores. (The [1, .002] mix uses base 0.1: two proc
 and its slow node's step is already ~50 s.)
 
 Swarm efficiency = swarm samples/s / sum of each node's solo samples/s. A node's solo samples/s
-is measured by running that node alone (a one-node swarm, same recipe) just before the mixes;
+is measured by running that node alone (a one-node swarm, same recipe) just before the mixes, as
+the mean speed of its finished work units (training only: no barrier, eval or sync counted);
 for the 500x-slow node (one inner step ~25 s) it is derived instead: 0.002 x the solo speed of a
 speed-1 node, exact to within the real compute in its step (0.02% of it).
 Swarm samples/s = samples trained in rounds 1.. / their wall-clock (round 0 is warm-up); that
@@ -50,7 +51,9 @@ def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds
     ev = [e for e in swarm.events() if e["event"] == "round"]
     timed = ev[1:] if len(ev) > 1 else ev
     names = sorted(timed[0]["nodes"])
+    progress = [e["samples_per_s"] for e in swarm.events() if e["event"] == "progress"]
     return {
+        "train_sps": sum(progress) / len(progress),
         "sps": sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed),
         "round_s": sum(e["seconds"] for e in timed) / len(timed),
         "idle": {n: sum(e["nodes"][n]["idle_s"] for e in timed if n in e["nodes"]) / len(timed) for n in names},
@@ -71,7 +74,7 @@ def main() -> None:
             solo[s, base] = s * solo[1, base]
             print(f"solo speed {s:<6g} (--speed {base * s:.6g}): {solo[s, base]:8.2f} samples/s (derived)", flush=True)
             continue
-        solo[s, base] = run(tmp / f"solo-{s}-{base}", [base * s], "steal", 5, 3)["sps"]
+        solo[s, base] = run(tmp / f"solo-{s}-{base}", [base * s], "steal", 5, 3)["train_sps"]
         print(f"solo speed {s:<6g} (--speed {base * s:.6g}): {solo[s, base]:8.1f} samples/s", flush=True)
     rows = []
     for label, (mix, base) in MIXES.items():

@@ -160,9 +160,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - not installed here
                 print(f"  {backend:5s} worker     : unavailable ({e})")
                 continue
-            timed(lambda b: run_worker(b, w), draw(args.warmup), None)
-            rates = [timed(lambda b: run_worker(b, w), draw(args.steps), None)
-                     for _ in range(max(1, args.pairs // 2))]
+            run_it = lambda b, w=w: run_worker(b, w)  # noqa: E731
+            timed(run_it, draw(args.warmup), None)
+            rates = [timed(run_it, draw(args.steps), None) for _ in range(max(1, args.pairs // 2))]
             print(f"  {backend:5s} worker ({w.device}): {statistics.median(rates):9.1f} samples/s")
 
 

@@ -460,7 +460,8 @@ class Coordinator:
         evaluators = self._evaluators(budget) if steal else set()
         trainers = {i: self.speed[i] for i in self.members if i not in evaluators}
         epoch, units = queue.take(budget)
-        plan = RoundPlan.make(units, trainers, steal)
+        # Lockstep (for comparison) gives every node the same share, whatever its speed.
+        plan = RoundPlan.make(units, trainers if steal else dict.fromkeys(trainers, 1.0), steal)
         fastest = max(trainers, key=trainers.get)
         for i, peer in list(self.members.items()):
             if i in evaluators:  # evaluators work at their own pace: a new job once the last is done
@@ -494,6 +495,7 @@ class Coordinator:
             return [i for i in self.members if i not in evaluators]
 
         last_progress = {i: time.monotonic() for i in self.members}
+        trained_so_far = dict.fromkeys(self.members, 0)   # from TrainProgress, this round
         synced: dict[str, P.BarrierSync] = {}
         t_sync: dict[str, float] = {}
         done: dict[str, P.RoundDone] = {}
@@ -545,6 +547,7 @@ class Coordinator:
                         retry_reason = f"{peer.info.name} left during the all-reduce"
                 elif isinstance(msg, P.TrainProgress):
                     last_progress[i] = now
+                    trained_so_far[i] += msg.unit.hi - msg.unit.lo
                     if finite_positive(msg.samples_per_s):
                         self.speed[i] = 0.5 * self.speed[i] + 0.5 * msg.samples_per_s
                     if self.monitor and i in self.monitor.nodes:
@@ -599,9 +602,13 @@ class Coordinator:
             # of work stops now, so nobody waits at the barrier for most of a slow step.
             if steal and ring is None and not stop_sent:
                 active = [i for i in part() if i not in synced and i not in excluded and i not in early]
-                left_s = plan.remaining() / max(sum(self.speed[i] for i in active), 1e-9)
-                for i in active:
-                    if len(active) > 1 and r.batch_size / self.speed[i] > left_s:
+                in_hand = {i: sum(u.hi - u.lo for u in plan.granted.get(i, [])) - trained_so_far[i] for i in active}
+                for i in sorted(active, key=lambda i: self.speed[i]):  # slowest first
+                    others = [j for j in active if j != i]
+                    if not others:
+                        break
+                    left_s = (plan.remaining() + sum(in_hand[j] for j in others)) / sum(self.speed[j] for j in others)
+                    if r.batch_size / self.speed[i] > left_s:
                         early.add(i)
                         active.remove(i)
                         await self._send(self.members[i], P.StopRound(round=rnd))

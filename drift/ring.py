@@ -2,7 +2,7 @@
 
 Each node sends to its right neighbour and receives from its left, on connections it keeps
 between rounds while the ring order stays the same. The vector is cut into N segments
-(reduce-scatter, then all-gather) and each segment into chunks of ~1 MiB of float32; a chunk is
+(reduce-scatter, then all-gather) and each segment into chunks of ~1 MiB on the wire; a chunk is
 forwarded as soon as it has been received and reduced, so the 2(N-1) steps overlap on the wire.
 Sending and receiving run as two concurrent tasks.
 

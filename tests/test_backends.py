@@ -14,8 +14,8 @@ from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, drift_cmd, git, make_task_repo
+
 from workers import Worker, load_task, make_worker
 
 pytest.importorskip("mlx.core", reason="the mlx backend is not installed (pip install -e '.[test]')")
@@ -184,8 +184,9 @@ def test_diloco_rounds_over_mixed_backends_keep_one_theta(cached: SimpleNamespac
 def _start_coord(recipe: Path, tmp: Path) -> tuple[subprocess.Popen, Path, str]:
     out = tmp / "coord.out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_HOME": str(tmp / "home"), "COLUMNS": "400"}
-    proc = subprocess.Popen(drift_cmd("coord", str(recipe), "--run-dir", str(tmp / "run")),
-                            stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
+    with open(out, "w") as fh:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(drift_cmd("coord", str(recipe), "--run-dir", str(tmp / "run")),
+                                stdout=fh, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 120
     while time.time() < deadline:
         text = out.read_text()

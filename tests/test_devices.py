@@ -16,11 +16,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT, drift_cmd
+
 from workers import BackendError, choose, make_worker
-from workers.detect import (BackendInfo, detect, detect_apple, detect_cpu, detect_nvidia, detect_rocm,
-                            status_renderables)
+from workers.detect import (
+    BackendInfo,
+    detect,
+    detect_apple,
+    detect_cpu,
+    detect_nvidia,
+    detect_rocm,
+    status_renderables,
+)
 
 GIB = 2**30
 try:

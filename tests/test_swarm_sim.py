@@ -56,7 +56,8 @@ def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
     events = swarm.events()
     check_exactly_once(events, 2 * BATCH)
     rounds = [e for e in events if e["event"] == "round"]
-    share = [r["nodes"]["n1"]["samples"] / max(1, r["samples"]) for r in rounds]
+    # (once slow it may even be made an evaluator: then it trains nothing, which is less work too)
+    share = [r["nodes"].get("n1", {"samples": 0})["samples"] / max(1, r["samples"]) for r in rounds]
     assert share[0] > 0.3 and share[-1] < 0.2, share
     _check_idle(events[:], slack_s=1.0)
 

@@ -203,7 +203,7 @@ def test_starts_from_the_tasks_backend_neutral_init(cached_task: SimpleNamespace
 def test_dataset_tokens_view(cached_task: SimpleNamespace) -> None:
     ds = cached_task.make_dataset(CFG)
     tokens = ds.tokens("train")
-    x, y = ds.batch("train", np.array([3]))
+    x, _ = ds.batch("train", np.array([3]))
     np.testing.assert_array_equal(tokens[3 * CFG["block_size"]: 4 * CFG["block_size"]], x[0])
     with pytest.raises(ValueError):
         tokens[0] = 1  # read-only
