@@ -271,7 +271,7 @@ class Coordinator:
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
-        await self._broadcast(list(self.members.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
+        await self._last_word(list(self.members.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
@@ -336,19 +336,23 @@ class Coordinator:
         if self.checksums:
             path = await self.checkpoint(max(self.checksums))
         self._finished = True
-        peers = list(self.members.values()) or list(self.ready.values())
-        await asyncio.gather(*(self._send(p, P.TrainingCancel(reason=reason)) for p in peers))
-        # Closing now could discard that message in flight: wait (briefly) for each node to hang up.
+        await self._last_word(list(self.members.values()) or list(self.ready.values()),
+                              P.TrainingCancel(reason=reason))
+        return path
+
+    async def _last_word(self, peers: list[Peer], msg: P._Msg, timeout: float = 10.0) -> None:
+        """Send a final message, then wait (briefly) for each node to hang up: closing at once
+        could discard the message while it is still in flight."""
+        await asyncio.gather(*(self._send(p, msg) for p in peers))
         left: set[str] = set()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + timeout
         while len(left) < len(peers) and time.monotonic() < deadline:
             try:
-                peer, msg = await asyncio.wait_for(self.events.get(), max(0.05, deadline - time.monotonic()))
+                peer, m = await asyncio.wait_for(self.events.get(), max(0.05, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 break
-            if msg is None:
+            if m is None:
                 left.add(peer.id)
-        return path
 
     async def _finish_evaluations(self, timeout: float) -> None:
         """Give evaluations still in flight a chance to land before the run ends."""
