@@ -49,7 +49,9 @@ class RoundReport:
 @dataclass
 class SpeedSchedule:
     """Simulations only: a speed factor per round, e.g. "1" or "1,1,0.25" (the last one holds).
-    A factor f < 1 stretches every inner step to 1/f of its real length by sleeping."""
+    A factor f < 1 makes every inner step last 1/f of the node's calibrated (uncontended) step
+    time, by sleeping out the rest: a fixed target, so other processes fighting for the same cores
+    do not slow the simulated device down further unless they push a step past that target."""
 
     factors: tuple[float, ...] = (1.0,)
 
@@ -71,8 +73,9 @@ class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
     def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],  # noqa: ANN001
-                 speed: SpeedSchedule = SpeedSchedule()):
+                 speed: SpeedSchedule = SpeedSchedule(), real_step_s: float = 0.0):
         self.worker = worker
+        self.real_step_s = real_step_s  # calibrated, unstretched: the base of simulated slowness
         self.recipe = recipe
         self.inbox = inbox
         self.send = send
@@ -85,8 +88,12 @@ class InnerLoop:
         """Run one worker call off the event loop (so heartbeats and messages keep flowing)."""
         t0 = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        if self._factor < 1.0:
-            await asyncio.sleep((time.perf_counter() - t0) * (1 / self._factor - 1))
+        if self._factor < 1.0:  # a simulated slower device
+            took = time.perf_counter() - t0
+            if fn == self.worker.train_step and self.real_step_s > 0:
+                await asyncio.sleep(max(0.0, self.real_step_s / self._factor - took))
+            else:
+                await asyncio.sleep(took * (1 / self._factor - 1))
         return out
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -190,14 +197,17 @@ def finite_positive(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
-async def calibrate(worker, recipe, speed: SpeedSchedule = SpeedSchedule(), steps: int = 2) -> float:  # noqa: ANN001
-    """Samples/s on the real task: one warm-up step, then `steps` timed ones (stretched like the
-    round-0 steps of a simulated slow node). The caller restores θ afterwards."""
+async def calibrate(worker, recipe, speed: SpeedSchedule = SpeedSchedule(), steps: int = 3) -> tuple[float, float]:  # noqa: ANN001
+    """(samples/s, real seconds per step) on the real task: one warm-up step, then the fastest of
+    `steps` timed ones (robust to a busy moment); samples/s is that of a simulated slow node in
+    round 0. The caller restores θ afterwards."""
     loop = asyncio.get_running_loop()
     idx = np.arange(min(recipe.batch_size, worker.n_train))
     await loop.run_in_executor(None, worker.train_step, idx)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         await loop.run_in_executor(None, worker.train_step, idx)
-    dt = (time.perf_counter() - t0) / speed.at(0)
-    return steps * len(idx) / dt
+        times.append(time.perf_counter() - t0)
+    real = min(times)
+    return len(idx) / (real / speed.at(0)), real

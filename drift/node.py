@@ -207,14 +207,14 @@ class Node:
         oo = recipe.outer_optimizer
         outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov)
         log.info("loaded %s: %d parameters, %s on %s", recipe.task, layout.size, worker.backend, worker.device)
-        speed = await calibrate(worker, recipe, self.opts.speed)
+        speed, real_step_s = await calibrate(worker, recipe, self.opts.speed)
         worker.set_params(layout.unflatten(theta))  # calibration trained a few steps: back to θ0
         await self.send(self._repo_commit(cfg, checksum(theta), worker.n_train, speed))
         await self._verify_ready(await self.expect(P.TrainingReady, timeout=None), cfg, recipe)
 
         self.worker, self.layout, self.theta, self.outer, self.recipe = worker, layout, theta, outer, recipe
         self.state.layout = layout
-        inner = InnerLoop(worker, recipe, self.inbox, self.send, self.opts.speed)
+        inner = InnerLoop(worker, recipe, self.inbox, self.send, self.opts.speed, real_step_s)
         self.state.publish(-1, theta, outer.velocity)
         self._tasks.append(asyncio.ensure_future(self._heartbeat(recipe.heartbeat_s)))
         while True:

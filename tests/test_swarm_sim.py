@@ -42,9 +42,9 @@ def test_mixed_speeds(tmp_path: Path) -> None:
     _check_idle(events)
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 3
-    # Shares follow speed: the fastest node trained clearly more than the slowest.
-    last = rounds[-1]["nodes"]
-    assert last["n0"]["samples"] > 2 * last["n2"]["samples"], last
+    # Shares follow speed (5x apart): over the run the fastest node trained clearly more.
+    total = {n: sum(r["nodes"].get(n, {"samples": 0})["samples"] for r in rounds) for n in ("n0", "n2")}
+    assert total["n0"] > 2 * total["n2"], [r["nodes"] for r in rounds]
 
 
 def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
