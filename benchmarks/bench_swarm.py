@@ -51,9 +51,14 @@ def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds
     ev = [e for e in swarm.events() if e["event"] == "round"]
     timed = ev[1:] if len(ev) > 1 else ev
     names = sorted(timed[0]["nodes"])
-    progress = [e["samples_per_s"] for e in swarm.events() if e["event"] == "progress"]
+    progress = [e for e in swarm.events() if e["event"] == "progress"]
+    by_node: dict[str, list[float]] = {}
+    for e in progress:
+        by_node.setdefault(e["node_id"], []).append(e["samples_per_s"])
     return {
-        "train_sps": sum(progress) / len(progress),
+        "train_sps": sum(e["samples_per_s"] for e in progress) / len(progress),
+        # each node's speed while it trains, in this very run (immune to calibration noise)
+        "node_sps": {k: sum(v) / len(v) for k, v in by_node.items()},
         "sps": sum(e["samples"] for e in timed) / sum(e["seconds"] for e in timed),
         "round_s": sum(e["seconds"] for e in timed) / len(timed),
         "idle": {n: sum(e["nodes"][n]["idle_s"] for e in timed if n in e["nodes"]) / len(timed) for n in names},
@@ -86,10 +91,14 @@ def main() -> None:
             res = run(tmp / f"{schedule}-{label.strip('[]').replace(', ', '_')}", [base * s for s in mix],
                       schedule, steps, rounds)
             eff = res["sps"] / sum(solo[s, base] for s in mix)
+            # The same, against each node's own training speed in this run (an evaluator, which
+            # never trains, counts at its solo speed): only the scheduling and sync losses remain.
+            in_run = res["sps"] / (sum(res["node_sps"].values()) +
+                                   sum(solo[s, base] for s in mix[len(res["node_sps"]):]))
             idle = ", ".join(f"{v:.2f}" for v in res["idle"].values())
             roles = f"evaluators {res['evaluators']}" if res["evaluators"] else "all train"
-            rows.append({"mix": label, "schedule": schedule, "efficiency": eff, **res})
-            print(f"{label:<18}{schedule:<10} efficiency {eff:6.1%}  swarm {res['sps']:7.1f} samples/s  "
+            rows.append({"mix": label, "schedule": schedule, "efficiency": eff, "efficiency_in_run": in_run, **res})
+            print(f"{label:<18}{schedule:<10} efficiency {eff:6.1%} (vs in-run speeds {in_run:6.1%})  swarm {res['sps']:7.1f} samples/s  "
                   f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"solo": {f"{s}@{b}": v for (s, b), v in solo.items()}, "rows": rows}, indent=1))
