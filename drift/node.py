@@ -246,7 +246,10 @@ class Node:
             except StopTraining as e:
                 raise NodeError(str(e)) from None
             await self.send(report.barrier_sync(rnd))
-            ready = await self.expect(P.BarrierReady, timeout=None)
+            # A StopRound sent before the coordinator saw our BarrierSync may still arrive: moot.
+            ready = await self.expect(P.BarrierReady, P.StopRound, timeout=None)
+            while isinstance(ready, P.StopRound):
+                ready = await self.expect(P.BarrierReady, P.StopRound, timeout=None)
             # Kept until the next round: a retried all-reduce starts again from exactly these.
             self._saved = (theta.copy(), outer.velocity.copy(), layout.flatten(worker.get_params()),
                            msg.report_val)

@@ -62,7 +62,13 @@ class Swarm:
         f = self.run_dir / "metrics.jsonl"
         if not f.exists():
             return []
-        return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        events = []
+        for line in f.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:  # the line being written right now
+                break
+        return events
 
     def wait_event(self, pred, timeout: float = 120) -> dict:  # noqa: ANN001
         deadline = time.monotonic() + timeout
