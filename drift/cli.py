@@ -56,8 +56,10 @@ def main(verbose: bool) -> None:
 
 
 def _git_head(root: Path) -> str | None:
-    out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
+    try:
+        return resolve_commit(root, "HEAD")
+    except RepoError:
+        return None
 
 
 def _key(path: Path | None, kind: str):  # noqa: ANN202 - auth.NodeKey
@@ -137,9 +139,8 @@ def _find_checkpoint(name: str, run_dir: Path | None):  # noqa: ANN202
 
 
 async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: int | None,  # noqa: ANN001
-                 coord_key=None, commit: str | None = None, checkpoint=None) -> int:  # noqa: ANN001
+                 coord_key, commit: str, checkpoint=None) -> int:  # noqa: ANN001
     monitor = Monitor(run_dir)
-    commit = commit or r.commit or _git_head(root)
     node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
     coordinator = Coordinator(r, run_dir, mode=mode, commit=commit, monitor=monitor,
                               key=coord_key.seed if coord_key else None,
@@ -154,7 +155,7 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
         if checkpoint is not None:
             monitor.say(f"resuming:   after round {checkpoint.round} ({checkpoint.path})")
         monitor.say(f"commit:     {commit} (coordinator {coordinator.endpoint.node_id[:10]})")
-        if commit and commit == _git_head(root) and _dirty(root):
+        if commit == _git_head(root) and _dirty(root):
             monitor.say(f"note: {root} has uncommitted changes; nodes run commit {commit[:12]} as committed")
         if local:
             per_node = threads or max(1, (os.cpu_count() or 1) // local)

@@ -41,7 +41,6 @@ class Peer:
     info: P.NodeInfo
     ch: Channel
     commit: P.RepoCommit | None = None
-    samples_total: int = 0
 
     @property
     def id(self) -> str:

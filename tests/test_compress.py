@@ -41,7 +41,7 @@ def test_encode_into_preallocated_buffer(name: str) -> None:
 
 
 def test_bf16_rounds_to_nearest_even_like_torch() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     x = np.concatenate([_x(10_000), np.array([1.0, -2.5, 3.4e38, 1e-40, 0.0, -0.0], np.float32)])
     want = torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
     c = make_codec("bf16")

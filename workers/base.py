@@ -74,6 +74,16 @@ def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndar
             raise ValueError(f"parameter {name}: shape {shape}, expected {expected[name]}")
 
 
+def eval_samples(n_val: int, max_batches: int, batch_size: int) -> int:
+    """How many validation samples evaluate(max_batches, batch_size) covers (checked)."""
+    if max_batches < 1 or batch_size < 1:
+        raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
+    n = min(n_val, max_batches * batch_size)
+    if n == 0:
+        raise ValueError("the task has no validation samples")
+    return n
+
+
 def task_backends(task: Any) -> list[str]:
     """The backends a task module implements (it has make_torch_model / make_mlx_model / make_numpy_model)."""
     return [b for b in BACKENDS if callable(getattr(task, MODEL_FACTORIES[b], None))]

@@ -25,7 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .base import BackendError, check_params, check_task, initial_params, optim_config
+from .base import BackendError, check_params, check_task, eval_samples, initial_params, optim_config
 
 T = TypeVar("T")
 
@@ -109,8 +109,7 @@ class MlxWorker:
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
-        if max_batches < 1 or batch_size < 1:
-            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
+        eval_samples(self.n_val, max_batches, batch_size)  # bad arguments fail on the caller's thread
         return self._on_mlx_thread(self._evaluate, max_batches, batch_size)
 
     def _get_params(self) -> dict[str, np.ndarray]:
@@ -148,9 +147,7 @@ class MlxWorker:
         return float(loss.item())
 
     def _evaluate(self, max_batches: int, batch_size: int) -> float:
-        n = min(self.n_val, max_batches * batch_size)
-        if n == 0:
-            raise ValueError("the task has no validation samples")
+        n = eval_samples(self.n_val, max_batches, batch_size)
         self.model.eval()
         total = 0.0
         try:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import BackendError, check_params, check_task, initial_params, optim_config
+from .base import BackendError, check_params, check_task, eval_samples, initial_params, optim_config
 
 
 class NumpyWorker:
@@ -93,11 +93,7 @@ class NumpyWorker:
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
-        if max_batches < 1 or batch_size < 1:
-            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
-        n = min(self.n_val, max_batches * batch_size)
-        if n == 0:
-            raise ValueError("the task has no validation samples")
+        n = eval_samples(self.n_val, max_batches, batch_size)
         total = 0.0
         for start in range(0, n, batch_size):
             idx = np.arange(start, min(start + batch_size, n))

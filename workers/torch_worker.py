@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import OPTIM_DEFAULTS, check_params, check_task, initial_params, optim_config
+from .base import OPTIM_DEFAULTS, check_params, check_task, eval_samples, initial_params, optim_config
 
 __all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device"]
 
@@ -114,11 +114,7 @@ class TorchWorker:
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
-        if max_batches < 1 or batch_size < 1:
-            raise ValueError(f"max_batches and batch_size must be >= 1, got {max_batches}, {batch_size}")
-        n = min(self.n_val, max_batches * batch_size)
-        if n == 0:
-            raise ValueError("the task has no validation samples")
+        n = eval_samples(self.n_val, max_batches, batch_size)
         self.model.eval()
         total = 0.0
         with torch.no_grad():
