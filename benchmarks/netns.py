@@ -103,3 +103,9 @@ class Swarm:
 
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.nodes[i]]
+
+    def tx_bytes(self, i: int) -> int:
+        """Bytes node i's interface has sent so far (the kernel's counter: every header included)."""
+        out = subprocess.run([*self.exec_prefix(i), "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes"],
+                             check=True, capture_output=True, text=True).stdout
+        return int(out)

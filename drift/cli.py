@@ -283,3 +283,23 @@ def status(as_json: bool) -> None:
     console = Console()
     for part in status_renderables(info):
         console.print(part, highlight=False)
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
+              help="Where the PNGs go (default: the first RUN_DIR).")
+def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
+    """Plot RUN_DIR/metrics.jsonl: loss.png, nodes.png, bytes.png (several runs overlay)."""
+    from drift.report import ReportError, load_run, summary, write_report
+
+    try:
+        runs = [load_run(d) for d in run_dirs]
+        paths = write_report(runs, out or run_dirs[0])
+    except ReportError as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(f"cannot write the plots: {e}")
+    click.echo(summary(runs))
+    for p in paths:
+        click.echo(f"wrote {p}")

@@ -247,6 +247,7 @@ class Coordinator:
                 raise CoordinatorError(f"nodes loaded different tasks: {what} differs {sorted(map(str, seen))}")
         await self._broadcast(peers, P.TrainingReady(nodes=[p.id for p in peers],
                                                      signatures=self.admission.signatures(p.id for p in peers)))
+        self._note("training_started", nodes=len(peers))
         r = self.recipe
         self.checksums[-1] = peers[0].commit.param_checksum
         self.n_train = peers[0].commit.n_train
@@ -712,7 +713,10 @@ class Coordinator:
                                reduce_s=max(d.reduce_s for d in done.values()),
                                nodes={self.members[i].info.name: {
                                    "node_id": i, "samples": sum(u.hi - u.lo for u in s.trained), "steps": s.steps,
-                                   "weight": weights.get(i, 0.0), "idle_s": t_ready - t_sync[i],
+                                   "weight": weights.get(i, 0.0), "busy_s": t_sync[i] - t0,
+                                   "idle_s": t_ready - t_sync[i],
+                                   "sync_s": done[i].reduce_s if i in done else 0.0,
+                                   "bytes_sent": done[i].bytes_sent if i in done else 0,
                                    "role": "evaluate" if i in evaluators else "train",
                                    "trained": [[u.id, u.lo, u.hi] for u in s.trained]}
                                    for i, s in synced.items()})

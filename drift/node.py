@@ -209,6 +209,7 @@ class Node:
         log.info("loaded %s: %d parameters, %s on %s", recipe.task, layout.size, worker.backend, worker.device)
         speed, real_step_s = await calibrate(worker, recipe, self.opts.speed)
         worker.set_params(layout.unflatten(theta))  # calibration trained a few steps: back to θ0
+        worker.reset_optimizer()                    # ... and to a fresh AdamW, as every node starts
         await self.send(self._repo_commit(cfg, checksum(theta), worker.n_train, speed))
         await self._verify_ready(await self.expect(P.TrainingReady, timeout=None), cfg, recipe)
 

@@ -25,13 +25,15 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 class Swarm:
-    def __init__(self, recipe: Path, work: Path, *coord_args: str, log_name: str = "coord.log"):
+    def __init__(self, recipe: Path, work: Path, *coord_args: str, log_name: str = "coord.log",
+                 wrap: list[str] | None = None):
+        """`wrap` prefixes the coordinator's command (e.g. `ip netns exec NS`); join() takes one too."""
         self.recipe, self.work = recipe, work
         self.run_dir = work / "run"
         self.nodes: list[subprocess.Popen] = []
         self.coord_log = work / log_name
         with open(self.coord_log, "w") as fh:
-            self.coord = subprocess.Popen([sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
+            self.coord = subprocess.Popen([*(wrap or []), sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
                                            str(self.run_dir), "--key", str(work / "coord.key"), *coord_args],
                                           stdout=fh, stderr=subprocess.STDOUT, env=ENV)
         self.ticket = self._wait_for(r"--ticket (\S+)", 60)
@@ -47,11 +49,11 @@ class Swarm:
             time.sleep(0.1)
         raise AssertionError(f"coordinator never printed {pattern!r}")
 
-    def join(self, speed: str = "1", name: str | None = None) -> subprocess.Popen:
+    def join(self, speed: str = "1", name: str | None = None, wrap: list[str] | None = None) -> subprocess.Popen:
         i = len(self.nodes)
         name = name or f"n{i}"
         log = open(self.work / f"{name}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "drift", "join", "--repo", str(self.recipe.parents[1]),
+        p = subprocess.Popen([*(wrap or []), sys.executable, "-m", "drift", "join", "--repo", str(self.recipe.parents[1]),
                               "--ticket", self.ticket, "--name", name, "--threads", "1", "--speed", speed,
                               "--key", str(self.work / f"{name}.key"), "--cache-dir", str(self.work / "cache")],
                              stdout=log, stderr=subprocess.STDOUT, env=ENV)

@@ -123,6 +123,27 @@ def test_three_workers_start_identical_and_train_alike(cached: SimpleNamespace) 
     assert vals["mlx"] == pytest.approx(vals["torch"], rel=1e-3) and vals["numpy"] == pytest.approx(vals["torch"], rel=1e-3)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reset_optimizer_trains_like_a_fresh_worker(cached: SimpleNamespace, backend: str) -> None:
+    """A node calibrates on a few steps, restores θ0 and resets AdamW: from then on it must train
+    exactly like a node that never calibrated (bias correction restarts, no stale moments)."""
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 1000, 8) for _ in range(3)]
+    fresh, used, stale = (make_worker(cached, CFG, {"lr": 0.01}, backend=backend, seed=0) for _ in range(3))
+    theta0 = used.get_params()
+    for w in (used, stale):
+        for b in batches:
+            w.train_step(b)
+        w.set_params(theta0)
+    used.reset_optimizer()  # `stale` is not reset: it must differ, or this test could not fail
+    for b in batches:
+        assert used.train_step(b) == fresh.train_step(b)
+        stale.train_step(b)
+    got, want, old = used.get_params(), fresh.get_params(), stale.get_params()
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    assert any(not np.array_equal(old[n], want[n]) for n in want)
+
+
 @pytest.mark.parametrize("backend", ["mlx", "numpy"])
 def test_worker_contract(cached: SimpleNamespace, backend: str) -> None:
     """What test_worker.py checks for torch, for the other two backends."""

@@ -14,7 +14,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "tiny"
     out = subprocess.run(drift_cmd("coord", str(tiny_recipe), "--local", "3", "--run-dir", str(run_dir)),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -35,3 +35,17 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     assert events[-1]["event"] == "complete"
     for i in range(3):
         assert (run_dir / f"node-{i}.log").exists()
+    for r in rounds:  # what `drift report` plots per node: time split and bytes
+        for n in r["nodes"].values():
+            assert n["busy_s"] > 0 and n["idle_s"] >= 0 and n["sync_s"] > 0 and n["bytes_sent"] > 0
+        assert sum(n["bytes_sent"] for n in r["nodes"].values()) == r["bytes_sent"]
+
+    # `drift report` on the real run: three PNGs and a summary quoting the run's own figures.
+    rep = subprocess.run(drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")),
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    for name in ("loss.png", "nodes.png", "bytes.png"):
+        png = (tmp_path / "plots" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
+    row = next(line for line in rep.stdout.splitlines() if line.startswith("tiny "))
+    assert row.split()[1:4] == ["4", str(sum(r["samples"] for r in rounds)), f"{rounds[-1]['val_loss']:.4f}"]

@@ -48,6 +48,10 @@ class Worker(Protocol):
         """
         ...
 
+    def reset_optimizer(self) -> None:
+        """Forget the inner optimizer's state (moments, step count), as if no step had run."""
+        ...
+
     def train_step(self, indices: np.ndarray) -> float:
         """One inner optimizer step on the training samples with these indices; the loss."""
         ...

@@ -101,6 +101,16 @@ class MlxWorker:
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         self._on_mlx_thread(self._set_params, params)
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments and step count."""
+        self._on_mlx_thread(self._reset_optimizer)
+
+    def _reset_optimizer(self) -> None:
+        self._m = {name: mx.zeros_like(a) for name, a in self._m.items()}
+        self._v = {name: mx.zeros_like(a) for name, a in self._v.items()}
+        mx.eval(self._m, self._v)
+        self.step = 0
+
     def train_step(self, indices: np.ndarray) -> float:
         """One AdamW step on the given training samples; returns the loss."""
         if len(indices) == 0:

@@ -59,6 +59,12 @@ class NumpyWorker:
         for name, a in self._params.items():
             a[...] = np.asarray(params[name], dtype=np.float32)
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments and step count."""
+        for a in (*self._m.values(), *self._v.values()):
+            a.fill(0.0)
+        self.step = 0
+
     def train_step(self, indices: np.ndarray) -> float:
         """One AdamW step on the given training samples; returns the loss."""
         if len(indices) == 0:

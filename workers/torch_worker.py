@@ -94,6 +94,10 @@ class TorchWorker:
                 src = torch.from_numpy(np.ascontiguousarray(params[name], dtype=np.float32))
                 p.copy_(src)
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments and step count."""
+        self.optimizer.state.clear()
+
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 

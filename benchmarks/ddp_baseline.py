@@ -1,0 +1,146 @@
+"""The baselines drift is measured against: synchronous data-parallel training (torch DDP over
+gloo, gradients all-reduced every step) and a single node, on the same task and data as drift.
+
+One process per rank (bench_vs_ddp.py starts them, inside network namespaces when the links are
+limited):
+
+    python benchmarks/ddp_baseline.py RECIPE --rank R --world W --master HOST:PORT --out RUN_DIR
+
+Same everything as a drift run of RECIPE with W nodes: the task's model and initial θ (built by
+drift's own TorchWorker), its AdamW settings and grad clip, batch_size per node, and the same
+samples: the recipe's epoch-0 order, step k of rank r taking the k-th global batch's r-th slice,
+so W ranks x rounds*inner_steps steps cover exactly the samples drift trains. World 1 is the
+single-node baseline (no process group), with W x the steps to keep the samples equal:
+`--world 1 --steps-scale 4`.
+
+Rank 0 writes RUN_DIR/metrics.jsonl in drift's own event format (initial, one `round` per
+inner_steps steps, complete), so `drift report` plots these runs next to drift's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+T_START = time.time()  # before the heavy imports, like a drift process's clock
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drift.diloco import epoch_order  # noqa: E402
+from drift.recipe import load_recipe  # noqa: E402
+from workers import load_task  # noqa: E402
+from workers.torch_worker import TorchWorker  # noqa: E402
+
+
+class CommStats:
+    """What the all-reduce hook saw: bytes handed to gloo and seconds until each reduce finished."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+
+    # No annotations here: DDP checks them, and `from __future__ import annotations` makes them strings.
+    def hook(self, state, bucket):  # noqa: ANN001, ANN201
+        t = time.perf_counter()
+        buf = bucket.buffer()
+        self.bytes += buf.numel() * buf.element_size()
+        fut = default_hooks.allreduce_hook(None, bucket)  # the stock DDP all-reduce (mean)
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            self.seconds += time.perf_counter() - t
+            return f.value()
+
+        return fut.then(done)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe", type=Path)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--master", default="127.0.0.1:29500", help="rank 0's HOST:PORT for gloo's rendezvous")
+    ap.add_argument("--steps-scale", type=int, default=1, help="multiply the steps (single node: the swarm size)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+
+    r = load_recipe(a.recipe)
+    task = load_task(a.recipe.resolve().parents[1] / r.task)
+    w = TorchWorker(task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed,
+                    threads=a.threads)
+    model, stats = w.model, CommStats()
+    if a.world > 1:
+        host, port = a.master.rsplit(":", 1)
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=a.rank, world_size=a.world)
+        model = DistributedDataParallel(w.model)
+        model.register_comm_hook(None, stats.hook)
+
+    order = epoch_order(w.n_train, r.seed, 0)
+    B, W, H = r.batch_size, a.world, r.inner_steps * a.steps_scale
+    steps = r.rounds * H
+    if steps * W * B > len(order):
+        raise SystemExit(f"{steps * W * B} samples asked for, the epoch has {len(order)}")
+    out = None
+    if a.rank == 0:
+        a.out.mkdir(parents=True, exist_ok=True)
+        out = open(a.out / "metrics.jsonl", "w", buffering=1)
+
+    def event(kind: str, **fields: object) -> None:
+        if out:
+            out.write(json.dumps({"t": round(time.time() - T_START, 3), "event": kind, **fields}) + "\n")
+
+    def evaluate() -> float | None:
+        val = w.evaluate(r.eval_batches, B) if a.rank == 0 else None
+        if W > 1:
+            dist.barrier()  # the others wait while rank 0 evaluates, as drift's nodes do
+        return val
+
+    event("training_started", nodes=W)
+    event("initial", val_loss=evaluate())
+    for rnd in range(r.rounds):
+        t_round, busy = time.perf_counter(), 0.0
+        bytes0, comm0 = stats.bytes, stats.seconds
+        for k in range(rnd * H, (rnd + 1) * H):
+            t = time.perf_counter()
+            lo = (k * W + a.rank) * B
+            x, y = w.dataset.batch("train", order[lo:lo + B])
+            loss = model(torch.from_numpy(x), torch.from_numpy(y))
+            w.optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces (averages) the gradients here
+            if w._grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(w.model.parameters(), w._grad_clip)
+            w.optimizer.step()
+            busy += time.perf_counter() - t
+        comm = stats.seconds - comm0
+        # A ring all-reduce sends 2(W-1)/W of the buffer from each rank (gloo's ring algorithms);
+        # bench_vs_ddp.py checks this against the interface counters on the limited links.
+        sent = int((stats.bytes - bytes0) * 2 * (W - 1) / W)
+        mine = {"samples": H * B, "steps": H, "busy_s": busy - comm, "idle_s": 0.0, "sync_s": comm,
+                "bytes_sent": sent, "loss": float(loss)}
+        per_rank = [None] * W
+        if W > 1:
+            dist.all_gather_object(per_rank, mine)
+        else:
+            per_rank = [mine]
+        val = evaluate()
+        event("round", round=rnd, epoch=0, val_loss=val, samples=H * B * W,
+              seconds=time.perf_counter() - t_round, bytes_sent=sum(p["bytes_sent"] for p in per_rank),
+              train_loss=float(np.mean([p["loss"] for p in per_rank])),
+              nodes={f"rank{i}": p for i, p in enumerate(per_rank)})
+    event("complete", rounds=r.rounds, final_val_loss=val)
+    if W > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

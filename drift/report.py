@@ -1,0 +1,218 @@
+"""`drift report RUN_DIR...`: PNG plots and a summary from the metrics.jsonl of one or more runs.
+
+    loss.png   validation loss against samples trained and against wall-clock
+    nodes.png  per node and round: time training, waiting at the barrier, in the all-reduce
+    bytes.png  bytes each node sent per round
+
+Several run directories overlay in one set of plots (each labelled by its directory name), which
+is how benchmarks/bench_ddp.py compares drift with synchronous data-parallel training. Any run
+that writes the same events can be plotted: see `Run` for the fields read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on; the message names it and what is wrong."""
+
+
+@dataclass
+class Run:
+    """The parts of one run's metrics.jsonl that the report uses.
+
+    Wall-clock is measured from the moment training starts (`training_started`: every node has
+    joined and calibrated), so start-up (imports, joining, calibration) is not on the time axis;
+    `startup_s` keeps it. θ0's val loss (`initial`, which drift's nodes report along with round 0)
+    is plotted at time 0.
+    """
+
+    label: str
+    initial_val: float | None = None
+    startup_s: float = 0.0
+    rounds: list[dict] = field(default_factory=list)  # `round` events by round number, the last of each kept
+    wall_s: float | None = None                        # to the `complete` event, when there is one
+
+    def val_curve(self) -> list[tuple[int, float, float]]:
+        """(samples trained, seconds since training started, val loss) at θ0 and after each round."""
+        pts = [(0, 0.0, self.initial_val)] if self.initial_val is not None else []
+        samples = 0
+        for r in self.rounds:
+            samples += r["samples"]
+            if r.get("val_loss") is not None:
+                pts.append((samples, r["t"], r["val_loss"]))
+        return pts
+
+    def final_val(self) -> float | None:
+        curve = self.val_curve()
+        return curve[-1][2] if curve else None
+
+    def bytes_per_node(self) -> dict[str, int]:
+        """Bytes each node sent over the whole run (as the nodes counted them)."""
+        out: dict[str, int] = {}
+        for r in self.rounds:
+            for name, n in r.get("nodes", {}).items():
+                out[name] = out.get(name, 0) + int(n.get("bytes_sent", 0))
+        return out
+
+    def time_to(self, target: float) -> float | None:
+        """Seconds (since training started) until val loss first reached `target`, interpolated
+        linearly between evaluations; None if it never did."""
+        curve = self.val_curve()
+        if curve and curve[0][2] <= target:
+            return curve[0][1]
+        for (_, t0, v0), (_, t1, v1) in zip(curve, curve[1:]):
+            if v1 <= target:  # and v0 > target, or the previous pair would have returned
+                return t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
+        return None
+
+
+def load_run(run_dir: Path, label: str | None = None) -> Run:
+    """Read RUN_DIR/metrics.jsonl. A torn last line (a run still writing) is ignored."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{run_dir}: no metrics.jsonl here (give the run directory `drift coord` printed)")
+    run = Run(label or Path(run_dir).resolve().name)
+    lines = path.read_text().splitlines()
+    by_round: dict[int, dict] = {}
+    offset = last_t = 0.0
+    started: float | None = None
+    last_joined = 0.0
+    for no, line in enumerate(lines, 1):
+        try:
+            e = json.loads(line)
+            kind, t = e["event"], float(e["t"])
+        except (ValueError, KeyError, TypeError):
+            if no == len(lines):
+                break
+            raise ReportError(f"{path}:{no}: not a metrics event: {line[:60]!r}") from None
+        if t < last_t:  # a resumed coordinator starts its clock again: keep time running on
+            offset += last_t
+        last_t = t
+        t += offset
+        if kind == "training_started" and started is None:
+            started = t
+        elif kind == "node_joined" and started is None:
+            last_joined = t  # runs written before `training_started` existed: the last join is the start
+        elif kind == "initial" and run.initial_val is None:
+            run.initial_val = e.get("val_loss")
+            if started is None:
+                started = last_joined or t
+        elif kind == "round":
+            if started is None:
+                started = last_joined or t
+            try:
+                by_round[int(e["round"])] = {**e, "t": t - started, "samples": int(e["samples"])}
+            except (KeyError, TypeError, ValueError):
+                raise ReportError(f"{path}:{no}: round event without round/samples") from None
+        elif kind == "complete":
+            run.wall_s = t
+    run.rounds = [by_round[k] for k in sorted(by_round)]
+    run.startup_s = started or 0.0
+    if not run.rounds:
+        raise ReportError(f"{path}: no finished round yet, nothing to plot")
+    return run
+
+
+def summary(runs: list[Run]) -> str:
+    """A plain-text table: final val loss, training wall-clock, MiB sent per node."""
+    rows = [f"{'run':<16} {'rounds':>6} {'samples':>9} {'val loss':>9} {'train s':>8} {'MiB/node':>9}"]
+    for r in runs:
+        per_node = r.bytes_per_node()
+        mib = sum(per_node.values()) / max(1, len(per_node)) / 2**20
+        samples = sum(x["samples"] for x in r.rounds)
+        fv = r.final_val()
+        rows.append(f"{r.label:<16} {len(r.rounds):>6} {samples:>9} {fv if fv is not None else float('nan'):>9.4f} "
+                    f"{r.rounds[-1]['t']:>8.1f} {mib:>9.2f}")
+    return "\n".join(rows)
+
+
+def write_report(runs: list[Run], out: Path) -> list[Path]:
+    """Draw loss.png, nodes.png and bytes.png into `out`; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed (or wanted) on a headless node
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in runs:
+        curve = r.val_curve()
+        if curve:
+            s, t, v = zip(*curve)
+            by_samples.plot(s, v, marker=".", label=r.label)
+            by_time.plot(t, v, marker=".", label=r.label)
+    by_samples.set(xlabel="samples trained", ylabel="validation loss", title="val loss vs samples")
+    by_time.set(xlabel="wall-clock since training started (s)", ylabel="validation loss",
+                title="val loss vs wall-clock")
+    for ax in (by_samples, by_time):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    written.append(_save(fig, out / "loss.png"))
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs):
+        names = sorted({n for x in r.rounds for n in x.get("nodes", {})})
+        width = 0.8 / max(1, len(names))
+        for k, name in enumerate(names):
+            xs, busy, idle, sync = [], [], [], []
+            for x in r.rounds:
+                n = x.get("nodes", {}).get(name)
+                if n is None:
+                    continue
+                xs.append(x["round"] + (k - (len(names) - 1) / 2) * width)
+                idle.append(n.get("idle_s", 0.0))
+                sync.append(n.get("sync_s", 0.0))
+                busy.append(n.get("busy_s", max(0.0, x.get("seconds", 0.0) - idle[-1] - sync[-1])))
+            lab = k == 0
+            ax.bar(xs, busy, width, color="tab:blue", label="training" if lab else None)
+            ax.bar(xs, idle, width, bottom=busy, color="tab:orange", label="waiting at barrier" if lab else None)
+            ax.bar(xs, sync, width, bottom=[b + i for b, i in zip(busy, idle)], color="tab:green",
+                   label="all-reduce" if lab else None)
+        ax.set(ylabel="seconds", title=f"{r.label}: per node ({', '.join(names)}) and round")
+        ax.legend(loc="upper right", fontsize="small")
+    axes[-1, 0].set_xlabel("round")
+    for ax in axes[:, 0]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    written.append(_save(fig, out / "nodes.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in runs:
+        names = sorted({n for x in r.rounds for n in x.get("nodes", {})})
+        for name in names if len(runs) == 1 else [None]:
+            pts = [(x["round"], _mib(x, name)) for x in r.rounds]
+            if not any(mib for _, mib in pts):
+                continue  # sent nothing (a single node): nothing to draw on a log axis
+            ax.plot(*zip(*pts), marker=".", label=name if len(runs) == 1 else f"{r.label} (mean per node)")
+    ax.set(xlabel="round", ylabel="MiB sent", yscale="log", title="bytes sent per node and round")
+    ax.grid(alpha=0.3, which="both")
+    if ax.lines:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no node sent anything", transform=ax.transAxes, ha="center")
+    written.append(_save(fig, out / "bytes.png"))
+    return written
+
+
+def _mib(round_event: dict, name: str | None) -> float:
+    nodes = round_event.get("nodes", {})
+    if name is not None:
+        return nodes.get(name, {}).get("bytes_sent", 0) / 2**20
+    return sum(n.get("bytes_sent", 0) for n in nodes.values()) / max(1, len(nodes)) / 2**20
+
+
+def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+    """Write atomically: a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return path
