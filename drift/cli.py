@@ -177,6 +177,7 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
         if stopper in done:
             run.cancel()
             watch.cancel()
+            await asyncio.gather(run, watch, return_exceptions=True)  # let the run unwind first
             path = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")
             where = f"checkpoint {path}" if path else "no checkpoint (no round had finished)"
             monitor.say(f"interrupted: {where}; resume with: drift coord RECIPE --resume --run-dir {run_dir}")

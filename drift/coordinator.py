@@ -99,6 +99,7 @@ class Coordinator:
         self.state = StateServer()              # serves a resumed checkpoint's θ to the nodes
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
+        self._saving: asyncio.Future | None = None  # the checkpoint write in flight, if any
         self.samples_seen = 0
         self.rejected: list[str] = []  # why connections were dropped (also logged)
 
@@ -323,9 +324,12 @@ class Coordinator:
                 "recipe_hash": recipe_hash(self._model_fields()), "run_id": self.run_id,
                 "queue": self.queue.position()}
         named = snap.layout.unflatten
-        path = await asyncio.get_running_loop().run_in_executor(
+        self._saving = asyncio.get_running_loop().run_in_executor(
             None, lambda: save_checkpoint(self.run_dir / "checkpoints", rnd, named(snap.theta),
                                           named(snap.velocity), meta, keep=self.recipe.keep_checkpoints))
+        # Shielded: cancelling the run (Ctrl-C) cannot stop the writer thread, so the save stays
+        # awaitable and interrupt() waits for it instead of racing a second writer on the same files.
+        path = await asyncio.shield(self._saving)
         self.last_checkpoint, self.last_checkpoint_path = rnd, path
         self._note("checkpoint", round=rnd, path=str(path))
         return path
@@ -333,6 +337,8 @@ class Coordinator:
     async def interrupt(self, reason: str) -> Path | None:
         """A clean stop (Ctrl-C): checkpoint the last finished round, tell every node why."""
         path = None
+        if self._saving is not None:
+            await asyncio.wait({self._saving})  # a save the cancelled run left in flight ends first
         if self.checksums:
             path = await self.checkpoint(max(self.checksums))
         self._finished = True

@@ -50,7 +50,7 @@ def test_ctrl_c_checkpoints_and_a_corrupt_checkpoint_is_skipped(tmp_path: Path) 
     first = Swarm(recipe, tmp_path)
     nodes = [first.join("0.5"), first.join("0.5")]
     first.wait_event(lambda e: e["event"] == "round" and e["round"] == 2)
-    assert first.kill(first.coord, signal.SIGINT) == 130      # Ctrl-C: a clean stop
+    assert first.kill(first.coord, signal.SIGINT) == 130, first.log()  # Ctrl-C: a clean stop
     assert "interrupted: checkpoint" in first.log()
     for p in nodes:                                           # the nodes were told, and left
         assert p.wait(timeout=60) != 0
