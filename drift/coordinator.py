@@ -603,6 +603,11 @@ class Coordinator:
                         ring_failed_at = now
                 elif isinstance(msg, P.EvalResult):
                     self._on_eval(i, msg)
+                    if i in evaluators and msg.after_round < max(self.checksums):
+                        # A newer θ is already agreed: evaluate it now rather than at the next round.
+                        self.evaluating.add(i)
+                        await self._send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate",
+                                                                 state=self._state_source(i)))
                 elif isinstance(msg, (P.Heartbeat, P.Pong)):
                     pass
                 else:
