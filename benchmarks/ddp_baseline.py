@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -126,7 +127,7 @@ def main() -> None:
         # bench_vs_ddp.py checks this against the interface counters on the limited links.
         sent = int((stats.bytes - bytes0) * 2 * (W - 1) / W)
         mine = {"samples": H * B, "steps": H, "busy_s": busy - comm, "idle_s": 0.0, "sync_s": comm,
-                "bytes_sent": sent, "loss": float(loss)}
+                "bytes_sent": sent, "loss": loss.item()}
         per_rank = [None] * W
         if W > 1:
             dist.all_gather_object(per_rank, mine)
@@ -138,8 +139,13 @@ def main() -> None:
               train_loss=float(np.mean([p["loss"] for p in per_rank])),
               nodes={f"rank{i}": p for i, p in enumerate(per_rank)})
     event("complete", rounds=r.rounds, final_val_loss=val)
+    if out:
+        out.close()
     if W > 1:
-        dist.destroy_process_group()
+        # Not destroy_process_group(): once rank 0 (the rendezvous store) is gone it can block
+        # forever (seen once on 4 ranks); every rank has passed the last barrier, nothing is pending.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

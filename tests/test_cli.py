@@ -75,5 +75,5 @@ def test_recipe_used_by_default_is_valid(repo_root: Path) -> None:
     from drift.recipe import load_recipe
 
     r = load_recipe(repo_root / "recipes" / "shakespeare.yaml")
-    assert r.min_nodes == 3 and r.outer_optimizer.lr == 0.7 and r.outer_optimizer.momentum == 0.9
+    assert r.min_nodes == 3 and r.codec == "int8" and r.outer_optimizer.lr == 1.3 and r.outer_optimizer.momentum == 0.0
     assert set(TINY_RECIPE) <= set(r.model_dump())
