@@ -175,9 +175,9 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({run, watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
+            coordinator.stopping = True  # the run ends at its next step even if a cancel gets swallowed
             run.cancel()
             watch.cancel()
-            await asyncio.gather(run, watch, return_exceptions=True)  # let the run unwind first
             path = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")
             where = f"checkpoint {path}" if path else "no checkpoint (no round had finished)"
             monitor.say(f"interrupted: {where}; resume with: drift coord RECIPE --resume --run-dir {run_dir}")

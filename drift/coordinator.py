@@ -100,6 +100,9 @@ class Coordinator:
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self._saving: asyncio.Future | None = None  # the checkpoint write in flight, if any
+        # Set by Ctrl-C. Cancelling run() is not enough: a cancel that lands inside an iroh call can
+        # come back as an ordinary error (a failed state fetch, say) and the rounds would go on.
+        self.stopping = False
         self.samples_seen = 0
         self.rejected: list[str] = []  # why connections were dropped (also logged)
 
@@ -260,6 +263,8 @@ class Coordinator:
             first = self._load_resume(queue)
         self.queue = queue
         for rnd in range(first, r.rounds):
+            if self.stopping:
+                return self.results
             if self.monitor:
                 self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
             await self._admit_late_joiners(rnd)
@@ -267,8 +272,12 @@ class Coordinator:
                 raise CoordinatorError(f"every node has left (round {rnd})")
             self.results.append(await self._round(rnd, queue))
             self.samples_seen += self.results[-1].samples
+            if self.stopping:
+                return self.results
             if (rnd + 1) % r.checkpoint_every == 0 or rnd == r.rounds - 1:
                 await self.checkpoint(rnd)
+        if self.stopping:
+            return self.results
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
@@ -336,6 +345,7 @@ class Coordinator:
 
     async def interrupt(self, reason: str) -> Path | None:
         """A clean stop (Ctrl-C): checkpoint the last finished round, tell every node why."""
+        self.stopping = True
         path = None
         if self._saving is not None:
             await asyncio.wait({self._saving})  # a save the cancelled run left in flight ends first
