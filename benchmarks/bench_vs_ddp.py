@@ -137,14 +137,14 @@ def section(name: str, work: Path, args: argparse.Namespace, net=None, single: d
 def table(name: str, runs: dict[str, dict]) -> None:
     target = max(runs["ddp"]["run"].final_val(), runs["drift-int8"]["run"].final_val())
     ddp: Run = runs["ddp"]["run"]
-    ddp_bytes = _mib_per_node(ddp)
+    ddp_bytes = ddp.mib_per_node()
     ddp_tt = ddp.time_to(target)
     print(f"\n{name}: target val loss {target:.4f} (the worse of ddp's and drift-int8's final)")
     print(f"  {'run':<11} {'val loss':>8} {'vs ddp':>7} {'train s':>8} {'total s':>8} {'MiB/node':>9} "
           f"{'ddp/this':>9} {'wire MiB':>9} {'to target':>9} {'speedup':>8}")
     for label, res in runs.items():
         r: Run = res["run"]
-        fv, mib, tt = r.final_val(), _mib_per_node(r), r.time_to(target)
+        fv, mib, tt = r.final_val(), r.mib_per_node(), r.time_to(target)
         wire = f"{res['wire_mib']:9.1f}" if "wire_mib" in res else f"{'-':>9}"
         ratio = f"{ddp_bytes / mib:8.0f}x" if mib else f"{'-':>9}"
         tts = f"{tt:8.1f}s" if tt is not None else f"{'never':>9}"
@@ -167,11 +167,6 @@ def reprint(out: Path) -> None:
             if res.get("wire_mib_per_node") is not None:
                 runs[label]["wire_mib"] = res["wire_mib_per_node"]
         table(name, runs)
-
-
-def _mib_per_node(r: Run) -> float:
-    per_node = r.bytes_per_node()
-    return sum(per_node.values()) / max(1, len(per_node)) / MiB
 
 
 def main() -> None:
@@ -208,7 +203,7 @@ def main() -> None:
             except NetnsUnavailable as e:
                 print(f"\n{rate} section skipped: {e}")
         summary = {name: {label: {"final_val": res["run"].final_val(), "train_s": res["run"].rounds[-1]["t"],
-                                  "total_s": res["total_s"], "mib_per_node": _mib_per_node(res["run"]),
+                                  "total_s": res["total_s"], "mib_per_node": res["run"].mib_per_node(),
                                   "wire_mib_per_node": res.get("wire_mib")}
                           for label, res in runs.items()} for name, runs in results.items()}
         (args.out / "results.json").write_text(json.dumps(summary, indent=2))

@@ -118,8 +118,8 @@ def main() -> None:
             loss = model(torch.from_numpy(x), torch.from_numpy(y))
             w.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces (averages) the gradients here
-            if w._grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(w.model.parameters(), w._grad_clip)
+            if r.inner_optimizer.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(w.model.parameters(), r.inner_optimizer.grad_clip)
             w.optimizer.step()
             busy += time.perf_counter() - t
         comm = stats.seconds - comm0

@@ -175,7 +175,6 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({run, watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
-            coordinator.stopping = True  # the run ends at its next step even if a cancel gets swallowed
             run.cancel()
             watch.cancel()
             path = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")

@@ -466,6 +466,12 @@ class Coordinator:
                 evaluators.add(i)
         return evaluators
 
+    async def _assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None:
+        """Send an evaluator its next job: the val loss of the newest agreed θ."""
+        self.evaluating.add(peer.id)
+        await self._send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate",
+                                                 state=self._state_source(peer.id)))
+
     async def _send(self, peer: Peer, msg: P._Msg) -> None:
         try:
             await peer.ch.send_frame(P.encode(msg))
@@ -486,9 +492,7 @@ class Coordinator:
         for i, peer in list(self.members.items()):
             if i in evaluators:  # evaluators work at their own pace: a new job once the last is done
                 if i not in self.evaluating:
-                    self.evaluating.add(i)
-                    await self._send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate",
-                                                             state=self._state_source(i)))
+                    await self._assign_evaluation(peer, rnd, epoch)
                 continue
             await self._send(peer, P.ShardAssignment(
                 round=rnd, epoch=epoch, units=plan.grant_first(i), planned=len(plan.planned[i]),
@@ -615,9 +619,7 @@ class Coordinator:
                     self._on_eval(i, msg)
                     if i in evaluators and msg.after_round < max(self.checksums):
                         # A newer θ is already agreed: evaluate it now rather than at the next round.
-                        self.evaluating.add(i)
-                        await self._send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate",
-                                                                 state=self._state_source(i)))
+                        await self._assign_evaluation(peer, rnd, epoch)
                 elif isinstance(msg, (P.Heartbeat, P.Pong)):
                     pass
                 else:

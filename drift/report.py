@@ -5,7 +5,7 @@
     bytes.png  bytes each node sent per round
 
 Several run directories overlay in one set of plots (each labelled by its directory name), which
-is how benchmarks/bench_ddp.py compares drift with synchronous data-parallel training. Any run
+is how benchmarks/bench_vs_ddp.py compares drift with synchronous data-parallel training. Any run
 that writes the same events can be plotted: see `Run` for the fields read.
 """
 
@@ -50,6 +50,11 @@ class Run:
         curve = self.val_curve()
         return curve[-1][2] if curve else None
 
+    def mib_per_node(self) -> float:
+        """MiB sent over the whole run, averaged over the nodes."""
+        per_node = self.bytes_per_node()
+        return sum(per_node.values()) / max(1, len(per_node)) / 2**20
+
     def bytes_per_node(self) -> dict[str, int]:
         """Bytes each node sent over the whole run (as the nodes counted them)."""
         out: dict[str, int] = {}
@@ -79,7 +84,8 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
     lines = path.read_text().splitlines()
     by_round: dict[int, dict] = {}
     offset = last_t = 0.0
-    started: float | None = None
+    started: float | None = None  # `training_started`
+    first: float | None = None    # the first `initial` or `round`: training was under way by then
     last_joined = 0.0
     for no, line in enumerate(lines, 1):
         try:
@@ -93,25 +99,23 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
             offset += last_t
         last_t = t
         t += offset
+        if kind in ("initial", "round") and first is None:
+            first = t
         if kind == "training_started" and started is None:
             started = t
-        elif kind == "node_joined" and started is None:
+        elif kind == "node_joined" and first is None:
             last_joined = t  # runs written before `training_started` existed: the last join is the start
         elif kind == "initial" and run.initial_val is None:
             run.initial_val = e.get("val_loss")
-            if started is None:
-                started = last_joined or t
         elif kind == "round":
-            if started is None:
-                started = last_joined or t
             try:
-                by_round[int(e["round"])] = {**e, "t": t - started, "samples": int(e["samples"])}
+                by_round[int(e["round"])] = {**e, "t": t, "samples": int(e["samples"])}
             except (KeyError, TypeError, ValueError):
                 raise ReportError(f"{path}:{no}: round event without round/samples") from None
         elif kind == "complete":
             run.wall_s = t
-    run.rounds = [by_round[k] for k in sorted(by_round)]
-    run.startup_s = started or 0.0
+    run.startup_s = started if started is not None else (last_joined or first or 0.0)
+    run.rounds = [{**by_round[k], "t": by_round[k]["t"] - run.startup_s} for k in sorted(by_round)]
     if not run.rounds:
         raise ReportError(f"{path}: no finished round yet, nothing to plot")
     return run
@@ -121,8 +125,7 @@ def summary(runs: list[Run]) -> str:
     """A plain-text table: final val loss, training wall-clock, MiB sent per node."""
     rows = [f"{'run':<16} {'rounds':>6} {'samples':>9} {'val loss':>9} {'train s':>8} {'MiB/node':>9}"]
     for r in runs:
-        per_node = r.bytes_per_node()
-        mib = sum(per_node.values()) / max(1, len(per_node)) / 2**20
+        mib = r.mib_per_node()
         samples = sum(x["samples"] for x in r.rounds)
         fv = r.final_val()
         rows.append(f"{r.label:<16} {len(r.rounds):>6} {samples:>9} {fv if fv is not None else float('nan'):>9.4f} "

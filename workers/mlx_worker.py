@@ -81,12 +81,8 @@ class MlxWorker:
         init = initial_params(task_module, task_cfg, self.dataset.vocab_size, seed)
         if init is not None:
             self._set_params(init)
-        params = self._flat()
-        self._decay = {name: a.ndim >= 2 and self._wd > 0 for name, a in params.items()}
-        self._m = {name: mx.zeros_like(a) for name, a in params.items()}
-        self._v = {name: mx.zeros_like(a) for name, a in params.items()}
-        mx.eval(self._m, self._v)
-        self.step: int = 0
+        self._decay = {name: a.ndim >= 2 and self._wd > 0 for name, a in self._flat().items()}
+        self._reset_optimizer()
         self._loss_and_grad = nn.value_and_grad(self.model, self.model.__call__)
 
     def _flat(self) -> dict[str, mx.array]:
@@ -106,10 +102,11 @@ class MlxWorker:
         self._on_mlx_thread(self._reset_optimizer)
 
     def _reset_optimizer(self) -> None:
-        self._m = {name: mx.zeros_like(a) for name, a in self._m.items()}
-        self._v = {name: mx.zeros_like(a) for name, a in self._v.items()}
+        params = self._flat()
+        self._m = {name: mx.zeros_like(a) for name, a in params.items()}
+        self._v = {name: mx.zeros_like(a) for name, a in params.items()}
         mx.eval(self._m, self._v)
-        self.step = 0
+        self.step: int = 0
 
     def train_step(self, indices: np.ndarray) -> float:
         """One AdamW step on the given training samples; returns the loss."""

@@ -43,10 +43,7 @@ class NumpyWorker:
         self._params: dict[str, np.ndarray] = {
             name: np.array(init[name], dtype=np.float32, order="C", copy=True) for name in sorted(init)}
         self._shapes = {name: a.shape for name, a in self._params.items()}
-        # AdamW state, as torch keeps it: first/second moments per parameter and a step count.
-        self._m = {name: np.zeros_like(a) for name, a in self._params.items()}
-        self._v = {name: np.zeros_like(a) for name, a in self._params.items()}
-        self.step: int = 0
+        self.reset_optimizer()
 
     def param_names(self) -> list[str]:
         return list(self._params)
@@ -61,9 +58,10 @@ class NumpyWorker:
 
     def reset_optimizer(self) -> None:
         """Forget AdamW's moments and step count."""
-        for a in (*self._m.values(), *self._v.values()):
-            a.fill(0.0)
-        self.step = 0
+        # AdamW state, as torch keeps it: first/second moments per parameter and a step count.
+        self._m = {name: np.zeros_like(a) for name, a in self._params.items()}
+        self._v = {name: np.zeros_like(a) for name, a in self._params.items()}
+        self.step: int = 0
 
     def train_step(self, indices: np.ndarray) -> float:
         """One AdamW step on the given training samples; returns the loss."""
