@@ -14,6 +14,7 @@ written atomically and never overwritten; a key file that other users can read i
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -31,14 +32,54 @@ class KeyFileError(AuthError):
 
 
 def drift_home() -> Path:
-    """Where drift keeps keys and caches: $DRIFT_HOME, else ~/.drift."""
+    """Where drift keeps keys and caches: $DRIFT_HOME (made absolute), else ~/.drift."""
     env = os.environ.get("DRIFT_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".drift"
+    return Path(env).expanduser().resolve() if env else Path.home() / ".drift"
 
 
-def default_key_path(kind: str = "node") -> Path:
-    """~/.drift/node.key for `drift join`, ~/.drift/coord.key for `drift coord`."""
+def default_key_path(kind: str = "node", device: str | None = None) -> Path:
+    """~/.drift/node.key for `drift join`, ~/.drift/coord.key for `drift coord`.
+
+    A node started with an explicit --device gets a key of its own for that device
+    (~/.drift/node-cuda-1.key for cuda:1), so one machine can run a node per GPU with no key
+    juggling: every node of a swarm needs its own identity."""
+    if device and device != "auto":
+        return drift_home() / f"{kind}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.key"
     return drift_home() / f"{kind}.key"
+
+
+class KeyInUse(AuthError):
+    """Another process on this machine runs with the same key file."""
+
+
+class KeyLock:
+    """Holds `<key>.lock` exclusively while this process runs with that key: two nodes with one
+    identity would be one node to the swarm, so the second is refused at once with a way out."""
+
+    def __init__(self, key_path: Path, what: str):
+        self.path = key_path.with_name(key_path.name + ".lock")
+        self._fh = None
+        try:
+            import fcntl
+        except ImportError:  # no fcntl (Windows): the coordinator still refuses the duplicate
+            return
+        fh = open(self.path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise KeyInUse(f"key file {key_path} is in use by {holder} on this machine; {what}") from None
+        fh.truncate(0)
+        fh.write(f"pid {os.getpid()}")
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
 
 def parse_node_id(text: str) -> str:

@@ -36,9 +36,9 @@ def wait(swarm: Swarm, pred, t0: float) -> float:  # noqa: ANN001
 def node_loss(work: Path, a: argparse.Namespace, during_reduce: bool) -> tuple[float, float]:
     big = {**TASK, "n_layer": 4, "n_head": 4, "n_embd": 256} if during_reduce else TASK
     swarm = Swarm(make_task_repo(work / "repo", recipe("chaos", a, task_config=big)), work)
-    victim = swarm.join("0.5")
-    swarm.join("0.5")
-    swarm.join("0.5")
+    victim = swarm.join("0.02")
+    swarm.join("0.02")
+    swarm.join("0.02")
     if during_reduce:
         swarm.wait_event(lambda e: e["event"] == "barrier" and e["round"] == 2, timeout=300)
     else:
@@ -58,15 +58,15 @@ def node_loss(work: Path, a: argparse.Namespace, during_reduce: bool) -> tuple[f
 def coordinator_loss(work: Path, a: argparse.Namespace, every: int) -> tuple[int, int]:
     r = make_task_repo(work / "repo", recipe("resume", a, min_nodes=2, rounds=12, checkpoint_every=every))
     first = Swarm(r, work)
-    nodes = [first.join("0.5"), first.join("0.5")]
+    nodes = [first.join("0.02"), first.join("0.02")]
     first.wait_event(lambda e: e["event"] == "round" and e["round"] == 7, timeout=300)
     first.kill(first.coord)
     for p in nodes:
         first.kill(p)
     done = max(e["round"] for e in first.events() if e["event"] == "round")
     second = Swarm(r, work, "--resume", log_name="coord2.log")
-    second.join("0.5")
-    second.join("0.5")
+    second.join("0.02")
+    second.join("0.02")
     resumed = second.wait_event(lambda e: e["event"] == "resumed", timeout=300)["round"]
     if second.finish() != 0:
         raise SystemExit(second.log())

@@ -1,22 +1,17 @@
 """Swarm efficiency of heterogeneous swarms: drift's work stealing versus lockstep DiLoCo.
 
-    python benchmarks/bench_swarm.py [--rounds 4] [--inner-steps 40]
+    python benchmarks/bench_swarm.py [--repeat 3] [--rounds 5] [--inner-steps 40]
 
 Every node is a real `drift join` process (real iroh on loopback, real training of a small char
-GPT). Device speeds are simulated: a node with relative speed s runs with `--speed base*s`, which
-stretches each inner step to 1/(base*s) of its real length by sleeping. With base 0.03 the
-stretched part is ~97% of even the fastest node's step, so the figures measure scheduling, not
-the fight of 4 processes for 2 cores. (The [1, .002] mix uses base 0.1: two processes fight less,
-and its slow node's step is already ~50 s.)
+GPT). Devices are simulated with an absolute step time: a node of relative speed s runs with
+`--sim-step BASE/s`, so each of its inner steps takes exactly BASE/s seconds (the real step, a few
+milliseconds here, padded by sleeping). A simulated swarm therefore means the same on any machine
+fast enough to compute a step within BASE, and a node's solo speed is known exactly:
+BATCH * s / BASE samples/s (checked by running each device alone).
 
-Swarm efficiency = swarm samples/s / sum of each node's solo samples/s. A node's solo samples/s
-is measured by running that node alone (a one-node swarm, same recipe) just before the mixes, as
-the mean speed of its finished work units (training only: no barrier, eval or sync counted);
-for the 500x-slow node (one inner step ~25 s) it is derived instead: 0.002 x the solo speed of a
-speed-1 node, exact to within the real compute in its step (0.02% of it).
-Swarm samples/s = samples trained in rounds 1.. / their wall-clock (round 0 is warm-up); that
-time includes barriers, the ring all-reduce, evaluation and scheduling. Idle = mean time a node
-waited at the barrier per round.
+Swarm efficiency = swarm samples/s / sum of the nodes' solo samples/s. Swarm samples/s = samples
+trained in rounds 1.. / their wall-clock (round 0 is warm-up); that time includes barriers, the
+ring all-reduce, evaluation and scheduling. Idle = mean time a node waited at the barrier per round.
 """
 
 from __future__ import annotations
@@ -30,8 +25,8 @@ from drift.simulate import Swarm, make_task_repo
 
 TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 BATCH, UNIT_STEPS = 8, 2
-MIXES = {"[1, .5, .25, .1]": ([1, 0.5, 0.25, 0.1], 0.03), "[1, 1, 1, 1]": ([1, 1, 1, 1], 0.03),
-         "[1, .002]": ([1, 0.002], 0.1)}
+BASE = 0.1   # seconds per inner step of a speed-1 device
+MIXES = {"[1, .5, .25, .1]": [1, 0.5, 0.25, 0.1], "[1, 1, 1, 1]": [1, 1, 1, 1], "[1, .002]": [1, 0.002]}
 
 
 def recipe(n: int, schedule: str, inner_steps: int, rounds: int) -> dict:
@@ -44,7 +39,7 @@ def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds
     work.mkdir(parents=True)
     swarm = Swarm(make_task_repo(work / "repo", recipe(len(speeds), schedule, inner_steps, rounds)), work)
     for s in speeds:
-        swarm.join(f"{s:.6g}")
+        swarm.join(f"{BASE / s:.6g}")
     rc = swarm.finish(timeout=3600)
     if rc != 0:
         raise SystemExit(f"swarm failed:\n{swarm.log()}")
@@ -66,42 +61,44 @@ def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds
     }
 
 
+def solo_sps(s: float) -> float:
+    return BATCH * s / BASE
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inner-steps", type=int, default=40)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each mix and schedule")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="drift-bench-swarm-"))
-    solo: dict[tuple[float, float], float] = {}
-    for s, base in sorted({(s, b) for m, b in MIXES.values() for s in m}, reverse=True):
-        if s < 0.01:
-            solo[s, base] = s * solo[1, base]
-            print(f"solo speed {s:<6g} (--speed {base * s:.6g}): {solo[s, base]:8.2f} samples/s (derived)", flush=True)
-            continue
-        solo[s, base] = run(tmp / f"solo-{s}-{base}", [base * s], "steal", 5, 3)["train_sps"]
-        print(f"solo speed {s:<6g} (--speed {base * s:.6g}): {solo[s, base]:8.1f} samples/s", flush=True)
+    for s in (1, 0.1):  # the simulation holds: a device alone trains at its nominal speed
+        measured = run(tmp / f"solo-{s}", [s], "steal", 5, 3)["train_sps"]
+        print(f"solo speed {s:<5g} (--sim-step {BASE / s:g}): nominal {solo_sps(s):6.2f}, measured "
+              f"{measured:6.2f} samples/s", flush=True)
     rows = []
-    for label, (mix, base) in MIXES.items():
+    for label, mix in MIXES.items():
         for schedule in ("steal", "lockstep"):
             # Lockstep waits for the slowest node's inner_steps; its efficiency does not depend on
             # how many, so keep that wait finite.
             steps = a.inner_steps if schedule == "steal" else (10 if min(mix) > 0.01 else 1)
             rounds = a.rounds if schedule == "steal" else 2
-            res = run(tmp / f"{schedule}-{label.strip('[]').replace(', ', '_')}", [base * s for s in mix],
-                      schedule, steps, rounds)
-            eff = res["sps"] / sum(solo[s, base] for s in mix)
-            # The same, against each node's own training speed in this run (an evaluator, which
-            # never trains, counts at its solo speed): only the scheduling and sync losses remain.
-            in_run = res["sps"] / (sum(res["node_sps"].values()) +
-                                   sum(solo[s, base] for s in mix[len(res["node_sps"]):]))
-            idle = ", ".join(f"{v:.2f}" for v in res["idle"].values())
-            roles = f"evaluators {res['evaluators']}" if res["evaluators"] else "all train"
-            rows.append({"mix": label, "schedule": schedule, "efficiency": eff, "efficiency_in_run": in_run, **res})
-            print(f"{label:<18}{schedule:<10} efficiency {eff:6.1%} (vs in-run speeds {in_run:6.1%})  swarm {res['sps']:7.1f} samples/s  "
-                  f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}", flush=True)
+            effs = []
+            for k in range(a.repeat if schedule == "steal" else 1):
+                res = run(tmp / f"{schedule}-{label.strip('[]').replace(', ', '_')}-{k}", mix, schedule, steps, rounds)
+                eff = res["sps"] / sum(solo_sps(s) for s in mix)
+                effs.append(eff)
+                idle = ", ".join(f"{v:.2f}" for v in res["idle"].values())
+                roles = f"evaluators {res['evaluators']}" if res["evaluators"] else "all train"
+                rows.append({"mix": label, "schedule": schedule, "run": k, "efficiency": eff, **res})
+                print(f"{label:<18}{schedule:<10} run {k}  efficiency {eff:6.1%}  swarm {res['sps']:7.1f} samples/s  "
+                      f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}", flush=True)
+            if len(effs) > 1:
+                print(f"{label:<18}{schedule:<10} efficiency over {len(effs)} runs: mean {sum(effs) / len(effs):.1%}, "
+                      f"min {min(effs):.1%}, max {max(effs):.1%}", flush=True)
     if a.json:
-        a.json.write_text(json.dumps({"solo": {f"{s}@{b}": v for (s, b), v in solo.items()}, "rows": rows}, indent=1))
+        a.json.write_text(json.dumps({"base_step_s": BASE, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

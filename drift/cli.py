@@ -17,9 +17,9 @@ from pathlib import Path
 
 import click
 
-from auth import AuthError, default_key_path, load_or_create_key
+from auth import AuthError, KeyLock, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
-from drift.inner import SpeedSchedule
+from drift.inner import SimDevice
 from drift.monitor import Monitor
 from drift.node import NodeError, NodeOptions, run_node
 from drift.recipe import RecipeError, load_recipe, repo_root
@@ -31,8 +31,16 @@ USER_ERRORS = (RecipeError, TransportError, CoordinatorError, NodeError, RingErr
 
 
 def _fail(msg: str, code: int = 1) -> None:
-    click.echo(f"drift: error: {msg}", err=True)
+    """One `drift: error:` line per problem (a recipe may hold several), then exit."""
+    for line in msg.splitlines() or [msg]:
+        click.echo(f"drift: error: {line}", err=True)
     sys.exit(code)
+
+
+def _absolute(path: Path | None) -> Path | None:
+    """Every path the CLI takes is made absolute once, here at the edge: later code (git worktrees
+    inside a mirror, child processes, checkpoints) may run in another working directory."""
+    return None if path is None else path.expanduser().resolve()
 
 
 def _run(coro) -> int:  # noqa: ANN001
@@ -62,10 +70,10 @@ def _git_head(root: Path) -> str | None:
         return None
 
 
-def _key(path: Path | None, kind: str):  # noqa: ANN202 - auth.NodeKey
+def _key(path: Path | None, kind: str, device: str | None = None):  # noqa: ANN202 - auth.NodeKey
     """Load (or create on first use) a key file; a bad one ends in one error line."""
     try:
-        return load_or_create_key(path or default_key_path(kind))
+        return load_or_create_key(_absolute(path) or default_key_path(kind, device))
     except AuthError as e:
         _fail(str(e))
 
@@ -75,9 +83,10 @@ def _key(path: Path | None, kind: str):  # noqa: ANN202 - auth.NodeKey
               help="Key file [default: ~/.drift/node.key, or ~/.drift/coord.key with --coord; "
                    "$DRIFT_HOME replaces ~/.drift].")
 @click.option("--coord", is_flag=True, help="Print the coordinator's id instead of the node's.")
-def id_(key: Path | None, coord: bool) -> None:
+@click.option("--device", default=None, help="The id of the node that runs with --device DEVICE (its own key).")
+def id_(key: Path | None, coord: bool, device: str | None) -> None:
     """Print this machine's node id (its Ed25519 public key), creating the key on first use."""
-    click.echo(_key(key, "coord" if coord else "node").node_id)
+    click.echo(_key(key, "coord" if coord else "node", None if coord else device).node_id)
 
 
 @main.command()
@@ -98,6 +107,7 @@ def id_(key: Path | None, coord: bool) -> None:
 def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, threads: int | None,
           key: Path | None, resume: bool) -> None:
     """Coordinate a run: print a join ticket, admit nodes, run the rounds."""
+    recipe, run_dir = _absolute(recipe), _absolute(run_dir)
     try:
         r = load_recipe(recipe)
     except RecipeError as e:
@@ -106,7 +116,7 @@ def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, t
     checkpoint = None
     if resume:
         run_dir, checkpoint = _find_checkpoint(r.name, run_dir)
-    run_dir = run_dir or Path("runs") / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = run_dir or Path("runs").resolve() / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = network or r.network
     if local and mode == "relay":
         mode = "local" if network is None else mode
@@ -119,14 +129,14 @@ def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, t
     if commit is None:
         _fail(f"{recipe}: {root} is not a git repository and the recipe pins no commit: nodes run only "
               f"committed code (git init && git commit there, or set commit:)")
-    sys.exit(_run(_coord(r, root, run_dir, mode, local, threads, coord_key, commit, checkpoint)))
+    sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint)))
 
 
 def _find_checkpoint(name: str, run_dir: Path | None):  # noqa: ANN202
     """--resume: the newest checkpoint that verifies, in RUN_DIR or else the newest runs/NAME-* ."""
     from drift.checkpoint import latest_checkpoint
     if run_dir is None:
-        runs = sorted(Path("runs").glob(f"{name}-*/checkpoints"), key=lambda p: p.stat().st_mtime)
+        runs = sorted(Path("runs").resolve().glob(f"{name}-*/checkpoints"), key=lambda p: p.stat().st_mtime)
         if not runs:
             _fail(f"--resume: no runs/{name}-*/checkpoints here; name the run with --run-dir")
         run_dir = runs[-1].parent
@@ -138,8 +148,8 @@ def _find_checkpoint(name: str, run_dir: Path | None):  # noqa: ANN202
     return run_dir, ckpt
 
 
-async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: int | None,  # noqa: ANN001
-                 coord_key, commit: str, checkpoint=None) -> int:  # noqa: ANN001
+async def _coord(r, recipe: Path, root: Path, run_dir: Path, mode: str, local: int,  # noqa: ANN001
+                 threads: int | None, coord_key, commit: str, checkpoint=None) -> int:  # noqa: ANN001
     monitor = Monitor(run_dir)
     node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
     coordinator = Coordinator(r, run_dir, mode=mode, commit=commit, monitor=monitor,
@@ -149,14 +159,20 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
     children: list[tuple[subprocess.Popen, Path]] = []
     try:
         ticket = await coordinator.start()
+        join = f"drift join --repo {root} --ticket {ticket}"
         monitor.say(f"run {coordinator.run_id}: {r.name}, {r.rounds} rounds, waiting for {r.min_nodes} node(s)")
-        monitor.say(f"join with:  drift join --repo {root} --ticket {ticket}")
+        monitor.say(f"join with:  {join}")
         monitor.say(f"run dir:    {run_dir}")
         if checkpoint is not None:
             monitor.say(f"resuming:   after round {checkpoint.round} ({checkpoint.path})")
         monitor.say(f"commit:     {commit} (coordinator {coordinator.endpoint.node_id[:10]})")
         if commit == _git_head(root) and _dirty(root):
             monitor.say(f"note: {root} has uncommitted changes; nodes run commit {commit[:12]} as committed")
+        needed = max(r.min_nodes, r.auth_threshold or 0)
+        if local and local < needed:
+            monitor.say(f"note: {recipe.name} needs {needed} nodes (min_nodes) and --local starts {local}: "
+                        f"the run waits for {needed - local} more; start each with the join command above "
+                        f"(or use --local {needed})")
         if local:
             per_node = threads or max(1, (os.cpu_count() or 1) // local)
             for i in range(local):
@@ -164,22 +180,38 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
                 cmd = [sys.executable, "-m", "drift", "join", "--repo", str(root), "--ticket", ticket,
                        "--name", f"local-{i}", "--threads", str(per_node), "--key", str(node_keys[i].path),
                        "--cache-dir", str(run_dir / "repos")]
+                # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
+                # and the nodes must outlive the coordinator's first moments of it to hand over θ
+                # for the last checkpoint. They leave when told, or when this process is gone.
                 with open(logf, "w") as fh:
-                    children.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}), logf))
+                    children.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                                      env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                           "DRIFT_PARENT_PID": str(os.getpid())}), logf))
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children))
         stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():  # a second Ctrl-C: leave now, without waiting for anything
+                click.echo("drift: interrupted again; exiting without a checkpoint", err=True)
+                for proc, _ in children:
+                    proc.kill()
+                os._exit(130)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C: checkpoint, tell the nodes, exit
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({run, watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
+            monitor.say("stopping: keeping the newest finished round and telling the nodes (Ctrl-C again: quit now)")
             run.cancel()
             watch.cancel()
-            path = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")
-            where = f"checkpoint {path}" if path else "no checkpoint (no round had finished)"
-            monitor.say(f"interrupted: {where}; resume with: drift coord RECIPE --resume --run-dir {run_dir}")
+            kept = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")
+            monitor.say(f"interrupted: {kept}")
+            monitor.say(f"resume with: drift coord {recipe} --resume --run-dir {run_dir}")
+            await _wait_children(children, 10.0)
             return 130
         stopper.cancel()
         if run not in done:
@@ -188,11 +220,7 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
         watch.cancel()
         results = run.result()
         for proc, logf in children:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(proc.wait), 30)
-            except asyncio.TimeoutError:
-                proc.kill()
-            if proc.returncode:
+            if await _wait_children([(proc, logf)], 30.0) and proc.returncode:
                 raise CoordinatorError(f"local node exited with code {proc.returncode}; see {logf}")
         first = coordinator.initial_val_loss
         first = first if first is not None else results[0].val_loss
@@ -206,6 +234,20 @@ async def _coord(r, root: Path, run_dir: Path, mode: str, local: int, threads: i
                 proc.terminate()
         await coordinator.close()
         monitor.close()
+
+
+async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout: float) -> bool:
+    """Wait for local nodes to exit (they were told why); kill what is left. True if all exited."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p, _ in children) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    clean = True
+    for proc, _ in children:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            clean = False
+    return clean
 
 
 async def _watch_children(children: list[tuple[subprocess.Popen, Path]]) -> None:
@@ -238,14 +280,15 @@ def _dirty(root: Path) -> bool:
               help="auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch CPU threads.")
 @click.option("--key", type=click.Path(path_type=Path), default=None,
-              help="This node's key file [default: ~/.drift/node.key]; created on first use.")
+              help="This node's key file [default: ~/.drift/node.key, or ~/.drift/node-DEVICE.key with "
+                   "--device]; created on first use.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where --repo is cloned and checked out [default: ~/.drift/repos].")
-@click.option("--speed", default="1", show_default=True,
-              help="Simulations only: stretch each inner step to 1/F of its length; F per round, "
-                   "e.g. 0.25 or 1,1,0.25 (slows down from round 2).")
+@click.option("--sim-step", default=None, metavar="SECONDS",
+              help="Simulations only: every inner step takes exactly this long (per round: 0.1 or "
+                   "0.1,0.1,2 to slow down from round 2), so one machine can play very different devices.")
 def join(repo: str, ticket: str, name: str | None, backend: str, device: str, threads: int | None,
-         key: Path | None, cache_dir: Path | None, speed: str) -> None:
+         key: Path | None, cache_dir: Path | None, sim_step: str | None) -> None:
     """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
     try:
         parse_ticket(ticket)
@@ -257,14 +300,26 @@ def join(repo: str, ticket: str, name: str | None, backend: str, device: str, th
     except BackendError as e:
         _fail(str(e))
     try:
-        schedule = SpeedSchedule.parse(speed)
+        sim = SimDevice.parse(sim_step)
     except ValueError as e:
         _fail(str(e))
+    if Path(repo).expanduser().exists():  # a path (else a URL): absolute, whatever the cwd later
+        repo = str(Path(repo).expanduser().resolve())
+    node_key = _key(key, "node", device)
+    try:
+        lock = KeyLock(node_key.path, "give each node on a machine its own --device (each device gets its own "
+                                      "key) or its own --key FILE")
+    except AuthError as e:
+        _fail(str(e))
     opts = NodeOptions(ticket=ticket, repo=repo, device=device, backend=backend, threads=threads,
-                       key=_key(key, "node"), cache_dir=cache_dir, speed=schedule)
+                       key=node_key, cache_dir=_absolute(cache_dir), sim=sim,
+                       say=lambda line: click.echo(f"drift: {line}", err=True))
     if name:
         opts.name = name
-    sys.exit(_run(run_node(opts)))
+    try:
+        sys.exit(_run(run_node(opts)))
+    finally:
+        lock.release()
 
 
 @main.command()

@@ -16,20 +16,23 @@ from pathlib import Path
 
 from auth import Admission, AuthError
 from drift import protocol as P
-from drift.monitor import Monitor, NodeView
-from drift.recipe import Recipe
 from drift.checkpoint import Checkpoint, recipe_hash, save_checkpoint
 from drift.diloco import ParamLayout, checksum
 from drift.inner import finite_positive
+from drift.monitor import Monitor, NodeView
+from drift.recipe import Recipe
+from drift.round import Round, RoundError, RoundResult
+from drift.scheduler import Ledger, UnitQueue
 from drift.state import StateError, StateServer, fetch_state
-from drift.scheduler import Ledger, RoundPlan, UnitQueue, check_accounting
-from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Channel, Endpoint, NetworkMode, TransportError
+from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Channel, Endpoint, NetworkMode, TransportError,
+                             TransportTimeout)
 
 log = logging.getLogger("drift.coord")
 
 HANDSHAKE_TIMEOUT = 30.0
-MAX_RING_RETRIES = 5
+MAX_STRIKES = 2       # a node whose θ disagrees with the majority this often is dropped
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
+INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 
 
 class CoordinatorError(Exception):
@@ -41,20 +44,11 @@ class Peer:
     info: P.NodeInfo
     ch: Channel
     commit: P.RepoCommit | None = None
+    gone: str = "connection closed"   # why its connection ended (for the log), once it has
 
     @property
     def id(self) -> str:
         return self.info.node_id
-
-
-@dataclass
-class RoundResult:
-    round: int
-    val_loss: float | None
-    train_loss: float | None
-    checksum: str
-    samples: int
-    seconds: float
 
 
 @dataclass
@@ -79,7 +73,8 @@ class Coordinator:
                                    threshold=r.auth_threshold or r.min_nodes, tree=self.tree)
         self._auth_abort: str | None = None  # why the whole swarm is cancelled (auth_threshold)
         self.endpoint: Endpoint | None = None
-        self.ready: dict[str, Peer] = {}
+        self.ready: dict[str, Peer] = {}         # admitted and connected (members, joiners, evaluators)
+        self._handshaking: dict[str, Channel] = {}  # connected, not yet admitted (they load the task)
         self.events: asyncio.Queue[tuple[Peer, P.Message | None]] = asyncio.Queue()
         self._joined = asyncio.Condition()
         self._started = False
@@ -99,12 +94,15 @@ class Coordinator:
         self.state = StateServer()              # serves a resumed checkpoint's θ to the nodes
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
+        self.checkpoint_error = ""                # why the last checkpoint could not be fetched
         self._saving: asyncio.Future | None = None  # the checkpoint write in flight, if any
         # Set by Ctrl-C. Cancelling run() is not enough: a cancel that lands inside an iroh call can
         # come back as an ordinary error (a failed state fetch, say) and the rounds would go on.
         self.stopping = False
         self.samples_seen = 0
+        self.current: Round | None = None        # the round in progress (or the last one)
         self.rejected: list[str] = []  # why connections were dropped (also logged)
+        self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
 
     # --- serving connections -------------------------------------------------------------------
 
@@ -114,6 +112,7 @@ class Coordinator:
             raise CoordinatorError(why)
         self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN))
         self._spawn(self._accept_loop())
+        self._spawn(self._ping())
         return self.endpoint.ticket()
 
     def _spawn(self, coro) -> None:  # noqa: ANN001
@@ -138,10 +137,10 @@ class Coordinator:
             self.monitor.event("connection_dropped", peer=peer, reason=why)
         (ch.close(why) if ch else conn.close(1, why.encode()[:100]))
 
-    async def _refuse(self, ch: Channel, conn, why: str) -> None:  # noqa: ANN001
+    async def _refuse(self, ch: Channel, conn, why: str, retry: bool = False) -> None:  # noqa: ANN001
         """Tell a node why it is refused (TrainingCancel), let it read that, then drop it."""
         try:
-            await ch.send_frame(P.encode(P.TrainingCancel(reason=why)), timeout=5.0)
+            await ch.send_frame(P.encode(P.TrainingCancel(reason=why, retry=retry)), timeout=5.0)
             await ch.finish()
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline:  # ends when the node hangs up, having read it
@@ -174,6 +173,15 @@ class Coordinator:
             except AuthError as e:
                 await self._auth_failed(ch, conn, ch.peer_id, str(e))
                 return
+            if ch.peer_id in self.ready or ch.peer_id in self._handshaking:
+                # One identity, one node. A node that rejoins before we noticed its old connection
+                # died gets retry=True and comes back once that one is gone.
+                await self._refuse(ch, conn, f"a node with this id ({ch.peer_id[:10]}) is already in this swarm; "
+                                   "every node needs its own key: to run several nodes on one machine, start "
+                                   "each with its own --device (cuda:0, cuda:1, ...: each device gets its own "
+                                   "key) or its own --key FILE", retry=True)
+                return
+            self._handshaking[ch.peer_id] = ch
             info = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=HANDSHAKE_TIMEOUT))
             if not isinstance(info, P.NodeInfo):
                 raise P.ProtocolError(f"expected NodeInfo first, got {info.type}")
@@ -182,7 +190,7 @@ class Coordinator:
             peer = Peer(info, ch)
             await ch.send_frame(P.encode(P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"),
                                                        commit=self.commit)))
-            rc = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=LOAD_TIMEOUT))
+            rc = await self._next_message(ch, LOAD_TIMEOUT)  # the node loads the task first: it heartbeats
             if isinstance(rc, P.TrainingCancel):  # the node refused the code it was asked to run
                 await self._auth_failed(ch, conn, peer.id, f"node {info.name} ({peer.id[:10]}) refused to run: "
                                         f"{rc.reason}", tell=False)
@@ -195,7 +203,9 @@ class Coordinator:
                 await self._auth_failed(ch, conn, peer.id, f"RepoCommit refused: {e}")
                 return
             peer.commit = rc
+            self.last_seen[peer.id] = time.monotonic()
             async with self._joined:
+                self._handshaking.pop(peer.id, None)
                 self.ready[peer.id] = peer
                 if self._started:  # a late joiner: it enters at the next round, fetching θ first
                     self.joining.append(peer)
@@ -205,17 +215,50 @@ class Coordinator:
                 self.monitor.event("node_joined", node_id=peer.id, name=info.name, device=info.device,
                                    backend=info.backend, commit=rc.commit)
         except (P.ProtocolError, TransportError) as e:
-            self._drop(ch, conn, str(e))
+            if not self._finished:  # after the end, a node that read our last word just hangs up
+                self._drop(ch, conn, str(e))
             return
-        # From here on every frame of this node feeds the round loop.
+        finally:
+            if ch is not None and self._handshaking.get(ch.peer_id) is ch:
+                del self._handshaking[ch.peer_id]
+        # From here on every frame of this node feeds the round loop. Liveness is stamped here, as
+        # frames arrive, not when the round loop gets to them: a round that starts after a long
+        # checkpoint must not take a backlog of heartbeats for silence.
         try:
             while True:
-                msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=None))
+                msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
+                self.last_seen[peer.id] = time.monotonic()
                 self.events.put_nowait((peer, msg))
         except (P.ProtocolError, TransportError) as e:
+            silent = isinstance(e, TransportTimeout)
+            peer.gone = f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({e})"
             if not self._finished:
                 self._drop(ch, conn, str(e))
+            if self.ready.get(peer.id) is peer:
+                del self.ready[peer.id]
             self.events.put_nowait((peer, None))
+
+    async def _next_message(self, ch: Channel, timeout: float) -> P.Message:
+        """The next message that is not a Heartbeat, within `timeout` overall."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"timed out after {timeout:g}s waiting for the node to load the task")
+            msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=min(left, self.recipe.stale_after_s)))
+            if not isinstance(msg, P.Heartbeat):
+                return msg
+
+    async def _ping(self) -> None:
+        """Every heartbeat_s, a Ping to every connected node: a node that hears nothing from us for
+        stale_after_s knows the coordinator is gone (and tries to rejoin)."""
+        while True:
+            await asyncio.sleep(self.recipe.heartbeat_s)
+            for p in list(self.ready.values()):
+                try:
+                    await p.ch.send_frame(P.encode(P.Ping()), timeout=self.recipe.heartbeat_s)
+                except TransportError:
+                    pass
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -251,10 +294,10 @@ class Coordinator:
                 raise CoordinatorError(f"nodes loaded different tasks: {what} differs {sorted(map(str, seen))}")
         await self._broadcast(peers, P.TrainingReady(nodes=[p.id for p in peers],
                                                      signatures=self.admission.signatures(p.id for p in peers)))
-        self._note("training_started", nodes=len(peers))
         r = self.recipe
         self.checksums[-1] = peers[0].commit.param_checksum
         self.n_train = peers[0].commit.n_train
+        self._note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
         for p in peers:
             self._enter(p, -1)
         queue = UnitQueue(self.n_train, r.unit_samples)
@@ -270,8 +313,12 @@ class Coordinator:
             await self._admit_late_joiners(rnd)
             if not self.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
-            self.results.append(await self._round(rnd, queue))
-            self.samples_seen += self.results[-1].samples
+            try:
+                self.current = Round(self, rnd, queue)
+                self._record(await self.current.run())
+            except RoundError as e:
+                await self._last_word(list(self.ready.values()), P.TrainingCancel(reason=str(e)))
+                raise CoordinatorError(str(e)) from None
             if self.stopping:
                 return self.results
             if (rnd + 1) % r.checkpoint_every == 0 or rnd == r.rounds - 1:
@@ -281,7 +328,7 @@ class Coordinator:
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
-        await self._last_word(list(self.members.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
+        await self._last_word(list(self.ready.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
@@ -312,19 +359,23 @@ class Coordinator:
         self._note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
         return ck.round + 1
 
-    async def checkpoint(self, rnd: int) -> Path | None:
-        """Fetch θ after round `rnd` from a node (checksum-verified) and write it atomically."""
+    async def checkpoint(self, rnd: int, timeout: float = 120.0) -> Path | None:
+        """Fetch θ after round `rnd` from a node (checksum-verified) and write it atomically.
+        None (and `checkpoint_error` says why) when no node could hand it over."""
         if self.last_checkpoint == rnd:
             return self.last_checkpoint_path
         if rnd not in self.checksums or self.endpoint is None:
             return None
-        donors = [self.members[i].info.ring_ticket for i in self.members if self.state_round.get(i) == rnd]
         if self.state.snapshot is not None and self.state.snapshot.round == rnd:
             snap = self.state.snapshot
         else:
+            donors = [p.info.ring_ticket for i, p in self.ready.items() if self.state_round.get(i) == rnd]
             try:
-                snap = await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd])
+                if not donors:
+                    raise StateError("no connected node holds it")
+                snap = await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd], timeout=timeout)
             except StateError as e:
+                self.checkpoint_error = str(e)
                 log.warning("no checkpoint for round %d: %s", rnd, e)
                 return None
         if snap.layout is None:
@@ -343,23 +394,63 @@ class Coordinator:
         self._note("checkpoint", round=rnd, path=str(path))
         return path
 
-    async def interrupt(self, reason: str) -> Path | None:
-        """A clean stop (Ctrl-C): checkpoint the last finished round, tell every node why."""
+    async def interrupt(self, reason: str) -> str:
+        """A clean stop (Ctrl-C): keep the newest finished round we can get, tell every node why.
+        Returns one line saying what --resume will continue from."""
         self.stopping = True
-        path = None
         if self._saving is not None:
             await asyncio.wait({self._saving})  # a save the cancelled run left in flight ends first
-        if self.checksums:
-            path = await self.checkpoint(max(self.checksums))
+        await self._finish_reduce()
+        newest = max((r for r in self.checksums if r >= 0), default=None)
+        path = None
+        if newest is not None:
+            try:  # bounded: the nodes may have died with us (a terminal's Ctrl-C reaches them too)
+                path = await asyncio.wait_for(self.checkpoint(newest, timeout=INTERRUPT_FETCH_S), 2 * INTERRUPT_FETCH_S)
+            except asyncio.TimeoutError:
+                self.checkpoint_error = f"timed out after {2 * INTERRUPT_FETCH_S:g}s"
         self._finished = True
-        await self._last_word(list(self.members.values()) or list(self.ready.values()),
-                              P.TrainingCancel(reason=reason))
-        return path
+        await self._last_word(list(self.ready.values()), P.TrainingCancel(reason=reason), timeout=5.0)
+        if newest is None:
+            return "no round had finished, so there is no checkpoint"
+        if path is not None:
+            return f"checkpoint of round {newest}: {path}"
+        why = f"could not fetch θ of round {newest} ({self.checkpoint_error})"
+        if self.last_checkpoint is None:
+            return f"{why}, and no checkpoint was written before"
+        lost = newest - self.last_checkpoint
+        return (f"{why}; --resume continues from round {self.last_checkpoint} ({self.last_checkpoint_path}), "
+                f"{lost} round(s) earlier")
+
+    async def _finish_reduce(self) -> None:
+        """Ctrl-C during an all-reduce: the nodes may already hold the next θ (and serve only
+        that one). Take the RoundDone reports that arrive within a moment; if every ring member
+        agrees, the round counts and its θ can be checkpointed."""
+        cur = self.current
+        if cur is None or cur.ring is None or cur.rnd in self.checksums:
+            return
+        deadline = time.monotonic() + INTERRUPT_FETCH_S
+        while not cur.agreed() and time.monotonic() < deadline:
+            try:
+                peer, msg = await asyncio.wait_for(self.events.get(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            if peer.id in self.members and isinstance(msg, P.RoundDone):
+                await cur.on_message(peer, msg)
+        if cur.agreed():
+            self._record(cur.finish())
+
+    def _record(self, result: RoundResult) -> None:
+        self.results.append(result)
+        self.samples_seen += result.samples
 
     async def _last_word(self, peers: list[Peer], msg: P._Msg, timeout: float = 10.0) -> None:
         """Send a final message, then wait (briefly) for each node to hang up: closing at once
-        could discard the message while it is still in flight."""
-        await asyncio.gather(*(self._send(p, msg) for p in peers))
+        could discard the message while it is still in flight. Nodes still loading the task get
+        it too (a node that joins as the run ends learns that it ended)."""
+        self._finished = True
+        loading = list(self._handshaking.values())
+        await asyncio.gather(*(self._send(p, msg) for p in peers),
+                             *(ch.send_frame(P.encode(msg), timeout=5.0) for ch in loading), return_exceptions=True)
         left: set[str] = set()
         deadline = time.monotonic() + timeout
         while len(left) < len(peers) and time.monotonic() < deadline:
@@ -369,6 +460,8 @@ class Coordinator:
                 break
             if m is None:
                 left.add(peer.id)
+        while any(ch in self._handshaking.values() for ch in loading) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _finish_evaluations(self, timeout: float) -> None:
         """Give evaluations still in flight a chance to land before the run ends."""
@@ -387,6 +480,8 @@ class Coordinator:
 
     def _on_eval(self, i: str, msg: P.EvalResult) -> None:
         self.evaluating.discard(i)
+        if i in self.members:
+            self._measured_speed(i, msg.samples_per_s)
         self.state_round[i] = msg.after_round
         if msg.after_round < 0:
             self.initial_val_loss = msg.val_loss
@@ -442,6 +537,30 @@ class Coordinator:
         self._note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
         return fallback
 
+    def _measured_speed(self, i: str, sps: float | None) -> None:
+        """A node's speed as measured on a finished unit (or an evaluation), averaged in: one unit
+        of a fast device is a few milliseconds, and one hiccup must not make it look 20x slower.
+        A node that really became far slower is caught by its deadline instead (Round), which
+        sets its speed from the wait it caused."""
+        if finite_positive(sps):
+            self.speed[i] = 0.5 * self.speed[i] + 0.5 * sps
+
+    def drop(self, i: str, why: str, rnd: int) -> None:
+        """Remove a node from the swarm (its work of the round in flight is redone by the round)."""
+        peer = self.members.pop(i)
+        log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
+        self._note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
+        self.evaluating.discard(i)
+        peer.ch.close(why)
+        if self.monitor:
+            self.monitor.nodes.pop(i, None)
+
+    def strike(self, i: str, why: str) -> bool:
+        """Count one misbehaviour of node i (θ that disagrees, a ring it keeps breaking); True once
+        it has had MAX_STRIKES and should be dropped."""
+        self.strikes[i] = self.strikes.get(i, 0) + 1
+        return self.strikes[i] >= MAX_STRIKES
+
     def _note(self, kind: str, **fields) -> None:  # noqa: ANN003
         if self.monitor:
             self.monitor.event(kind, **fields)
@@ -477,273 +596,6 @@ class Coordinator:
             await peer.ch.send_frame(P.encode(msg))
         except TransportError as e:
             log.warning("could not send %s to %s: %s", msg.type, peer.info.name, e)
-
-    async def _round(self, rnd: int, queue: UnitQueue) -> RoundResult:
-        r = self.recipe
-        t0 = time.monotonic()
-        steal = r.schedule == "steal"
-        budget = r.round_samples if steal else len(self.members) * r.inner_steps * r.batch_size
-        evaluators = self._evaluators(budget) if steal else set()
-        trainers = {i: self.speed[i] for i in self.members if i not in evaluators}
-        epoch, units = queue.take(budget)
-        # Lockstep (for comparison) gives every node the same share, whatever its speed.
-        plan = RoundPlan.make(units, trainers if steal else dict.fromkeys(trainers, 1.0), steal)
-        fastest = max(trainers, key=trainers.get)
-        for i, peer in list(self.members.items()):
-            if i in evaluators:  # evaluators work at their own pace: a new job once the last is done
-                if i not in self.evaluating:
-                    await self._assign_evaluation(peer, rnd, epoch)
-                continue
-            await self._send(peer, P.ShardAssignment(
-                round=rnd, epoch=epoch, units=plan.grant_first(i), planned=len(plan.planned[i]),
-                report_val=i == fastest and (not evaluators or rnd == r.rounds - 1), state=self._state_source(i)))
-
-        async def send_ring() -> list[P.RingMember]:
-            """BarrierReady to every node in the barrier: the ring order and each node's weight."""
-            total = sum(sum(u.hi - u.lo for u in synced[i].trained) for i in part() if i not in excluded)
-
-            def weight(i: str) -> float:
-                if i in excluded or total == 0:
-                    return 0.0
-                return sum(u.hi - u.lo for u in synced[i].trained) / total
-
-            members = [P.RingMember(node_id=i, ticket=self.members[i].info.ring_ticket, weight=weight(i))
-                       for i in part()]
-            self._note("barrier", round=rnd, ring_epoch=self.ring_epoch, nodes=len(members))
-            await self._broadcast([self.members[i] for i in part()],
-                                  P.BarrierReady(round=rnd, ring=members, codec=r.codec, ring_epoch=self.ring_epoch))
-            return members
-
-        def part() -> list[str]:
-            """The nodes in this round's barrier and ring (evaluators are not)."""
-            return [i for i in self.members if i not in evaluators]
-
-        last_progress = {i: time.monotonic() for i in self.members}
-        trained_so_far = dict.fromkeys(self.members, 0)   # from TrainProgress, this round
-        synced: dict[str, P.BarrierSync] = {}
-        t_sync: dict[str, float] = {}
-        done: dict[str, P.RoundDone] = {}
-        excluded: set[str] = set()
-        give_back: list[P.WorkUnit] = []
-        stop_sent, t_stop = False, 0.0
-        early: set[str] = set()               # stopped ahead of the others (see the round's tail)
-        ring: list[P.RingMember] | None = None
-        retry_reason: str | None = None       # why the all-reduce in flight must be redone
-        ring_failed_at: float | None = None
-        epoch0 = self.ring_epoch
-
-        async def stop_all(reason: str) -> None:
-            nonlocal stop_sent, t_stop
-            if not stop_sent:
-                stop_sent, t_stop = True, time.monotonic()
-                log.info("round %d: %s; stopping at the next inner step", rnd, reason)
-                await asyncio.gather(*(self._send(self.members[i], P.StopRound(round=rnd))
-                                       for i in part() if i not in synced))
-
-        def drop(i: str, why: str) -> None:
-            """Remove a node from the swarm mid-round; its work this round is redone."""
-            peer = self.members.pop(i)
-            log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
-            self._note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
-            if i in synced and i not in excluded:
-                give_back.extend(synced[i].trained)
-            synced.pop(i, None)
-            plan.drop(i)
-            self.evaluating.discard(i)
-            peer.ch.close(why)
-            if self.monitor:
-                self.monitor.nodes.pop(i, None)
-
-        while ring is None or len(done) < len(part()):
-            try:
-                peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
-            except asyncio.TimeoutError:
-                peer, msg = None, None
-            now = time.monotonic()
-            if peer is not None:
-                if peer.id not in self.members:
-                    continue  # a message from a node already dropped
-                self.last_seen[peer.id] = now
-                i = peer.id
-                if msg is None:
-                    drop(i, "connection closed")
-                    if ring is not None:
-                        retry_reason = f"{peer.info.name} left during the all-reduce"
-                elif isinstance(msg, P.TrainProgress):
-                    last_progress[i] = now
-                    trained_so_far[i] += msg.unit.hi - msg.unit.lo
-                    if finite_positive(msg.samples_per_s):
-                        self.speed[i] = 0.5 * self.speed[i] + 0.5 * msg.samples_per_s
-                    if self.monitor and i in self.monitor.nodes:
-                        v = self.monitor.nodes[i]
-                        n = msg.unit.hi - msg.unit.lo
-                        v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + n
-                        self.monitor.event("progress", node_id=i, round=rnd, unit=[msg.unit.id, msg.unit.lo, msg.unit.hi],
-                                           loss=msg.loss, samples_per_s=msg.samples_per_s)
-                elif isinstance(msg, P.AskForMoreWork):
-                    nxt = plan.next_for(i) if i not in excluded | early and msg.round == rnd else None
-                    if nxt is not None:
-                        last_progress[i] = now
-                        await self._send(peer, P.AssignNext(round=rnd, unit=nxt))
-                    else:
-                        await self._send(peer, P.NoMoreWork(round=msg.round))
-                        if steal and plan.remaining() == 0:
-                            await stop_all("the round's budget is handed out")
-                elif isinstance(msg, P.BarrierSync):
-                    synced[i], t_sync[i] = msg, now
-                    if i not in excluded and i not in evaluators:
-                        wrong = check_accounting(plan.granted.get(i, []), msg.trained, msg.returned)
-                        if wrong:
-                            log.warning("node %s: bad work report (%s); its work this round is redone",
-                                        peer.info.name, wrong)
-                            self._note("bad_report", node_id=i, reason=wrong, round=rnd)
-                            excluded.add(i)
-                            plan.drop(i)
-                        else:  # accounted for: what it trained is in synced, the rest goes back
-                            give_back.extend(msg.returned)
-                            plan.granted[i] = []
-                    if msg.val_loss is not None:
-                        if rnd == 0:
-                            self.initial_val_loss = msg.val_loss
-                            self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
-                        else:
-                            self._note("val", after_round=rnd - 1, val_loss=msg.val_loss, val_samples=msg.val_samples)
-                elif isinstance(msg, P.RoundDone):
-                    if msg.ring_epoch == self.ring_epoch:
-                        done[i] = msg
-                elif isinstance(msg, P.RingFailed):
-                    if ring is not None and msg.ring_epoch == self.ring_epoch and ring_failed_at is None:
-                        log.warning("round %d: %s reports the all-reduce failed: %s", rnd, peer.info.name, msg.reason)
-                        ring_failed_at = now
-                elif isinstance(msg, P.EvalResult):
-                    self._on_eval(i, msg)
-                    if i in evaluators and msg.after_round < max(self.checksums):
-                        # A newer θ is already agreed: evaluate it now rather than at the next round.
-                        await self._assign_evaluation(peer, rnd, epoch)
-                elif isinstance(msg, (P.Heartbeat, P.Pong)):
-                    pass
-                else:
-                    log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, rnd)
-
-            # The round's tail: a node whose next inner step would end after everyone else ran out
-            # of work stops now, so nobody waits at the barrier for most of a slow step.
-            if steal and ring is None and not stop_sent:
-                active = [i for i in part() if i not in synced and i not in excluded and i not in early]
-                in_hand = {i: sum(u.hi - u.lo for u in plan.granted.get(i, [])) - trained_so_far[i] for i in active}
-                for i in sorted(active, key=lambda i: self.speed[i]):  # slowest first
-                    others = [j for j in active if j != i]
-                    if not others:
-                        break
-                    left_s = (plan.remaining() + sum(in_hand[j] for j in others)) / sum(self.speed[j] for j in others)
-                    if r.batch_size / self.speed[i] > left_s:
-                        early.add(i)
-                        active.remove(i)
-                        await self._send(self.members[i], P.StopRound(round=rnd))
-
-            # Liveness, deadlines and the barrier (checked on every event and twice a second).
-            for i in list(self.members):
-                silent = now - self.last_seen.get(i, now)
-                if silent > r.stale_after_s:
-                    name = self.members[i].info.name
-                    drop(i, f"silent for {silent:.0f}s")
-                    if ring is not None:
-                        retry_reason = f"{name} went silent during the all-reduce"
-                    continue
-                if ring is not None or i in synced or i in excluded or i in evaluators:
-                    continue
-                # Deadlines: a unit should take unit_samples/speed, and after StopRound a node
-                # should reach the barrier within one inner step. Past unit_deadline_factor times
-                # that (plus heartbeat slack), its work is reassigned and it sits this round out.
-                if stop_sent:
-                    since, expected = max(t_stop, last_progress[i]), r.batch_size / self.speed[i]
-                elif i in trainers and plan.granted.get(i):
-                    since, expected = last_progress[i], r.unit_samples / self.speed[i]
-                else:
-                    continue
-                if rnd == 0 and i == fastest and not stop_sent:  # it evaluates θ0 before training
-                    expected += r.eval_batches * r.batch_size / self.speed[i]
-                waited = now - since
-                others = [j for j in part() if j != i and j not in excluded]
-                if others and waited > r.unit_deadline_factor * expected + 2 * r.heartbeat_s:
-                    name = self.members[i].info.name
-                    log.warning("node %s has not finished its work in %.1fs (expected %.2fs): its units are "
-                                "reassigned and it sits out this round", name, waited, expected)
-                    self._note("deadline", node_id=i, name=name, round=rnd, waited_s=waited, expected_s=expected)
-                    excluded.add(i)
-                    plan.drop(i)
-                    # What we know now: it is at least this slow. Plans (and the choice of
-                    # evaluators) from the next round on use that.
-                    self.speed[i] = min(self.speed[i], r.batch_size / waited)
-                    await self._send(self.members[i], P.StopRound(round=rnd))
-            if ring is not None:
-                # A ring that lost a member (or that a member says broke) is rebuilt from the
-                # survivors, weights renormalised; every node rolls back and reduces again.
-                if retry_reason is None and ring_failed_at is not None and now - ring_failed_at > 2 * r.heartbeat_s + 1:
-                    retry_reason = "a node reported a broken all-reduce and nobody left"
-                if retry_reason is None:
-                    continue
-                if not part():
-                    raise CoordinatorError(f"every training node has left (round {rnd})")
-                if self.ring_epoch - epoch0 >= MAX_RING_RETRIES:
-                    raise CoordinatorError(f"the all-reduce of round {rnd} failed {MAX_RING_RETRIES} times "
-                                           f"(last: {retry_reason})")
-                log.warning("round %d: %s; retrying the all-reduce with %d node(s)", rnd, retry_reason, len(part()))
-                self._note("ring_retry", round=rnd, reason=retry_reason, nodes=len(part()))
-                retry_reason, ring_failed_at = None, None
-                done.clear()
-                self.ring_epoch += 1
-                ring = await send_ring()
-                continue
-            if not part():
-                raise CoordinatorError(f"every training node has left (round {rnd})")
-            unsynced = [i for i in part() if i not in synced]
-            if unsynced and not all(i in excluded for i in unsynced):
-                continue
-            if not any(i in synced and i not in excluded for i in part()):
-                continue  # nobody useful yet (e.g. everyone excluded): keep waiting for stragglers
-            for i in unsynced:  # only stragglers past their deadline are left: go on without them
-                drop(i, "did not reach the barrier in time after its work was reassigned")
-            t_ready = now
-            ring = await send_ring()
-
-        checksums = {d.checksum for d in done.values()}
-        if len(checksums) != 1:
-            detail = ", ".join(f"{self.members[i].info.name}={d.checksum[:12]}" for i, d in done.items())
-            await self._broadcast(list(self.members.values()), P.TrainingCancel(reason=f"replicas diverged in round {rnd}"))
-            raise CoordinatorError(f"replicas diverged after round {rnd}: {detail}")
-        weights = {m.node_id: m.weight for m in ring}
-        self.checksums[rnd] = next(iter(checksums))
-        for i in done:
-            self.state_round[i] = rnd
-        for i, s in synced.items():
-            if weights.get(i, 0) > 0:
-                self.ledger.add(epoch, s.trained)
-        queue.give_back(give_back + plan.leftover())
-        losses = [(s.loss, s.samples) for i, s in synced.items() if s.loss is not None and weights.get(i, 0) > 0]
-        train_loss = sum(l * n for l, n in losses) / sum(n for _, n in losses) if losses else None
-        val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
-        samples = sum(sum(u.hi - u.lo for u in s.trained) for i, s in synced.items() if weights.get(i, 0) > 0)
-        res = RoundResult(rnd, val, train_loss, checksums.pop(), samples, time.monotonic() - t0)
-        if self.monitor:
-            self.monitor.val_loss = val if val is not None else self.monitor.val_loss
-            for i, d in done.items():
-                if i in self.monitor.nodes:
-                    self.monitor.nodes[i].bytes_sent += d.bytes_sent
-            self.monitor.event("round", round=rnd, epoch=epoch, val_loss=val, train_loss=train_loss, samples=samples,
-                               seconds=res.seconds, checksum=res.checksum,
-                               bytes_sent=sum(d.bytes_sent for d in done.values()),
-                               evaluators=sorted(self.members[i].info.name for i in evaluators if i in self.members),
-                               reduce_s=max(d.reduce_s for d in done.values()),
-                               nodes={self.members[i].info.name: {
-                                   "node_id": i, "samples": sum(u.hi - u.lo for u in s.trained), "steps": s.steps,
-                                   "weight": weights.get(i, 0.0), "busy_s": t_sync[i] - t0,
-                                   "idle_s": t_ready - t_sync[i],
-                                   "sync_s": done[i].reduce_s if i in done else 0.0,
-                                   "bytes_sent": done[i].bytes_sent if i in done else 0,
-                                   "role": "evaluate" if i in evaluators else "train",
-                                   "trained": [[u.id, u.lo, u.hi] for u in s.trained]}
-                                   for i, s in synced.items()})
-        return res
 
     async def close(self) -> None:
         for t in list(self._tasks):

@@ -13,20 +13,27 @@ node.py has them fetch the newest θ from a peer and report its validation loss,
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import numpy as np
 
 from drift import protocol as P
 from drift.diloco import epoch_order, unit_indices
 
+log = logging.getLogger("drift.node")
+
 
 class StopTraining(Exception):
-    """The coordinator cancelled the run or went away."""
+    """The coordinator cancelled the run (`lost` False) or went away (`lost` True)."""
+
+    def __init__(self, reason: str, lost: bool = False):
+        super().__init__(reason)
+        self.lost = lost
 
 
 @dataclass
@@ -46,55 +53,79 @@ class RoundReport:
                              val_loss=self.val_loss, val_samples=self.val_samples)
 
 
-@dataclass
-class SpeedSchedule:
-    """Simulations only: a speed factor per round, e.g. "1" or "1,1,0.25" (the last one holds).
-    A factor f < 1 makes every inner step last 1/f of the node's calibrated (uncontended) step
-    time, by sleeping out the rest: a fixed target, so other processes fighting for the same cores
-    do not slow the simulated device down further unless they push a step past that target."""
+@dataclass(frozen=True)
+class SimDevice:
+    """Simulations only (`drift join --sim-step S`): every inner step of this node takes exactly S
+    seconds, per round ("0.1", or "0.1,0.1,2" to slow down from round 2 on; the last one holds),
+    by sleeping out the rest of the real step. An evaluation batch (a forward pass) takes S/3.
 
-    factors: tuple[float, ...] = (1.0,)
+    The times are absolute, so a simulated swarm means the same on any machine that computes a
+    real step faster than S; a real step longer than S is not cut (logged once)."""
+
+    steps: tuple[float, ...] = ()   # empty: a real device
+
+    EVAL_SHARE = 1 / 3              # an evaluation batch costs this share of a training step
 
     @classmethod
-    def parse(cls, spec: str) -> "SpeedSchedule":
+    def parse(cls, spec: str | None) -> SimDevice:
+        if not spec:
+            return cls()
         try:
-            factors = tuple(float(x) for x in spec.split(","))
+            steps = tuple(float(x) for x in spec.split(","))
         except ValueError:
-            raise ValueError(f"--speed {spec!r}: expected numbers like 0.25 or 1,1,0.25") from None
-        if not factors or any(not (0 < f <= 1) for f in factors):
-            raise ValueError(f"--speed {spec!r}: each factor must be in (0, 1]")
-        return cls(factors)
+            raise ValueError(f"--sim-step {spec!r}: expected seconds per inner step, like 0.1 or 0.1,0.1,2") from None
+        if any(not (0 < s < 86400) or not math.isfinite(s) for s in steps):
+            raise ValueError(f"--sim-step {spec!r}: each value must be a number of seconds > 0")
+        return cls(steps)
 
-    def at(self, rnd: int) -> float:
-        return self.factors[min(rnd, len(self.factors) - 1)]
+    def step_s(self, rnd: int) -> float | None:
+        """Simulated seconds per inner step in round `rnd` (None: a real device)."""
+        return self.steps[min(max(rnd, 0), len(self.steps) - 1)] if self.steps else None
 
 
 class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
-    def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],  # noqa: ANN001
-                 speed: SpeedSchedule = SpeedSchedule(), real_step_s: float = 0.0):
+    def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],
+                 sim: SimDevice = SimDevice()):
         self.worker = worker
-        self.real_step_s = real_step_s  # calibrated, unstretched: the base of simulated slowness
         self.recipe = recipe
         self.inbox = inbox
         self.send = send
-        self.speed = speed
+        self.sim = sim
         self._orders: dict[int, np.ndarray] = {}
-        self.step_s = 0.0          # EMA of one inner step, stretched (what the swarm sees)
+        self._round = 0
+        self._warned_slow = False
+        self.step_s = 0.0          # EMA of one inner step (what the swarm sees)
         self.rtt_s = 0.05          # EMA of AskForMoreWork -> reply
 
-    async def _step(self, fn, *args) -> float:  # noqa: ANN001
-        """Run one worker call off the event loop (so heartbeats and messages keep flowing)."""
+    async def _run(self, fn, *args, sim_s: float | None = None):
+        """Run one worker call off the event loop (so heartbeats and messages keep flowing); a
+        simulated device then sleeps until `sim_s` seconds have passed."""
         t0 = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        if self._factor < 1.0:  # a simulated slower device
+        if sim_s is not None:
             took = time.perf_counter() - t0
-            if fn == self.worker.train_step and self.real_step_s > 0:
-                await asyncio.sleep(max(0.0, self.real_step_s / self._factor - took))
-            else:
-                await asyncio.sleep(took * (1 / self._factor - 1))
+            if took > sim_s and not self._warned_slow:
+                self._warned_slow = True
+                log.warning("simulated step of %.3fs, but the real one took %.3fs: this machine is too "
+                            "slow to simulate that device", sim_s, took)
+            await asyncio.sleep(max(0.0, sim_s - took))
         return out
+
+    async def train_step(self, indices: np.ndarray) -> float:
+        return await self._run(self.worker.train_step, indices, sim_s=self.sim.step_s(self._round))
+
+    async def evaluate(self, rnd: int | None = None) -> tuple[float, float]:
+        """(val loss of the worker's θ, seconds per evaluation batch it took)."""
+        r = self.recipe
+        n = min(self.worker.n_val, r.eval_batches * r.batch_size)
+        batches = max(1, -(-n // r.batch_size))
+        step = self.sim.step_s(self._round if rnd is None else rnd)
+        t0 = time.perf_counter()
+        val = await self._run(self.worker.evaluate, r.eval_batches, r.batch_size,
+                              sim_s=None if step is None else batches * step * SimDevice.EVAL_SHARE)
+        return val, (time.perf_counter() - t0) / batches
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -112,7 +143,7 @@ class InnerLoop:
 
     def _apply(self, msg: P.Message | None, state: dict) -> None:
         if msg is None:
-            raise StopTraining("coordinator closed the connection")
+            raise StopTraining("lost the connection to the coordinator", lost=True)
         if isinstance(msg, P.TrainingCancel):
             raise StopTraining(f"training cancelled by coordinator: {msg.reason}")
         if getattr(msg, "round", state["round"]) != state["round"]:
@@ -128,11 +159,10 @@ class InnerLoop:
             state["stop"] = True
 
     async def run_round(self, a: P.ShardAssignment) -> RoundReport:
-        self._factor = self.speed.at(a.round)
+        self._round = a.round
         report = RoundReport()
         if a.report_val and a.round == 0:  # the loss before any training, for the record
-            report.val_loss = await self._step(self.worker.evaluate, self.recipe.eval_batches,
-                                               self.recipe.batch_size)
+            report.val_loss, _ = await self.evaluate()
             report.val_samples = min(self.worker.n_val, self.recipe.eval_batches * self.recipe.batch_size)
         state = {"round": a.round, "granted": deque(a.units), "asked": False, "asked_at": 0.0,
                  "no_more": False, "stop": False}
@@ -158,7 +188,7 @@ class InnerLoop:
                     await self._ask(state)
                 t_step = time.perf_counter()
                 hi = min(lo + bs, unit.hi)
-                u_losses.append(await self._step(self.worker.train_step, idx[lo - unit.lo:hi - unit.lo]))
+                u_losses.append(await self.train_step(idx[lo - unit.lo:hi - unit.lo]))
                 dt = time.perf_counter() - t_step
                 self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
                 lo = hi
@@ -176,38 +206,41 @@ class InnerLoop:
                                                 samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0)))
             if lo < unit.hi:
                 report.returned.append(P.WorkUnit(id=unit.id, lo=lo, hi=unit.hi))
+        # A grant may still be on its way: wait for it, then hand back every untrained unit once.
+        while state["asked"]:
+            self._apply(await self.inbox.get(), state)
         report.returned += list(state["granted"])
-        if state["asked"]:  # a grant may still be on its way: wait for it so it is handed back
-            while state["asked"]:
-                self._apply(await self.inbox.get(), state)
-            report.returned += list(state["granted"])
         return report
 
     async def _ask(self, state: dict) -> None:
         state["asked"], state["asked_at"] = True, time.perf_counter()
         await self.send(P.AskForMoreWork(round=state["round"]))
 
-    async def evaluate(self, rnd: int) -> float:
-        """Validation loss of the worker's θ (an evaluator's job; at the node's own pace)."""
-        self._factor = self.speed.at(rnd)
-        return await self._step(self.worker.evaluate, self.recipe.eval_batches, self.recipe.batch_size)
-
 
 def finite_positive(x: float | None) -> bool:
     return x is not None and math.isfinite(x) and x > 0
 
 
-async def calibrate(worker, recipe, speed: SpeedSchedule = SpeedSchedule(), steps: int = 3) -> tuple[float, float]:  # noqa: ANN001
-    """(samples/s, real seconds per step) on the real task: one warm-up step, then the fastest of
-    `steps` timed ones (robust to a busy moment); samples/s is that of a simulated slow node in
-    round 0. The caller restores θ afterwards."""
-    loop = asyncio.get_running_loop()
-    idx = np.arange(min(recipe.batch_size, worker.n_train))
-    await loop.run_in_executor(None, worker.train_step, idx)
+@dataclass(frozen=True)
+class Calibration:
+    samples_per_s: float   # what the swarm plans with (a simulated device's, when simulated)
+    eval_ratio: float      # one training step over one evaluation batch, in seconds
+
+
+async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
+    """Speed on the real task: one warm-up step, then the fastest of `steps` timed ones (robust
+    to a busy moment), and one timed evaluation batch. The caller restores θ afterwards."""
+    worker, bs = inner.worker, inner.recipe.batch_size
+    idx = np.arange(min(bs, worker.n_train))
+    await inner._run(worker.train_step, idx)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        await loop.run_in_executor(None, worker.train_step, idx)
+        await inner.train_step(idx)
         times.append(time.perf_counter() - t0)
-    real = min(times)
-    return len(idx) / (real / speed.at(0)), real
+    step_s = min(times)
+    t0 = time.perf_counter()
+    sim = inner.sim.step_s(0)
+    await inner._run(worker.evaluate, 1, bs, sim_s=None if sim is None else sim * SimDevice.EVAL_SHARE)
+    eval_s = time.perf_counter() - t0
+    return Calibration(len(idx) / step_s, step_s / max(eval_s, 1e-9))

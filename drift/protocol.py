@@ -69,8 +69,11 @@ class TrainingReady(_Msg):
 
 
 class TrainingCancel(_Msg):
+    """Either side: this node is not (or no longer) part of the run, and why. `retry` tells a node
+    that was in the swarm before that it may connect again (its old connection is not gone yet)."""
     type: Literal["TrainingCancel"] = "TrainingCancel"
     reason: str
+    retry: bool = False
 
 
 # --- liveness ----------------------------------------------------------------------------------
@@ -210,6 +213,7 @@ class EvalResult(_Msg):
     after_round: int
     val_loss: float
     val_samples: int
+    samples_per_s: float | None = None  # training speed, estimated from the evaluation's timing
 
 
 class CheckpointInfo(_Msg):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 
 class RecipeError(Exception):
-    """A recipe that cannot be used; str() is the one line shown to the user."""
+    """A recipe that cannot be used; str() is shown to the user, one line per mistake."""
 
 
 class _Strict(BaseModel):
@@ -118,13 +118,8 @@ def load_recipe(path: str | Path, check_task: bool = True) -> Recipe:
         raise RecipeError(f"{p}: a recipe is a YAML mapping of fields, got {type(raw).__name__}")
     try:
         recipe = Recipe.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "recipe"
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        if err["type"] == "missing":
-            msg = "required field is missing"
-        raise RecipeError(f"{p}: {field}: {msg}") from None
+    except ValidationError as e:  # every mistake at once, one line each
+        raise RecipeError("\n".join(f"{p}: {_field_error(err)}" for err in e.errors())) from None
     if recipe.allowlist is not None:
         recipe.allowlist = _load_allowlist(p, recipe.allowlist)
     if check_task:
@@ -132,6 +127,16 @@ def load_recipe(path: str | Path, check_task: bool = True) -> Recipe:
         if not task.is_file():
             raise RecipeError(f"{p}: task: file {recipe.task} not found under {repo_root(p)}")
     return recipe
+
+
+def _field_error(err: dict) -> str:
+    """'field.path: what is wrong' for one pydantic error."""
+    field = ".".join(str(x) for x in err["loc"]) or "recipe"
+    if err["type"] == "missing":
+        return f"{field}: required field is missing"
+    if err["type"] == "extra_forbidden":
+        return f"{field}: unknown field"
+    return f"{field}: {err['msg']}"
 
 
 def _load_allowlist(recipe_path: Path, value: list[str] | str) -> list[str]:

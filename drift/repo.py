@@ -17,10 +17,12 @@ import contextlib
 import hashlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import git
+
+from auth import drift_home
 
 FETCH_TIMEOUT = 600  # seconds a clone or fetch may take before it is killed
 _COMMIT_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
@@ -36,13 +38,12 @@ def is_commit_id(s: str | None) -> bool:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("DRIFT_HOME")
-    return (Path(env).expanduser() if env else Path.home() / ".drift") / "repos"
+    return drift_home() / "repos"
 
 
 def _git_error(e: git.GitCommandError) -> str:
     lines = [ln.strip() for ln in str(e.stderr or "").splitlines() if ln.strip()]
-    lines = [ln[len("stderr: "):] if ln.startswith("stderr: ") else ln for ln in lines]
+    lines = [ln.removeprefix("stderr: ") for ln in lines]
     return (lines[-1].strip("'") if lines else str(e)).strip()
 
 
@@ -93,7 +94,8 @@ class RepoCache:
                                 f"`git init && git commit` it, or give the repo's URL)") from None
             src = str(local.resolve())
         self.source = src
-        base = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        # Absolute: git runs the worktree commands inside the mirror, where a relative path would land.
+        base = Path(cache_dir).expanduser().resolve() if cache_dir else default_cache_dir()
         name = re.sub(r"[^\w.-]", "_", src.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git"))[:40] or "repo"
         self.root = base / f"{name}-{hashlib.sha256(src.encode()).hexdigest()[:12]}"
         self.mirror_dir = self.root / "mirror.git"

@@ -1,8 +1,9 @@
 """Swarms of real processes on one machine, for tests and benchmarks of staggered devices.
 
 A Swarm is a real `drift coord` plus `drift join` processes on real iroh (loopback) training the
-real task; a node's speed factor f < 1 stretches its inner steps to 1/f of their length
-(`drift join --speed`), so a 2-core machine can play a swarm of very different devices.
+real task; a node's simulated step time (`drift join --sim-step SECONDS`) makes every inner step
+last exactly that long, so a 2-core machine can play a swarm of very different devices, and a
+simulated swarm means the same on any machine.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 class Swarm:
     def __init__(self, recipe: Path, work: Path, *coord_args: str, log_name: str = "coord.log",
-                 wrap: list[str] | None = None):
-        """`wrap` prefixes the coordinator's command (e.g. `ip netns exec NS`); join() takes one too."""
+                 wrap: list[str] | None = None, session: bool = False):
+        """`wrap` prefixes the coordinator's command (e.g. `ip netns exec NS`); join() takes one too.
+        `session`: the coordinator leads a process group of its own, as a shell's foreground job
+        does (nodes can join that group: a terminal's Ctrl-C then reaches all of them)."""
         self.recipe, self.work = recipe, work
         self.run_dir = work / "run"
         self.nodes: list[subprocess.Popen] = []
@@ -35,7 +38,8 @@ class Swarm:
         with open(self.coord_log, "w") as fh:
             self.coord = subprocess.Popen([*(wrap or []), sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
                                            str(self.run_dir), "--key", str(work / "coord.key"), *coord_args],
-                                          stdout=fh, stderr=subprocess.STDOUT, env=ENV)
+                                          stdout=fh, stderr=subprocess.STDOUT, env=ENV,
+                                          preexec_fn=(lambda: os.setpgid(0, 0)) if session else None)
         self.ticket = self._wait_for(r"--ticket (\S+)", 60)
 
     def _wait_for(self, pattern: str, timeout: float) -> str:
@@ -49,14 +53,22 @@ class Swarm:
             time.sleep(0.1)
         raise AssertionError(f"coordinator never printed {pattern!r}")
 
-    def join(self, speed: str = "1", name: str | None = None, wrap: list[str] | None = None) -> subprocess.Popen:
+    def join(self, sim_step: str | None = None, name: str | None = None, wrap: list[str] | None = None,
+             script: Path | None = None, env: dict[str, str] | None = None,
+             process_group: int | None = None, key: Path | None = None) -> subprocess.Popen:
+        """Start `drift join`; `sim_step` is its --sim-step (None: the real speed), `wrap` prefixes
+        the command (`ip netns exec NS`), `script` runs instead of `python -m drift` (a test's
+        wrapper that calls drift.cli.main, e.g. tests/held_node.py)."""
         i = len(self.nodes)
         name = name or f"n{i}"
         log = open(self.work / f"{name}.log", "w")
-        p = subprocess.Popen([*(wrap or []), sys.executable, "-m", "drift", "join", "--repo", str(self.recipe.parents[1]),
-                              "--ticket", self.ticket, "--name", name, "--threads", "1", "--speed", speed,
-                              "--key", str(self.work / f"{name}.key"), "--cache-dir", str(self.work / "cache")],
-                             stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        sim = ["--sim-step", sim_step] if sim_step else []
+        launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
+        p = subprocess.Popen([*(wrap or []), *launcher, "join", "--repo", str(self.recipe.parents[1]),
+                              "--ticket", self.ticket, "--name", name, "--threads", "1", *sim,
+                              "--key", str(key or self.work / f"{name}.key"), "--cache-dir", str(self.work / "cache")],
+                             stdout=log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+                             preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)))
         self.nodes.append(p)
         return p
 
@@ -87,9 +99,18 @@ class Swarm:
         p.send_signal(sig)
         return p.wait(timeout=120)
 
-    def finish(self, timeout: float = 300) -> int:
+    def finish(self, timeout: float = 300, nodes_timeout: float = 30) -> int:
+        """The coordinator's exit code; the nodes get `nodes_timeout` to leave after it (they were
+        told the run ended), then whatever is left is killed."""
         try:
-            return self.coord.wait(timeout)
+            rc = self.coord.wait(timeout)
+            deadline = time.monotonic() + nodes_timeout
+            for p in self.nodes:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            return rc
         finally:
             for p in [self.coord, *self.nodes]:
                 if p.poll() is None:

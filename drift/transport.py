@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ipaddress
+import re
 import struct
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +33,10 @@ NetworkMode = Literal["local", "lan", "relay"]
 
 class TransportError(Exception):
     """A network operation failed or timed out; the message says what was tried."""
+
+
+class TransportTimeout(TransportError):
+    """The peer said nothing within the time allowed."""
 
 
 # --- the copy fix -----------------------------------------------------------------------------
@@ -108,19 +113,30 @@ def describe_addr(addr: iroh.EndpointAddr) -> str:
 
 # --- endpoints and channels -------------------------------------------------------------------
 
+_RUST_LOCATION = re.compile(r"\s*\((?:at )?[^()]*\.rs:\d+(?::\d+)?\)")
+
+
 def _iroh_reason(e: Exception) -> str:
-    """IrohError has an empty str(); its message() says what happened."""
+    """One line for the user from an IrohError (whose str() is empty; message() holds a Rust error
+    chain over several lines, with source locations): the chain's parts joined, no locations."""
     try:
-        return e.message()  # type: ignore[attr-defined]
+        text = e.message()  # type: ignore[attr-defined]
     except Exception:
-        return str(e).strip() or repr(e)
+        text = str(e).strip() or repr(e)
+    parts = []
+    for line in _RUST_LOCATION.sub("", str(text)).splitlines():
+        line = re.sub(r"^\s*(\d+:\s*)?", "", line).strip()
+        if line and line != "Caused by:" and line not in parts:
+            parts.append(line)
+    reason = ": ".join(parts) or type(e).__name__
+    return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
 async def _timed(aw, timeout: float, what: str):
     try:
         return await asyncio.wait_for(aw, timeout)
     except asyncio.TimeoutError:
-        raise TransportError(f"timed out after {timeout:g}s {what}") from None
+        raise TransportTimeout(f"timed out after {timeout:g}s {what}") from None
     except iroh.IrohError as e:
         raise TransportError(f"{what} failed: {_iroh_reason(e)}") from None
 

@@ -4,10 +4,14 @@ finishes, losing at most the rounds since the last checkpoint and training no sa
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
-from conftest import check_exactly_once, make_task_repo
+from conftest import check_exactly_once, drift_cmd, make_task_repo
 from drift.simulate import Swarm
 
 BATCH = 8
@@ -25,7 +29,7 @@ def _after_resume(events: list[dict]) -> list[dict]:
 def test_coordinator_killed_then_resumed(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, checkpoint_every=1, **SIM)
     first = Swarm(recipe, tmp_path)
-    nodes = [first.join("0.5"), first.join("0.5")]
+    nodes = [first.join("0.02"), first.join("0.02")]
     first.wait_event(lambda e: e["event"] == "checkpoint" and e["round"] == 2)
     first.kill(first.coord)                                   # kill -9, mid-run
     for p in nodes:
@@ -33,8 +37,8 @@ def test_coordinator_killed_then_resumed(tmp_path: Path) -> None:
     last_done = max(e["round"] for e in first.events() if e["event"] == "round")
 
     second = Swarm(recipe, tmp_path, "--resume", log_name="coord2.log")
-    second.join("0.5")
-    second.join("0.5")
+    second.join("0.02")
+    second.join("0.02")
     assert second.finish() == 0, second.log()
     events = second.events()
     resumed = next(e for e in events if e["event"] == "resumed")
@@ -48,7 +52,7 @@ def test_coordinator_killed_then_resumed(tmp_path: Path) -> None:
 def test_ctrl_c_checkpoints_and_a_corrupt_checkpoint_is_skipped(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=40, checkpoint_every=1, **SIM)
     first = Swarm(recipe, tmp_path)
-    nodes = [first.join("0.5"), first.join("0.5")]
+    nodes = [first.join("0.02"), first.join("0.02")]
     first.wait_event(lambda e: e["event"] == "round" and e["round"] == 2)
     assert first.kill(first.coord, signal.SIGINT) == 130, first.log()  # Ctrl-C: a clean stop
     assert "interrupted: checkpoint" in first.log()
@@ -62,11 +66,76 @@ def test_ctrl_c_checkpoints_and_a_corrupt_checkpoint_is_skipped(tmp_path: Path) 
     (newest / "theta.safetensors").write_bytes(bytes(data))
 
     second = Swarm(recipe, tmp_path, "--resume", log_name="coord2.log")
-    second.join("0.5")
-    second.join("0.5")
+    second.join("0.02")
+    second.join("0.02")
     second.wait_event(lambda e: e["event"] == "resumed")
     assert "warning" in second.log() and newest.name in second.log()
     resumed = next(e for e in second.events() if e["event"] == "resumed")
     assert resumed["path"] == str(ckpts[-2])                  # the newest one that verifies
     second.kill(second.coord, signal.SIGINT)
     second.finish()
+
+
+def _events(run: Path) -> list[dict]:
+    """The run's events so far (the line being written may be incomplete)."""
+    f = run / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()[:-1]] if f.exists() else []
+
+
+def _one_line_per_problem(text: str) -> None:
+    """What the user reads: no tracebacks, no Rust error chains with source locations."""
+    assert "Traceback" not in text and "Caused by" not in text and ".rs:" not in text, text
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to the whole foreground process group: `drift coord --local 2`
+    and, with it, any node started from the same shell job. The coordinator keeps the newest
+    finished round (its --local nodes live in their own session, so they can still hand over θ),
+    tells every node why, and exits 130 with one line per problem."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=400, checkpoint_every=1000, **SIM)
+    run = tmp_path / "run"
+    out = tmp_path / "coord.log"
+    with open(out, "w") as fh:
+        coord = subprocess.Popen(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run)),
+                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(e["event"] == "round" and e["round"] >= 2 for e in _events(run)):
+            assert coord.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        os.killpg(coord.pid, signal.SIGINT)                    # what the terminal does
+        assert coord.wait(timeout=120) == 130, out.read_text()
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+    text = out.read_text()
+    _one_line_per_problem(text)
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    newest = max(e["round"] for e in events if e["event"] == "round")
+    assert f"interrupted: checkpoint of round {newest}: " in text, text
+    assert (run / "checkpoints" / f"round-{newest:06d}" / "manifest.json").exists()
+    for log in run.glob("node-*.log"):
+        assert "coordinator was stopped" in log.read_text(), log.read_text()
+
+
+def test_ctrl_c_that_kills_the_nodes_too_names_the_checkpoint_resume_uses(tmp_path: Path) -> None:
+    """Nodes started from the same shell job die with the coordinator's Ctrl-C: θ of the newest
+    round cannot be fetched any more, and the coordinator says so and which checkpoint --resume
+    continues from, in one line, soon (no minute of retries against dead nodes)."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=400, checkpoint_every=2, **SIM)
+    swarm = Swarm(recipe, tmp_path, session=True)
+    for _ in range(2):
+        swarm.join("0.02", process_group=swarm.coord.pid)
+    swarm.wait_event(lambda e: e["event"] == "checkpoint" and e["round"] >= 1)
+    swarm.wait_event(lambda e: e["event"] == "round" and e["round"] % 2 == 0)
+    os.killpg(swarm.coord.pid, signal.SIGINT)
+    assert swarm.finish(timeout=120) == 130, swarm.log()
+    text = swarm.log()
+    _one_line_per_problem(text)
+    line = next(x for x in text.splitlines() if x.startswith("interrupted: "))
+    ckpts = sorted((swarm.run_dir / "checkpoints").glob("round-*"))
+    if "could not fetch" in line:  # the nodes were gone before they could hand θ over
+        assert f"--resume continues from round {int(ckpts[-1].name[6:])} ({ckpts[-1]})" in line, line
+    else:                          # one of them still answered
+        assert f"checkpoint of round {int(ckpts[-1].name[6:])}: {ckpts[-1]}" in line, line
+    assert "resume with: drift coord" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 
@@ -77,3 +78,40 @@ def test_recipe_used_by_default_is_valid(repo_root: Path) -> None:
     r = load_recipe(repo_root / "recipes" / "shakespeare.yaml")
     assert r.min_nodes == 3 and r.codec == "int8" and r.outer_optimizer.lr == 1.3 and r.outer_optimizer.momentum == 0.0
     assert set(TINY_RECIPE) <= set(r.model_dump())
+
+
+def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
+    data = yaml.safe_load(tiny_recipe.read_text())
+    data.pop("name")
+    data.update(inner_steps="many", min_nodes=-3)
+    tiny_recipe.write_text(yaml.safe_dump(data))
+    out = _drift("coord", str(tiny_recipe))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert all(ln.startswith(f"drift: error: {tiny_recipe}: ") for ln in lines), out.stderr
+    assert sorted(ln.split(": ")[3] for ln in lines) == ["inner_steps", "min_nodes", "name"], out.stderr
+
+
+def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(drift_cmd("coord", str(tiny_recipe), "--local", "1", "--run-dir", str(tmp_path / "run")),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        for line in proc.stdout:
+            seen += line
+            if line.startswith("note: ") and "needs 3 nodes" in line:
+                break
+        assert "the run waits for 2 more" in seen and "drift join --repo" in seen, seen
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def test_relative_paths_from_another_directory(tiny_recipe: Path, tmp_path: Path) -> None:
+    """Paths as a user types them, relative to wherever the shell is: the recipe, --run-dir,
+    --local's node checkouts under it, and the key files."""
+    cwd = tiny_recipe.parents[1]
+    out = subprocess.run(drift_cmd("coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "myrun"),
+                         cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (cwd / "myrun" / "metrics.jsonl").exists() and list((cwd / "myrun" / "repos").glob("*/*/recipes"))

@@ -1,0 +1,58 @@
+"""The README's first command, exactly as a newcomer types it: read from README.md (not a copy),
+run in a fresh `git clone` with the clone as working directory and relative paths, in a virtualenv
+of its own (its `pip install -e .` must not repoint the suite's drift at a temp clone) that sees
+the suite's packages, so nothing is downloaded but the build backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+
+def readme_main_command(readme: Path) -> str:
+    """The first indented (4 spaces) or fenced code line that is not the test command."""
+    fenced = False
+    for line in readme.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if (fenced or re.match(r"^    \S", line)) and "pytest" not in line:
+            return line.strip()
+    raise AssertionError("README.md shows no main command")
+
+
+@pytest.mark.timeout(1200)
+def test_readme_first_command_in_a_fresh_clone(tmp_path: Path) -> None:
+    cmd = readme_main_command(ROOT / "README.md")
+    assert cmd.startswith("python3 -m pip install") and "drift coord" in cmd, cmd
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv),
+               DRIFT_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    out = subprocess.run(["bash", "-c", cmd], cwd=clone, env=env, capture_output=True, text=True, timeout=1100)
+    assert out.returncode == 0, f"$ {cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+    runs = list((clone / "runs").glob("*/metrics.jsonl"))  # the run dir is relative to the clone
+    assert len(runs) == 1, runs
+    events = [json.loads(line) for line in runs[0].read_text().splitlines()]
+    rounds = [e for e in events if e["event"] == "round"]
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert rounds and events[-1]["event"] == "complete"
+    # A round event is written only once every node reported the same checksum of θ.
+    assert all(len(r["checksum"]) == 24 for r in rounds) and len({r["checksum"] for r in rounds}) == len(rounds)
+    vals = [r["val_loss"] for r in rounds if r["val_loss"] is not None]
+    assert vals and vals[-1] < initial - 1.0, (initial, vals)
+    for log in runs[0].parent.glob("node-*.log"):  # every node left with the run complete
+        assert "run complete" in log.read_text(), log.read_text()[-2000:]
