@@ -168,13 +168,14 @@ class Channel:
                     await _timed(self._send.write_all(v), timeout, f"sending {len(v)} bytes")
         self.bytes_sent += total + _LEN.size
 
-    async def recv_frame(self, max_size: int, timeout: float | None = 30.0) -> bytes:
-        """Receive one frame; a frame over max_size is refused before its body is read."""
-        head = await _timed(self._recv.read_exact(_LEN.size), timeout or 1e9, "waiting for a frame")
+    async def recv_frame(self, max_size: int, timeout: float = 30.0) -> bytes:
+        """Receive one frame; a frame over max_size is refused before its body is read. Every read
+        has a timeout: iroh never gives up on a silent peer by itself."""
+        head = await _timed(self._recv.read_exact(_LEN.size), timeout, "waiting for a frame")
         (n,) = _LEN.unpack(head)
         if n > max_size:
             raise TransportError(f"frame of {n} bytes exceeds the {max_size}-byte cap")
-        body = await _timed(self._recv.read_exact(n), timeout or 1e9, f"reading a {n}-byte frame") if n else b""
+        body = await _timed(self._recv.read_exact(n), timeout, f"reading a {n}-byte frame") if n else b""
         self.bytes_received += n + _LEN.size
         return body
 
