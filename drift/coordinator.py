@@ -30,7 +30,7 @@ from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Channe
 log = logging.getLogger("drift.coord")
 
 HANDSHAKE_TIMEOUT = 30.0
-MAX_STRIKES = 2       # a node whose θ disagrees with the majority this often is dropped
+MAX_STRIKES = 2       # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 
@@ -348,8 +348,8 @@ class Coordinator:
             raise CoordinatorError(f"{ck.path}: checkpoint was made with another task, task_config or seed")
         layout = ParamLayout.of(ck.theta)
         theta, velocity = layout.flatten(ck.theta), layout.flatten(ck.velocity)
-        if checksum(theta) != ck.manifest.get("checksum"):
-            raise CoordinatorError(f"{ck.path}: θ does not match the checksum in its manifest")
+        if checksum(theta, velocity) != ck.manifest.get("checksum"):
+            raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
         self.state.layout = layout
         self.state.publish(ck.round, theta, velocity)
         self.checksums[ck.round] = self.state.snapshot.checksum
@@ -555,7 +555,7 @@ class Coordinator:
         if self.monitor:
             self.monitor.nodes.pop(i, None)
 
-    def strike(self, i: str, why: str) -> bool:
+    def strike(self, i: str) -> bool:
         """Count one misbehaviour of node i (θ that disagrees, a ring it keeps breaking); True once
         it has had MAX_STRIKES and should be dropped."""
         self.strikes[i] = self.strikes.get(i, 0) + 1

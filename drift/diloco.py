@@ -85,16 +85,48 @@ class NesterovOuter:
         theta -= update
 
 
-def checksum(theta: np.ndarray) -> str:
-    """A short digest of the exact bytes of theta."""
-    return hashlib.blake2b(np.ascontiguousarray(theta).view(np.uint8), digest_size=12).hexdigest()
+def checksum(theta: np.ndarray, velocity: np.ndarray | None = None) -> str:
+    """A short digest of the exact bytes of θ and, when given, of the outer optimizer's state: the
+    swarm agrees on both each round, so a peer that hands over a poisoned velocity is caught too."""
+    h = hashlib.blake2b(digest_size=12)
+    for a in (theta, velocity):
+        if a is not None:
+            h.update(np.ascontiguousarray(a).view(np.uint8))
+    return h.hexdigest()
 
 
 def weighted_delta(theta_global: np.ndarray, theta_local: np.ndarray, weight: float) -> np.ndarray:
-    """w_i * (theta_global - theta_local), the vector this node feeds the all-reduce."""
+    """w_i * (theta_global - theta_local), the vector this node feeds the all-reduce. A node of
+    weight 0 sends exact zeros (0 * NaN would be NaN: a node whose Δ went bad sends nothing)."""
+    if weight == 0:
+        return np.zeros(theta_global.shape, dtype=np.float32)
     out = np.subtract(theta_global, theta_local, dtype=np.float32)
     out *= np.float32(weight)
     return out
+
+
+class DeltaCheck:
+    """A node's own sanity check of its pseudo-gradient before it goes into the all-reduce: a Δ
+    with NaN/Inf (an fp16 overflow on one device is enough) or one whose size per inner step is
+    absurdly larger than this node's recent ones would poison θ on every node, so it is reported
+    instead of sent. Size per step, because a node may train 1 step one round and 100 the next."""
+
+    def __init__(self, factor: float = 100.0, history: int = 5):
+        self.factor, self.history = factor, history
+        self.recent: list[float] = []
+
+    def problem(self, theta_global: np.ndarray, theta_local: np.ndarray, steps: int) -> str | None:
+        """None if Δ is fine (and then it joins the history), else what is wrong with it."""
+        norm = delta_norm(theta_global, theta_local)
+        if not np.isfinite(norm):
+            return "its pseudo-gradient has NaN or Inf values"
+        per_step = norm / max(steps, 1)
+        if len(self.recent) >= 3:
+            typical = float(np.median(self.recent))
+            if typical > 0 and per_step > self.factor * typical:
+                return f"its pseudo-gradient is {per_step / typical:.0f}x larger per step than its recent ones"
+        self.recent = (self.recent + [per_step])[-self.history:]
+        return None
 
 
 def epoch_order(n_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -106,3 +138,12 @@ def unit_indices(order: np.ndarray, unit, unit_samples: int) -> np.ndarray:  # n
     """The samples [unit.lo, unit.hi) of work unit `unit.id` (units tile the epoch's order)."""
     base = unit.id * unit_samples
     return order[base + unit.lo:base + min(unit.hi, unit_samples)]
+
+
+def delta_norm(theta_global: np.ndarray, theta_local: np.ndarray, chunk: int = 1 << 20) -> float:
+    """||θ_global - θ_local||, a chunk at a time (no full-size temporary)."""
+    sq = 0.0
+    for a in range(0, theta_global.size, chunk):
+        d = np.subtract(theta_global[a:a + chunk], theta_local[a:a + chunk], dtype=np.float32)
+        sq += float(np.dot(d, d))
+    return sq ** 0.5

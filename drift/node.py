@@ -27,7 +27,7 @@ from pathlib import Path
 
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
-from drift.diloco import NesterovOuter, ParamLayout, checksum, weighted_delta
+from drift.diloco import DeltaCheck, NesterovOuter, ParamLayout, checksum, weighted_delta
 from drift.inner import Calibration, InnerLoop, SimDevice, StopTraining, calibrate
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
@@ -90,6 +90,8 @@ class Trainer:
     initial_checksum: str             # of θ0: the coordinator checks every node built the same model
     inner: InnerLoop | None = None
     saved: tuple | None = None        # (θ, velocity, θ_local, report_val) at the barrier: a retry starts here
+    stepped: bool = True              # θ_local was replaced by θ after the last barrier (outer step done)
+    delta_check: DeltaCheck = field(default_factory=DeltaCheck)
 
 
 class Node:
@@ -296,7 +298,7 @@ class Session:
                 alive.cancel()
         else:  # rejoining: same model, fresh inner state, θ comes from a peer at the next round
             t.worker.reset_optimizer()
-            t.saved = None
+            t.saved, t.stepped = None, False
         self.silence_s = t.recipe.stale_after_s
         await self.send(self._repo_commit(t))
         return t
@@ -338,7 +340,8 @@ class Session:
         worker.reset_optimizer()                    # ... and to a fresh AdamW, as every node starts
         node.state.layout = layout
         node.state.publish(-1, theta, outer.velocity)
-        return Trainer(worker, recipe, cfg.run_id, cfg.commit, tree, layout, theta, outer, cal, checksum(theta))
+        return Trainer(worker, recipe, cfg.run_id, cfg.commit, tree, layout, theta, outer, cal,
+                       checksum(theta, outer.velocity))
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
 
@@ -382,6 +385,9 @@ class Session:
     async def _round(self, a: P.ShardAssignment) -> None:
         node, t = self.node, self.node.trainer
         self.round = a.round
+        if not t.stepped:  # the last round's outer step never landed here: start again from θ
+            t.worker.set_params(t.layout.unflatten(t.theta))
+            t.stepped = True
         t.saved = None
         if a.state is not None:  # a late joiner, an evaluator or a node that sat out: take the swarm's θ first
             try:
@@ -402,7 +408,13 @@ class Session:
                                          samples_per_s=sps))
             return
         report = await t.inner.run_round(a)
-        await self.send(report.barrier_sync(a.round))
+        t.stepped = False
+        local = t.layout.flatten(t.worker.get_params())
+        problem = t.delta_check.problem(t.theta, local, report.steps) if report.steps else None
+        if problem:
+            log.warning("round %d: %s; reporting it instead of sending it", a.round, problem)
+            t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
+        await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem}))
         # A StopRound sent before the coordinator saw our BarrierSync may still arrive: moot. A
         # ShardAssignment (or TrainComplete) instead of BarrierReady means the swarm went on without
         # us (we missed the deadline): this round's work is redone by others, θ comes next round.
@@ -415,7 +427,7 @@ class Session:
                 self._stash.appendleft(msg)
                 return
         # Kept until the next round: a retried all-reduce starts again from exactly these.
-        t.saved = (t.theta.copy(), t.outer.velocity.copy(), t.layout.flatten(t.worker.get_params()), a.report_val)
+        t.saved = (t.theta.copy(), t.outer.velocity.copy(), local, a.report_val)
         await self._sync(msg)
 
     async def _sync(self, ready: P.BarrierReady) -> None:
@@ -458,15 +470,18 @@ class Session:
             stats = reduce.result()
         except RingError as e:
             log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", ready.round, e)
-            await self.send(P.RingFailed(round=ready.round, ring_epoch=ready.ring_epoch, reason=str(e)[:500]))
+            await self.send(P.RingFailed(round=ready.round, ring_epoch=ready.ring_epoch, reason=str(e)[:500],
+                                         suspect=e.suspect))
             return
         outer.step(theta, delta)
         worker.set_params(layout.unflatten(theta))
+        t.stepped = True
         node.state.publish(ready.round, theta, outer.velocity)
         val = None
         if report_val:
             val, _ = await t.inner.evaluate()
-        await self.send(P.RoundDone(round=ready.round, ring_epoch=ready.ring_epoch, checksum=checksum(theta),
+        await self.send(P.RoundDone(round=ready.round, ring_epoch=ready.ring_epoch,
+                                    checksum=checksum(theta, outer.velocity),
                                     val_loss=val, bytes_sent=stats.bytes_sent, reduce_s=stats.seconds))
 
     async def _heartbeat(self, every_s: float) -> None:

@@ -171,6 +171,7 @@ class BarrierSync(_Msg):
     returned: list[WorkUnit] = Field(default_factory=list)
     val_loss: float | None = None     # evaluators: val loss of θ at the start of this round
     val_samples: int = 0
+    delta_error: str | None = None    # the node's own Δ is unusable (NaN, absurd size): it sends zeros
 
 
 class RingMember(_Msg):
@@ -194,6 +195,7 @@ class RingFailed(_Msg):
     round: int
     ring_epoch: int
     reason: str
+    suspect: str = ""                 # the neighbour whose bytes or connection failed, when known
 
 
 class RoundDone(_Msg):

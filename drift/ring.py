@@ -49,7 +49,7 @@ import numpy as np
 
 from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
 from drift.protocol import RingMember
-from drift.transport import RING_ALPN, Channel, Endpoint, TransportError
+from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout
 
 _HEADER = struct.Struct(">4sBBHIIIQI")
 _MAGIC = b"DRNG"
@@ -84,7 +84,13 @@ _TUNED: bool | None = None
 
 
 class RingError(Exception):
-    """The all-reduce cannot produce a correct result (peer gone, bad chunk, timeout)."""
+    """The all-reduce cannot produce a correct result (peer gone, bad chunk, timeout). `suspect`
+    is the neighbour whose bytes or connection failed, when that is known (not when it only
+    passed on another node's failure)."""
+
+    def __init__(self, msg: str, suspect: str = ""):
+        super().__init__(msg)
+        self.suspect = suspect
 
 
 @dataclass
@@ -187,7 +193,7 @@ class Ring:
                 left_ch = self._incoming[left.node_id]
         except asyncio.TimeoutError:
             raise RingError(f"left neighbour {left.node_id[:10]} never connected "
-                            f"(waited {self.timeout:g}s)") from None
+                            f"(waited {self.timeout:g}s)", suspect=left.node_id) from None
         return self._right, left_ch
 
     def close(self, reason: str = "ring closed") -> None:
@@ -220,8 +226,11 @@ class Ring:
             return ReduceStats(0.0, 0, 0, codec=codec.name)
         try:
             right, left = await self._configure(members, generation)
-        except TransportError as e:
-            raise RingError(f"ring setup failed: {e}") from None
+        except TransportError as e:  # only the connection to the right neighbour is ours to make
+            ids = [m.node_id for m in members]
+            right_id = ids[(ids.index(self.node_id) + 1) % len(ids)]
+            raise RingError(f"ring setup failed: {e}",
+                            suspect=right_id if isinstance(e, TransportTimeout) else "") from None
         sent0, recv0 = right.bytes_sent, left.bytes_received
         r = [m.node_id for m in members].index(self.node_id)
         bounds = segment_bounds(x.size, n_nodes)
@@ -291,22 +300,36 @@ class Ring:
                             codec.decode(payload, x[a:b])       # all-gather: the owner's bytes
                             out = payload                       # forwarded verbatim
                     except CodecError as e:
-                        raise RingError(f"bad chunk from left neighbour: {e}") from None
+                        raise RingError(f"bad chunk from left neighbour: {e}", suspect=left.peer_id) from None
+                    if not np.isfinite(x[a:b]).all():  # our own part was checked (DeltaCheck)
+                        raise RingError("non-finite values from left neighbour", suspect=left.peer_id)
                     codec_s += time.perf_counter() - t
                     if g + 1 < steps:
                         forward.put_nowait((g + 1, c, b - a, out))
 
-        tasks = [asyncio.ensure_future(sender()), asyncio.ensure_future(receiver())]
+        async def side(coro, peer: str) -> None:  # noqa: ANN001
+            """Which neighbour a failure points at: one that sent bad bytes (RingError) or went
+            silent (a timeout). A closed connection is no evidence: the neighbour may have closed
+            it because it caught someone else."""
+            try:
+                await coro
+            except TransportTimeout as e:
+                raise RingError(str(e), suspect=peer) from None
+            except TransportError as e:
+                raise RingError(str(e)) from None
+
+        tasks = [asyncio.ensure_future(side(sender(), right.peer_id)),
+                 asyncio.ensure_future(side(receiver(), left.peer_id))]
         try:
             await asyncio.gather(*tasks)
-        except (TransportError, RingError) as e:
+        except RingError as e:
             for t in tasks:
                 t.cancel()
-            msg = str(e)
+            msg, suspect = str(e), e.suspect
             if _RELAYED in msg:  # a neighbour's failure reached us: pass on its reason, not ours
-                msg = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0]
+                msg, suspect = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], ""
             self.close(msg if msg.startswith(_RELAYED) else _RELAYED + msg)  # they fail too, and say why
-            raise RingError(f"all-reduce of round {round_} failed: {msg}") from None
+            raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect) from None
         if residual is not None:
             self.residual, self._residual_next = new_residual, residual
         return ReduceStats(time.perf_counter() - t0, right.bytes_sent - sent0,
@@ -345,7 +368,7 @@ class Ring:
         cap = _HEADER.size + max(nbytes, 8 * self.chunk_elems)
         frame = await ch.recv_frame(cap, timeout=self.timeout)
         if len(frame) < _HEADER.size:
-            raise RingError(f"ring chunk of {len(frame)} bytes is shorter than its header")
+            raise RingError(f"ring chunk of {len(frame)} bytes is shorter than its header", suspect=ch.peer_id)
         got = _HEADER.unpack_from(frame)
         want = (_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
         if got != want or len(frame) != _HEADER.size + nbytes:
@@ -355,7 +378,7 @@ class Ring:
                              for k, g, w in zip(names, got, want) if g != w)
             if len(frame) != _HEADER.size + nbytes and got[-1] == nbytes:
                 diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + nbytes}"
-            raise RingError(f"unexpected ring chunk: {diff}")
+            raise RingError(f"unexpected ring chunk: {diff}", suspect=ch.peer_id)
         return memoryview(frame)[_HEADER.size:]
 
 

@@ -80,6 +80,8 @@ class Round:
         self.ring: list[P.RingMember] | None = None
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
+        self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
+        self.abandoned: str | None = None     # why this round's all-reduce was given up (θ unchanged)
         self.epoch0 = coord.ring_epoch
 
     # --- who is where ---------------------------------------------------------------------------
@@ -163,7 +165,11 @@ class Round:
         self.synced[i], self.t_sync[i] = msg, time.monotonic()
         if i not in self.excluded and i not in self.evaluators:
             wrong = check_accounting(self.plan.granted.get(i, []), msg.trained, msg.returned)
-            if wrong:
+            if msg.delta_error and not wrong:
+                log.warning("node %s: %s; its work this round is redone", self.name(i), msg.delta_error)
+                self.c._note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
+                self.exclude(i)  # everything granted to it, trained or returned, is redone
+            elif wrong:
                 log.warning("node %s: bad work report (%s); its work this round is redone", self.name(i), wrong)
                 self.c._note("bad_report", node_id=i, reason=wrong, round=self.rnd)
                 self.exclude(i)
@@ -182,7 +188,11 @@ class Round:
             self.done[i] = msg
 
     async def on_RingFailed(self, i: str, msg: P.RingFailed) -> None:
-        if self.ring is not None and msg.ring_epoch == self.c.ring_epoch and self.ring_failed_at is None:
+        if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.c.ring_epoch:
+            return
+        if msg.suspect in self.part() and msg.suspect != i:
+            self.suspects.setdefault(msg.suspect, set()).add(i)
+        if self.ring_failed_at is None:
             log.warning("round %d: %s reports the all-reduce failed: %s", self.rnd, self.name(i), msg.reason)
             self.ring_failed_at = time.monotonic()
 
@@ -303,7 +313,8 @@ class Round:
             return _samples(self.synced[i].trained) / total if i in counted and total else 0.0
 
         c = self.c
-        self.ring = [P.RingMember(node_id=i, ticket=c.members[i].info.ring_ticket, weight=weight(i)) for i in part]
+        order = part if c.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
+        self.ring = [P.RingMember(node_id=i, ticket=c.members[i].info.ring_ticket, weight=weight(i)) for i in order]
         c._note("barrier", round=self.rnd, ring_epoch=c.ring_epoch, nodes=len(self.ring))
         await c._broadcast([c.members[i] for i in part],
                            P.BarrierReady(round=self.rnd, ring=self.ring, codec=self.r.codec, ring_epoch=c.ring_epoch))
@@ -323,11 +334,17 @@ class Round:
             self.retry_reason = f"{len(diverged)} node(s) disagreed with the majority on θ"
         if self.retry_reason is None:
             return False
+        # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
+        # bad node cannot hold the all-reduce hostage. Both: the ring is reversed on every retry,
+        # so its other neighbour sees its output too; one node alone cannot frame another.
+        for i, reporters in self.suspects.items():
+            if len(reporters) >= 2 and i in self.part():
+                self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         if not self.part():
             raise RoundError(f"every training node has left (round {self.rnd})")
         if self.c.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
-            raise RoundError(f"the all-reduce of round {self.rnd} failed {MAX_RING_RETRIES} times "
-                             f"(last: {self.retry_reason})")
+            self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
+            return True
         log.warning("round %d: %s; retrying the all-reduce with %d node(s)", self.rnd, self.retry_reason, len(self.part()))
         self.c._note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
@@ -354,47 +371,62 @@ class Round:
         return [i for i, d in self.done.items() if d.checksum != top]
 
     def sit_out_diverged(self, i: str) -> None:
-        """A node whose θ disagrees with the majority's: out of the ring, its work redone; its θ
-        is refetched next round. A node that keeps disagreeing is dropped (Coordinator.strike)."""
-        log.warning("node %s: θ after round %d disagrees with the majority; it sits out and its work is redone",
-                    self.name(i), self.rnd)
+        """A node whose θ disagrees with the majority's: out of the ring, its work redone."""
         self.c._note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.done[i].checksum)
+        self.sit_out(i, "diverged", f"its θ after round {self.rnd} disagrees with the majority's")
+
+    def sit_out(self, i: str, kind: str, why: str) -> None:
+        """Out of this round's ring, its work redone; it refetches θ next round. A node that keeps
+        misbehaving is dropped (Coordinator.strike)."""
+        log.warning("node %s: %s; it sits out this round and its work is redone", self.name(i), why)
+        self.c._note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
         if i not in self.excluded and i in self.synced:
             self.give_back.extend(self.synced[i].trained)
         self.excluded.add(i)
         self.sitting_out.add(i)
-        if self.c.strike(i, "its θ kept disagreeing with the majority's"):
-            self.drop(i, "its θ kept disagreeing with the majority's")
+        if self.c.strike(i):
+            self.drop(i, f"{why}, again")
+
+    def abandon(self, why: str) -> None:
+        """Give up this round's all-reduce: θ stays as it was, every unit of the round is redone."""
+        log.warning("round %d: %s; the round is given up, θ is unchanged and its work is redone", self.rnd, why)
+        self.c._note("round_abandoned", round=self.rnd, reason=why)
+        self.abandoned = why
+        for i in self.part():
+            if i not in self.excluded and i in self.synced:
+                self.give_back.extend(self.synced[i].trained)
 
     # --- the result ------------------------------------------------------------------------------
 
     def finish(self) -> RoundResult:
         c, rnd = self.c, self.rnd
-        checksum = next(iter(self.done.values())).checksum
-        weights = {m.node_id: m.weight for m in self.ring or []}
-        c.checksums[rnd] = checksum
-        for i in self.done:
-            c.state_round[i] = rnd
+        if self.abandoned:  # θ unchanged: nobody's work counts, the last agreed θ stays the newest
+            checksum, weights, done = c.checksums[max(c.checksums)], {}, {}
+        else:
+            checksum, weights, done = next(iter(self.done.values())).checksum, \
+                {m.node_id: m.weight for m in self.ring or []}, self.done
+            c.checksums[rnd] = checksum
+            for i in done:
+                c.state_round[i] = rnd
         counted = {i: s for i, s in self.synced.items() if weights.get(i, 0) > 0}
         for s in counted.values():
             c.ledger.add(self.epoch, s.trained)
         self.queue.give_back(self.give_back + self.plan.leftover())
         losses = [(s.loss, s.samples) for s in counted.values() if s.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
-        val = next((d.val_loss for d in self.done.values() if d.val_loss is not None), None)
+        val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
         samples = sum(_samples(s.trained) for s in counted.values())
         res = RoundResult(rnd, val, train_loss, checksum, samples, time.monotonic() - self.t0)
         mon = c.monitor
         if mon:
             mon.val_loss = val if val is not None else mon.val_loss
-            for i, d in self.done.items():
+            for i, d in done.items():
                 if i in mon.nodes:
                     mon.nodes[i].bytes_sent += d.bytes_sent
-            done = self.done
             mon.event("round", round=rnd, epoch=self.epoch, val_loss=val, train_loss=train_loss, samples=samples,
                       seconds=res.seconds, checksum=checksum, bytes_sent=sum(d.bytes_sent for d in done.values()),
                       evaluators=sorted(self.name(i) for i in self.evaluators if i in c.members),
-                      reduce_s=max(d.reduce_s for d in done.values()),
+                      reduce_s=max((d.reduce_s for d in done.values()), default=0.0), abandoned=self.abandoned,
                       nodes={self.name(i): {
                           "node_id": i, "samples": _samples(s.trained) if i in counted else 0, "steps": s.steps,
                           "weight": weights.get(i, 0.0), "busy_s": self.t_sync[i] - self.t0,

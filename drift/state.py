@@ -42,7 +42,7 @@ class StateServer:
 
     def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
         # Copies: the node keeps updating its own arrays in place while a peer may be reading.
-        self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta), self.layout)
+        self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta, velocity), self.layout)
 
     async def handle(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
         try:
@@ -90,9 +90,9 @@ async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_che
                 await ch.send_frame(b"ok")
             finally:
                 ch.close("state received")
-            got = checksum(theta)
+            got = checksum(theta, velocity)
             if got != want_checksum:
-                raise StateError(f"θ checksum {got} is not the swarm's {want_checksum}")
+                raise StateError(f"checksum {got} of θ and outer state is not the swarm's {want_checksum}")
             return Snapshot(rnd, theta, velocity, got, layout)
         except (StateError, TransportError, ValueError, KeyError, TypeError) as e:
             errors.append(f"{ticket[:20]}...: {e}")

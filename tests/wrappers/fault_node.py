@@ -1,46 +1,112 @@
 """`drift join` with one injected fault, for tests that must hit an exact moment whatever the
-speed of the machine. $DRIFT_TEST_FAULT names it; the process stops itself (SIGSTOP, as a closed
-laptop lid or a debugger would), and the test then kills or continues it:
-  * stop-in-allreduce:R    right after sending its first ring chunk of round R (the all-reduce
-                           cannot finish without it);
-  * stop-after-progress:R  right after reporting its first finished unit of round R (mid-round).
+speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KIND:ROUND names it:
+
+  stop-in-allreduce    stop (SIGSTOP, as a closed laptop lid or a debugger would) right after
+                       sending the first ring chunk of that round: the all-reduce cannot finish
+  stop-after-progress  stop right after reporting the first finished unit of that round
+  nan-params           the model's weights turn NaN during that round (an fp16 overflow)
+  nan-ring             send NaN as this node's contribution to that round's all-reduce, past its
+                       own check (a broken or hostile node)
+  short-chunks         send every ring chunk of that round one byte short
+  lie-report           report, at that round's barrier, one of its units twice
+  diverge              apply a different outer step in that round (θ no longer matches the swarm's)
+
+The test then kills, continues or watches the node. Everything else is the real `drift join`.
 """
 
 import os
 import signal
 import sys
 
+import numpy as np
+
+from drift import diloco, node
 from drift import protocol as P
 from drift.cli import main
+from drift.inner import InnerLoop
 from drift.node import Session
 from drift.ring import Ring
 
 kind, _, arg = os.environ["DRIFT_TEST_FAULT"].partition(":")
-at_round = int(arg)
+at = int(arg)
 
 
-def _stop() -> None:
+def stop() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def patch(cls, name: str):  # noqa: ANN001, ANN201 - decorator: wrap cls.name with fn(original, ...)
+    original = getattr(cls, name)
+
+    def wrap(fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return fn(original, *args, **kwargs)
+        setattr(cls, name, wrapper)
+        return fn
+    return wrap
+
+
 if kind == "stop-in-allreduce":
-    _send_chunk = Ring._send_chunk
-
-    async def _send_chunk_then_stop(self, ch, payload, codec, round_, *rest) -> None:  # noqa: ANN001
-        await _send_chunk(self, ch, payload, codec, round_, *rest)
-        if round_ == at_round:
-            _stop()
-
-    Ring._send_chunk = _send_chunk_then_stop
+    @patch(Ring, "_send_chunk")
+    async def _(orig, self, ch, payload, codec, round_, *rest):  # noqa: ANN001, ANN202
+        await orig(self, ch, payload, codec, round_, *rest)
+        if round_ == at:
+            stop()
 elif kind == "stop-after-progress":
-    _send = Session.send
+    @patch(Session, "send")
+    async def _(orig, self, msg):  # noqa: ANN001, ANN202
+        await orig(self, msg)
+        if isinstance(msg, P.TrainProgress) and msg.round == at:
+            stop()
+elif kind == "nan-params":
+    @patch(InnerLoop, "run_round")
+    async def _(orig, self, a):  # noqa: ANN001, ANN202
+        report = await orig(self, a)
+        if a.round == at:
+            params = self.worker.get_params()
+            name = sorted(params)[0]
+            params[name][...] = np.nan
+            self.worker.set_params(params)
+        return report
+elif kind == "nan-ring":
+    weighted = diloco.weighted_delta
 
-    async def _send_then_stop(self, msg) -> None:  # noqa: ANN001
-        await _send(self, msg)
-        if isinstance(msg, P.TrainProgress) and msg.round == at_round:
-            _stop()
+    def poisoned(theta_global, theta_local, weight):  # noqa: ANN001, ANN202
+        out = weighted(theta_global, theta_local, weight)
+        if Session.current_round == at:
+            out[:] = np.nan
+        return out
 
-    Session.send = _send_then_stop
+    @patch(Session, "_round")
+    async def _(orig, self, a):  # noqa: ANN001, ANN202
+        Session.current_round = a.round
+        return await orig(self, a)
+
+    node.weighted_delta = poisoned
+elif kind == "short-chunks":
+    @patch(Ring, "_send_chunk")
+    async def _(orig, self, ch, payload, codec, round_, *rest):  # noqa: ANN001, ANN202
+        if round_ == at:
+            payload = memoryview(payload).cast("B")[:-1]
+        await orig(self, ch, payload, codec, round_, *rest)
+elif kind == "lie-report":
+    @patch(Session, "send")
+    async def _(orig, self, msg):  # noqa: ANN001, ANN202
+        if isinstance(msg, P.BarrierSync) and msg.round == at and msg.trained:
+            msg = msg.model_copy(update={"trained": [*msg.trained, msg.trained[0]]})
+        await orig(self, msg)
+elif kind == "diverge":
+    @patch(diloco.NesterovOuter, "step")
+    def _(orig, self, theta, grad):  # noqa: ANN001, ANN202
+        orig(self, theta, grad)
+        if Session.current_round == at:
+            theta[0] += 1.0
+
+    @patch(Session, "_round")
+    async def _(orig, self, a):  # noqa: ANN001, ANN202
+        Session.current_round = a.round
+        return await orig(self, a)
 else:
     raise SystemExit(f"unknown DRIFT_TEST_FAULT {kind!r}")
+
 sys.exit(main(sys.argv[1:], prog_name="drift"))
