@@ -311,6 +311,9 @@ def join(repo: str, ticket: str, name: str | None, backend: str, device: str, th
                                       "key) or its own --key FILE")
     except AuthError as e:
         _fail(str(e))
+    # The task checkout is the only place task code imports from: not the directory this command
+    # happens to run in (python -m puts it first on sys.path).
+    sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
     opts = NodeOptions(ticket=ticket, repo=repo, device=device, backend=backend, threads=threads,
                        key=node_key, cache_dir=_absolute(cache_dir), sim=sim,
                        say=lambda line: click.echo(f"drift: {line}", err=True))

@@ -91,7 +91,7 @@ class Coordinator:
         self.checksums: dict[int, str] = {}     # the agreed checksum of θ after each round
         self.evaluating: set[str] = set()       # evaluators with an evaluation in flight
         self.ring_epoch = 0                     # +1 per retried all-reduce (ring connections renew)
-        self.state = StateServer()              # serves a resumed checkpoint's θ to the nodes
+        self.state = StateServer(allowed=lambda peer: peer in self.ready)  # a resumed checkpoint's θ, to members
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""                # why the last checkpoint could not be fetched
@@ -287,7 +287,7 @@ class Coordinator:
     async def run(self) -> list[RoundResult]:
         """Wait for min_nodes, then run every round; returns one result per round."""
         peers = await self.wait_for_nodes()
-        for what in ("param_checksum", "n_train"):
+        for what in ("param_checksum", "n_train", "n_params"):
             seen = {getattr(p.commit, what) for p in peers}
             if len(seen) != 1:
                 await self._broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
@@ -296,7 +296,7 @@ class Coordinator:
                                                      signatures=self.admission.signatures(p.id for p in peers)))
         r = self.recipe
         self.checksums[-1] = peers[0].commit.param_checksum
-        self.n_train = peers[0].commit.n_train
+        self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
         self._note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
         for p in peers:
             self._enter(p, -1)
@@ -373,7 +373,8 @@ class Coordinator:
             try:
                 if not donors:
                     raise StateError("no connected node holds it")
-                snap = await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd], timeout=timeout)
+                snap = await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd], size=self.n_params,
+                                         timeout=timeout)
             except StateError as e:
                 self.checkpoint_error = str(e)
                 log.warning("no checkpoint for round %d: %s", rnd, e)
@@ -502,15 +503,20 @@ class Coordinator:
         async with self._joined:
             joining, self.joining = self.joining, []
         for p in joining:
-            if (p.commit.param_checksum, p.commit.n_train) != (self.checksums[-1], self.n_train):
+            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params) != \
+                    (self.checksums[-1], self.n_train, self.n_params):
                 why = "this node loaded a different task (initial θ or dataset differs)"
                 await self._send(p, P.TrainingCancel(reason=why))
                 self._note("node_refused", node_id=p.id, reason=why)
                 continue
-            ids = [*self.members, p.id]
-            await self._send(p, P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids)))
             self._enter(p, -1)
             self._note("node_entered", node_id=p.id, name=p.info.name, round=rnd)
+        if joining:
+            # Everyone learns the new membership, with every member's signed RepoCommit: the nodes
+            # already training check the newcomers themselves before any ring or state connection.
+            ids = list(self.members)
+            await self._broadcast(list(self.members.values()),
+                                  P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids)))
 
     def _state_source(self, node: str) -> P.StateSource | None:
         """Where `node` gets the swarm's current θ, or None when it already holds it."""

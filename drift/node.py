@@ -33,16 +33,8 @@ from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
 from drift.ring import Ring, RingError
 from drift.state import StateError, StateServer, fetch_state
-from drift.transport import (
-    CONTROL_ALPN,
-    MAX_CONTROL_FRAME,
-    RING_ALPN,
-    STATE_ALPN,
-    Channel,
-    Endpoint,
-    TransportError,
-    mode_for_ticket,
-)
+from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, TransportError,
+                             mode_for_ticket, parse_ticket)
 from workers import BackendError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
@@ -99,7 +91,9 @@ class Node:
         self.opts = opts
         self.endpoint: Endpoint | None = None
         self.ring: Ring | None = None
-        self.state = StateServer()
+        self.members: set[str] = set()  # peers this node verified (TrainingReady): the only ones it talks to
+        self.coordinator = ""           # the coordinator's id, from the ticket
+        self.state = StateServer(allowed=lambda peer: peer in self.members or peer == self.coordinator)
         self.trainer: Trainer | None = None
         self.admitted = False         # this node trained in the swarm (so a refusal may be transient)
 
@@ -111,8 +105,9 @@ class Node:
         except RepoError as e:
             raise NodeError(str(e)) from None
         self.key = opts.key or NodeKey.generate()
+        self.coordinator = str(parse_ticket(opts.ticket).id())
         self.endpoint = await Endpoint.bind(mode, secret_key=self.key.seed)
-        self.ring = Ring(self.endpoint)
+        self.ring = Ring(self.endpoint, trusted=lambda peer: peer in self.members)
         accept = asyncio.ensure_future(self._accept())
         try:
             return await self._sessions()
@@ -188,6 +183,10 @@ class Session:
             while True:
                 frame = await self.ctl.recv_frame(MAX_CONTROL_FRAME, timeout=self.silence_s)
                 msg = P.decode(frame)
+                if isinstance(msg, P.TrainingReady):
+                    # Membership changes are taken here, as they arrive, not when the main loop
+                    # gets to them: a newcomer may ask us for θ a moment later.
+                    self._check_members(msg)
                 if not isinstance(msg, P.Ping):
                     self.inbox.put_nowait(msg)
         except Exception as e:  # closed, silent, or the coordinator sent garbage
@@ -250,13 +249,16 @@ class Session:
         ready = await self.expect(P.TrainingReady, P.TrainComplete)
         if isinstance(ready, P.TrainComplete):
             return self._complete(ready)
-        await self._verify_ready(ready, t)
+        await self._verify_ready(ready)
         self.node.admitted = True
         t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, self.opts.sim)
         while True:
-            msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.BarrierReady)
+            msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.BarrierReady, P.TrainingReady)
             if isinstance(msg, P.TrainComplete):
                 return self._complete(msg)
+            if isinstance(msg, P.TrainingReady):  # new members (taken by the reader already)
+                await self._verify_ready(msg)
+                continue
             if isinstance(msg, P.BarrierReady):  # the last all-reduce is retried (a member was lost)
                 if t.saved is not None and msg.round == self.round:
                     await self._sync(msg)
@@ -364,21 +366,34 @@ class Session:
         node = self.node
         rc = P.RepoCommit(repo=node.cache.source, commit=t.commit, tree=t.tree, node_id=node.endpoint.node_id,
                           timestamp=time.time(), nonce=secrets.token_hex(16),
-                          param_checksum=t.initial_checksum, n_train=t.worker.n_train, run_id=t.run_id,
+                          param_checksum=t.initial_checksum, n_train=t.worker.n_train, n_params=t.layout.size,
+                          run_id=t.run_id,
                           samples_per_s=t.calibration.samples_per_s)
         return P.RepoCommit.model_validate(sign_message(node.key, rc.model_dump(mode="json")))
 
-    async def _verify_ready(self, ready: P.TrainingReady, t: Trainer) -> None:
-        """Check every peer's signed RepoCommit in TrainingReady before training with them."""
+    def _check_members(self, ready: P.TrainingReady) -> str | None:
+        """Verify every peer's signed RepoCommit in a TrainingReady; on success they become the
+        peers this node trains with (ring, state transfer). Returns what is wrong, or None."""
+        t = self.node.trainer
+        if t is None:
+            return "TrainingReady before this node loaded the task"
         recipe = t.recipe
         try:
             verify_peers(ready.signatures, ready.nodes, commit=t.commit, run_id=t.run_id,
                          threshold=recipe.auth_threshold or 1,
                          allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist))
         except AuthError as e:
-            raise await self._refuse(f"peer check failed: {e}") from None
+            return f"peer check failed: {e}"
         if self.node.endpoint.node_id not in ready.nodes:
-            raise await self._refuse("TrainingReady does not list this node")
+            return "TrainingReady does not list this node"
+        self.node.members = set(ready.nodes) - {self.node.endpoint.node_id}
+        return None
+
+    async def _verify_ready(self, ready: P.TrainingReady) -> None:
+        """Refuse to go on with peers this node cannot verify."""
+        problem = self._check_members(ready)
+        if problem:
+            raise await self._refuse(problem)
 
     # --- rounds --------------------------------------------------------------------------------
 

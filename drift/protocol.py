@@ -57,6 +57,7 @@ class RepoCommit(_Msg):
     signature: str = ""               # hex Ed25519 over every other field (auth.repo_commit)
     param_checksum: str               # checksum of the initial θ this node built
     n_train: int                      # training samples in the task this node loaded
+    n_params: int = 0                 # values in θ: bounds what a state transfer may send
     run_id: str = ""                  # TrainConfig.run_id: binds the signature to this run
     samples_per_s: float | None = None  # calibrated on the loaded task (a few timed inner steps)
 

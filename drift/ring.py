@@ -44,6 +44,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -117,9 +118,12 @@ class Ring:
     Holds, per node, the error-feedback residual of codecs that use it (`residual`)."""
 
     def __init__(self, endpoint: Endpoint, timeout: float = 120.0, chunk_bytes: int = CHUNK_BYTES,
-                 codec: Codec | str = "fp32"):
+                 codec: Codec | str = "fp32", trusted: Callable[[str], bool] = lambda peer: True):
+        """`trusted(peer id)`: peers this node verified itself (their signed RepoCommit); nobody
+        else is connected to or accepted, whatever a BarrierReady says."""
         tune_allocator()
         self.endpoint = endpoint
+        self.trusted = trusted
         self.node_id = endpoint.node_id
         self.timeout = timeout
         self.chunk_elems = max(1, chunk_bytes // 4)
@@ -142,6 +146,9 @@ class Ring:
     async def handle_incoming(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
         """Register a ring connection accepted by the node's endpoint (called per connection)."""
         peer = str(conn.remote_id())
+        if not self.trusted(peer):
+            conn.close(1, b"not a verified member of this run")
+            return
         try:
             ch = await Endpoint.accept_channel(conn, timeout=self.timeout)
             hello = await ch.recv_frame(4096, timeout=self.timeout)  # also makes the stream visible
@@ -168,6 +175,9 @@ class Ring:
 
     async def _configure(self, members: list[RingMember], generation: int) -> tuple[Channel, Channel]:
         ids = [m.node_id for m in members]
+        unverified = [i for i in ids if i != self.node_id and not self.trusted(i)]
+        if unverified:
+            raise RingError(f"the ring names {unverified[0][:10]}, a node this one has not verified")
         r = ids.index(self.node_id)
         right, left = members[(r + 1) % len(members)], members[(r - 1) % len(members)]
         async with self._arrived:

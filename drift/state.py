@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -34,11 +35,13 @@ class Snapshot:
 
 
 class StateServer:
-    """Serves this node's latest snapshot to peers that ask (one request per connection)."""
+    """Serves this node's latest snapshot to peers that ask (one request per connection), if
+    `allowed(peer id)`: θ goes only to members of the run (a private model stays private)."""
 
-    def __init__(self, layout: ParamLayout | None = None) -> None:
+    def __init__(self, layout: ParamLayout | None = None, allowed: Callable[[str], bool] = lambda peer: False) -> None:
         self.snapshot: Snapshot | None = None
         self.layout = layout
+        self.allowed = allowed
 
     def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
         # Copies: the node keeps updating its own arrays in place while a peer may be reading.
@@ -49,7 +52,9 @@ class StateServer:
             ch = await Endpoint.accept_channel(conn, timeout=30)
             want = json.loads(await ch.recv_frame(4096, timeout=30))
             snap = self.snapshot
-            if snap is None or snap.round != want.get("round"):
+            if not self.allowed(ch.peer_id):
+                await ch.send_frame(json.dumps({"error": "not a member of this run"}).encode())
+            elif snap is None or snap.round != want.get("round"):
                 have = None if snap is None else snap.round
                 await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
             else:

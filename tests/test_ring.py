@@ -228,3 +228,25 @@ def test_failed_round_leaves_the_residual_untouched() -> None:
     before, after = run_async(main())
     for b, a in zip(before, after):
         assert b.tobytes() == a.tobytes()
+
+
+def test_ring_refuses_peers_this_node_has_not_verified() -> None:
+    """A BarrierReady (from the coordinator) cannot make a node open a ring connection to, or
+    accept one from, a peer that it did not verify itself."""
+    async def main() -> tuple[str, bool]:
+        eps, rings, tasks = await _ring_of(2, timeout=5.0)
+        rings[0].trusted = lambda peer: False       # node 0 verified nobody
+        members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
+        try:
+            x = np.ones(16, np.float32)
+            other = asyncio.ensure_future(rings[1].allreduce_sum(x.copy(), members, 0))  # trusts node 0
+            with pytest.raises(RingError, match="has not verified") as e0:
+                await rings[0].allreduce_sum(x.copy(), members, 0)
+            with pytest.raises(RingError):  # node 0 turned it away, so node 1's reduce cannot finish
+                await other
+            return str(e0.value), eps[1].node_id in rings[0]._incoming
+        finally:
+            await _close(eps, rings, tasks)
+
+    msg, accepted = run_async(main())
+    assert "has not verified" in msg and not accepted
