@@ -6,6 +6,7 @@ A mistake in a recipe is reported as one line naming the file and the field
 
 from __future__ import annotations
 
+import math
 import subprocess
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,14 @@ class InnerOptimizer(_Strict):
     grad_clip: float = Field(1.0, ge=0)
 
 
+class LrSchedule(_Strict):
+    """The inner learning rate as a function of the swarm's progress (samples trained so far),
+    never of a node's own step count: nodes that steal work or join late use the same rate."""
+    warmup_samples: int = Field(0, ge=0, description="linear warmup from 0 over the swarm's first N samples")
+    min_lr: float | None = Field(None, ge=0, description="cosine decay from inner_optimizer.lr down to this "
+                                                         "at the run's last sample (default: no decay)")
+
+
 class OuterOptimizer(_Strict):
     """Nesterov SGD on the averaged pseudo-gradient, as in DiLoCo."""
     lr: float = Field(0.7, gt=0)
@@ -49,7 +58,14 @@ class Recipe(_Strict):
     unit_steps: int = Field(5, ge=1, description="inner steps per work unit")
     round_samples: int | None = Field(None, ge=1, description="default: min_nodes*inner_steps*batch_size")
     inner_optimizer: InnerOptimizer = Field(default_factory=InnerOptimizer)
+    lr_schedule: LrSchedule = Field(default_factory=LrSchedule)
+    micro_batches: int = Field(1, ge=1, description="gradient accumulation: each inner step's batch in this many parts")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="bf16/fp16: torch autocast with float32 master weights (fp16 with loss scaling)")
     outer_optimizer: OuterOptimizer = Field(default_factory=OuterOptimizer)
+    sync: Literal["blocking", "overlapped"] = Field(
+        "blocking", description="blocking: nodes wait for the all-reduce and the outer step; overlapped: they "
+                                "train the next round meanwhile, and the outer step lands a round late")
     eval_batches: int = Field(8, ge=1)
     schedule: Literal["steal", "lockstep"] = Field(
         "steal", description="steal: shares by speed, idle nodes take unstarted units, the round stops "
@@ -80,7 +96,22 @@ class Recipe(_Strict):
     def _budget(self) -> "Recipe":
         if self.round_samples is None:
             self.round_samples = self.min_nodes * self.inner_steps * self.batch_size
+        if self.micro_batches > self.batch_size:
+            raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed batch_size ({self.batch_size})")
         return self
+
+    def inner_lr(self, samples: int) -> float:
+        """The inner learning rate after the swarm trained `samples` samples: linear warmup, then
+        cosine decay to lr_schedule.min_lr at the run's last sample (rounds * round_samples)."""
+        lr, s = self.inner_optimizer.lr, self.lr_schedule
+        if samples < s.warmup_samples:
+            return lr * (samples + 1) / s.warmup_samples
+        if s.min_lr is None:
+            return lr
+        total = self.rounds * (self.round_samples or 1)
+        span = max(1, total - s.warmup_samples)
+        t = min(1.0, (samples - s.warmup_samples) / span)
+        return s.min_lr + 0.5 * (lr - s.min_lr) * (1 + math.cos(math.pi * t))
 
     @property
     def unit_samples(self) -> int:
