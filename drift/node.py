@@ -74,23 +74,19 @@ class Node:
             while True:
                 frame = await self.ctl.recv_frame(MAX_CONTROL_FRAME, timeout=None)
                 self.inbox.put_nowait(P.decode(frame))
-        except Exception as e:  # connection closed, or the coordinator sent garbage
+        except P.ProtocolError as e:  # the coordinator sent garbage: say so, and end the connection
+            log.warning("dropping the coordinator's connection: %s", e)
+            self.ctl.close(str(e))
+            self.inbox.put_nowait(None)
+        except Exception as e:  # noqa: BLE001 - connection closed (or anything else): the run ends cleanly
             log.debug("control stream ended: %s", e)
             self.inbox.put_nowait(None)
 
     async def _accept_ring(self) -> None:
+        """Serve drift-ring/0 (neighbours) and drift-state/0 (θ for peers); a connection that
+        fails, whatever its bytes, is closed with one log line."""
         assert self.endpoint is not None and self.ring is not None
-        while True:
-            try:
-                alpn, conn = await self.endpoint.accept()
-            except Exception:
-                return
-            if alpn == RING_ALPN:
-                self._tasks.append(asyncio.ensure_future(self.ring.handle_incoming(conn)))
-            elif alpn == STATE_ALPN:
-                self._tasks.append(asyncio.ensure_future(self.state.handle(conn)))
-            else:
-                conn.close(2, b"nodes serve drift-ring/0 and drift-state/0 only")
+        await self.endpoint.serve({RING_ALPN: self.ring.handle_incoming, STATE_ALPN: self.state.handle})
 
     async def expect(self, *types: type, timeout: float | None = None) -> P.Message:
         """Next control message, which must be one of `types` (TrainingCancel always ends us)."""

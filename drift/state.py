@@ -15,9 +15,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from drift.diloco import ParamLayout, checksum
-from drift.transport import STATE_ALPN, Endpoint, TransportError
+from drift.protocol import MAX_ROUND, printable
+from drift.transport import (
+    STATE_ALPN,
+    Channel,
+    DropFn,
+    Endpoint,
+    TransportError,
+    peer_of,
+)
 
 log = logging.getLogger("drift.state")
+
+REQUEST_TIMEOUT = 30.0  # for the request to arrive, and for the peer's "ok" after the state
+MAX_REQUEST = 256       # bytes: a request is {"round": N}
+MAX_CLIENTS = 16        # state requests served at once; more are turned away ("busy")
 
 
 class StateError(Exception):
@@ -39,31 +51,63 @@ class StateServer:
     def __init__(self, layout: ParamLayout | None = None) -> None:
         self.snapshot: Snapshot | None = None
         self.layout = layout
+        self._clients = 0  # requests being served now (MAX_CLIENTS)
 
     def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
         # Copies: the node keeps updating its own arrays in place while a peer may be reading.
         self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta), self.layout)
 
-    async def handle(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
+    async def handle(self, conn, on_drop: DropFn | None = None) -> None:  # noqa: ANN001 - iroh.Connection
+        """Serve one request: ``{"round": r}`` in, the snapshot of round r (or an error) out.
+
+        Whatever the peer sends or fails to send, this returns normally: a request that is not
+        valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line)."""
         try:
-            ch = await Endpoint.accept_channel(conn, timeout=30)
-            want = json.loads(await ch.recv_frame(4096, timeout=30))
-            snap = self.snapshot
-            if snap is None or snap.round != want.get("round"):
-                have = None if snap is None else snap.round
-                await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+            if self._clients >= MAX_CLIENTS:
+                raise StateError(f"refused: {MAX_CLIENTS} state requests already in progress")
+            self._clients += 1
+            try:
+                await self._serve(await Endpoint.accept_channel(conn, timeout=REQUEST_TIMEOUT))
+            finally:
+                self._clients -= 1
+        except Exception as e:  # noqa: BLE001 - a peer's bytes end its request, never the server
+            why = printable(e if isinstance(e, (StateError, TransportError)) else f"{e.__class__.__name__}: {e}", 300)
+            if on_drop is not None:
+                on_drop(peer_of(conn), why)
             else:
-                layout = {} if snap.layout is None else {"names": list(snap.layout.names),
-                                                          "shapes": [list(x) for x in snap.layout.shapes]}
-                await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
-                                                "n": int(snap.theta.size), **layout}).encode())
-                await ch.send_frame(snap.theta)
-                await ch.send_frame(snap.velocity)
-            await ch.recv_frame(16, timeout=60)  # the peer says when it has everything
-        except (TransportError, ValueError) as e:
-            log.info("state request failed: %s", e)
+                log.warning("dropping state request from %s: %s", peer_of(conn)[:10], why)
         finally:
-            conn.close(0, b"done")
+            try:
+                conn.close(0, b"done")
+            except Exception:  # noqa: BLE001, S110 - already closed
+                pass
+
+    async def _serve(self, ch: Channel) -> None:
+        rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
+        snap = self.snapshot
+        if snap is None or snap.round != rnd:
+            have = None if snap is None else snap.round
+            await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+        else:
+            layout = {} if snap.layout is None else {"names": list(snap.layout.names),
+                                                      "shapes": [list(x) for x in snap.layout.shapes]}
+            await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
+                                            "n": int(snap.theta.size), **layout}).encode())
+            await ch.send_frame(snap.theta)
+            await ch.send_frame(snap.velocity)
+        await ch.recv_frame(16, timeout=REQUEST_TIMEOUT)  # the peer says when it has everything
+
+
+def _parse_request(frame: bytes) -> int:
+    """The round a state request asks for; StateError unless it is exactly ``{"round": r}``."""
+    try:
+        want = json.loads(frame.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise StateError("state request is not JSON") from None
+    rnd = want.get("round") if isinstance(want, dict) and len(want) == 1 else None
+    if type(rnd) is not int or not -1 <= rnd <= MAX_ROUND:
+        raise StateError(f"state request is not {{\"round\": R}} with -1 <= R <= {MAX_ROUND}")
+    return rnd
 
 
 async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_checksum: str,
