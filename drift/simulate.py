@@ -52,10 +52,11 @@ class Swarm:
     def join(self, speed: str = "1", name: str | None = None, wrap: list[str] | None = None) -> subprocess.Popen:
         i = len(self.nodes)
         name = name or f"n{i}"
-        log = open(self.work / f"{name}.log", "w")
+        stem = name if re.fullmatch(r"[\w.-]+", name) else f"n{i}"  # a name made to break things is no file name
+        log = open(self.work / f"{stem}.log", "w")
         p = subprocess.Popen([*(wrap or []), sys.executable, "-m", "drift", "join", "--repo", str(self.recipe.parents[1]),
                               "--ticket", self.ticket, "--name", name, "--threads", "1", "--speed", speed,
-                              "--key", str(self.work / f"{name}.key"), "--cache-dir", str(self.work / "cache")],
+                              "--key", str(self.work / f"{stem}.key"), "--cache-dir", str(self.work / "cache")],
                              stdout=log, stderr=subprocess.STDOUT, env=ENV)
         self.nodes.append(p)
         return p
