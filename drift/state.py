@@ -27,9 +27,10 @@ from drift.transport import (
 
 log = logging.getLogger("drift.state")
 
-REQUEST_TIMEOUT = 30.0  # for the request to arrive, and for the peer's "ok" after the state
+REQUEST_TIMEOUT = 10.0  # a peer sends its request as soon as it connects
+DONE_TIMEOUT = 60.0     # for the peer's "ok" once the state is sent
 MAX_REQUEST = 256       # bytes: a request is {"round": N}
-MAX_CLIENTS = 16        # state requests served at once; more are turned away ("busy")
+MAX_CLIENTS = 64        # connections served at once; more are refused at once
 
 
 class StateError(Exception):
@@ -95,7 +96,7 @@ class StateServer:
                                             "n": int(snap.theta.size), **layout}).encode())
             await ch.send_frame(snap.theta)
             await ch.send_frame(snap.velocity)
-        await ch.recv_frame(16, timeout=REQUEST_TIMEOUT)  # the peer says when it has everything
+        await ch.recv_frame(16, timeout=DONE_TIMEOUT)  # the peer says when it has everything
 
 
 def _parse_request(frame: bytes) -> int:
