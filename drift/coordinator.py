@@ -143,7 +143,8 @@ class Coordinator:
 
     def _dropped(self, peer: str, why: str) -> None:
         """One line (and one connection_dropped event) per dropped connection; `why` as plain text."""
-        peer, why = P.printable(peer, 64)[:10], P.printable(why, 300)
+        peer = peer[:10] if len(peer) == 64 else P.printable(peer, 64)  # a node id, else an address
+        why = P.printable(why, 300)
         log.warning("dropping connection from %s: %s", peer, why)
         self.rejected.append(why)
         if self.monitor:

@@ -261,20 +261,11 @@ def state_attacks() -> dict[str, Attack]:
         b"[" * 120 + b"]" * 120,
     ]
 
-    async def vanish(
-        ep: Endpoint, ticket: str, alpn: bytes, patience: float
-    ) -> tuple[int, bool]:
-        ch = await ep.connect(ticket, alpn)
-        await ch.send_frame(b'{"round": -1}')  # then never read the answer
-        ch.close("gone")
-        return 1, True
-
     return {
         **junk_attacks(),
         **{f"bad request {r[:16]!r}": _frames(r) for r in bad},
         "deep JSON request": _frames(b"[" * 2000 + b"]" * 2000),
         "oversized request": _frames(b'{"round": 0, "pad": "' + b"x" * 5000 + b'"}'),
-        "request, then vanish": vanish,
     }
 
 

@@ -12,6 +12,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+import iroh
 import numpy as np
 
 from drift.diloco import ParamLayout, checksum
@@ -58,7 +59,7 @@ class StateServer:
         # Copies: the node keeps updating its own arrays in place while a peer may be reading.
         self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta), self.layout)
 
-    async def handle(self, conn, on_drop: DropFn | None = None) -> None:  # noqa: ANN001 - iroh.Connection
+    async def handle(self, conn: iroh.Connection, on_drop: DropFn | None = None) -> None:
         """Serve one request: ``{"round": r}`` in, the snapshot of round r (or an error) out.
 
         Whatever the peer sends or fails to send, this returns normally: a request that is not
@@ -96,7 +97,10 @@ class StateServer:
                                             "n": int(snap.theta.size), **layout}).encode())
             await ch.send_frame(snap.theta)
             await ch.send_frame(snap.velocity)
-        await ch.recv_frame(16, timeout=DONE_TIMEOUT)  # the peer says when it has everything
+        try:  # the peer says when it has everything; hanging up instead is fine too
+            await ch.recv_frame(16, timeout=DONE_TIMEOUT)
+        except TransportError:
+            pass
 
 
 def _parse_request(frame: bytes) -> int:
