@@ -307,10 +307,12 @@ async def barrage(
     repeat: int = 1,
     concurrency: int = 16,
     patience: float = 20.0,
+    tally: Tally | None = None,
 ) -> Tally:
-    """Run every attack `repeat` times, `concurrency` at a time, from the client endpoints in turn."""
+    """Run every attack `repeat` times, `concurrency` at a time, from the client endpoints in turn;
+    counts go into `tally` as they happen (a new one by default), which is returned."""
     sem = asyncio.Semaphore(concurrency)
-    tally = Tally()
+    tally = Tally() if tally is None else tally
 
     async def one(i: int, attack: Attack) -> None:
         async with sem:
@@ -318,9 +320,7 @@ async def barrage(
                 frames, closed = await attack(
                     clients[i % len(clients)], ticket, alpn, patience
                 )
-            except (
-                TransportError
-            ):  # the server hung up before the attack could even start
+            except TransportError:  # the server hung up before the attack could start
                 frames, closed = 0, True
             tally.connections += 1
             tally.frames += frames
