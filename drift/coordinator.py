@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from drift.round import Round, RoundError, RoundResult
 from drift.scheduler import Ledger, UnitQueue
 from drift.state import StateError, StateServer, fetch_state
 from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Channel, Endpoint, NetworkMode, TransportError,
-                             TransportTimeout)
+                             TransportTimeout, parse_ticket, peer_of)
 
 log = logging.getLogger("drift.coord")
 
@@ -33,10 +34,19 @@ HANDSHAKE_TIMEOUT = 30.0
 MAX_STRIKES = 2       # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
+MAX_JOINING = 64      # connections not yet admitted (handshake, loading the task) at once; more are dropped
+MAX_REJECTED = 100    # recent drop reasons kept in Coordinator.rejected (all are logged)
 
 
 class CoordinatorError(Exception):
     """The run cannot go on; str() is the one line shown to the user."""
+
+
+def _why(e: Exception) -> str:
+    """A dropped connection's reason: the message of our own errors, else the exception's name too."""
+    if isinstance(e, (P.ProtocolError, TransportError, AuthError)):
+        return str(e)
+    return f"{e.__class__.__name__}: {e}"
 
 
 @dataclass
@@ -101,7 +111,8 @@ class Coordinator:
         self.stopping = False
         self.samples_seen = 0
         self.current: Round | None = None        # the round in progress (or the last one)
-        self.rejected: list[str] = []  # why connections were dropped (also logged)
+        self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
+        self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
 
     # --- serving connections -------------------------------------------------------------------
@@ -121,21 +132,28 @@ class Coordinator:
         t.add_done_callback(self._tasks.discard)
 
     async def _accept_loop(self) -> None:
+        """Serve drift/0 (nodes) and drift-state/0 (θ of a resumed checkpoint) until the endpoint
+        closes. A connection that fails, whatever its bytes, ends in one connection_dropped line."""
         assert self.endpoint is not None
-        while True:
-            try:
-                alpn, conn = await self.endpoint.accept()
-            except TransportError:
-                return
-            self._spawn(self.state.handle(conn) if alpn == STATE_ALPN else self._serve(conn))
+        await self.endpoint.serve({CONTROL_ALPN: self._serve,
+                                   STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped)},
+                                  on_drop=self._dropped)
 
-    def _drop(self, ch: Channel | None, conn, why: str) -> None:  # noqa: ANN001
-        peer = str(conn.remote_id())[:10]
+    def _dropped(self, peer: str, why: str) -> None:
+        """One line (and one connection_dropped event) per dropped connection; `why` as plain text."""
+        peer = peer[:10] if len(peer) == 64 else P.printable(peer, 64)  # a node id, else an address
+        why = P.printable(why, 300)
         log.warning("dropping connection from %s: %s", peer, why)
         self.rejected.append(why)
         if self.monitor:
             self.monitor.event("connection_dropped", peer=peer, reason=why)
-        (ch.close(why) if ch else conn.close(1, why.encode()[:100]))
+
+    def _drop(self, ch: Channel | None, conn, why: str) -> None:  # noqa: ANN001
+        self._dropped(peer_of(conn), why)
+        try:
+            (ch.close(why) if ch else conn.close(1, why.encode()[:100]))
+        except Exception:  # noqa: BLE001, S110 - already closed
+            pass
 
     async def _refuse(self, ch: Channel, conn, why: str, retry: bool = False) -> None:  # noqa: ANN001
         """Tell a node why it is refused (TrainingCancel), let it read that, then drop it."""
@@ -165,7 +183,13 @@ class Coordinator:
                 self._joined.notify_all()
 
     async def _serve(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
+        """One node's connection: the handshake, then every frame feeds the round loop. Whatever
+        the peer sends ends, at worst, its own connection with one connection_dropped line."""
         ch: Channel | None = None
+        if self._joining_conns >= MAX_JOINING:
+            self._drop(None, conn, f"refused: {MAX_JOINING} connections are already joining")
+            return
+        self._joining_conns += 1
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
             try:
@@ -187,6 +211,8 @@ class Coordinator:
                 raise P.ProtocolError(f"expected NodeInfo first, got {info.type}")
             if info.node_id != ch.peer_id:
                 raise P.ProtocolError("NodeInfo.node_id is not the id of the connecting endpoint")
+            if str(parse_ticket(info.ring_ticket).id()) != ch.peer_id:  # neighbours dial it: it must be this node
+                raise P.ProtocolError("NodeInfo.ring_ticket names another endpoint")
             peer = Peer(info, ch)
             await ch.send_frame(P.encode(P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"),
                                                        commit=self.commit)))
@@ -203,22 +229,24 @@ class Coordinator:
                 await self._auth_failed(ch, conn, peer.id, f"RepoCommit refused: {e}")
                 return
             peer.commit = rc
+            if self.monitor:
+                self.monitor.nodes[peer.id] = NodeView(info.name, info.device)
+                self.monitor.event("node_joined", node_id=peer.id, name=info.name, device=info.device,
+                                   backend=info.backend, commit=rc.commit)
             self.last_seen[peer.id] = time.monotonic()
-            async with self._joined:
+            async with self._joined:  # last: nothing below can fail once the round loop may count on it
                 self._handshaking.pop(peer.id, None)
                 self.ready[peer.id] = peer
                 if self._started:  # a late joiner: it enters at the next round, fetching θ first
                     self.joining.append(peer)
                 self._joined.notify_all()
-            if self.monitor:
-                self.monitor.nodes[peer.id] = NodeView(info.name, info.device)
-                self.monitor.event("node_joined", node_id=peer.id, name=info.name, device=info.device,
-                                   backend=info.backend, commit=rc.commit)
-        except (P.ProtocolError, TransportError) as e:
+        except Exception as e:  # noqa: BLE001 - a peer's bytes end its connection, never the coordinator
             if not self._finished:  # after the end, a node that read our last word just hangs up
-                self._drop(ch, conn, str(e))
+                log.debug("handshake with %s failed", peer_of(conn)[:10], exc_info=True)
+                self._drop(ch, conn, _why(e))
             return
         finally:
+            self._joining_conns -= 1
             if ch is not None and self._handshaking.get(ch.peer_id) is ch:
                 del self._handshaking[ch.peer_id]
         # From here on every frame of this node feeds the round loop. Liveness is stamped here, as
@@ -229,11 +257,11 @@ class Coordinator:
                 msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
                 self.last_seen[peer.id] = time.monotonic()
                 self.events.put_nowait((peer, msg))
-        except (P.ProtocolError, TransportError) as e:
+        except Exception as e:  # noqa: BLE001 - as above: the round loop sees the node leave, nothing more
             silent = isinstance(e, TransportTimeout)
-            peer.gone = f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({e})"
+            peer.gone = f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
             if not self._finished:
-                self._drop(ch, conn, str(e))
+                self._drop(ch, conn, _why(e))
             if self.ready.get(peer.id) is peer:
                 del self.ready[peer.id]
             self.events.put_nowait((peer, None))

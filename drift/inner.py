@@ -47,8 +47,7 @@ class RoundReport:
     val_samples: int = 0
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
-        return P.BarrierSync(round=rnd, samples=self.samples, steps=self.steps,
-                             loss=float(np.mean(self.losses)) if self.losses else None,
+        return P.BarrierSync(round=rnd, samples=self.samples, steps=self.steps, loss=mean_loss(self.losses),
                              trained=self.trained, returned=self.returned,
                              val_loss=self.val_loss, val_samples=self.val_samples)
 
@@ -202,7 +201,7 @@ class InnerLoop:
                 report.steps += len(u_losses)
                 report.losses += u_losses
                 await self.send(P.TrainProgress(round=a.round, unit=done, steps=len(u_losses),
-                                                loss=float(np.mean(u_losses)),
+                                                loss=mean_loss(u_losses),
                                                 samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0)))
             if lo < unit.hi:
                 report.returned.append(P.WorkUnit(id=unit.id, lo=lo, hi=unit.hi))
@@ -215,6 +214,13 @@ class InnerLoop:
     async def _ask(self, state: dict) -> None:
         state["asked"], state["asked_at"] = True, time.perf_counter()
         await self.send(P.AskForMoreWork(round=state["round"]))
+
+
+def mean_loss(losses: list[float]) -> float | None:
+    """The mean, or None when there is none or it is not finite (the wire carries finite numbers
+    only; a node whose loss went NaN says so with its Δ at the barrier)."""
+    m = float(np.mean(losses)) if losses else None
+    return m if m is not None and math.isfinite(m) else None
 
 
 def finite_positive(x: float | None) -> bool:

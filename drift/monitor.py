@@ -1,5 +1,8 @@
 """What the coordinator shows and records: metrics.jsonl in the run directory, and a live table
-(rich) when stdout is a terminal, plain log lines otherwise."""
+(rich) when stdout is a terminal, plain log lines otherwise.
+
+Names, devices and reasons come from the network: they are shown as plain text (never rich
+markup, highlighting or emoji codes), one line each (protocol.printable)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
+
+from drift.protocol import MAX_NAME, printable
 
 
 @dataclass
@@ -54,7 +60,8 @@ class Monitor:
             self.say(_line(rec))
 
     def say(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        """Print one line as it is: no markup, no highlighting, no emoji codes."""
+        self.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
     def _table(self) -> Table:
         vl = f"{self.val_loss:.3f}" if self.val_loss is not None else "-"
@@ -62,7 +69,7 @@ class Monitor:
         for col in ("node", "device", "samples/s", "loss", "samples", "MiB sent"):
             t.add_column(col, justify="right" if col not in ("node", "device") else "left")
         for n in self.nodes.values():
-            t.add_row(n.name, n.device, f"{n.samples_per_s:.0f}",
+            t.add_row(Text(printable(n.name, MAX_NAME)), Text(printable(n.device, MAX_NAME)), f"{n.samples_per_s:.0f}",
                       f"{n.loss:.3f}" if n.loss is not None else "-", str(n.samples),
                       f"{n.bytes_sent / 2**20:.1f}")
         return t
@@ -83,5 +90,6 @@ def _line(rec: dict[str, Any]) -> str:
     if kind == "initial":
         return f"initial val loss {rec['val_loss']:.4f}"
     if kind == "node_joined":
-        return f"node joined: {rec['name']} ({rec['device']}) {rec['node_id'][:10]}"
-    return " ".join(f"{k}={v}" for k, v in rec.items() if k != "t")
+        return (f"node joined: {printable(rec['name'], MAX_NAME)} ({printable(rec['device'], MAX_NAME)}) "
+                f"{printable(str(rec['node_id'])[:10])}")
+    return " ".join(f"{k}={printable(v)}" for k, v in rec.items() if k != "t")

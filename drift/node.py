@@ -34,7 +34,7 @@ from drift.repo import RepoCache, RepoError
 from drift.ring import Ring, RingError
 from drift.state import StateError, StateServer, fetch_state
 from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, TransportError,
-                             mode_for_ticket, parse_ticket)
+                             TransportTimeout, mode_for_ticket, parse_ticket)
 from workers import BackendError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
@@ -138,22 +138,9 @@ class Node:
                 lost_since, delay = None, REJOIN_BACKOFF_S[0]
 
     async def _accept(self) -> None:
-        """Serve ring neighbours (drift-ring/0) and peers asking for θ (drift-state/0)."""
-        tasks: set[asyncio.Task] = set()
-        while True:
-            try:
-                alpn, conn = await self.endpoint.accept()
-            except Exception:
-                return
-            if alpn == RING_ALPN:
-                t = asyncio.ensure_future(self.ring.handle_incoming(conn))
-            elif alpn == STATE_ALPN:
-                t = asyncio.ensure_future(self.state.handle(conn))
-            else:
-                conn.close(2, b"nodes serve drift-ring/0 and drift-state/0 only")
-                continue
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
+        """Serve drift-ring/0 (neighbours) and drift-state/0 (θ for peers); a connection that
+        fails, whatever its bytes, is closed with one log line."""
+        await self.endpoint.serve({RING_ALPN: self.ring.handle_incoming, STATE_ALPN: self.state.handle})
 
 
 class Session:
@@ -189,9 +176,15 @@ class Session:
                     self._check_members(msg)
                 if not isinstance(msg, P.Ping):
                     self.inbox.put_nowait(msg)
-        except Exception as e:  # closed, silent, or the coordinator sent garbage
+        except P.ProtocolError as e:  # the coordinator sent garbage: say so, and end the connection
+            log.warning("dropping the coordinator's connection: %s", e)
+            self.lost_reason = f"the coordinator sent an invalid message ({e})"
+            self.ctl.close(str(e))
+            self.inbox.put_nowait(None)
+        except Exception as e:  # noqa: BLE001 - closed or silent: the session ends (and may rejoin)
             log.debug("control stream ended: %s", e)
-            self.lost_reason = f"coordinator {'silent' if 'timed out' in str(e) else 'closed the connection'}"
+            self.lost_reason = "coordinator silent" if isinstance(e, TransportTimeout) else \
+                "coordinator closed the connection"
             self.inbox.put_nowait(None)
 
     async def expect(self, *types: type, timeout: float | None = None) -> P.Message:

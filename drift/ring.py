@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import logging
 import struct
 import sys
 import time
@@ -49,14 +50,24 @@ from typing import Callable
 import numpy as np
 
 from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
-from drift.protocol import RingMember
-from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout
+from drift.protocol import MAX_ROUND, RingMember, printable
+from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout, peer_of
 
 _HEADER = struct.Struct(">4sBBHIIIQI")
 _MAGIC = b"DRNG"
 _RELAYED = "ring neighbour failed: "
 _VERSION = 1
 CHUNK_BYTES = 1 << 20  # ~1 MiB on the wire per chunk: 1 MiB writes measured fastest through the binding
+# What a connecting peer can hold. A neighbour sends its hello as soon as it connects; a peer the
+# ring does not name yet (a neighbour that learned this round's ring before we did, or a stranger)
+# waits at most PENDING_WAIT for our side to name it, and at most MAX_PENDING such peers wait at
+# once (a newer one pushes out the oldest).
+HELLO_TIMEOUT = 10.0
+MAX_HELLO = 4096
+PENDING_WAIT = 30.0
+MAX_PENDING = 8
+
+log = logging.getLogger("drift.ring")
 
 
 def tune_allocator() -> bool:
@@ -140,38 +151,69 @@ class Ring:
         # uses a new one: whatever a cancelled attempt left half-sent on the old streams is never read.
         self._generation = 0
         self._incoming_gen: dict[str, int] = {}
+        self._pending: dict[str, Channel] = {}  # peers waiting for the ring to name them, oldest first
 
     # --- connections ---------------------------------------------------------------------------
 
     async def handle_incoming(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
-        """Register a ring connection accepted by the node's endpoint (called per connection)."""
-        peer = str(conn.remote_id())
+        """Register a ring connection accepted by the node's endpoint (called per connection).
+
+        Returns normally whatever the peer does: a connection that fails its hello, whose peer
+        this node has not verified, or whose peer the ring does not name, is closed with one log
+        line."""
+        peer = peer_of(conn)
         if not self.trusted(peer):
-            conn.close(1, b"not a verified member of this run")
+            log.warning("dropping ring connection from %s: not a verified member of this run", peer[:10])
+            try:
+                conn.close(1, b"not a verified member of this run")
+            except Exception:  # noqa: BLE001, S110 - already closed
+                pass
             return
         try:
-            ch = await Endpoint.accept_channel(conn, timeout=self.timeout)
-            hello = await ch.recv_frame(4096, timeout=self.timeout)  # also makes the stream visible
-            gen = int(json.loads(hello).get("generation", 0))
-        except (TransportError, ValueError, AttributeError):
-            conn.close(1, b"ring hello failed")
-            return
-        async with self._arrived:
-            # A neighbour may reach this round's all-reduce before we do: give our side until the
-            # timeout to learn the ring, then admit only peers it names.
+            hello_s = min(self.timeout, HELLO_TIMEOUT)
+            ch = await Endpoint.accept_channel(conn, timeout=hello_s)
+            gen = _parse_hello(await ch.recv_frame(MAX_HELLO, timeout=hello_s))  # also makes the stream visible
+            why = await self._admit(peer, ch, gen)
+        except Exception as e:  # noqa: BLE001 - a peer's bytes end its connection, never the node
+            why = printable(f"ring hello failed: {e if isinstance(e, (RingError, TransportError)) else repr(e)}", 300)
+        if why is not None:
+            log.warning("dropping ring connection from %s: %s", peer[:10], why)
             try:
-                await asyncio.wait_for(self._arrived.wait_for(
-                    lambda: peer in self._expected or self._generation > gen), self.timeout)
-            except asyncio.TimeoutError:
+                conn.close(1, why.encode()[:100])
+            except Exception:  # noqa: BLE001, S110 - already closed
                 pass
+
+    async def _admit(self, peer: str, ch: Channel, gen: int) -> str | None:
+        """Keep `ch` as the connection from `peer` if the ring names it; else why not."""
+        async with self._arrived:
+            if peer not in self._expected and self._generation <= gen:
+                # A neighbour may reach this round's all-reduce before we do: give our side a
+                # little time to learn the ring, then admit only peers it names.
+                old = self._pending.pop(peer, None)
+                self._pending[peer] = ch
+                if old is not None:
+                    old.close("replaced by a newer connection")
+                if len(self._pending) > MAX_PENDING:
+                    oldest = next(iter(self._pending))
+                    self._pending.pop(oldest).close("too many connections wait for the ring")
+                self._arrived.notify_all()
+                try:
+                    await asyncio.wait_for(self._arrived.wait_for(
+                        lambda: peer in self._expected or self._generation > gen or self._pending.get(peer) is not ch),
+                        min(self.timeout, PENDING_WAIT))
+                except asyncio.TimeoutError:
+                    pass
+                if self._pending.get(peer) is not ch:
+                    return "pushed out by newer connections waiting for the ring"
+                del self._pending[peer]
             if gen < self._generation or gen < self._incoming_gen.get(peer, -1) or peer not in self._expected:
-                ch.close("not in the current ring")
-                return
+                return "not in the current ring"
             old = self._incoming.pop(peer, None)
             if old is not None:
                 old.close("replaced")
             self._incoming[peer], self._incoming_gen[peer] = ch, gen
             self._arrived.notify_all()
+            return None
 
     async def _configure(self, members: list[RingMember], generation: int) -> tuple[Channel, Channel]:
         ids = [m.node_id for m in members]
@@ -208,10 +250,10 @@ class Ring:
 
     def close(self, reason: str = "ring closed") -> None:
         """Close the ring's connections; neighbours see `reason` (cut to 100 bytes) in their error."""
-        for ch in [self._right, *self._incoming.values()]:
+        for ch in [self._right, *self._incoming.values(), *self._pending.values()]:
             if ch is not None:
                 ch.close(reason)
-        self._right, self._incoming, self._incoming_gen = None, {}, {}
+        self._right, self._incoming, self._incoming_gen, self._pending = None, {}, {}, {}
 
     # --- the all-reduce ------------------------------------------------------------------------
 
@@ -390,6 +432,18 @@ class Ring:
                 diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + nbytes}"
             raise RingError(f"unexpected ring chunk: {diff}", suspect=ch.peer_id)
         return memoryview(frame)[_HEADER.size:]
+
+
+def _parse_hello(frame: bytes) -> int:
+    """The ring generation a neighbour's hello names; RingError unless it is a small JSON object."""
+    try:
+        hello = json.loads(frame.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise RingError("ring hello is not JSON") from None
+    gen = hello.get("generation") if isinstance(hello, dict) else None
+    if type(gen) is not int or not 0 <= gen <= MAX_ROUND:
+        raise RingError(f"ring hello names no generation in [0, {MAX_ROUND}]")
+    return gen
 
 
 def _show(field: str, v) -> str:  # noqa: ANN001

@@ -61,12 +61,13 @@ class Swarm:
         wrapper that calls drift.cli.main, e.g. tests/held_node.py)."""
         i = len(self.nodes)
         name = name or f"n{i}"
-        log = open(self.work / f"{name}.log", "w")
+        stem = name if re.fullmatch(r"[\w.-]+", name) else f"n{i}"  # a name made to break things is no file name
+        log = open(self.work / f"{stem}.log", "w")
         sim = ["--sim-step", sim_step] if sim_step else []
         launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
         p = subprocess.Popen([*(wrap or []), *launcher, "join", "--repo", str(self.recipe.parents[1]),
                               "--ticket", self.ticket, "--name", name, "--threads", "1", *sim,
-                              "--key", str(key or self.work / f"{name}.key"), "--cache-dir", str(self.work / "cache")],
+                              "--key", str(key or self.work / f"{stem}.key"), "--cache-dir", str(self.work / "cache")],
                              stdout=log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
                              preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)))
         self.nodes.append(p)

@@ -13,12 +13,26 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import iroh
 import numpy as np
 
 from drift.diloco import ParamLayout, checksum
-from drift.transport import STATE_ALPN, Endpoint, TransportError
+from drift.protocol import MAX_ROUND, printable
+from drift.transport import (
+    STATE_ALPN,
+    Channel,
+    DropFn,
+    Endpoint,
+    TransportError,
+    peer_of,
+)
 
 log = logging.getLogger("drift.state")
+
+REQUEST_TIMEOUT = 10.0  # a peer sends its request as soon as it connects
+DONE_TIMEOUT = 60.0     # for the peer's "ok" once the state is sent
+MAX_REQUEST = 256       # bytes: a request is {"round": N}
+MAX_CLIENTS = 64        # connections served at once; more are refused at once
 
 
 class StateError(Exception):
@@ -42,33 +56,68 @@ class StateServer:
         self.snapshot: Snapshot | None = None
         self.layout = layout
         self.allowed = allowed
+        self._clients = 0  # requests being served now (MAX_CLIENTS)
 
     def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
         # Copies: the node keeps updating its own arrays in place while a peer may be reading.
         self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta, velocity), self.layout)
 
-    async def handle(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
+    async def handle(self, conn: iroh.Connection, on_drop: DropFn | None = None) -> None:
+        """Serve one request: ``{"round": r}`` in, the snapshot of round r (or an error) out.
+
+        Whatever the peer sends or fails to send, this returns normally: a request that is not
+        valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line)."""
         try:
-            ch = await Endpoint.accept_channel(conn, timeout=30)
-            want = json.loads(await ch.recv_frame(4096, timeout=30))
-            snap = self.snapshot
-            if not self.allowed(ch.peer_id):
-                await ch.send_frame(json.dumps({"error": "not a member of this run"}).encode())
-            elif snap is None or snap.round != want.get("round"):
-                have = None if snap is None else snap.round
-                await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+            if self._clients >= MAX_CLIENTS:
+                raise StateError(f"refused: {MAX_CLIENTS} state requests already in progress")
+            self._clients += 1
+            try:
+                await self._serve(await Endpoint.accept_channel(conn, timeout=REQUEST_TIMEOUT))
+            finally:
+                self._clients -= 1
+        except Exception as e:  # noqa: BLE001 - a peer's bytes end its request, never the server
+            why = printable(e if isinstance(e, (StateError, TransportError)) else f"{e.__class__.__name__}: {e}", 300)
+            if on_drop is not None:
+                on_drop(peer_of(conn), why)
             else:
-                layout = {} if snap.layout is None else {"names": list(snap.layout.names),
-                                                          "shapes": [list(x) for x in snap.layout.shapes]}
-                await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
-                                                "n": int(snap.theta.size), **layout}).encode())
-                await ch.send_frame(snap.theta)
-                await ch.send_frame(snap.velocity)
-            await ch.recv_frame(16, timeout=60)  # the peer says when it has everything
-        except (TransportError, ValueError) as e:
-            log.info("state request failed: %s", e)
+                log.warning("dropping state request from %s: %s", peer_of(conn)[:10], why)
         finally:
-            conn.close(0, b"done")
+            try:
+                conn.close(0, b"done")
+            except Exception:  # noqa: BLE001, S110 - already closed
+                pass
+
+    async def _serve(self, ch: Channel) -> None:
+        rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
+        snap = self.snapshot
+        if not self.allowed(ch.peer_id):
+            await ch.send_frame(json.dumps({"error": "not a member of this run"}).encode())
+        elif snap is None or snap.round != rnd:
+            have = None if snap is None else snap.round
+            await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+        else:
+            layout = {} if snap.layout is None else {"names": list(snap.layout.names),
+                                                      "shapes": [list(x) for x in snap.layout.shapes]}
+            await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
+                                            "n": int(snap.theta.size), **layout}).encode())
+            await ch.send_frame(snap.theta)
+            await ch.send_frame(snap.velocity)
+        try:  # the peer says when it has everything; hanging up instead is fine too
+            await ch.recv_frame(16, timeout=DONE_TIMEOUT)
+        except TransportError:
+            pass
+
+
+def _parse_request(frame: bytes) -> int:
+    """The round a state request asks for; StateError unless it is exactly ``{"round": r}``."""
+    try:
+        want = json.loads(frame.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise StateError("state request is not JSON") from None
+    rnd = want.get("round") if isinstance(want, dict) and len(want) == 1 else None
+    if type(rnd) is not int or not -1 <= rnd <= MAX_ROUND:
+        raise StateError(f"state request is not {{\"round\": R}} with -1 <= R <= {MAX_ROUND}")
+    return rnd
 
 
 async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_checksum: str,

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ipaddress
+import logging
 import re
 import struct
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,13 +24,21 @@ import iroh
 import numpy as np
 from iroh import iroh_ffi
 
+from drift.protocol import ProtocolError, printable
+
 CONTROL_ALPN = b"drift/0"
 RING_ALPN = b"drift-ring/0"
 STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
+HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
+MAX_HANDSHAKES = 64       # QUIC handshakes in progress at once (Endpoint.serve); more are refused
 _LEN = struct.Struct(">I")
 
+log = logging.getLogger("drift.transport")
+
 NetworkMode = Literal["local", "lan", "relay"]
+Handler = Callable[[iroh.Connection], Awaitable[None]]
+DropFn = Callable[[str, str], None]  # (peer, reason): one line per dropped connection
 
 
 class TransportError(Exception):
@@ -192,6 +202,50 @@ class Channel:
             pass
 
 
+def _reason(e: BaseException) -> str:
+    """Why a connection failed, for its one log line (plain text, bounded)."""
+    if isinstance(e, (TransportError, ProtocolError)):
+        return printable(e, 300)
+    if isinstance(e, iroh.IrohError):
+        return printable(_iroh_reason(e), 300)
+    return printable(f"{e.__class__.__name__}: {e}", 300)
+
+
+def _log_drop(peer: str, why: str) -> None:
+    log.warning("dropping connection from %s: %s", peer[:16], why)
+
+
+def _safe(drop: DropFn, peer: str, why: str) -> None:
+    try:
+        drop(peer, why)
+    except Exception:  # reporting a drop must never be what stops serving
+        log.exception("could not report a dropped connection")
+
+
+def peer_of(conn: iroh.Connection) -> str:
+    """The node id at the other end of a connection ("unknown peer" if it is already gone)."""
+    try:
+        return str(conn.remote_id())
+    except Exception:  # noqa: BLE001
+        return "unknown peer"
+
+
+def _close(conn: iroh.Connection, code: int, why: str) -> None:
+    try:
+        conn.close(code, why.encode()[:100])
+    except Exception:  # noqa: BLE001, S110 - already closed
+        pass
+
+
+async def _incoming_addr(inc: iroh.Incoming) -> str:
+    """The address a connection attempt came from, for a log line (its node id is not known yet)."""
+    try:
+        a = await asyncio.wait_for(inc.remote_addr(), 1.0)
+        return str(getattr(a, "addr", None) or getattr(a, "url", None) or "unknown peer")
+    except Exception:  # noqa: BLE001
+        return "unknown peer"
+
+
 @dataclass
 class Endpoint:
     """A bound iroh endpoint serving drift's ALPNs."""
@@ -241,6 +295,63 @@ class Endpoint:
             alpn = await accepting.alpn()
             return alpn, await accepting.connect()
         return await _timed(_one(), timeout or 1e9, "accepting a connection")
+
+    async def serve(self, handlers: Mapping[bytes, Handler], on_drop: DropFn | None = None,
+                    max_handshakes: int = MAX_HANDSHAKES, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        """Accept connections until the endpoint closes, each in its own task: the QUIC handshake
+        (at most `timeout` s; at most `max_handshakes` at once, more are refused), then
+        ``handlers[alpn](conn)``. A failed handshake, an ALPN without a handler, or an exception a
+        handler lets out ends that one connection, with one ``on_drop(peer, reason)`` (default: a
+        log line); the loop only ends with the endpoint. Cancelling serve() cancels its tasks."""
+        drop = on_drop or _log_drop
+        tasks: set[asyncio.Task] = set()
+        handshaking = 0
+
+        async def one(inc: iroh.Incoming) -> None:
+            nonlocal handshaking
+            peer, conn = "unknown peer", None
+            try:
+                try:
+                    what = "completing the QUIC handshake"
+                    accepting = await _timed(inc.accept(), timeout, what)
+                    alpn = bytes(await _timed(accepting.alpn(), timeout, what))
+                    conn = await _timed(accepting.connect(), timeout, what)
+                finally:
+                    handshaking -= 1
+                peer = peer_of(conn)
+                handler = handlers.get(alpn)
+                if handler is None:
+                    raise TransportError(f"no service for ALPN {alpn[:32]!r} here")
+                await handler(conn)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # one peer's failure, whatever it is, ends only its connection
+                if peer == "unknown peer":
+                    peer = await _incoming_addr(inc)
+                log.debug("connection from %s failed", peer, exc_info=True)
+                _safe(drop, peer, _reason(e))
+                if conn is not None:
+                    _close(conn, 1, _reason(e))
+
+        try:
+            while True:
+                inc = await self.ep.accept_next()
+                if inc is None:
+                    return
+                if handshaking >= max_handshakes:
+                    _safe(drop, await _incoming_addr(inc), f"refused: {max_handshakes} QUIC handshakes already in progress")
+                    try:
+                        await asyncio.wait_for(inc.refuse(), 1.0)
+                    except Exception:  # noqa: BLE001, S110 - nothing more to do for it
+                        pass
+                    continue
+                handshaking += 1
+                t = asyncio.ensure_future(one(inc))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        finally:
+            for t in list(tasks):
+                t.cancel()
 
     @staticmethod
     async def accept_channel(conn: iroh.Connection, timeout: float = 15.0) -> Channel:

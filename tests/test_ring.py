@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import struct
 
 import numpy as np
 import pytest

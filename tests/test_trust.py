@@ -241,7 +241,7 @@ def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
             await asyncio.gather(*(r.allreduce_sum(x, members, 0) for r, x in zip(rings, xs)))
             # A third endpoint, not in the ring, dials node 0's ring ALPN: it is hung up on.
             ch = await eps[2].connect(eps[0].ticket(), RING_ALPN, timeout=60)
-            await ch.send_frame(b'{"node_id": "stranger"}')
+            await ch.send_frame(b'{"node_id": "stranger", "generation": 0}')
             try:
                 await ch.recv_frame(4096, timeout=60)
                 closed = ""
