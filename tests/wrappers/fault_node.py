@@ -93,7 +93,9 @@ elif kind == "lie-report":
     @patch(Session, "send")
     async def _(orig, self, msg):  # noqa: ANN001, ANN202
         if isinstance(msg, P.BarrierSync) and msg.round == at and msg.trained:
-            msg = msg.model_copy(update={"trained": [*msg.trained, msg.trained[0]]})
+            extra = msg.trained[0]  # a well-formed message that lies (samples match the units listed)
+            msg = msg.model_copy(update={"trained": [*msg.trained, extra],
+                                         "samples": msg.samples + extra.hi - extra.lo})
         await orig(self, msg)
 elif kind == "diverge":
     @patch(diloco.NesterovOuter, "step")
