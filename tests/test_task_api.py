@@ -230,6 +230,9 @@ def test_unsupported_precision_is_a_one_line_error(digits: ModuleType, char: Sim
     for backend in ("mlx", "numpy"):
         with pytest.raises(BackendError, match=f"^precision bf16 is not supported by the {backend} backend on cpu"):
             make_worker(char, CHAR_CFG, {}, backend=backend, device="cpu", precision="bf16")
+    no_torch = SimpleNamespace(make_dataset=char.make_dataset, make_numpy_model=char.make_numpy_model)
+    with pytest.raises(BackendError, match="^precision bf16 needs the torch backend, and task x has no make_model"):
+        make_worker(no_torch, CHAR_CFG, {}, precision="bf16", task_name="task x")
 
 
 # ---- a HuggingFace model --------------------------------------------------------------------------

@@ -154,7 +154,14 @@ def make_worker(
     the precision is not supported there; TaskError when the task breaks the task interface.
     """
     name = task_name or task_label(task)
-    c = choose(backend, device, supported=task_backends(task), task_name=name)
+    supported = task_backends(task)
+    if backend == "auto" and precision != "fp32":  # only torch trains in mixed precision
+        supported = [b for b in supported if b == "torch"]
+        if not supported:
+            raise BackendError(
+                f"precision {precision} needs the torch backend, and {name} has no {factory_names('torch')}"
+            )
+    c = choose(backend, device, supported=supported, task_name=name)
     kwargs: dict[str, Any] = {
         "device": c.device,
         "seed": seed,
