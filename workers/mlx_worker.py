@@ -211,18 +211,18 @@ class MlxWorker:
         return [mx.array(np.asarray(a)) for a in batch]
 
     def _train_step(self, parts: list[np.ndarray]) -> float:
-        n = sum(len(p) for p in parts)
-        loss, grads = None, {}
-        for part in parts:
-            part_loss, part_grads = self._loss_and_grad(*self._batch("train", part))
-            if len(parts) == 1:
-                loss, grads = part_loss, dict(tree_flatten(part_grads))
-                break
-            w = len(part) / n  # each part's mean weighted by its share: the mean over all n samples
-            flat = dict(tree_flatten(part_grads))
-            grads = {name: grads.get(name, 0.0) + g * w for name, g in flat.items()}
-            loss = part_loss * w if loss is None else loss + part_loss * w
-            mx.eval(loss, grads)  # one part's activations at a time
+        if len(parts) == 1:
+            loss, grads = self._loss_and_grad(*self._batch("train", parts[0]))
+            grads = dict(tree_flatten(grads))
+        else:
+            n = sum(len(p) for p in parts)
+            loss, grads = 0.0, {}
+            for part in parts:
+                w = len(part) / n  # each part's mean weighted by its share: the mean over all n samples
+                part_loss, part_grads = self._loss_and_grad(*self._batch("train", part))
+                grads = {name: grads.get(name, 0.0) + g * w for name, g in tree_flatten(part_grads)}
+                loss = loss + part_loss * w
+                mx.eval(loss, grads)  # one part's activations at a time
         self._adamw(grads)
         mx.eval(loss, self.model.parameters(), self._m, self._v)
         return float(loss.item())

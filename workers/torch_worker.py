@@ -19,7 +19,6 @@ import torch
 
 from .base import (
     OPTIM_DEFAULTS,
-    PRECISIONS,
     BackendError,
     TaskError,
     check_lr,
@@ -35,7 +34,7 @@ from .base import (
     vocab_size,
 )
 
-__all__ = ["OPTIM_DEFAULTS", "PRECISIONS", "TorchWorker", "available_devices", "resolve_device"]
+__all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device"]
 
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,7 +130,8 @@ class TorchWorker:
         if not isinstance(model, torch.nn.Module):
             raise TaskError(f"{self.task_name}: {factory}() returned {type(model).__name__}, not a torch.nn.Module")
         self.model: torch.nn.Module = model.to(self.device, torch.float32)  # float32 master weights
-        self._loss_fn: Callable[[torch.nn.Module, Any], Any] | None = getattr(task_module, "loss", None)
+        loss_fn = getattr(task_module, "loss", None)
+        self._loss_fn: Callable[[torch.nn.Module, Any], Any] | None = loss_fn if callable(loss_fn) else None
 
         self._params: dict[str, torch.nn.Parameter] = dict(sorted(self.model.named_parameters()))
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
