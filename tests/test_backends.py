@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import mlx.core  # noqa: F401 - the test extra installs mlx (mlx[cpu] on Linux): its absence is a failure
 import numpy as np
 import pytest
 from conftest import ROOT, drift_cmd, git, make_task_repo
 
 from workers import Worker, load_task, make_worker
-
-import mlx.core  # noqa: E402,F401 - the test extra installs mlx (mlx[cpu] on Linux): its absence is a failure
 
 CFG = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 32}
 BACKENDS = ("torch", "mlx", "numpy")
@@ -33,8 +32,10 @@ def task() -> ModuleType:
 def cached(task: ModuleType) -> SimpleNamespace:
     """The real task with its dataset built once for the module."""
     ds = task.make_dataset(CFG)
-    return SimpleNamespace(make_dataset=lambda cfg: ds, **{k: getattr(task, k) for k in (
-        "init_params", "make_torch_model", "make_mlx_model", "make_numpy_model")})
+    return SimpleNamespace(
+        make_dataset=lambda cfg: ds,
+        **{k: getattr(task, k) for k in ("init_params", "make_torch_model", "make_mlx_model", "make_numpy_model")},
+    )
 
 
 def workers(task: SimpleNamespace, seed: int = 3, **optim) -> dict[str, Worker]:
@@ -43,8 +44,10 @@ def workers(task: SimpleNamespace, seed: int = 3, **optim) -> dict[str, Worker]:
 
 # ---- the models ----------------------------------------------------------------------------------
 
+
 def test_same_names_and_shapes_on_every_backend(task: ModuleType) -> None:
     import mlx.utils
+
     cfg, vocab = {**CFG, "n_layer": 2}, 67
     expected = task.param_shapes(cfg, vocab)
     torch_shapes = {n: tuple(p.shape) for n, p in task.make_torch_model(cfg, vocab).named_parameters()}
@@ -64,10 +67,13 @@ def test_numpy_backward_matches_torch_autograd(task: ModuleType) -> None:
     import mlx.core as mx
     import torch
     from mlx.utils import tree_unflatten
+
     cfg, vocab = {**CFG, "n_layer": 2}, 61
     params = task.init_params(cfg, vocab, seed=5)
-    params = {n: a + np.float32(0.05) * np.random.default_rng(1).standard_normal(a.shape, dtype=np.float32)
-              for n, a in params.items()}  # off the init, so LayerNorm gains and biases matter too
+    params = {
+        n: a + np.float32(0.05) * np.random.default_rng(1).standard_normal(a.shape, dtype=np.float32)
+        for n, a in params.items()
+    }  # off the init, so LayerNorm gains and biases matter too
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, vocab, (3, 24)), rng.integers(0, vocab, (3, 24))
 
@@ -97,6 +103,7 @@ def test_numpy_model_refuses_dropout(task: ModuleType) -> None:
 
 # ---- the workers ---------------------------------------------------------------------------------
 
+
 def test_three_workers_start_identical_and_train_alike(cached: SimpleNamespace) -> None:
     ws = workers(cached, lr=0.01)
     first = {b: w.get_params() for b, w in ws.items()}
@@ -105,22 +112,43 @@ def test_three_workers_start_identical_and_train_alike(cached: SimpleNamespace) 
         assert w.param_names() == sorted(first["torch"])
         assert all(np.array_equal(first["torch"][n], first[b][n]) for n in first["torch"])  # bit-identical θ0
     rng = np.random.default_rng(0)
-    losses: dict[str, list[float]] = {b: [] for b in BACKENDS}
-    for _ in range(12):
-        idx = rng.integers(0, ws["torch"].n_train, 16)
-        for b, w in ws.items():
-            losses[b].append(w.train_step(idx))
-    # Same AdamW (bias correction, decay groups, clipping) on the same batches: the same path down.
-    for b in ("mlx", "numpy"):
-        np.testing.assert_allclose(losses[b], losses["torch"], rtol=2e-4, err_msg=b)
-    assert np.mean(losses["torch"][-3:]) < losses["torch"][0] - 0.5
+    batches = [rng.integers(0, ws["torch"].n_train, 16) for _ in range(12)]
+    losses = {b: np.array([w.train_step(idx) for idx in batches]) for b, w in ws.items()}
     after = {b: w.get_params() for b, w in ws.items()}
-    for b in ("mlx", "numpy"):
-        moved = max(float(np.abs(after[b][n] - first[b][n]).max()) for n in after[b])
-        off = max(float(np.abs(after[b][n] - after["torch"][n]).max()) for n in after[b])
-        assert off < 0.05 * moved, (b, off, moved)
     vals = {b: w.evaluate(2, 16) for b, w in ws.items()}
-    assert vals["mlx"] == pytest.approx(vals["torch"], rel=1e-3) and vals["numpy"] == pytest.approx(vals["torch"], rel=1e-3)
+    assert np.mean(losses["torch"][-3:]) < losses["torch"][0] - 0.5
+
+    # Same AdamW (bias correction, decay groups, clipping) on the same batches: the same path down,
+    # up to what float32 rounding does to this path. Two float32 implementations (or two BLAS
+    # builds) differ in the order of their additions; so does torch on the same batches with the
+    # samples permuted: the same mathematics, other roundings. Replaying torch that way measures
+    # how far rounding alone moves this trajectory by each step: ~1e-7 relative at first, growing
+    # ~10x a step late in the run, where Adam's normalised update amplifies rounding differences
+    # in tiny gradients (it reaches ~2e-4, which a fixed rtol cannot both allow and stay tight).
+    # The floor 4u|L| stands for the steps where a reordering happens not to change the loss.
+    # mlx and numpy also round each elementwise op differently (their own softmax, LayerNorm and,
+    # for numpy, an erf approximation good to 1.5e-7 ~ 2.5u), roughly doubling the rounding sites
+    # of a reordering; the factor 4 is that 2x, and 2x again for the largest of 8 replays standing
+    # for the spread of all orders.
+    u = 2.0**-24
+    noise, param_noise, val_noise = np.zeros(len(batches)), 0.0, 0.0
+    for s in range(8):
+        order = np.random.default_rng([s, 7])
+        w = make_worker(cached, CFG, {"lr": 0.01}, backend="torch", device="cpu", seed=3)
+        replay = np.array([w.train_step(order.permutation(idx)) for idx in batches])
+        noise = np.maximum(noise, np.abs(replay - losses["torch"]))
+        params = w.get_params()
+        param_noise = max(param_noise, *(float(np.abs(params[n] - after["torch"][n]).max()) for n in params))
+        val_noise = max(val_noise, abs(w.evaluate(2, 16) - vals["torch"]))
+    loss_tol = 4 * np.maximum(noise, 4 * u * losses["torch"])
+    param_tol = 4 * max(param_noise, 4 * u * max(float(np.abs(a).max()) for a in after["torch"].values()))
+    val_tol = 4 * max(val_noise, 4 * u * vals["torch"])
+    for b in ("mlx", "numpy"):
+        off = np.abs(losses[b] - losses["torch"])
+        assert np.all(off <= loss_tol), (b, off / loss_tol)
+        param_off = max(float(np.abs(after[b][n] - after["torch"][n]).max()) for n in after[b])
+        assert param_off <= param_tol, (b, param_off, param_tol)
+        assert abs(vals[b] - vals["torch"]) <= val_tol, (b, vals, val_tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,9 +190,11 @@ def test_worker_contract(cached: SimpleNamespace, backend: str) -> None:
     w.train_step(rng.integers(0, w.n_train, 8))
     assert w.step == 2
     before = w.get_params()
-    for bad, needle in ((dict(before, **{"ln_f.weight": np.zeros(5, np.float32)}), r"ln_f\.weight"),
-                        ({n: a for n, a in before.items() if n != "pos_emb.weight"}, r"pos_emb\.weight"),
-                        (dict(before, bogus=np.zeros(1, np.float32)), "bogus")):
+    for bad, needle in (
+        (dict(before, **{"ln_f.weight": np.zeros(5, np.float32)}), r"ln_f\.weight"),
+        ({n: a for n, a in before.items() if n != "pos_emb.weight"}, r"pos_emb\.weight"),
+        (dict(before, bogus=np.zeros(1, np.float32)), "bogus"),
+    ):
         with pytest.raises(ValueError, match=needle):
             w.set_params(bad)
     a, b = w.evaluate(3, 16), w.evaluate(3, 16)
@@ -180,6 +210,7 @@ def test_diloco_rounds_over_mixed_backends_keep_one_theta(cached: SimpleNamespac
     """Three backends, DiLoCo outer rounds in process: every node's θ is bit-identical each round
     (the swarm test below does the same over iroh with real processes)."""
     from drift.diloco import NesterovOuter, ParamLayout, checksum, weighted_delta
+
     ws = workers(cached, lr=0.01)
     layout = ParamLayout.of(ws["torch"].get_params())
     thetas = {b: layout.flatten(w.get_params()) for b, w in ws.items()}
@@ -202,12 +233,14 @@ def test_diloco_rounds_over_mixed_backends_keep_one_theta(cached: SimpleNamespac
 
 # ---- a real swarm: three processes, three backends ----------------------------------------------
 
+
 def _start_coord(recipe: Path, tmp: Path) -> tuple[subprocess.Popen, Path, str]:
     out = tmp / "coord.out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_HOME": str(tmp / "home"), "COLUMNS": "400"}
     with open(out, "w") as fh:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(drift_cmd("coord", str(recipe), "--run-dir", str(tmp / "run")),
-                                stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            drift_cmd("coord", str(recipe), "--run-dir", str(tmp / "run")), stdout=fh, stderr=subprocess.STDOUT, env=env
+        )
     deadline = time.time() + 120
     while time.time() < deadline:
         text = out.read_text()
@@ -227,9 +260,23 @@ def _join(repo: Path, ticket: str, tmp: Path, backend: str, no_torch: bool = Fal
         block.mkdir(exist_ok=True)
         (block / "torch.py").write_text("raise ImportError('torch is not installed (blocked by this test)')\n")
         env["PYTHONPATH"] = f"{block}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    cmd = drift_cmd("join", "--repo", str(repo), "--ticket", ticket, "--backend", backend, "--threads", "1",
-                    "--name", f"node-{backend}", "--key", str(tmp / f"{backend}.key"),
-                    "--cache-dir", str(tmp / f"cache-{backend}"))
+    cmd = drift_cmd(
+        "join",
+        "--repo",
+        str(repo),
+        "--ticket",
+        ticket,
+        "--backend",
+        backend,
+        "--threads",
+        "1",
+        "--name",
+        f"node-{backend}",
+        "--key",
+        str(tmp / f"{backend}.key"),
+        "--cache-dir",
+        str(tmp / f"cache-{backend}"),
+    )
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -285,8 +332,10 @@ def test_task_without_the_nodes_backend_is_refused_at_join(tmp_path: Path) -> No
     assert node.returncode != 0 and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0] == ("drift: error: task recipes/shakespeare_char.py has no mlx implementation "
-                        "(make_mlx_model); it supports: torch, numpy")
+    assert lines[0] == (
+        "drift: error: task recipes/shakespeare_char.py has no mlx implementation "
+        "(make_mlx_model); it supports: torch, numpy"
+    )
 
 
 def test_mlx_worker_runs_mlx_on_its_own_thread(cached: SimpleNamespace) -> None:
@@ -294,6 +343,7 @@ def test_mlx_worker_runs_mlx_on_its_own_thread(cached: SimpleNamespace) -> None:
     threads: the mlx worker must do all mlx work on one thread of its own."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
+
     w = make_worker(cached, CFG, {}, backend="mlx", seed=0)
     seen: list[int] = []
     for name in ("_train_step", "_get_params", "_set_params", "_evaluate"):

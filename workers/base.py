@@ -1,26 +1,56 @@
 """The backend-neutral Worker interface: what drift's node needs from local compute.
 
+A task is a Python file (see workers.load_task) with:
+
+    make_dataset(cfg)      -> an object with n_train, n_val and batch(split, indices), split being
+                              "train" or "val": a dict or a tuple of numpy arrays / torch tensors
+    make_model(cfg)        -> torch.nn.Module
+    loss(model, batch)     -> scalar tensor; optional. Without it a dict batch is model(**batch), a
+                              tuple model(*batch), and the output is the loss if it is a scalar
+                              tensor, else its .loss (HuggingFace models)
+
+The loss is a mean over the batch's samples (gradient accumulation relies on it). The older,
+LM-shaped spelling keeps working, and is the one the mlx and numpy backends know:
+make_torch_model / make_mlx_model / make_numpy_model(cfg, vocab_size), called as model(x, y),
+batches (x, y), a dataset with vocab_size, and optionally init_params(cfg, vocab_size, seed), the
+initial θ every backend starts from.
+
 A worker owns one copy of the model, its inner optimizer (AdamW) and the task's data. Parameters
-cross this boundary only as float32 numpy arrays keyed by name, so drift never touches a
-framework tensor. Inner-optimizer state lives inside the worker and survives set_params: DiLoCo
-keeps each node's AdamW state across outer rounds.
+and floating-point buffers cross this boundary only as float32 numpy arrays keyed by name, so
+drift never touches a framework tensor. Inner-optimizer state lives inside the worker and survives
+set_params: DiLoCo keeps each node's AdamW state across outer rounds.
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 BACKENDS: tuple[str, ...] = ("torch", "mlx", "numpy")
-MODEL_FACTORIES: dict[str, str] = {"torch": "make_torch_model", "mlx": "make_mlx_model",
-                                   "numpy": "make_numpy_model"}
-OPTIM_DEFAULTS: dict[str, Any] = {"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "grad_clip": 1.0,
-                                  "eps": 1e-8}
+MODEL_FACTORIES: dict[str, tuple[str, ...]] = {
+    "torch": ("make_model", "make_torch_model"),
+    "mlx": ("make_mlx_model",),
+    "numpy": ("make_numpy_model",),
+}
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+OPTIM_DEFAULTS: dict[str, Any] = {
+    "lr": 3e-3,
+    "weight_decay": 0.1,
+    "betas": (0.9, 0.95),
+    "grad_clip": 1.0,
+    "eps": 1e-8,
+}
 
 
 class BackendError(ValueError):
     """A backend or device that cannot be used here (or for this task); str() is one line for the user."""
+
+
+class TaskError(ValueError):
+    """A task file that does not follow the task interface; str() is one line naming the task."""
 
 
 @runtime_checkable
@@ -28,9 +58,10 @@ class Worker(Protocol):
     """One node's local trainer: TorchWorker, MlxWorker or NumpyWorker."""
 
     backend: str  # "torch", "mlx", "numpy"
-    device: str   # "cpu", "cuda:0", "mps" (torch), "metal" (mlx), ...
+    device: str  # "cpu", "cuda:0", "mps" (torch), "metal" (mlx), ...
+    precision: str  # "fp32", "bf16", "fp16"
     n_train: int  # training samples available (valid indices: 0 .. n_train-1)
-    n_val: int    # validation samples available
+    n_val: int  # validation samples available
 
     def param_names(self) -> list[str]:
         """Parameter names, sorted: the order every node uses to lay out θ."""
@@ -48,12 +79,31 @@ class Worker(Protocol):
         """
         ...
 
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        """Float32 copies of the model's floating-point state that is not trained by gradients
+        (BatchNorm's running mean and variance), sorted by name; {} when there is none."""
+        ...
+
+    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
+        """Overwrite those buffers in place, checked like set_params."""
+        ...
+
     def reset_optimizer(self) -> None:
         """Forget the inner optimizer's state (moments, step count), as if no step had run."""
         ...
 
-    def train_step(self, indices: np.ndarray) -> float:
-        """One inner optimizer step on the training samples with these indices; the loss."""
+    def set_lr(self, lr: float) -> None:
+        """The inner optimizer's learning rate from the next train_step on."""
+        ...
+
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> float:
+        """One inner optimizer step on the training samples with these indices; their mean loss.
+
+        With micro_batches k > 1 the samples are split into k consecutive near-equal parts whose
+        gradients are accumulated, weighted by their share of the samples, before the one step:
+        the same step as one batch of all of them, in less memory. (Not for BatchNorm statistics,
+        which each part computes over its own samples, as in every framework.)
+        """
         ...
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
@@ -63,19 +113,52 @@ class Worker(Protocol):
         """
         ...
 
+    def close(self) -> None:
+        """Release the worker's threads and framework state; call once, before the process exits.
 
-def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndarray]) -> None:
-    """ValueError naming the first missing, unexpected or mis-shaped parameter, if any."""
+        Idempotent; the worker must not be used afterwards.
+        """
+        ...
+
+
+def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndarray], kind: str = "parameter") -> None:
+    """ValueError naming the first missing, unexpected or mis-shaped parameter (or buffer), if any."""
     missing = sorted(set(expected) - set(params))
     if missing:
-        raise ValueError(f"missing parameter(s): {', '.join(missing)}")
+        raise ValueError(f"missing {kind}(s): {', '.join(missing)}")
     unexpected = sorted(set(params) - set(expected))
     if unexpected:
-        raise ValueError(f"unexpected parameter(s): {', '.join(unexpected)}")
+        raise ValueError(f"unexpected {kind}(s): {', '.join(unexpected)}")
     for name in sorted(expected):
         shape = tuple(np.shape(params[name]))
         if shape != expected[name]:
-            raise ValueError(f"parameter {name}: shape {shape}, expected {expected[name]}")
+            raise ValueError(f"{kind} {name}: shape {shape}, expected {expected[name]}")
+
+
+def micro_splits(indices: np.ndarray, micro_batches: int) -> list[np.ndarray]:
+    """indices cut into micro_batches consecutive parts whose sizes differ by at most one."""
+    n = len(indices)
+    if n == 0:
+        raise ValueError("train_step needs at least one sample index")
+    if not 1 <= micro_batches <= n:
+        raise ValueError(f"micro_batches must be between 1 and the number of samples ({n}), got {micro_batches}")
+    return np.array_split(np.asarray(indices), micro_batches)
+
+
+def check_lr(lr: float) -> float:
+    """lr as a float; ValueError unless it is finite and >= 0."""
+    value = float(lr)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"learning rate must be a finite number >= 0, got {lr!r}")
+    return value
+
+
+def check_precision(precision: str, backend: str, device: str) -> None:
+    """BackendError for an unknown precision, or any but fp32 on the mlx and numpy backends."""
+    if precision not in PRECISIONS:
+        raise BackendError(f"precision {precision!r} is unknown; choose from {', '.join(PRECISIONS)}")
+    if precision != "fp32" and backend != "torch":
+        raise BackendError(f"precision {precision} is not supported by the {backend} backend on {device}; use fp32")
 
 
 def eval_samples(n_val: int, max_batches: int, batch_size: int) -> int:
@@ -88,9 +171,40 @@ def eval_samples(n_val: int, max_batches: int, batch_size: int) -> int:
     return n
 
 
+def task_label(task: Any) -> str:
+    """How errors name a task module: "task shakespeare_char.py"."""
+    return f"task {Path(getattr(task, '__file__', None) or '?').name}"
+
+
+def factory_names(backend: str) -> str:
+    """The task function(s) that implement a backend, for messages: "make_model or make_torch_model"."""
+    return " or ".join(MODEL_FACTORIES[backend])
+
+
+def model_factory(task: Any, backend: str) -> str | None:
+    """The name of the task's function that builds this backend's model (make_model first), or None."""
+    return next((f for f in MODEL_FACTORIES[backend] if callable(getattr(task, f, None))), None)
+
+
 def task_backends(task: Any) -> list[str]:
-    """The backends a task module implements (it has make_torch_model / make_mlx_model / make_numpy_model)."""
-    return [b for b in BACKENDS if callable(getattr(task, MODEL_FACTORIES[b], None))]
+    """The backends a task module implements (it has make_model/make_torch_model, make_mlx_model, ...)."""
+    return [b for b in BACKENDS if model_factory(task, b)]
+
+
+def check_task(task: Any, backend: str) -> None:
+    """TypeError unless the task has make_dataset() and a model factory for this backend."""
+    if not callable(getattr(task, "make_dataset", None)):
+        raise TypeError(f"task {getattr(task, '__file__', task)!r} has no make_dataset()")
+    if model_factory(task, backend) is None:
+        raise TypeError(f"task {getattr(task, '__file__', task)!r} has no {factory_names(backend)}()")
+
+
+def vocab_size(dataset: Any, what: str, task_name: str) -> int:
+    """The dataset's vocab_size, which the LM-shaped factories take; TaskError when it has none."""
+    size = getattr(dataset, "vocab_size", None)
+    if size is None:
+        raise TaskError(f"{task_name}: {what}(cfg, vocab_size) needs a dataset with vocab_size")
+    return int(size)
 
 
 def optim_config(optim_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -107,18 +221,20 @@ def optim_config(optim_cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"optim_cfg: unknown key(s) {unknown}; known: {sorted(OPTIM_DEFAULTS)} or beta1/beta2")
     cfg = {**OPTIM_DEFAULTS, **cfg}
     b1, b2 = cfg["betas"]
-    return {"lr": float(cfg["lr"]), "weight_decay": float(cfg["weight_decay"]),
-            "betas": (float(b1), float(b2)), "grad_clip": float(cfg["grad_clip"]), "eps": float(cfg["eps"])}
+    return {
+        "lr": check_lr(cfg["lr"]),
+        "weight_decay": float(cfg["weight_decay"]),
+        "betas": (float(b1), float(b2)),
+        "grad_clip": float(cfg["grad_clip"]),
+        "eps": float(cfg["eps"]),
+    }
 
 
-def check_task(task: Any, backend: str) -> None:
-    """TypeError unless the task has make_dataset() and this backend's model factory."""
-    for attr in ("make_dataset", MODEL_FACTORIES[backend]):
-        if not callable(getattr(task, attr, None)):
-            raise TypeError(f"task {getattr(task, '__file__', task)!r} has no {attr}()")
-
-
-def initial_params(task: Any, task_cfg: dict[str, Any], vocab_size: int, seed: int) -> dict[str, np.ndarray] | None:
+def initial_params(
+    task: Any, task_cfg: dict[str, Any], dataset: Any, seed: int, task_name: str
+) -> dict[str, np.ndarray] | None:
     """The task's backend-neutral initial θ (task.init_params), or None when it has none."""
     fn = getattr(task, "init_params", None)
-    return fn(task_cfg, vocab_size, seed) if callable(fn) else None
+    if not callable(fn):
+        return None
+    return fn(task_cfg, vocab_size(dataset, "init_params", task_name), seed)

@@ -1,16 +1,42 @@
-"""The torch backend: CUDA / ROCm (which torch also calls "cuda"), Apple MPS, or CPU."""
+"""The torch backend: CUDA / ROCm (which torch also calls "cuda"), Apple MPS, or CPU.
+
+Any torch model (see workers.base for the task interface). Mixed precision: bf16 and fp16 run
+the forward pass under torch.autocast, while the parameters, their gradients and AdamW's state stay
+float32 (master weights); fp16 also scales the loss (torch.amp.GradScaler) so that small gradients
+do not underflow, and is offered on CUDA/ROCm only.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from .base import OPTIM_DEFAULTS, check_params, check_task, eval_samples, initial_params, optim_config
+from .base import (
+    OPTIM_DEFAULTS,
+    BackendError,
+    TaskError,
+    check_lr,
+    check_params,
+    check_precision,
+    check_task,
+    eval_samples,
+    initial_params,
+    micro_splits,
+    model_factory,
+    optim_config,
+    task_label,
+    vocab_size,
+)
 
 __all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device"]
+
+AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def available_devices() -> list[str]:
@@ -18,11 +44,11 @@ def available_devices() -> list[str]:
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     if torch.backends.mps.is_available():
         devices.append("mps")
-    return devices + ["cpu"]
+    return [*devices, "cpu"]
 
 
 def resolve_device(device: str = "auto") -> str:
-    """"auto" -> the best available device; an explicit one is checked. ValueError if unavailable.
+    """ "auto" -> the best available device; an explicit one is checked. ValueError if unavailable.
 
     "cuda" means cuda:0; "rocm" / "rocm:N" are accepted on a ROCm build of torch (which calls AMD
     GPUs "cuda" too).
@@ -39,7 +65,29 @@ def resolve_device(device: str = "auto") -> str:
     return name
 
 
-_optim_config = optim_config  # the old private name
+def check_torch_precision(precision: str, device: str) -> None:
+    """BackendError unless torch can train at this precision on this device."""
+    check_precision(precision, "torch", device)
+    if precision == "fp32":
+        return
+    kind = torch.device(device).type
+    if precision == "fp16" and kind != "cuda":
+        raise BackendError(
+            f"precision fp16 is not supported on {device}: it needs loss scaling, which drift runs on "
+            "CUDA/ROCm GPUs only; use bf16 or fp32"
+        )
+    # Where autocast lacks the dtype (older MPS, for one) it warns and computes in float32.
+    dtype = AUTOCAST_DTYPES[precision]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(kind, dtype=dtype):
+                a = torch.ones(2, 2, device=device)
+                out_dtype = (a @ a).dtype
+    except RuntimeError as e:
+        raise BackendError(f"precision {precision} is not supported on {device}: {e}".splitlines()[0]) from None
+    if out_dtype != dtype:
+        raise BackendError(f"precision {precision} is not supported on {device} by this torch build; use fp32")
 
 
 class TorchWorker:
@@ -47,10 +95,23 @@ class TorchWorker:
 
     backend = "torch"
 
-    def __init__(self, task_module: ModuleType, task_cfg: dict[str, Any], optim_cfg: dict[str, Any],
-                 device: str = "auto", seed: int = 0, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        task_module: ModuleType,
+        task_cfg: dict[str, Any],
+        optim_cfg: dict[str, Any],
+        device: str = "auto",
+        seed: int = 0,
+        threads: int | None = None,
+        precision: str = "fp32",
+        task_name: str | None = None,
+    ) -> None:
         check_task(task_module, "torch")
+        self.task_name = task_name or task_label(task_module)
         self.device: str = resolve_device(device)
+        check_torch_precision(precision, self.device)
+        self.precision: str = precision
+        self._device_type = torch.device(self.device).type
         if threads is not None:
             torch.set_num_threads(threads)
         opt = optim_config(optim_cfg)
@@ -61,20 +122,41 @@ class TorchWorker:
         self.n_val: int = int(self.dataset.n_val)
 
         torch.manual_seed(seed)  # same seed -> identical initial parameters on every node
-        self.model: torch.nn.Module = task_module.make_torch_model(task_cfg, self.dataset.vocab_size)
-        self.model.to(self.device)
+        factory = model_factory(task_module, "torch")
+        if factory == "make_model":
+            model = task_module.make_model(task_cfg)
+        else:
+            model = task_module.make_torch_model(task_cfg, vocab_size(self.dataset, factory, self.task_name))
+        if not isinstance(model, torch.nn.Module):
+            raise TaskError(f"{self.task_name}: {factory}() returned {type(model).__name__}, not a torch.nn.Module")
+        self.model: torch.nn.Module = model.to(self.device, torch.float32)  # float32 master weights
+        loss_fn = getattr(task_module, "loss", None)
+        self._loss_fn: Callable[[torch.nn.Module, Any], Any] | None = loss_fn if callable(loss_fn) else None
+
         self._params: dict[str, torch.nn.Parameter] = dict(sorted(self.model.named_parameters()))
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
-        init = initial_params(task_module, task_cfg, self.dataset.vocab_size, seed)
+        persistent = self.model.state_dict(keep_vars=True).keys()  # not caches such as attention masks
+        self._buffers: dict[str, torch.Tensor] = {
+            name: b for name, b in sorted(self.model.named_buffers()) if b.is_floating_point() and name in persistent
+        }
+        self._buffer_shapes = {name: tuple(b.shape) for name, b in self._buffers.items()}
+        init = initial_params(task_module, task_cfg, self.dataset, seed, self.task_name)
         if init is not None:  # the task's backend-neutral θ: mlx and numpy nodes start from it too
             self.set_params(init)
 
-        # As in nanoGPT: decay matrices and embeddings, not biases or LayerNorm gains.
+        # As in nanoGPT: decay matrices, embeddings and convolutions, not biases or norm gains.
         params = list(self._params.values())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=opt["lr"], betas=opt["betas"], eps=opt["eps"],
-                                           fused=self.device.startswith("cuda"))
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=opt["lr"], betas=opt["betas"], eps=opt["eps"], fused=self._device_type == "cuda"
+        )
+        self._scaler = self._new_scaler()
+
+    def _new_scaler(self) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(self._device_type) if self.precision == "fp16" else None
 
     def param_names(self) -> list[str]:
         """Parameter names, sorted."""
@@ -82,49 +164,129 @@ class TorchWorker:
 
     def get_params(self) -> dict[str, np.ndarray]:
         """A float32 C-contiguous copy of every parameter."""
-        with torch.no_grad():
-            return {name: p.detach().to("cpu", torch.float32, copy=True).contiguous().numpy()
-                    for name, p in self._params.items()}
+        return _copies(self._params)
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         """Copy params into the existing tensors in place, keeping the optimizer state."""
         check_params(self._shapes, params)
-        with torch.no_grad():
-            for name, p in self._params.items():
-                src = torch.from_numpy(np.ascontiguousarray(params[name], dtype=np.float32))
-                p.copy_(src)
+        _copy_into(self._params, params)
+
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        """A float32 C-contiguous copy of every floating-point buffer kept in the state_dict."""
+        return _copies(self._buffers)
+
+    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
+        """Copy buffers into the model's buffers in place."""
+        check_params(self._buffer_shapes, buffers, "buffer")
+        _copy_into(self._buffers, buffers)
 
     def reset_optimizer(self) -> None:
-        """Forget AdamW's moments and step count."""
+        """Forget AdamW's moments and step count (and fp16's loss scale)."""
         self.optimizer.state.clear()
+        self._scaler = self._new_scaler()
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+    def set_lr(self, lr: float) -> None:
+        """AdamW's learning rate from the next train_step on."""
+        value = check_lr(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
 
-    def train_step(self, indices: np.ndarray) -> float:
-        """One AdamW step on the given training samples; returns the loss."""
-        if len(indices) == 0:
-            raise ValueError("train_step needs at least one sample index")
-        x, y = self.dataset.batch("train", indices)
+    def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> float:
+        """One AdamW step on the given training samples, in micro_batches parts; their mean loss."""
+        parts = micro_splits(indices, micro_batches)
+        n = len(indices)
         if not self.model.training:  # model.train() walks every module: ~60 us a step, so only when needed
             self.model.train()
-        loss = self.model(self._to_device(x), self._to_device(y))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = None
+        for part in parts:
+            batch = self._batch("train", part)
+            with self._autocast():
+                loss = self._loss(batch)
+            if len(parts) > 1:  # the mean over all n samples: each part's mean weighted by its share
+                loss = loss * (len(part) / n)
+            (self._scaler.scale(loss) if self._scaler else loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self._scaler:
+            self._scaler.unscale_(self.optimizer)
         if self._grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self._params.values(), self._grad_clip)
-        self.optimizer.step()
-        return float(loss.item())
+        if self._scaler:
+            self._scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+            self._scaler.update()
+        else:
+            self.optimizer.step()
+        return float(total.item())
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
         n = eval_samples(self.n_val, max_batches, batch_size)
         self.model.eval()
         total = 0.0
-        with torch.no_grad():
-            for start in range(0, n, batch_size):
-                idx = np.arange(start, min(start + batch_size, n))
-                x, y = self.dataset.batch("val", idx)
-                total += float(self.model(self._to_device(x), self._to_device(y))) * len(idx)
-        self.model.train()
+        try:
+            with torch.no_grad():
+                for start in range(0, n, batch_size):
+                    idx = np.arange(start, min(start + batch_size, n))
+                    with self._autocast():
+                        total += float(self._loss(self._batch("val", idx))) * len(idx)
+        finally:
+            self.model.train()
         return total / n
+
+    def close(self) -> None:
+        """Nothing to release: torch needs no shutdown."""
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=AUTOCAST_DTYPES[self.precision])
+
+    def _batch(self, split: str, indices: np.ndarray) -> dict[str, Any] | tuple[Any, ...]:
+        """dataset.batch() with its arrays moved to this worker's device."""
+        batch = self.dataset.batch(split, indices)
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (tuple, list)):
+            return tuple(self._to_device(v) for v in batch)
+        raise TaskError(
+            f"{self.task_name}: dataset.batch() returned {type(batch).__name__}; expected a dict or a tuple of arrays"
+        )
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device, non_blocking=True)
+        return value
+
+    def _loss(self, batch: dict[str, Any] | tuple[Any, ...]) -> torch.Tensor:
+        """The task's loss(model, batch), or the model's output (or its .loss); a scalar tensor."""
+        if self._loss_fn is not None:
+            out, source = self._loss_fn(self.model, batch), "loss(model, batch)"
+        elif isinstance(batch, dict):
+            out, source = self.model(**batch), "model(**batch)"
+        else:
+            out, source = self.model(*batch), "model(*batch)"
+        if isinstance(out, torch.Tensor) and out.dim() == 0:
+            return out
+        loss = getattr(out, "loss", None)
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return loss
+        shape = f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""
+        raise TaskError(
+            f"{self.task_name}: {source} returned {type(out).__name__}{shape}, not a scalar loss tensor "
+            "(nor an output with a scalar .loss); return the loss, or define loss(model, batch) in the task"
+        )
+
+
+def _copies(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    with torch.no_grad():
+        return {
+            name: t.detach().to("cpu", torch.float32, copy=True).contiguous().numpy() for name, t in tensors.items()
+        }
+
+
+def _copy_into(tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray]) -> None:
+    with torch.no_grad():
+        for name, t in tensors.items():
+            t.copy_(torch.from_numpy(np.ascontiguousarray(arrays[name], dtype=np.float32)))
