@@ -1,13 +1,17 @@
 """Checkpoints: θ and the outer optimizer's velocity as safetensors, plus a manifest.
 
-    CKPT_DIR/round-000012/theta.safetensors    named like the model's parameters
+    CKPT_DIR/round-000012/theta.safetensors    named like the model's parameters (and buffers)
                          /outer.safetensors    the Nesterov velocity, same names
                          /manifest.json        format, round, created, sha256 + size of each file, meta
 
 A checkpoint is written into a temp dir, every file fsynced, then renamed into place: a crash
 leaves the old set or the new one, never half a round dir. Loading verifies every hash, so a
 truncated or corrupted checkpoint is skipped (with a warning) in favour of an older one.
-The coordinator writes these without torch (safetensors.numpy).
+
+The tensors lie in the files in drift's layout order (parameters, then buffers, each sorted), so
+a file's data is θ's flat vector: a `CheckpointWriter` streams a state transfer straight to disk
+and a loaded checkpoint maps the files instead of reading them (no copy of θ in memory, whatever
+the model's size). The files stay standard safetensors (`safetensors.numpy.load_file` reads them).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
 CHECKPOINT_FORMAT = 1
 _FILES = ("theta.safetensors", "outer.safetensors")
@@ -41,9 +44,28 @@ class CheckpointError(Exception):
 class Checkpoint:
     path: Path                       # the round-NNNNNN directory
     round: int                       # θ after this round's outer step
-    theta: dict[str, np.ndarray]     # float32, named like the model's parameters
-    velocity: dict[str, np.ndarray]  # the outer Nesterov momentum, same names and shapes
+    names: tuple[str, ...]           # tensors in file (= drift's layout) order
+    shapes: tuple[tuple[int, ...], ...]
+    theta_flat: np.ndarray           # float32, the whole of θ: a copy-on-write map of the file
+    velocity_flat: np.ndarray        # the outer Nesterov momentum, same layout
     manifest: dict                   # everything in manifest.json (meta's keys at the top level)
+
+    def _named(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        out, i = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            n = int(np.prod(shape, dtype=np.int64))
+            out[name] = flat[i:i + n].reshape(shape)
+            i += n
+        return out
+
+    @property
+    def theta(self) -> dict[str, np.ndarray]:
+        """θ by name (views), named like the model's parameters and buffers."""
+        return self._named(self.theta_flat)
+
+    @property
+    def velocity(self) -> dict[str, np.ndarray]:
+        return self._named(self.velocity_flat)
 
 
 def recipe_hash(fields: dict) -> str:
@@ -90,49 +112,129 @@ def _swap(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+class CheckpointWriter:
+    """One checkpoint written while its bytes arrive: the header of each file first (from the
+    layout), then θ's and the velocity's bytes in order. commit() fsyncs, writes the manifest and
+    renames the dir into place atomically; abort() leaves nothing."""
+
+    def __init__(self, ckpt_dir: Path, round: int, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]):
+        if len(set(names)) != len(names):
+            raise ValueError("tensor names must be unique")
+        self.ckpt_dir, self.round = ckpt_dir, round
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir))
+        header, offset = {}, 0
+        for name, shape in zip(names, shapes):
+            n = 4 * int(np.prod(shape, dtype=np.int64))
+            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+        self.nbytes = offset
+        self._files = [open(self.tmp / name, "wb") for name in _FILES]
+        for f in self._files:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+        self._written = [0, 0]
+
+    def write(self, which: int, offset: int, data: memoryview | bytes) -> None:
+        """Bytes of θ (which 0) or of the velocity (1), in order: `offset` must be where the last
+        write ended (a transfer arrives in order)."""
+        if offset != self._written[which] or offset + len(data) > self.nbytes:
+            raise ValueError(f"checkpoint bytes out of order at {offset} (have {self._written[which]})")
+        self._files[which].write(data)
+        self._written[which] += len(data)
+
+    def commit(self, meta: dict, keep: int = 3) -> Path:
+        """Make it ckpt_dir/round-NNNNNN (replacing one of the same round), keep the newest `keep`."""
+        if clash := sorted(set(meta) & set(_RESERVED)):
+            raise ValueError(f"meta may not set the manifest's own keys {clash}")
+        if self._written != [self.nbytes, self.nbytes]:
+            raise ValueError(f"checkpoint incomplete: {self._written} of {self.nbytes} bytes")
+        ckpt_dir, tmp, final = self.ckpt_dir, self.tmp, self.ckpt_dir / f"round-{self.round:06d}"
+        try:
+            files = {}
+            for name, f in zip(_FILES, self._files):
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+            manifest = {**meta, "format": CHECKPOINT_FORMAT, "round": self.round, "created": time.time(), "files": files}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            _fsync(tmp / "manifest.json")
+            _fsync(tmp)
+            if not final.exists():
+                tmp.rename(final)
+            elif not _swap(tmp, final):   # same round again, no atomic exchange here: two renames
+                old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            _fsync(ckpt_dir)
+        finally:
+            self.abort()   # nothing left, or the swapped-out old copy, or a failed write
+        for stale in ckpt_dir.glob(".tmp-*"):        # left behind by a crash mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+        for _, old in _rounds(ckpt_dir)[:-keep] if keep > 0 else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def abort(self) -> None:
+        for f in self._files:
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def save_checkpoint(ckpt_dir: Path, round: int, theta: dict[str, np.ndarray], velocity: dict[str, np.ndarray],
                     meta: dict, keep: int = 3) -> Path:
-    """Write ckpt_dir/round-NNNNNN atomically, then keep only the newest `keep` checkpoints."""
+    """Write ckpt_dir/round-NNNNNN atomically, then keep only the newest `keep` checkpoints. The
+    tensors go in the dicts' order (drift's layout order: see ParamLayout.unflatten)."""
     if {k: np.shape(v) for k, v in theta.items()} != {k: np.shape(v) for k, v in velocity.items()}:
         raise ValueError("θ and velocity must have the same names and shapes")
     if clash := sorted(set(meta) & set(_RESERVED)):
         raise ValueError(f"meta may not set the manifest's own keys {clash}")
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = ckpt_dir / f"round-{round:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir))
+    names = tuple(theta)
+    w = CheckpointWriter(ckpt_dir, round, names, tuple(tuple(np.shape(theta[n])) for n in names))
     try:
-        files = {}
-        for name, tensors in zip(_FILES, (theta, velocity)):
-            save_file({k: np.asarray(v, np.float32, order="C") for k, v in tensors.items()}, tmp / name)  # keeps 0-d
-            _fsync(tmp / name)
-            files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-        manifest = {**meta, "format": CHECKPOINT_FORMAT, "round": round, "created": time.time(), "files": files}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        _fsync(tmp / "manifest.json")
-        _fsync(tmp)
-        if not final.exists():
-            tmp.rename(final)
-        elif not _swap(tmp, final):   # same round again, no atomic exchange here: two renames
-            old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        _fsync(ckpt_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)   # nothing, or the swapped-out old copy, or a failed write
-    for stale in ckpt_dir.glob(".tmp-*"):        # left behind by a crash mid-save
-        shutil.rmtree(stale, ignore_errors=True)
-    for _, old in _rounds(ckpt_dir)[:-keep] if keep > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+        for which, tensors in enumerate((theta, velocity)):
+            offset = 0
+            for n in names:
+                data = memoryview(np.ascontiguousarray(tensors[n], np.float32)).cast("B")
+                w.write(which, offset, data)
+                offset += len(data)
+    except BaseException:
+        w.abort()
+        raise
+    return w.commit(meta, keep)
 
 
-def _load_tensors(f: Path) -> dict[str, np.ndarray]:
+def _map_tensors(f: Path) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...], np.ndarray]:
+    """A safetensors file of float32 tensors: (names, shapes) in data order and the whole data as
+    one flat float32 copy-on-write map (nothing read into memory; writes never reach the file)."""
     try:
-        return load_file(f)
-    except Exception as e:  # safetensors raises its own error types on bad headers
-        raise CheckpointError(f"{f}: not loadable as safetensors ({str(e).splitlines()[0]})") from None
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= 1 << 30:
+                raise ValueError(f"header of {n} bytes")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        size = f.stat().st_size - 8 - n
+        names, shapes, end = [], [], 0
+        for name, t in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            a, b = t["data_offsets"]
+            shape = tuple(int(d) for d in t["shape"])
+            if t["dtype"] != "F32" or a != end or b - a != 4 * int(np.prod(shape, dtype=np.int64)):
+                raise ValueError(f"tensor {name}: {t}")
+            names.append(name)
+            shapes.append(shape)
+            end = b
+        if end != size or size % 4:
+            raise ValueError(f"data of {size} bytes, tensors cover {end}")
+        flat = np.memmap(f, dtype=np.float32, mode="c", offset=8 + n, shape=(size // 4,)) if size \
+            else np.zeros(0, np.float32)
+        return tuple(names), tuple(shapes), flat
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{f}: not a float32 safetensors file ({str(e).splitlines()[0]})") from None
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
@@ -158,10 +260,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"{f}: {size} bytes, manifest says {want.get('bytes')} (truncated?)")
         if _sha256(f) != want.get("sha256"):
             raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
-    theta, velocity = _load_tensors(path / _FILES[0]), _load_tensors(path / _FILES[1])
-    if {k: (v.shape, v.dtype) for k, v in theta.items()} != {k: (v.shape, v.dtype) for k, v in velocity.items()}:
-        raise CheckpointError(f"{path / _FILES[1]}: names, shapes or dtypes differ from {_FILES[0]}")
-    return Checkpoint(path, rnd, theta, velocity, manifest)
+    names, shapes, theta = _map_tensors(path / _FILES[0])
+    vnames, vshapes, velocity = _map_tensors(path / _FILES[1])
+    if (vnames, vshapes) != (names, shapes):
+        raise CheckpointError(f"{path / _FILES[1]}: names, shapes or order differ from {_FILES[0]}")
+    return Checkpoint(path, rnd, names, shapes, theta, velocity, manifest)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[Checkpoint | None, list[str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from auth import Admission, AuthError
 from drift import protocol as P
-from drift.checkpoint import Checkpoint, recipe_hash, save_checkpoint
+from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
 from drift.diloco import ParamLayout, checksum
 from drift.inner import finite_positive
 from drift.monitor import Monitor, NodeView
@@ -105,12 +105,15 @@ class Coordinator:
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""                # why the last checkpoint could not be fetched
-        self._saving: asyncio.Future | None = None  # the checkpoint write in flight, if any
         # Set by Ctrl-C. Cancelling run() is not enough: a cancel that lands inside an iroh call can
         # come back as an ordinary error (a failed state fetch, say) and the rounds would go on.
         self.stopping = False
         self.samples_seen = 0
         self.current: Round | None = None        # the round in progress (or the last one)
+        self.live: list[Round] = []              # rounds not settled yet (two with the overlapped sync)
+        self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
+        self.positions: dict[int, dict] = {}      # the data position after each settled round
+        self.samples_at: dict[int, int] = {}      # samples trained after each settled round
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
@@ -333,26 +336,14 @@ class Coordinator:
         if self.resume is not None:
             first = self._load_resume(queue)
         self.queue = queue
-        for rnd in range(first, r.rounds):
-            if self.stopping:
-                return self.results
-            if self.monitor:
-                self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
-            await self._admit_late_joiners(rnd)
-            if not self.members:
-                raise CoordinatorError(f"every node has left (round {rnd})")
-            try:
-                self.current = Round(self, rnd, queue)
-                self._record(await self.current.run())
-            except RoundError as e:
-                await self._last_word(list(self.ready.values()), P.TrainingCancel(reason=str(e)))
-                raise CoordinatorError(str(e)) from None
-            if self.stopping:
-                return self.results
-            if (rnd + 1) % r.checkpoint_every == 0 or rnd == r.rounds - 1:
-                await self.checkpoint(rnd)
+        try:
+            await self._rounds(first, queue)
+        except RoundError as e:
+            await self._last_word(list(self.ready.values()), P.TrainingCancel(reason=str(e)))
+            raise CoordinatorError(str(e)) from None
         if self.stopping:
             return self.results
+        await self._wait_checkpoint()
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
@@ -360,6 +351,82 @@ class Coordinator:
         if self.monitor:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
+
+    async def _rounds(self, first: int, queue: UnitQueue) -> None:
+        """Every round. Blocking sync: one at a time. Overlapped: round r+1 starts as soon as the
+        ring of round r is out, and r is settled while r+1 trains (its ring waits for that)."""
+        r = self.recipe
+        overlapped = r.sync == "overlapped"
+        prev: Round | None = None
+        for rnd in range(first, r.rounds):
+            if self.stopping:
+                return
+            if self.monitor:
+                self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
+            await self._admit_late_joiners(rnd)
+            if not self.members:
+                raise CoordinatorError(f"every node has left (round {rnd})")
+            cur = self.current = Round(self, rnd, queue, prev)
+            self.live = [x for x in (prev, cur) if x is not None]
+            await cur.start()
+            while True:
+                if await self._step(prev, cur):
+                    break
+                if prev is not None and prev.settled:
+                    prev = None
+                if overlapped and cur.ring is not None and rnd < r.rounds - 1:
+                    break
+            if cur.settled:
+                prev = None
+            else:  # overlapped: it settles during the next round
+                prev = cur
+        while prev is not None and not self.stopping:  # the last round of an overlapped run
+            self.live = [prev]
+            if await self._step(prev, None):
+                return
+
+    async def _step(self, prev: Round | None, cur: Round | None) -> bool:
+        """Handle one event (or half a second of none), run the clocks; True once `cur` (or, with
+        no cur, prev) settled. A round that settles is recorded and checkpointed as due."""
+        try:
+            peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
+        except asyncio.TimeoutError:
+            peer, msg = None, None
+        if peer is not None and peer.id in self.members:  # else: a node already dropped
+            if msg is None:
+                self.drop(peer.id, peer.gone, (cur or prev).rnd)
+            else:
+                rnd = getattr(msg, "round", None)
+                target = prev if prev is not None and rnd == prev.rnd and \
+                    isinstance(msg, (P.RoundDone, P.RingFailed, P.BarrierSync)) else (cur or prev)
+                await target.on_message(peer, msg)
+        now = time.monotonic()
+        self._check_silence(now, (cur or prev).rnd)
+        for rd in (prev, cur):
+            if rd is None or rd.settled:
+                continue
+            if await rd.tick(now, may_reduce=rd is prev or prev is None or prev.settled):
+                await self._settle(rd)
+        return (cur or prev).settled
+
+    async def _settle(self, rd: Round) -> None:
+        self._record(await rd.finish())
+        rd.settled = True
+        # The data position of θ after this round: a next round may have taken units already.
+        nxt = self.current if self.current is not None and self.current.rnd > rd.rnd else None
+        self.positions[rd.rnd] = self.queue.position() if nxt is None else \
+            UnitQueue.with_pending(nxt.queue_before, rd.given_back)
+        r = self.recipe
+        if not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
+            self._start_checkpoint(rd.rnd)
+
+    def _check_silence(self, now: float, rnd: int) -> None:
+        """Drop every node silent for stale_after_s (its connection may look open: a sleeping
+        laptop does not say goodbye)."""
+        for i in list(self.members):
+            silent = now - self.last_seen.get(i, now)
+            if silent > self.recipe.stale_after_s:
+                self.drop(i, f"silent for {silent:.0f}s", rnd)
 
     # --- checkpoints -----------------------------------------------------------------------------
 
@@ -374,51 +441,70 @@ class Coordinator:
         assert ck is not None
         if ck.manifest.get("recipe_hash") != recipe_hash(self._model_fields()):
             raise CoordinatorError(f"{ck.path}: checkpoint was made with another task, task_config or seed")
-        layout = ParamLayout.of(ck.theta)
-        theta, velocity = layout.flatten(ck.theta), layout.flatten(ck.velocity)
-        if checksum(theta, velocity) != ck.manifest.get("checksum"):
+        theta, velocity = ck.theta_flat, ck.velocity_flat  # mapped from the files, not read
+        if (got := checksum(theta, velocity)) != ck.manifest.get("checksum"):
             raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
-        self.state.layout = layout
-        self.state.publish(ck.round, theta, velocity)
-        self.checksums[ck.round] = self.state.snapshot.checksum
+        if theta.size != self.n_params:
+            raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
+        layout = ParamLayout(ck.names, ck.shapes, int(ck.manifest.get("buffers", 0)))
+        self.state.publish(ck.round, theta, velocity, got, layout)
+        self.checksums[ck.round] = got
         queue.restore(ck.manifest["queue"])
         self.samples_seen = ck.manifest.get("samples_seen", 0)
         self.last_checkpoint, self.last_checkpoint_path = ck.round, ck.path
         self._note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
         return ck.round + 1
 
-    async def checkpoint(self, rnd: int, timeout: float = 120.0) -> Path | None:
-        """Fetch θ after round `rnd` from a node (checksum-verified) and write it atomically.
-        None (and `checkpoint_error` says why) when no node could hand it over."""
+    def _start_checkpoint(self, rnd: int) -> None:
+        """Write the checkpoint of round `rnd` in the background: the rounds go on meanwhile (the
+        nodes keep serving that θ until their next outer step, which waits for the transfer)."""
+        if self._saver is not None and not self._saver.done():
+            log.warning("the checkpoint of an earlier round is still being written: none for round %d", rnd)
+            return
+        meta = {"checksum": self.checksums[rnd], "samples_seen": self.samples_at[rnd], "commit": self.commit,
+                "recipe_hash": recipe_hash(self._model_fields()), "run_id": self.run_id,
+                "queue": self.positions[rnd]}
+        self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta))
+
+    async def _wait_checkpoint(self) -> None:
+        if self._saver is not None:
+            await asyncio.wait({self._saver})
+
+    async def checkpoint(self, rnd: int, meta: dict, timeout: float = 120.0) -> Path | None:
+        """Stream θ and the outer state after round `rnd` from a node straight into a checkpoint
+        (checksum-verified before it is committed; never all in memory). None (and
+        `checkpoint_error` says why) when no node could hand it over."""
         if self.last_checkpoint == rnd:
             return self.last_checkpoint_path
         if rnd not in self.checksums or self.endpoint is None:
             return None
-        if self.state.snapshot is not None and self.state.snapshot.round == rnd:
-            snap = self.state.snapshot
-        else:
-            donors = [p.info.ring_ticket for i, p in self.ready.items() if self.state_round.get(i) == rnd]
-            try:
-                if not donors:
-                    raise StateError("no connected node holds it")
-                snap = await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd], size=self.n_params,
-                                         timeout=timeout)
-            except StateError as e:
-                self.checkpoint_error = str(e)
-                log.warning("no checkpoint for round %d: %s", rnd, e)
-                return None
-        if snap.layout is None:
+        donors = [p.info.ring_ticket for i, p in self.ready.items() if self.state_round.get(i) == rnd]
+        if self.state.current is not None and self.state.current.round == rnd:
+            donors.append(self.endpoint.ticket())  # a resumed checkpoint we serve ourselves
+        writers: list[CheckpointWriter] = []
+
+        def sink(layout: ParamLayout):  # noqa: ANN202 - a fresh file set for every donor tried
+            for w in writers:
+                w.abort()
+            writers.append(CheckpointWriter(self.run_dir / "checkpoints", rnd, layout.names, layout.shapes))
+            meta["buffers"] = layout.n_buffers
+            return writers[-1].write
+        try:
+            if not donors:
+                raise StateError("no connected node holds it")
+            await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd], sink, size=self.n_params,
+                              timeout=timeout)
+            writer = writers[-1]
+            # Shielded: a cancelled run (Ctrl-C) cannot stop the thread, so the commit stays
+            # awaitable and interrupt() waits for it instead of racing a second writer.
+            path = await asyncio.shield(asyncio.get_running_loop().run_in_executor(
+                None, lambda: writer.commit(meta, keep=self.recipe.keep_checkpoints)))
+        except (StateError, OSError, ValueError) as e:
+            for w in writers:
+                w.abort()
+            self.checkpoint_error = str(e)
+            log.warning("no checkpoint for round %d: %s", rnd, e)
             return None
-        meta = {"checksum": snap.checksum, "samples_seen": self.samples_seen, "commit": self.commit,
-                "recipe_hash": recipe_hash(self._model_fields()), "run_id": self.run_id,
-                "queue": self.queue.position()}
-        named = snap.layout.unflatten
-        self._saving = asyncio.get_running_loop().run_in_executor(
-            None, lambda: save_checkpoint(self.run_dir / "checkpoints", rnd, named(snap.theta),
-                                          named(snap.velocity), meta, keep=self.recipe.keep_checkpoints))
-        # Shielded: cancelling the run (Ctrl-C) cannot stop the writer thread, so the save stays
-        # awaitable and interrupt() waits for it instead of racing a second writer on the same files.
-        path = await asyncio.shield(self._saving)
         self.last_checkpoint, self.last_checkpoint_path = rnd, path
         self._note("checkpoint", round=rnd, path=str(path))
         return path
@@ -427,14 +513,14 @@ class Coordinator:
         """A clean stop (Ctrl-C): keep the newest finished round we can get, tell every node why.
         Returns one line saying what --resume will continue from."""
         self.stopping = True
-        if self._saving is not None:
-            await asyncio.wait({self._saving})  # a save the cancelled run left in flight ends first
+        await self._wait_checkpoint()  # a save in flight ends first
         await self._finish_reduce()
         newest = max((r for r in self.checksums if r >= 0), default=None)
         path = None
         if newest is not None:
+            self._start_checkpoint(newest)
             try:  # bounded: the nodes may have died with us (a terminal's Ctrl-C reaches them too)
-                path = await asyncio.wait_for(self.checkpoint(newest, timeout=INTERRUPT_FETCH_S), 2 * INTERRUPT_FETCH_S)
+                path = await asyncio.wait_for(asyncio.shield(self._saver), 2 * INTERRUPT_FETCH_S)
             except asyncio.TimeoutError:
                 self.checkpoint_error = f"timed out after {2 * INTERRUPT_FETCH_S:g}s"
         self._finished = True
@@ -454,23 +540,23 @@ class Coordinator:
         """Ctrl-C during an all-reduce: the nodes may already hold the next θ (and serve only
         that one). Take the RoundDone reports that arrive within a moment; if every ring member
         agrees, the round counts and its θ can be checkpointed."""
-        cur = self.current
-        if cur is None or cur.ring is None or cur.rnd in self.checksums:
-            return
-        deadline = time.monotonic() + INTERRUPT_FETCH_S
-        while not cur.agreed() and time.monotonic() < deadline:
-            try:
-                peer, msg = await asyncio.wait_for(self.events.get(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                break
-            if peer.id in self.members and isinstance(msg, P.RoundDone):
-                await cur.on_message(peer, msg)
-        if cur.agreed():
-            self._record(cur.finish())
+        for cur in [rd for rd in self.live if rd.ring is not None and not rd.settled]:
+            deadline = time.monotonic() + INTERRUPT_FETCH_S
+            while not cur.agreed() and time.monotonic() < deadline:
+                try:
+                    peer, msg = await asyncio.wait_for(self.events.get(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    break
+                if peer.id in self.members and isinstance(msg, P.RoundDone) and msg.round == cur.rnd:
+                    await cur.on_message(peer, msg)
+            if cur.agreed():
+                self._record(await cur.finish())
+                cur.settled = True
 
     def _record(self, result: RoundResult) -> None:
         self.results.append(result)
         self.samples_seen += result.samples
+        self.samples_at[result.round] = self.samples_seen
 
     async def _last_word(self, peers: list[Peer], msg: P._Msg, timeout: float = 10.0) -> None:
         """Send a final message, then wait (briefly) for each node to hang up: closing at once
@@ -546,17 +632,17 @@ class Coordinator:
             await self._broadcast(list(self.members.values()),
                                   P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids)))
 
-    def _state_source(self, node: str) -> P.StateSource | None:
-        """Where `node` gets the swarm's current θ, or None when it already holds it."""
+    def _state_source(self, node: str, force: bool = False) -> P.StateSource | None:
+        """Where `node` gets the swarm's newest agreed θ, or None when it already holds it."""
         last = max(self.checksums)
-        if self.state_round.get(node) == last:
+        if self.state_round.get(node) == last and not force:
             return None
         donors = sorted((i for i in self.members if self.state_round.get(i) == last and i != node),
                         key=lambda i: -self.speed[i])
         tickets = [self.members[i].info.ring_ticket for i in donors]
-        if self.state.snapshot is not None and self.state.snapshot.round == last:
+        if self.state.current is not None and self.state.current.round == last:
             tickets.append(self.endpoint.ticket())  # a resumed checkpoint, served by us
-        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets)
+        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[:P.MAX_NODES])
 
     # --- one round -----------------------------------------------------------------------------
 
@@ -580,7 +666,11 @@ class Coordinator:
             self.speed[i] = 0.5 * self.speed[i] + 0.5 * sps
 
     def drop(self, i: str, why: str, rnd: int) -> None:
-        """Remove a node from the swarm (its work of the round in flight is redone by the round)."""
+        """Remove a node from the swarm; every live round redoes its work (and its ring)."""
+        if i not in self.members:
+            return
+        for rd in self.live:
+            rd.forget(i, self.members[i].info.name)
         peer = self.members.pop(i)
         log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
         self._note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)

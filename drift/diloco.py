@@ -1,88 +1,172 @@
-"""The DiLoCo algorithm, apart from any networking: flat parameters, pseudo-gradients, the outer
-Nesterov step and the checksum every node reports.
+"""The DiLoCo algorithm, apart from any networking: the flat θ, pseudo-gradients, the sync rules
+(what a node contributes to the all-reduce, how the reduced sum updates θ) and the checksum every
+node reports.
 
 One outer round, as a node sees it:
     delta   = theta_global - theta_local            (how far this node's copy moved)
     avg     = sum_i w_i * delta_i                    (ring all-reduce; w_i = samples_i / total)
-    theta_global = NesterovOuter.step(theta_global, avg)
+    theta_global = rule.apply(theta_global, avg)     (the outer Nesterov step)
 
 Invariant: every node applies the same float32 operations, in the same order, to the same
 inputs, so theta_global stays bit-identical across the swarm; the checksum proves it each round.
+The operations are elementwise, so doing them a chunk at a time (to keep no full-size
+temporaries) changes no bit.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+CHUNK = 1 << 20  # values per piece of an elementwise pass: no temporary the size of θ
+
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where each named parameter lives in the flat float32 vector (names sorted)."""
+    """Where each named tensor lives in the flat float32 vector: the parameters (names sorted),
+    then the model's floating-point buffers (BatchNorm statistics; names sorted). Buffers are
+    averaged across nodes and checkpointed with θ, but not trained by the outer optimizer."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    n_buffers: int = 0  # the last n_buffers names are buffers
 
     @classmethod
-    def of(cls, params: dict[str, np.ndarray]) -> "ParamLayout":
-        names = tuple(sorted(params))
-        return cls(names, tuple(tuple(params[n].shape) for n in names))
+    def of(cls, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray] | None = None) -> ParamLayout:
+        buffers = buffers or {}
+        if clash := sorted(set(params) & set(buffers)):
+            raise ValueError(f"{clash[0]} is both a parameter and a buffer")
+        names = (*sorted(params), *sorted(buffers))
+        every = {**params, **buffers}
+        return cls(names, tuple(tuple(np.shape(every[n])) for n in names), len(buffers))
 
     @property
     def size(self) -> int:
         return sum(int(np.prod(s)) for s in self.shapes)
 
-    def flatten(self, params: dict[str, np.ndarray]) -> np.ndarray:
+    @property
+    def params_size(self) -> int:
+        """Values that are parameters: θ[:params_size]; the rest are buffers."""
+        return sum(int(np.prod(s)) for s in self.shapes[:len(self.shapes) - self.n_buffers])
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        return self.names[len(self.names) - self.n_buffers:]
+
+    def slices(self) -> Iterable[tuple[str, slice, tuple[int, ...]]]:
+        """(name, where in the flat vector, shape) for every tensor, in order."""
+        i = 0
+        for name, shape in zip(self.names, self.shapes):
+            n = int(np.prod(shape))
+            yield name, slice(i, i + n), shape
+            i += n
+
+    def flatten(self, params: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
         if set(params) != set(self.names):
             missing = sorted(set(self.names) - set(params))
             extra = sorted(set(params) - set(self.names))
             raise ValueError(f"parameter names differ: missing {missing}, unexpected {extra}")
-        out = np.empty(self.size, dtype=np.float32)
-        i = 0
-        for name, shape in zip(self.names, self.shapes):
+        out = np.empty(self.size, dtype=np.float32) if out is None else out
+        for name, sl, shape in self.slices():
             a = params[name]
-            if tuple(a.shape) != shape:
-                raise ValueError(f"parameter {name}: shape {tuple(a.shape)}, expected {shape}")
-            n = a.size
-            out[i:i + n] = a.reshape(-1)
-            i += n
+            if tuple(np.shape(a)) != shape:
+                raise ValueError(f"parameter {name}: shape {tuple(np.shape(a))}, expected {shape}")
+            out[sl] = np.reshape(a, -1)
         return out
 
     def unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Views into `flat` (no copy), one per name."""
-        out, i = {}, 0
-        for name, shape in zip(self.names, self.shapes):
-            n = int(np.prod(shape))
-            out[name] = flat[i:i + n].reshape(shape)
-            i += n
-        return out
+        return {name: flat[sl].reshape(shape) for name, sl, shape in self.slices()}
+
+    def split(self, named: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(parameters, buffers) of a dict over all names (e.g. unflatten's views)."""
+        buffers = set(self.buffer_names)
+        return ({k: v for k, v in named.items() if k not in buffers}, {k: v for k, v in named.items() if k in buffers})
 
 
 class NesterovOuter:
     """SGD with Nesterov momentum on the pseudo-gradient (DiLoCo: lr 0.7, momentum 0.9).
 
     Same update as torch.optim.SGD(nesterov=True): v = mu*v + g; theta -= lr*(g + mu*v).
+    Only θ[:params]: the buffers that follow are plain averages (θ_buf -= avg Δ_buf).
     """
 
-    def __init__(self, size: int, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
+    def __init__(self, size: int, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 params: int | None = None):
         self.lr = np.float32(lr)
         self.momentum = np.float32(momentum)
         self.nesterov = nesterov
+        self.params = size if params is None else params
         self.velocity = np.zeros(size, dtype=np.float32)
 
     def step(self, theta: np.ndarray, grad: np.ndarray) -> None:
-        """Update theta in place."""
-        v = self.velocity
-        v *= self.momentum
-        v += grad
-        if self.nesterov:
-            update = grad + self.momentum * v
+        """Update theta (and the velocity) in place; `grad` is used as scratch and left garbled."""
+        v, mu = self.velocity, self.momentum
+        for a in range(0, self.params, CHUNK):
+            b = min(a + CHUNK, self.params)
+            vc, gc = v[a:b], grad[a:b]
+            vc *= mu
+            vc += gc
+            if self.nesterov:
+                gc += mu * vc            # g + mu*v, as torch's SGD(nesterov=True)
+            else:
+                gc[...] = vc
+            gc *= self.lr
+            theta[a:b] -= gc
+        theta[self.params:] -= grad[self.params:]  # buffers: the weighted average of the nodes'
+
+
+class SyncRule:
+    """How a node's progress becomes the swarm's: what it puts into the all-reduce, and how the
+    reduced sum updates θ and the rule's own outer state. The ring and the coordinator never know
+    which rule runs. Blocking DiLoCo is this class; `overlapped` rules let the node train the next
+    round while the all-reduce runs (the node then applies `catch_up` to its local copy)."""
+
+    overlapped = False
+
+    def __init__(self, layout: ParamLayout, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
+        self.outer = NesterovOuter(layout.size, lr, momentum, nesterov, params=layout.params_size)
+
+    @property
+    def velocity(self) -> np.ndarray:
+        """The outer state that every node holds identically (checksummed, checkpointed)."""
+        return self.outer.velocity
+
+    def contribute(self, delta: np.ndarray, weight: float) -> None:
+        """Turn this node's Δ = θ_global - θ_local into what it sends, in place: w * Δ. A node of
+        weight 0 sends exact zeros (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
+        if weight == 0:
+            delta[...] = 0
         else:
-            update = v.copy()
-        update *= self.lr
-        theta -= update
+            delta *= np.float32(weight)
+
+    def apply(self, theta_global: np.ndarray, reduced: np.ndarray) -> None:
+        """θ_global (and the outer state) after this round, from the all-reduced sum (which is
+        used as scratch)."""
+        self.outer.step(theta_global, reduced)
+
+
+class OverlappedDiLoCo(SyncRule):
+    """DiLoCo with the outer step one round late: at the barrier a node sends Δ_r and trains round
+    r+1 on from where it was; when the all-reduce lands (during r+1) it applies the outer step to
+    θ_global like every node, and moves its local copy by the same amount the global one moved
+    relative to its snapshot, keeping the progress it made since (`catch_up`). The next Δ is
+    then measured from the new θ_global, so no sample counts twice and none is lost."""
+
+    overlapped = True
+
+    @staticmethod
+    def catch_up(theta_global: np.ndarray, snapshot: np.ndarray) -> None:
+        """snapshot <- θ_global - snapshot: what to add to the local copy, which was `snapshot`
+        at the barrier (θ_local + θ_global_new - θ_local_at_barrier)."""
+        for a in range(0, snapshot.size, CHUNK):
+            np.subtract(theta_global[a:a + CHUNK], snapshot[a:a + CHUNK], out=snapshot[a:a + CHUNK])
+
+
+RULES: dict[str, type[SyncRule]] = {"blocking": SyncRule, "overlapped": OverlappedDiLoCo}
 
 
 def checksum(theta: np.ndarray, velocity: np.ndarray | None = None) -> str:
@@ -106,7 +190,7 @@ def weighted_delta(theta_global: np.ndarray, theta_local: np.ndarray, weight: fl
 
 
 class DeltaCheck:
-    """A node's own sanity check of its pseudo-gradient before it goes into the all-reduce: a Δ
+    """A node's sanity check of its own pseudo-gradient before it goes into the all-reduce: a Δ
     with NaN/Inf (an fp16 overflow on one device is enough) or one whose size per inner step is
     absurdly larger than this node's recent ones would poison θ on every node, so it is reported
     instead of sent. Size per step, because a node may train 1 step one round and 100 the next."""
@@ -115,9 +199,10 @@ class DeltaCheck:
         self.factor, self.history = factor, history
         self.recent: list[float] = []
 
-    def problem(self, theta_global: np.ndarray, theta_local: np.ndarray, steps: int) -> str | None:
+    def problem(self, delta: np.ndarray, steps: int) -> str | None:
         """None if Δ is fine (and then it joins the history), else what is wrong with it."""
-        norm = delta_norm(theta_global, theta_local)
+        norm = float(np.sqrt(sum(float(np.dot(delta[a:a + CHUNK], delta[a:a + CHUNK]))
+                                 for a in range(0, delta.size, CHUNK))))
         if not np.isfinite(norm):
             return "its pseudo-gradient has NaN or Inf values"
         per_step = norm / max(steps, 1)
@@ -138,12 +223,3 @@ def unit_indices(order: np.ndarray, unit, unit_samples: int) -> np.ndarray:  # n
     """The samples [unit.lo, unit.hi) of work unit `unit.id` (units tile the epoch's order)."""
     base = unit.id * unit_samples
     return order[base + unit.lo:base + min(unit.hi, unit_samples)]
-
-
-def delta_norm(theta_global: np.ndarray, theta_local: np.ndarray, chunk: int = 1 << 20) -> float:
-    """||θ_global - θ_local||, a chunk at a time (no full-size temporary)."""
-    sq = 0.0
-    for a in range(0, theta_global.size, chunk):
-        d = np.subtract(theta_global[a:a + chunk], theta_local[a:a + chunk], dtype=np.float32)
-        sq += float(np.dot(d, d))
-    return sq ** 0.5

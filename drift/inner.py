@@ -45,9 +45,11 @@ class RoundReport:
     returned: list[P.WorkUnit] = field(default_factory=list)
     val_loss: float | None = None     # report_val in round 0: the loss of the initial θ
     val_samples: int = 0
+    busy_s: float = 0.0               # seconds spent in inner steps
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
         return P.BarrierSync(round=rnd, samples=self.samples, steps=self.steps, loss=mean_loss(self.losses),
+                             busy_s=self.busy_s,
                              trained=self.trained, returned=self.returned,
                              val_loss=self.val_loss, val_samples=self.val_samples)
 
@@ -85,9 +87,12 @@ class SimDevice:
 class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
-    def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],
-                 sim: SimDevice = SimDevice()):
+    def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],  # noqa: ANN001
+                 sim: SimDevice = SimDevice(), lock: asyncio.Lock | None = None):
         self.worker = worker
+        # Held for every step: whoever else changes the worker's model between steps (the
+        # overlapped sync's catch-up, an evaluation of θ_global) takes it too.
+        self.lock = lock or asyncio.Lock()
         self.recipe = recipe
         self.inbox = inbox
         self.send = send
@@ -98,22 +103,24 @@ class InnerLoop:
         self.step_s = 0.0          # EMA of one inner step (what the swarm sees)
         self.rtt_s = 0.05          # EMA of AskForMoreWork -> reply
 
-    async def _run(self, fn, *args, sim_s: float | None = None):
-        """Run one worker call off the event loop (so heartbeats and messages keep flowing); a
-        simulated device then sleeps until `sim_s` seconds have passed."""
-        t0 = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        if sim_s is not None:
-            took = time.perf_counter() - t0
-            if took > sim_s and not self._warned_slow:
-                self._warned_slow = True
-                log.warning("simulated step of %.3fs, but the real one took %.3fs: this machine is too "
-                            "slow to simulate that device", sim_s, took)
-            await asyncio.sleep(max(0.0, sim_s - took))
+    async def _run(self, fn, *args, sim_s: float | None = None):  # noqa: ANN001, ANN202
+        """Run one worker call off the event loop (so heartbeats and messages keep flowing), with
+        the worker's lock; a simulated device then stays busy until `sim_s` seconds have passed."""
+        async with self.lock:
+            t0 = time.perf_counter()
+            out = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            if sim_s is not None:
+                took = time.perf_counter() - t0
+                if took > sim_s and not self._warned_slow:
+                    self._warned_slow = True
+                    log.warning("simulated step of %.3fs, but the real one took %.3fs: this machine is too "
+                                "slow to simulate that device", sim_s, took)
+                await asyncio.sleep(max(0.0, sim_s - took))
         return out
 
     async def train_step(self, indices: np.ndarray) -> float:
-        return await self._run(self.worker.train_step, indices, sim_s=self.sim.step_s(self._round))
+        parts = min(self.recipe.micro_batches, len(indices))
+        return await self._run(self.worker.train_step, indices, parts, sim_s=self.sim.step_s(self._round))
 
     async def evaluate(self, rnd: int | None = None) -> tuple[float, float]:
         """(val loss of the worker's θ, seconds per evaluation batch it took)."""
@@ -127,8 +134,10 @@ class InnerLoop:
         return val, (time.perf_counter() - t0) / batches
 
     def _order(self, epoch: int) -> np.ndarray:
+        """The epoch's sample order (kept for the last two epochs: a round may span both)."""
         if epoch not in self._orders:
-            self._orders = {epoch: epoch_order(self.worker.n_train, self.recipe.seed, epoch)}
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = epoch_order(self.worker.n_train, self.recipe.seed, epoch)
         return self._orders[epoch]
 
     def _poll(self, state: dict) -> None:
@@ -159,6 +168,8 @@ class InnerLoop:
 
     async def run_round(self, a: P.ShardAssignment) -> RoundReport:
         self._round = a.round
+        # The swarm's progress, not this node's: every node of a round trains at the same rate.
+        self.worker.set_lr(self.recipe.inner_lr(a.progress + (self.recipe.round_samples or 0) // 2))
         report = RoundReport()
         if a.report_val and a.round == 0:  # the loss before any training, for the record
             report.val_loss, _ = await self.evaluate()
@@ -166,7 +177,6 @@ class InnerLoop:
         state = {"round": a.round, "granted": deque(a.units), "asked": False, "asked_at": 0.0,
                  "no_more": False, "stop": False}
         bs = self.recipe.batch_size
-        order = self._order(a.epoch)
         while True:
             self._poll(state)
             if state["stop"] or (not state["granted"] and state["no_more"]):
@@ -177,7 +187,7 @@ class InnerLoop:
                 self._apply(await self.inbox.get(), state)
                 continue
             unit = state["granted"].popleft()
-            idx = unit_indices(order, unit, self.recipe.unit_samples)
+            idx = unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
             t0, lo, u_losses = time.perf_counter(), unit.lo, []
             while lo < unit.hi:
                 # Ask ahead: the steps still in hand should cover a round trip to the coordinator.
@@ -189,13 +199,14 @@ class InnerLoop:
                 hi = min(lo + bs, unit.hi)
                 u_losses.append(await self.train_step(idx[lo - unit.lo:hi - unit.lo]))
                 dt = time.perf_counter() - t_step
+                report.busy_s += dt
                 self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
                 lo = hi
                 self._poll(state)
                 if state["stop"]:
                     break
             if lo > unit.lo:
-                done = P.WorkUnit(id=unit.id, lo=unit.lo, hi=lo)
+                done = unit.model_copy(update={"hi": lo})
                 report.trained.append(done)
                 report.samples += lo - unit.lo
                 report.steps += len(u_losses)
@@ -204,7 +215,7 @@ class InnerLoop:
                                                 loss=mean_loss(u_losses),
                                                 samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0)))
             if lo < unit.hi:
-                report.returned.append(P.WorkUnit(id=unit.id, lo=lo, hi=unit.hi))
+                report.returned.append(unit.model_copy(update={"lo": lo}))
         # A grant may still be on its way: wait for it, then hand back every untrained unit once.
         while state["asked"]:
             self._apply(await self.inbox.get(), state)

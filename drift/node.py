@@ -3,12 +3,19 @@
 The node connects to the coordinator (ALPN ``drift/0``), loads the task from its repo, and then
 follows the coordinator round by round: train the units it is given (asking for more when it
 runs out), stop at the barrier, all-reduce its weighted pseudo-gradient with its ring neighbours
-(ALPN ``drift-ring/0``), apply the outer step and report the checksum of the new parameters.
+(ALPN ``drift-ring/0``), apply the outer step and report the checksum of the new state.
+
+With the overlapped sync rule the node trains the next round while that all-reduce runs; the
+outer step lands during it, and the node's local copy catches up between two inner steps.
 
 A node that loses its swarm (the laptop slept, the network dropped, the coordinator dropped it
 as silent) comes back by itself: it connects again with the same identity, is verified again,
 fetches θ from a peer and trains from the next round. One `Session` is one connection to the
 coordinator; the `Node` keeps the model, the endpoint and the ring across sessions.
+
+Memory: besides the framework's own model and optimizer, a node holds θ_global, the outer
+optimizer's velocity and one all-reduce buffer (three copies of θ), plus the local snapshot with
+the overlapped rule (four). Nothing else is a copy of θ: transfers stream from and into these.
 """
 
 from __future__ import annotations
@@ -25,23 +32,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
-from drift.diloco import DeltaCheck, NesterovOuter, ParamLayout, checksum, weighted_delta
+from drift.diloco import RULES, DeltaCheck, ParamLayout, SyncRule, checksum
 from drift.inner import Calibration, InnerLoop, SimDevice, StopTraining, calibrate
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
 from drift.ring import Ring, RingError
-from drift.state import StateError, StateServer, fetch_state
+from drift.state import StateError, StateServer, fetch_state, into_arrays
 from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, TransportError,
                              TransportTimeout, mode_for_ticket, parse_ticket)
-from workers import BackendError, choose, load_task, make_worker
+from workers import BackendError, TaskError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
 
 HANDSHAKE_TIMEOUT = 60.0   # TrainConfig after NodeInfo; the coordinator's silence before a recipe names one
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
+SYNC_MESSAGES = (P.BarrierReady, P.Agreed)  # handled by the sync of a round, not by the round loop
 
 
 class NodeError(Exception):
@@ -67,6 +77,19 @@ class NodeOptions:
 
 
 @dataclass
+class Pending:
+    """A round this node synced at the barrier (or must catch up on) whose θ_global it does not
+    hold yet. It is settled when the node applied the outer step itself, or when the coordinator
+    said what θ became (Agreed)."""
+
+    round: int
+    report_val: bool = False
+    applied: bool = False             # our own all-reduce succeeded: θ_global is (provisionally) the round's
+    superseded: bool = False          # ... but the coordinator redid it without us: wait for Agreed
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
 class Trainer:
     """What a node keeps across sessions: the task's worker and the swarm's state as it knows it."""
 
@@ -76,14 +99,46 @@ class Trainer:
     commit: str
     tree: str | None
     layout: ParamLayout
-    theta: object                     # θ_global, flat float32
-    outer: NesterovOuter
+    rule: SyncRule
+    theta: np.ndarray                 # θ_global: parameters, then buffers (flat float32)
+    delta: np.ndarray                 # the all-reduce buffer: Δ, then the reduced sum
+    snap: np.ndarray | None           # overlapped: the local copy at the barrier (then: what to add)
     calibration: Calibration
     initial_checksum: str             # of θ0: the coordinator checks every node built the same model
+    held: int = -1                    # the round whose state θ_global is
+    held_checksum: str = ""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the worker's model, between inner steps
     inner: InnerLoop | None = None
-    saved: tuple | None = None        # (θ, velocity, θ_local, report_val) at the barrier: a retry starts here
-    stepped: bool = True              # θ_local was replaced by θ after the last barrier (outer step done)
+    pending: Pending | None = None
     delta_check: DeltaCheck = field(default_factory=DeltaCheck)
+
+    # --- moving state between the worker and the flat vectors ----------------------------------
+
+    def read_local(self, out: np.ndarray) -> None:
+        """out <- the worker's parameters and buffers, one tensor at a time."""
+        for (name, sl, _), (got, a) in zip(self.layout.slices(), self.worker.iter_state()):
+            if got != name:
+                raise RuntimeError(f"the worker lists {got} where the layout has {name}")
+            out[sl] = a.reshape(-1)
+
+    def pseudo_gradient(self, local: np.ndarray | None = None) -> None:
+        """delta <- θ_global - θ_local (from `local` if given, else from the worker)."""
+        if local is None:
+            self.read_local(self.delta)
+        else:
+            self.delta[...] = local
+        np.subtract(self.theta, self.delta, out=self.delta)
+
+    def load_worker(self) -> None:
+        """The worker's model <- θ_global (views: no copy on this side)."""
+        params, buffers = self.layout.split(self.layout.unflatten(self.theta))
+        self.worker.set_params(params)
+        if buffers:
+            self.worker.set_buffers(buffers)
+
+    def publish(self, server: StateServer, rnd: int) -> None:
+        self.held, self.held_checksum = rnd, checksum(self.theta, self.rule.velocity)
+        server.publish(rnd, self.theta, self.rule.velocity, self.held_checksum, self.layout)
 
 
 class Node:
@@ -115,6 +170,8 @@ class Node:
             accept.cancel()
             self.ring.close()
             await self.endpoint.close()
+            if self.trainer is not None:
+                self.trainer.worker.close()
 
     async def _sessions(self) -> int:
         """Sessions until the run completes; after a loss, reconnect with backoff."""
@@ -149,12 +206,16 @@ class Session:
     def __init__(self, node: Node):
         self.node = node
         self.opts = node.opts
-        self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()
+        self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()   # the round loop's messages
+        self.sync_q: asyncio.Queue[P.Message | None] = asyncio.Queue()  # BarrierReady, Agreed (and the end)
         self.ctl: Channel | None = None
         self.silence_s = HANDSHAKE_TIMEOUT   # the coordinator pings; this much silence means it is gone
         self.round = -1
         self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
         self._tasks: list[asyncio.Task] = []
+        self.lost_reason = "coordinator closed the connection"
+        self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
+        self.failure: Exception | None = None  # an error of the sync, raised in the round loop
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -165,27 +226,36 @@ class Session:
             raise Lost(f"cannot reach the coordinator: {e}") from None
 
     async def _read_control(self) -> None:
-        """Coordinator frames -> inbox; None marks the end of the connection (or its silence)."""
+        """Coordinator frames -> the round loop's inbox, or the sync's queue; the end of the
+        connection (or its silence, or TrainComplete/TrainingCancel) goes to both."""
         try:
             while True:
                 frame = await self.ctl.recv_frame(MAX_CONTROL_FRAME, timeout=self.silence_s)
                 msg = P.decode(frame)
+                if isinstance(msg, P.Ping):
+                    continue
                 if isinstance(msg, P.TrainingReady):
                     # Membership changes are taken here, as they arrive, not when the main loop
                     # gets to them: a newcomer may ask us for θ a moment later.
                     self._check_members(msg)
-                if not isinstance(msg, P.Ping):
-                    self.inbox.put_nowait(msg)
+                if isinstance(msg, SYNC_MESSAGES):
+                    self.sync_q.put_nowait(msg)
+                    continue
+                if isinstance(msg, (P.TrainComplete, P.TrainingCancel)):
+                    self.sync_q.put_nowait(msg)
+                    self.ended.set()
+                self.inbox.put_nowait(msg)
         except P.ProtocolError as e:  # the coordinator sent garbage: say so, and end the connection
             log.warning("dropping the coordinator's connection: %s", e)
             self.lost_reason = f"the coordinator sent an invalid message ({e})"
             self.ctl.close(str(e))
-            self.inbox.put_nowait(None)
         except Exception as e:  # noqa: BLE001 - closed or silent: the session ends (and may rejoin)
             log.debug("control stream ended: %s", e)
             self.lost_reason = "coordinator silent" if isinstance(e, TransportTimeout) else \
                 "coordinator closed the connection"
-            self.inbox.put_nowait(None)
+        self.inbox.put_nowait(None)
+        self.sync_q.put_nowait(None)
+        self.ended.set()
 
     async def expect(self, *types: type, timeout: float | None = None) -> P.Message:
         """Next control message of one of `types`; TrainingCancel ends the run, a lost connection
@@ -196,18 +266,24 @@ class Session:
             except asyncio.TimeoutError:
                 names = "/".join(t.__name__ for t in types)
                 raise Lost(f"coordinator sent no {names} within {timeout:g}s") from None
-            if msg is None:
-                self._stash.appendleft(None)  # every later expect() sees the end too
-                raise Lost(getattr(self, "lost_reason", "coordinator closed the connection"))
-            if isinstance(msg, P.TrainingCancel):
-                if msg.retry and self.node.admitted:
-                    raise Lost(f"the coordinator still holds our old connection ({msg.reason})")
-                raise NodeError(f"training cancelled by coordinator: {msg.reason}")
+            self._check_end(msg)
             if isinstance(msg, types):
                 return msg
-            if getattr(msg, "round", self.round) < self.round:
+            if getattr(msg, "round", self.round) < self.round or isinstance(msg, P.StopRound):
                 continue
             raise NodeError(f"unexpected {msg.type} from coordinator (expected {'/'.join(t.__name__ for t in types)})")
+
+    def _check_end(self, msg: P.Message | None) -> None:
+        """Raise what the end of the run or of the connection means for this node."""
+        if msg is None:
+            self._stash.appendleft(None)  # every later expect() sees the end too
+            if self.failure is not None:
+                raise self.failure
+            raise Lost(self.lost_reason)
+        if isinstance(msg, P.TrainingCancel):
+            if msg.retry and self.node.admitted:
+                raise Lost(f"the coordinator still holds our old connection ({msg.reason})")
+            raise NodeError(f"training cancelled by coordinator: {msg.reason}")
 
     # --- the session ---------------------------------------------------------------------------
 
@@ -244,17 +320,14 @@ class Session:
             return self._complete(ready)
         await self._verify_ready(ready)
         self.node.admitted = True
-        t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, self.opts.sim)
+        t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, self.opts.sim, t.lock)
+        self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
-            msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.BarrierReady, P.TrainingReady)
+            msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
             if isinstance(msg, P.TrainComplete):
                 return self._complete(msg)
             if isinstance(msg, P.TrainingReady):  # new members (taken by the reader already)
                 await self._verify_ready(msg)
-                continue
-            if isinstance(msg, P.BarrierReady):  # the last all-reduce is retried (a member was lost)
-                if t.saved is not None and msg.round == self.round:
-                    await self._sync(msg)
                 continue
             await self._round(msg)
 
@@ -291,9 +364,10 @@ class Session:
                 t = node.trainer = await self._load(cfg)
             finally:
                 alive.cancel()
-        else:  # rejoining: same model, fresh inner state, θ comes from a peer at the next round
+        else:  # rejoining: same model, fresh inner state; θ comes from a peer at the next round
             t.worker.reset_optimizer()
-            t.saved, t.stepped = None, False
+            t.pending = None
+            t.load_worker()  # what it trained since the last agreed θ was redone by the others
         self.silence_s = t.recipe.stale_after_s
         await self.send(self._repo_commit(t))
         return t
@@ -304,7 +378,8 @@ class Session:
         try:
             recipe = Recipe.model_validate(cfg.recipe)
         except ValueError as e:
-            raise await self._refuse(f"the coordinator sent a recipe this drift cannot use: {e}") from None
+            reason = str(e).splitlines()[0] if str(e) else "invalid"
+            raise await self._refuse(f"the coordinator sent a recipe this drift cannot use ({reason})") from None
         loop = asyncio.get_running_loop()
         try:
             work = await loop.run_in_executor(None, node.cache.checkout, cfg.commit or "")
@@ -314,29 +389,33 @@ class Session:
             raise await self._refuse(str(e)) from None
         io = recipe.inner_optimizer
 
-        def build():
-            task = load_task(task_path)  # only from the checkout of cfg.commit
+        def build():  # noqa: ANN202 - off the event loop: importing torch and building a model takes a while
+            task = load_task(task_path, root=work)  # only from the checkout of cfg.commit
             return make_worker(task, recipe.task_config,
                                dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2),
                                     grad_clip=io.grad_clip),
                                backend=opts.backend, device=opts.device, seed=recipe.seed,
-                               threads=opts.threads, task_name=f"task {recipe.task}")
+                               threads=opts.threads, task_name=f"task {recipe.task}", precision=recipe.precision)
         try:
             worker = await loop.run_in_executor(None, build)
-        except BackendError as e:
-            raise await self._refuse(str(e)) from None
-        layout = ParamLayout.of(worker.get_params())
-        theta = layout.flatten(worker.get_params())
-        oo = recipe.outer_optimizer
-        outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov)
-        log.info("loaded %s: %d parameters, %s on %s", recipe.task, layout.size, worker.backend, worker.device)
-        cal = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send, opts.sim))
-        worker.set_params(layout.unflatten(theta))  # calibration trained a few steps: back to θ0
-        worker.reset_optimizer()                    # ... and to a fresh AdamW, as every node starts
-        node.state.layout = layout
-        node.state.publish(-1, theta, outer.velocity)
-        return Trainer(worker, recipe, cfg.run_id, cfg.commit, tree, layout, theta, outer, cal,
-                       checksum(theta, outer.velocity))
+            layout = ParamLayout.of(worker.get_params(), worker.get_buffers())
+            theta = np.empty(layout.size, np.float32)
+            oo = recipe.outer_optimizer
+            rule = RULES[recipe.sync](layout, oo.lr, oo.momentum, oo.nesterov)
+            t = Trainer(worker, recipe, cfg.run_id, cfg.commit, tree, layout, rule, theta,
+                        np.empty(layout.size, np.float32),
+                        np.empty(layout.size, np.float32) if rule.overlapped else None, None, "")
+            t.read_local(theta)
+            log.info("loaded %s: %d values (%d in buffers), %s on %s", recipe.task, layout.size,
+                     layout.size - layout.params_size, worker.backend, worker.device)
+            t.calibration = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send, opts.sim))
+        except (BackendError, TaskError, ImportError) as e:  # a task that breaks the interface says so at its first step
+            raise await self._refuse(str(e).splitlines()[0]) from None
+        t.load_worker()              # calibration trained a few steps: back to θ0 (buffers too)
+        worker.reset_optimizer()     # ... and to a fresh AdamW, as every node starts
+        t.publish(node.state, -1)
+        t.initial_checksum = t.held_checksum
+        return t
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
 
@@ -350,7 +429,7 @@ class Session:
             while loop.time() < deadline:
                 if await asyncio.wait_for(self.inbox.get(), deadline - loop.time()) is None:
                     break
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - best effort: we are leaving anyway
             pass
         return NodeError(reason)
 
@@ -360,8 +439,7 @@ class Session:
         rc = P.RepoCommit(repo=node.cache.source, commit=t.commit, tree=t.tree, node_id=node.endpoint.node_id,
                           timestamp=time.time(), nonce=secrets.token_hex(16),
                           param_checksum=t.initial_checksum, n_train=t.worker.n_train, n_params=t.layout.size,
-                          run_id=t.run_id,
-                          samples_per_s=t.calibration.samples_per_s)
+                          run_id=t.run_id, samples_per_s=t.calibration.samples_per_s)
         return P.RepoCommit.model_validate(sign_message(node.key, rc.model_dump(mode="json")))
 
     def _check_members(self, ready: P.TrainingReady) -> str | None:
@@ -391,106 +469,193 @@ class Session:
     # --- rounds --------------------------------------------------------------------------------
 
     async def _round(self, a: P.ShardAssignment) -> None:
-        node, t = self.node, self.node.trainer
+        t = self.node.trainer
         self.round = a.round
-        if not t.stepped:  # the last round's outer step never landed here: start again from θ
-            t.worker.set_params(t.layout.unflatten(t.theta))
-            t.stepped = True
-        t.saved = None
         if a.state is not None:  # a late joiner, an evaluator or a node that sat out: take the swarm's θ first
-            try:
-                snap = await fetch_state(node.endpoint, a.state.tickets, a.state.round, a.state.checksum, t.layout.size)
-            except StateError as e:
-                raise Lost(str(e)) from None  # come back and ask again, rather than train on a stale θ
-            t.theta[:], t.outer.velocity[:] = snap.theta, snap.velocity
-            t.worker.set_params(t.layout.unflatten(t.theta))
-            node.state.publish(snap.round, t.theta, t.outer.velocity)
-            log.info("took θ after round %d from a peer", snap.round)
+            await self._fetch(t, a.state)
+            t.pending = None
+            async with t.lock:
+                t.load_worker()
+        if a.catch_up is not None and t.pending is None:  # overlapped: that round lands while we train
+            t.snap[...] = t.theta
+            t.pending = Pending(a.catch_up)
         if a.role == "evaluate":
             val, batch_s = await t.inner.evaluate(a.round)
             n = min(t.worker.n_val, t.recipe.eval_batches * t.recipe.batch_size)
             # Evaluators do not train, so their speed is re-measured here: a node that recovers
             # (a laptop that cooled down) trains again once it is fast enough.
             sps = t.recipe.batch_size / (batch_s * t.calibration.eval_ratio)
-            await self.send(P.EvalResult(after_round=node.state.snapshot.round, val_loss=val, val_samples=n,
-                                         samples_per_s=sps))
+            await self.send(P.EvalResult(after_round=t.held, val_loss=val, val_samples=n, samples_per_s=sps))
             return
         report = await t.inner.run_round(a)
-        t.stepped = False
-        local = t.layout.flatten(t.worker.get_params())
-        problem = t.delta_check.problem(t.theta, local, report.steps) if report.steps else None
+        if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
+            await self._settled(t.pending)
+        async with t.lock:
+            if t.snap is not None:
+                t.read_local(t.snap)  # the local copy at this barrier, for the catch-up
+            t.pseudo_gradient(t.snap)
+        problem = t.delta_check.problem(t.delta, report.steps) if report.steps else None
         if problem:
             log.warning("round %d: %s; reporting it instead of sending it", a.round, problem)
             t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
+        t.pending = Pending(a.round, a.report_val)
         await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem}))
-        # A StopRound sent before the coordinator saw our BarrierSync may still arrive: moot. A
-        # ShardAssignment (or TrainComplete) instead of BarrierReady means the swarm went on without
-        # us (we missed the deadline): this round's work is redone by others, θ comes next round.
-        while True:
-            msg = await self.expect(P.BarrierReady, P.StopRound, P.ShardAssignment, P.TrainComplete)
-            if isinstance(msg, P.BarrierReady) and msg.round == a.round:
-                break
-            if isinstance(msg, (P.ShardAssignment, P.TrainComplete)):
-                log.warning("round %d went on without this node (it missed the deadline)", a.round)
-                self._stash.appendleft(msg)
-                return
-        # Kept until the next round: a retried all-reduce starts again from exactly these.
-        t.saved = (t.theta.copy(), t.outer.velocity.copy(), local, a.report_val)
-        await self._sync(msg)
+        if not t.rule.overlapped:
+            await self._settled(t.pending)
 
-    async def _sync(self, ready: P.BarrierReady) -> None:
-        """All-reduce the weighted pseudo-gradient, apply the outer step, report the checksum.
-
-        A newer BarrierReady for the same round (the coordinator lost a ring member) aborts the
-        reduce in flight; so does a ring failure here (then we report it and wait for the retry).
-        Either way θ and the outer state roll back to the round's start first."""
-        node, t = self.node, self.node.trainer
-        theta_prev, velocity_prev, local, report_val = t.saved
-        theta, outer, worker, layout, recipe = t.theta, t.outer, t.worker, t.layout, t.recipe
-        theta[:], outer.velocity[:] = theta_prev, velocity_prev
-        me = next((m for m in ready.ring if m.node_id == node.endpoint.node_id), None)
-        if me is None:
-            return  # not in this ring (we sit the round out): θ comes next round
-        delta = weighted_delta(theta_prev, local, me.weight)
-        reduce = asyncio.ensure_future(node.ring.allreduce_sum(
-            delta, ready.ring, ready.round, codec=ready.codec, topk_fraction=recipe.topk_fraction,
-            generation=ready.ring_epoch))
-        while True:
-            getter = asyncio.ensure_future(self.inbox.get())
-            done, _ = await asyncio.wait({reduce, getter}, return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                msg = getter.result()
-                if isinstance(msg, P.BarrierReady) and msg.round == ready.round and msg.ring_epoch > ready.ring_epoch:
-                    reduce.cancel()
-                    self._stash.append(msg)  # the main loop picks it up and retries
-                    return
-                if msg is None or isinstance(msg, P.TrainingCancel):
-                    reduce.cancel()
-                    self._stash.append(msg)
-                    await self.expect()  # raises the matching Lost / NodeError
-                self._stash.append(msg)
-                if reduce not in done:
-                    continue
-            else:
-                getter.cancel()
-            break
+    async def _settled(self, p: Pending) -> None:
+        """Until the outer step of round p.round has landed here, or the session ends (then the
+        round loop's next message says how: TrainComplete, TrainingCancel, a lost connection)."""
+        waiters = [asyncio.ensure_future(p.settled.wait()), asyncio.ensure_future(self.ended.wait())]
         try:
-            stats = reduce.result()
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    # --- the sync of each round: all-reduce, outer step, catch-up -------------------------------
+
+    async def _sync_loop(self, t: Trainer) -> None:
+        """Runs beside the rounds for the whole session: BarrierReady starts (or restarts) the
+        all-reduce of the pending round; Agreed says what θ became for a node that did not reduce
+        it. A failure here ends the session like any other (the round loop sees the end)."""
+        reduce: asyncio.Task | None = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(self.sync_q.get())
+                waiting = {getter} | ({reduce} if reduce is not None else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if reduce is not None and reduce in done:
+                    finished, reduce = reduce, None
+                    await self._reduced(t, finished)
+                if getter not in done:
+                    getter.cancel()
+                    continue
+                msg = getter.result()
+                if msg is None or isinstance(msg, (P.TrainComplete, P.TrainingCancel)):
+                    return
+                p = t.pending
+                if isinstance(msg, P.BarrierReady):
+                    if p is None or msg.round != p.round:
+                        continue  # a retry of a round already settled here (we answered it before)
+                    if reduce is not None:  # a newer ring for the same round: the attempt in flight is moot
+                        reduce.cancel()
+                        reduce = None
+                    if p.applied:
+                        p.applied, p.superseded = False, True
+                        p.settled.clear()
+                        await self.send(P.RingFailed(round=msg.round, ring_epoch=msg.ring_epoch, sit_out=True,
+                                                     reason="this node already applied the round's outer step"))
+                        continue
+                    reduce = asyncio.ensure_future(self._allreduce(t, msg))
+                elif isinstance(msg, P.Agreed) and p is not None and msg.round == p.round:
+                    if reduce is not None:
+                        reduce.cancel()
+                        reduce = None
+                    await self._agreed(t, p, msg)
+        except Exception as e:  # noqa: BLE001 - the round loop must end too, and say why
+            if not isinstance(e, Lost):
+                log.exception("the sync of round %s failed", t.pending.round if t.pending else "?")
+                self.failure = e
+            self.lost_reason = str(e)
+            self.inbox.put_nowait(None)
+            self.ended.set()
+        finally:
+            if reduce is not None:
+                reduce.cancel()
+
+    async def _allreduce(self, t: Trainer, ready: P.BarrierReady):  # noqa: ANN202
+        """One attempt at the round's all-reduce: Δ (recomputed: an earlier attempt left the buffer
+        garbled) times this node's weight, summed around the ring. (ready, stats or None, error)."""
+        me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
+        if me is None:
+            return ready, None, None  # not in this ring: θ comes with Agreed
+        async with t.lock:
+            t.pseudo_gradient(t.snap)
+        t.rule.contribute(t.delta, me.weight)
+        try:
+            stats = await self.node.ring.allreduce_sum(t.delta, ready.ring, ready.round, codec=ready.codec,
+                                                       topk_fraction=t.recipe.topk_fraction,
+                                                       generation=ready.ring_epoch)
         except RingError as e:
-            log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", ready.round, e)
-            await self.send(P.RingFailed(round=ready.round, ring_epoch=ready.ring_epoch, reason=str(e)[:500],
-                                         suspect=e.suspect))
+            return ready, None, e
+        return ready, stats, None
+
+    async def _reduced(self, t: Trainer, task: asyncio.Task) -> None:
+        """An all-reduce attempt ended: apply the outer step and report the checksum, or report
+        the failure and wait for the coordinator's retry."""
+        p = t.pending
+        if task.cancelled():
             return
-        outer.step(theta, delta)
-        worker.set_params(layout.unflatten(theta))
-        t.stepped = True
-        node.state.publish(ready.round, theta, outer.velocity)
-        val = None
-        if report_val:
-            val, _ = await t.inner.evaluate()
-        await self.send(P.RoundDone(round=ready.round, ring_epoch=ready.ring_epoch,
-                                    checksum=checksum(theta, outer.velocity),
+        ready, stats, error = task.result()
+        if error is not None:
+            log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", p.round, error)
+            await self.send(P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=str(error)[:500],
+                                         suspect=error.suspect))
+            return
+        if stats is None:
+            return
+        async with self.node.state.updating():
+            t.rule.apply(t.theta, t.delta)
+            t.publish(self.node.state, p.round)
+        p.applied = True
+        await self._catch_up(t)
+        val = await self._evaluate_global(t) if p.report_val else None
+        await self.send(P.RoundDone(round=p.round, ring_epoch=ready.ring_epoch, checksum=t.held_checksum,
                                     val_loss=val, bytes_sent=stats.bytes_sent, reduce_s=stats.seconds))
+        p.settled.set()
+
+    async def _agreed(self, t: Trainer, p: Pending, msg: P.Agreed) -> None:
+        """The coordinator settled round p.round without (or despite) our own reduce: make θ the
+        agreed state, fetching it if ours differs, and move the local copy along (a round given
+        up leaves θ as it was: the catch-up then takes back what the round trained locally)."""
+        changed = t.held_checksum != msg.state.checksum
+        if changed:
+            await self._fetch(t, msg.state)
+        if changed or not p.applied:
+            await self._catch_up(t)
+        p.applied = p.superseded = False
+        p.settled.set()
+
+    async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
+        """θ_global and the outer state <- the agreed state of round src.round, from a peer."""
+        try:
+            async with self.node.state.updating():
+                await fetch_state(self.node.endpoint, src.tickets, src.round, src.checksum,
+                                  into_arrays(t.theta, t.rule.velocity), size=t.layout.size)
+                t.publish(self.node.state, src.round)
+        except StateError as e:
+            raise Lost(str(e)) from None  # come back and ask again, rather than train on a stale θ
+        log.info("took θ after round %d from a peer", src.round)
+
+    async def _catch_up(self, t: Trainer) -> None:
+        """The local copy follows θ_global: blocking, it becomes θ_global; overlapped, it moves by
+        what θ_global moved relative to the snapshot, keeping the progress made since."""
+        async with t.lock:
+            if t.snap is None:
+                t.load_worker()
+            else:
+                t.rule.catch_up(t.theta, t.snap)
+                t.worker.add_to_state(t.layout.unflatten(t.snap))
+                t.snap[...] = t.theta  # from now on the local copy is relative to this θ_global
+
+    async def _evaluate_global(self, t: Trainer) -> float:
+        """The val loss of θ_global (overlapped: the local copy is set aside meanwhile)."""
+        if t.snap is None:
+            val, _ = await t.inner.evaluate()
+            return val
+        async with t.lock:
+            t.read_local(t.snap)
+            t.load_worker()
+        try:
+            val, _ = await t.inner.evaluate()
+        finally:
+            async with t.lock:
+                t.worker.set_params(t.layout.split(t.layout.unflatten(t.snap))[0])
+                if t.layout.n_buffers:
+                    t.worker.set_buffers(t.layout.split(t.layout.unflatten(t.snap))[1])
+                t.snap[...] = t.theta
+        return val
 
     async def _heartbeat(self, every_s: float) -> None:
         """Tell the coordinator we are alive, also while a long inner step runs; a --local node
@@ -502,8 +667,8 @@ class Session:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
             try:
-                await self.ctl.send_frame(P.encode(P.Heartbeat(round=self.round)))
-            except Exception:
+                await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1))))
+            except Exception:  # noqa: BLE001 - the reader notices a dead connection
                 return
 
 

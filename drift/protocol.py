@@ -189,7 +189,9 @@ class Heartbeat(_Msg):
 # --- work --------------------------------------------------------------------------------------
 
 class WorkUnit(_Msg):
-    """Samples [lo, hi) of unit `id` in the epoch's order (a unit cut short comes back as a tail)."""
+    """Samples [lo, hi) of unit `id` in epoch `epoch`'s order (a unit cut short comes back as a
+    tail). A round's units may span two epochs: a small dataset ends mid-round."""
+    epoch: Round = 0
     id: int = Field(ge=0, le=MAX_COUNT)
     lo: int = Field(ge=0, le=MAX_UNIT_SAMPLES)
     hi: int = Field(ge=0, le=MAX_UNIT_SAMPLES)
@@ -224,6 +226,9 @@ class ShardAssignment(_Msg):
     role: Literal["train", "evaluate"] = "train"   # evaluate: val loss of θ at round start, no training
     report_val: bool = False          # evaluate θ after the outer step and report it in RoundDone
     state: StateSource | None = None  # fetch θ first (late joiners, evaluators)
+    progress: Count = 0               # samples the swarm trained before this round (the lr schedule)
+    catch_up: Round | None = None     # overlapped sync: a round still being reduced without this node;
+                                      # its θ comes with Agreed, and this node's progress moves along
 
 
 class TrainProgress(_Msg):
@@ -273,6 +278,7 @@ class BarrierSync(_Msg):
     val_loss: Loss | None = None      # evaluators: val loss of θ at the start of this round
     val_samples: Count = 0
     delta_error: Text | None = None   # the node's own Δ is unusable (NaN, absurd size): it sends zeros
+    busy_s: Seconds = 0.0             # seconds spent in inner steps this round (utilization)
 
     @model_validator(mode="after")
     def _samples_are_the_trained_ones(self) -> BarrierSync:
@@ -310,6 +316,7 @@ class RingFailed(_Msg):
     ring_epoch: Round
     reason: Text
     suspect: NodeId | Literal[""] = ""  # the neighbour whose bytes or silence failed it, when known
+    sit_out: bool = False             # this node already applied this round's outer step: it cannot redo it
 
 
 class RoundDone(_Msg):
@@ -332,6 +339,16 @@ class EvalResult(_Msg):
     samples_per_s: Rate | None = None  # training speed, estimated from the evaluation's timing
 
 
+class Agreed(_Msg):
+    """Coordinator -> the nodes that did not compute it themselves (not in the ring's last attempt,
+    or caught up later): round `round` is settled, and θ is now the state in `state` (the round's,
+    or, when the round was given up, the one before: `abandoned`)."""
+    type: Literal["Agreed"] = "Agreed"
+    round: Round
+    abandoned: bool = False
+    state: StateSource
+
+
 class CheckpointInfo(_Msg):
     type: Literal["CheckpointInfo"] = "CheckpointInfo"
     round: Round
@@ -348,7 +365,7 @@ class TrainComplete(_Msg):
 Message = Annotated[
     NodeInfo | TrainConfig | RepoCommit | TrainingReady | TrainingCancel | Ping | Pong | Heartbeat
     | ShardAssignment | TrainProgress | AskForMoreWork | AssignNext | NoMoreWork | StopRound
-    | BarrierSync | BarrierReady | RingFailed | RoundDone | EvalResult | CheckpointInfo | TrainComplete,
+    | BarrierSync | BarrierReady | RingFailed | RoundDone | EvalResult | Agreed | CheckpointInfo | TrainComplete,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)

@@ -54,14 +54,18 @@ def _samples(units: list[P.WorkUnit]) -> int:
 class Round:
     """The coordinator's side of round `rnd`; `await Round(...).run()` returns its result."""
 
-    def __init__(self, coord: Coordinator, rnd: int, queue: UnitQueue):
+    def __init__(self, coord: Coordinator, rnd: int, queue: UnitQueue, prev: Round | None = None):
+        """`prev`: with the overlapped sync rule, the round before, still in its all-reduce."""
         self.c, self.rnd, self.queue, self.r = coord, rnd, queue, coord.recipe
+        self.prev = prev
         self.t0 = time.monotonic()
         self.steal = self.r.schedule == "steal"
         members = coord.members
+        self.participants = set(members)     # nodes that joined later enter the next round
         self.budget = self.r.round_samples if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
         self.evaluators = coord._evaluators(self.budget) if self.steal else set()
         self.trainers = {i: coord.speed[i] for i in members if i not in self.evaluators}
+        self.queue_before = queue.position()  # the data position before this round took its units
         self.epoch, units = queue.take(self.budget)
         # Lockstep (for comparison) gives every node the same share, whatever its speed.
         self.plan = RoundPlan.make(units, self.trainers if self.steal else dict.fromkeys(self.trainers, 1.0), self.steal)
@@ -82,50 +86,58 @@ class Round:
         self.ring_failed_at: float | None = None
         self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
         self.abandoned: str | None = None     # why this round's all-reduce was given up (θ unchanged)
+        self.catching_up: set[str] = set()   # told to catch up on prev (not in its ring)
+        self.settled = False
+        self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
         self.epoch0 = coord.ring_epoch
 
     # --- who is where ---------------------------------------------------------------------------
 
     def part(self) -> list[str]:
         """The nodes in this round's barrier and ring."""
-        return [i for i in self.c.members if i not in self.evaluators and i not in self.sitting_out]
+        return [i for i in self.c.members
+                if i in self.participants and i not in self.evaluators and i not in self.sitting_out]
 
     def name(self, i: str) -> str:
         return self.c.members[i].info.name if i in self.c.members else i[:10]
 
     # --- the round ------------------------------------------------------------------------------
 
-    async def run(self) -> RoundResult:
-        await self.start()
-        while True:
-            try:
-                peer, msg = await asyncio.wait_for(self.c.events.get(), 0.5)
-            except asyncio.TimeoutError:
-                peer, msg = None, None
-            if peer is not None and peer.id in self.c.members:  # else: a node already dropped
-                await self.on_message(peer, msg)
-            if await self.tick(time.monotonic()):
-                return self.finish()
-
     async def start(self) -> None:
-        c = self.c
+        c, prev = self.c, self.prev
+        # The lr schedule follows the swarm's samples: those of the round still being reduced count.
+        progress = c.samples_seen + (prev.samples_synced() if prev is not None else 0)
         for i, peer in list(c.members.items()):
             if i in self.evaluators:  # evaluators work at their own pace: a new job once the last is done
                 if i not in c.evaluating:
                     await c._assign_evaluation(peer, self.rnd, self.epoch)
                 continue
+            catch_up = None
+            if prev is not None and (prev.ring is None or i not in {m.node_id for m in prev.ring}):
+                catch_up = prev.rnd  # it does not reduce prev itself: Agreed tells it what θ became
+                prev.catching_up.add(i)
             last_round = self.rnd == self.r.rounds - 1
             await c._send(peer, P.ShardAssignment(
                 round=self.rnd, epoch=self.epoch, units=self.plan.grant_first(i), planned=len(self.plan.planned[i]),
-                report_val=i == self.fastest and (not self.evaluators or last_round), state=c._state_source(i)))
+                report_val=i == self.fastest and (not self.evaluators or last_round), state=c._state_source(i),
+                progress=progress, catch_up=catch_up))
 
-    async def on_message(self, peer: Peer, msg: P.Message | None) -> None:
+    def samples_synced(self) -> int:
+        """Samples the nodes reported at this round's barrier (counted ones)."""
+        return sum(_samples(s.trained) for i, s in self.synced.items() if i not in self.excluded)
+
+    def forget(self, i: str, name: str) -> None:
+        """Node i left the swarm: its work of this round is redone; a ring it was in is redone."""
+        if i in self.synced and i not in self.excluded:
+            self.give_back.extend(self.synced[i].trained)
+        self.synced.pop(i, None)
+        self.done.pop(i, None)
+        self.plan.drop(i)
+        if self.ring is not None and self.abandoned is None and i in {m.node_id for m in self.ring}:
+            self.retry_reason = f"{name} left during the all-reduce"
+
+    async def on_message(self, peer: Peer, msg: P.Message) -> None:
         i = peer.id
-        if msg is None:
-            self.drop(i, peer.gone)
-            if self.ring is not None:
-                self.retry_reason = f"{peer.info.name} left during the all-reduce"
-            return
         handler = getattr(self, f"on_{msg.type}", None)
         if handler is not None:
             await handler(i, msg)
@@ -143,7 +155,7 @@ class Round:
         if mon and i in mon.nodes:
             v = mon.nodes[i]
             v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + n
-            mon.event("progress", node_id=i, round=self.rnd, unit=[msg.unit.id, msg.unit.lo, msg.unit.hi],
+            mon.event("progress", node_id=i, round=self.rnd, unit=[msg.unit.epoch, msg.unit.id, msg.unit.lo, msg.unit.hi],
                       loss=msg.loss, samples_per_s=msg.samples_per_s)
 
     async def on_AskForMoreWork(self, i: str, msg: P.AskForMoreWork) -> None:
@@ -190,6 +202,10 @@ class Round:
     async def on_RingFailed(self, i: str, msg: P.RingFailed) -> None:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.c.ring_epoch:
             return
+        if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
+            self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
+            self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
+            return
         if msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
         if self.ring_failed_at is None:
@@ -217,21 +233,18 @@ class Round:
         self.plan.drop(i)
 
     def drop(self, i: str, why: str) -> None:
-        """Remove a node from the swarm mid-round; its work this round is redone."""
-        if i in self.synced and i not in self.excluded:
-            self.give_back.extend(self.synced[i].trained)
-        self.synced.pop(i, None)
-        self.done.pop(i, None)
-        self.plan.drop(i)
+        """Remove a node from the swarm mid-round (every live round forgets it)."""
         self.c.drop(i, why, self.rnd)
 
-    async def tick(self, now: float) -> bool:
-        """Run the clocks; True once the round is complete (every ring member reported θ)."""
+    async def tick(self, now: float, may_reduce: bool = True) -> bool:
+        """Run the clocks; True once the round is settled (every ring member reported θ, or the
+        all-reduce was given up). `may_reduce` False holds the ring back (the round before is
+        still being reduced)."""
         if self.steal and self.ring is None and not self.stop_sent:
             await self.tail()
-        await self.liveness_and_deadlines(now)
+        await self.deadlines(now)
         if self.ring is None:
-            return await self.barrier(now)
+            return await self.barrier(now) if may_reduce else False
         return await self.reduce_progress(now)
 
     async def tail(self) -> None:
@@ -250,17 +263,11 @@ class Round:
                 active.remove(i)
                 await self.c._send(self.c.members[i], P.StopRound(round=self.rnd))
 
-    async def liveness_and_deadlines(self, now: float) -> None:
+    async def deadlines(self, now: float) -> None:
         r, c = self.r, self.c
         for i in list(c.members):
-            silent = now - c.last_seen.get(i, now)
-            if silent > r.stale_after_s:
-                name = self.name(i)
-                self.drop(i, f"silent for {silent:.0f}s")
-                if self.ring is not None and i not in self.sitting_out and i not in self.evaluators:
-                    self.retry_reason = f"{name} went silent during the all-reduce"
-                continue
-            if self.ring is not None or i in self.synced or i in self.excluded or i in self.evaluators:
+            if i not in self.participants or self.ring is not None or i in self.synced or i in self.excluded \
+                    or i in self.evaluators:
                 continue
             # Deadlines: a unit should take unit_samples/speed, and after StopRound a node should
             # reach the barrier within one inner step. Past unit_deadline_factor times that (plus
@@ -295,7 +302,9 @@ class Round:
         if any(i not in self.excluded for i in unsynced):
             return False
         if not any(i in self.synced and i not in self.excluded for i in part):
-            return False  # nobody useful yet (e.g. everyone excluded): keep waiting for stragglers
+            # Every node's work of this round is void (bad reports, bad Δ, deadlines): θ stays.
+            self.abandon("no node's work of this round can be used")
+            return True
         for i in unsynced:  # stragglers past their deadline: the swarm goes on without them
             self.sitting_out.add(i)
             self.c._note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
@@ -375,16 +384,17 @@ class Round:
         self.c._note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.done[i].checksum)
         self.sit_out(i, "diverged", f"its θ after round {self.rnd} disagrees with the majority's")
 
-    def sit_out(self, i: str, kind: str, why: str) -> None:
-        """Out of this round's ring, its work redone; it refetches θ next round. A node that keeps
-        misbehaving is dropped (Coordinator.strike)."""
+    def sit_out(self, i: str, kind: str, why: str, strike: bool = True) -> None:
+        """Out of this round's ring, its work redone; Agreed gives it θ when the round settles. A
+        node that keeps misbehaving is dropped (Coordinator.strike)."""
         log.warning("node %s: %s; it sits out this round and its work is redone", self.name(i), why)
         self.c._note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
         if i not in self.excluded and i in self.synced:
             self.give_back.extend(self.synced[i].trained)
         self.excluded.add(i)
         self.sitting_out.add(i)
-        if self.c.strike(i):
+        self.done.pop(i, None)
+        if strike and self.c.strike(i):
             self.drop(i, f"{why}, again")
 
     def abandon(self, why: str) -> None:
@@ -398,7 +408,20 @@ class Round:
 
     # --- the result ------------------------------------------------------------------------------
 
-    def finish(self) -> RoundResult:
+    async def finish(self) -> RoundResult:
+        """Record the settled round, and tell the nodes that did not compute θ themselves what it
+        is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt."""
+        result = self._record()
+        c, latest = self.c, max(self.c.checksums)
+        told = [i for i in c.members if i not in self.done and
+                (i in self.participants and i not in self.evaluators or i in self.catching_up)]
+        for i in told:
+            src = c._state_source(i, force=True)
+            await c._send(c.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
+            c.state_round[i] = latest
+        return result
+
+    def _record(self) -> RoundResult:
         c, rnd = self.c, self.rnd
         if self.abandoned:  # θ unchanged: nobody's work counts, the last agreed θ stays the newest
             checksum, weights, done = c.checksums[max(c.checksums)], {}, {}
@@ -410,8 +433,9 @@ class Round:
                 c.state_round[i] = rnd
         counted = {i: s for i, s in self.synced.items() if weights.get(i, 0) > 0}
         for s in counted.values():
-            c.ledger.add(self.epoch, s.trained)
-        self.queue.give_back(self.give_back + self.plan.leftover())
+            c.ledger.add(s.trained)
+        self.given_back = self.give_back + self.plan.leftover()
+        self.queue.give_back(self.given_back)
         losses = [(s.loss, s.samples) for s in counted.values() if s.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
         val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
@@ -434,6 +458,6 @@ class Round:
                           "sync_s": done[i].reduce_s if i in done else 0.0,
                           "bytes_sent": done[i].bytes_sent if i in done else 0,
                           "role": "evaluate" if i in self.evaluators else "train",
-                          "trained": [[u.id, u.lo, u.hi] for u in s.trained]}
+                          "trained": [[u.epoch, u.id, u.lo, u.hi] for u in s.trained]}
                           for i, s in self.synced.items() if i in c.members})
         return res

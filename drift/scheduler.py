@@ -18,7 +18,8 @@ from drift.protocol import WorkUnit
 
 
 class UnitQueue:
-    """The current epoch's samples not yet trained: pieces handed back first, then fresh units."""
+    """The samples not yet trained: pieces handed back first, then fresh units of the current
+    epoch, then the next epoch's (a round does not stop short at an epoch's end)."""
 
     def __init__(self, n_samples: int, unit_samples: int):
         if n_samples < 1:
@@ -31,34 +32,42 @@ class UnitQueue:
         self._returned: deque[WorkUnit] = deque()
 
     def full(self, uid: int) -> WorkUnit:
-        return WorkUnit(id=uid, lo=0, hi=min(self.unit_samples, self.n_samples - uid * self.unit_samples))
+        return WorkUnit(epoch=self.epoch, id=uid, lo=0,
+                        hi=min(self.unit_samples, self.n_samples - uid * self.unit_samples))
 
     def take(self, budget: int) -> tuple[int, list[WorkUnit]]:
-        """Units worth about `budget` samples (at least one) from the current epoch."""
-        if not self._returned and self._next >= self.units_per_epoch:
-            self.epoch, self._next = self.epoch + 1, 0
+        """Units worth about `budget` samples (at least one), and the epoch of the first."""
         out: list[WorkUnit] = []
         got = 0
         while got < budget:
             if self._returned:
                 u = self._returned.popleft()
-            elif self._next < self.units_per_epoch:
-                u, self._next = self.full(self._next), self._next + 1
             else:
-                break
+                if self._next >= self.units_per_epoch:
+                    self.epoch, self._next = self.epoch + 1, 0
+                u, self._next = self.full(self._next), self._next + 1
             out.append(u)
             got += u.hi - u.lo
-        return self.epoch, out
+        return out[0].epoch, out
 
     def position(self) -> dict:
-        """Where the epoch stands: every sample of units [0, next_unit) was trained, except `pending`."""
+        """Where the data stands: every sample of epochs before `epoch`, and of units [0, next_unit)
+        of `epoch`, was trained, except the `pending` pieces ([epoch, id, lo, hi])."""
         return {"epoch": self.epoch, "next_unit": self._next,
-                "pending": [[u.id, u.lo, u.hi] for u in self._returned]}
+                "pending": [[u.epoch, u.id, u.lo, u.hi] for u in self._returned]}
+
+    @staticmethod
+    def with_pending(position: dict, units: list[WorkUnit]) -> dict:
+        """A position() with `units` handed back on top (they are trained first)."""
+        extra = [[u.epoch, u.id, u.lo, u.hi] for u in units if u.hi > u.lo]
+        return {**position, "pending": extra + position["pending"]}
 
     def restore(self, position: dict) -> None:
         """Continue from a position() saved in a checkpoint."""
         self.epoch, self._next = int(position["epoch"]), int(position["next_unit"])
-        self._returned = deque(WorkUnit(id=i, lo=lo, hi=hi) for i, lo, hi in position["pending"])
+        self._returned = deque(WorkUnit(epoch=p[0], id=p[1], lo=p[2], hi=p[3]) if len(p) == 4
+                               else WorkUnit(epoch=self.epoch, id=p[0], lo=p[1], hi=p[2])
+                               for p in position["pending"])
 
     def give_back(self, units: list[WorkUnit]) -> None:
         self._returned.extendleft(reversed([u for u in units if u.hi > u.lo]))
@@ -156,24 +165,27 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
 
 def check_accounting(granted: list[WorkUnit], trained: list[WorkUnit], returned: list[WorkUnit]) -> str | None:
     """Trained + returned must tile exactly what was granted; returns what is wrong, or None."""
-    def by_id(units: list[WorkUnit]) -> dict[int, list[tuple[int, int]]]:
-        out: dict[int, list[tuple[int, int]]] = {}
+    def by_id(units: list[WorkUnit]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        out: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for u in units:
             if u.hi > u.lo:
-                out.setdefault(u.id, []).append((u.lo, u.hi))
+                out.setdefault((u.epoch, u.id), []).append((u.lo, u.hi))
         return out
+
+    def show(keys) -> str:  # noqa: ANN001
+        return str(sorted(uid for _, uid in keys))
 
     want, got = by_id(granted), by_id([*trained, *returned])
     if set(got) - set(want):
-        return f"reported units {sorted(set(got) - set(want))} it was never granted"
+        return f"reported units {show(set(got) - set(want))} it was never granted"
     if set(want) - set(got):
-        return f"did not account for units {sorted(set(want) - set(got))}"
-    for uid, spans in want.items():
-        pieces = _merged(got[uid])
+        return f"did not account for units {show(set(want) - set(got))}"
+    for key, spans in want.items():
+        pieces = _merged(got[key])
         if pieces is None:
-            return f"reported samples of unit {uid} twice"
+            return f"reported samples of unit {key[1]} twice"
         if pieces != _merged(spans):
-            return f"unit {uid}: reported {sorted(got[uid])}, granted {sorted(spans)}"
+            return f"unit {key[1]}: reported {sorted(got[key])}, granted {sorted(spans)}"
     return None
 
 
@@ -183,8 +195,9 @@ class Ledger:
 
     trained: dict[int, list[WorkUnit]] = field(default_factory=dict)
 
-    def add(self, epoch: int, units: list[WorkUnit]) -> None:
-        self.trained.setdefault(epoch, []).extend(units)
+    def add(self, units: list[WorkUnit]) -> None:
+        for u in units:
+            self.trained.setdefault(u.epoch, []).append(u)
 
     def samples(self, epoch: int) -> int:
         return sum(u.hi - u.lo for u in self.trained.get(epoch, []))

@@ -1,69 +1,88 @@
-"""Handing the swarm's state (θ and the outer optimizer's velocity) to a node that lacks it:
-a late joiner, or an evaluator that wants the newest θ. ALPN ``drift-state/0``, peer to peer.
+"""Handing the swarm's state (θ and the outer optimizer's state) to whoever lacks it: a late
+joiner, a node that sat a round out, an evaluator, the coordinator writing a checkpoint.
+ALPN ``drift-state/0``, peer to peer.
 
-Every training node publishes a snapshot after each outer step. A node that needs the state of
-round r asks any peer that has it, and checks the checksum the coordinator agreed on for round r
-before using it: a peer cannot slip it a different θ.
+Every training node serves its own live θ and velocity (no copies: a node keeps nothing twice)
+to the members of the run. A transfer streams them in bounded chunks, so there is no size cap and
+neither side ever holds a second copy; the node's outer step waits while a transfer is reading
+(`StateServer.updating`). The receiver checks the checksum the coordinator agreed on for that
+round, over θ and the velocity, before it uses any of it: a peer cannot slip in another state.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import iroh
 import numpy as np
 
-from drift.diloco import ParamLayout, checksum
+from drift.diloco import ParamLayout
 from drift.protocol import MAX_ROUND, printable
-from drift.transport import (
-    STATE_ALPN,
-    Channel,
-    DropFn,
-    Endpoint,
-    TransportError,
-    peer_of,
-)
+from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, peer_of
 
 log = logging.getLogger("drift.state")
 
 REQUEST_TIMEOUT = 10.0  # a peer sends its request as soon as it connects
 DONE_TIMEOUT = 60.0     # for the peer's "ok" once the state is sent
 MAX_REQUEST = 256       # bytes: a request is {"round": N}
+MAX_HEADER = 1 << 24    # bytes: the header names every tensor of the model (16 MiB: ~100k tensors)
 MAX_CLIENTS = 64        # connections served at once; more are refused at once
+CHUNK_BYTES = 4 << 20   # one frame of a transfer
+MAX_TENSORS = 1 << 20
+MAX_VALUES = 1 << 40    # values in θ a receiver will accept at all (it also checks the size it expects)
 
 
 class StateError(Exception):
     """No peer could hand over the state asked for."""
 
 
-@dataclass(frozen=True)
-class Snapshot:
+@dataclass
+class Published:
     round: int            # θ after this round's outer step (-1: the initial θ)
-    theta: np.ndarray
+    theta: np.ndarray     # the node's live arrays, not copies
     velocity: np.ndarray
     checksum: str
-    layout: ParamLayout | None = None  # names and shapes (for checkpoints)
+    layout: ParamLayout
 
 
 class StateServer:
-    """Serves this node's latest snapshot to peers that ask (one request per connection), if
+    """Serves this node's published state to peers that ask (one request per connection), if
     `allowed(peer id)`: θ goes only to members of the run (a private model stays private)."""
 
-    def __init__(self, layout: ParamLayout | None = None, allowed: Callable[[str], bool] = lambda peer: False) -> None:
-        self.snapshot: Snapshot | None = None
-        self.layout = layout
+    def __init__(self, allowed: Callable[[str], bool] = lambda peer: False) -> None:
+        self.current: Published | None = None
         self.allowed = allowed
-        self._clients = 0  # requests being served now (MAX_CLIENTS)
+        self._clients = 0    # requests being served now (MAX_CLIENTS)
+        self._reading = 0    # transfers streaming the arrays right now
+        self._writing = False
+        self._cond = asyncio.Condition()
 
-    def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray) -> None:
-        # Copies: the node keeps updating its own arrays in place while a peer may be reading.
-        self.snapshot = Snapshot(rnd, theta.copy(), velocity.copy(), checksum(theta, velocity), self.layout)
+    def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray, checksum: str, layout: ParamLayout) -> None:
+        """From now on serve these arrays as the state after round `rnd` (call inside updating())."""
+        self.current = Published(rnd, theta, velocity, checksum, layout)
+
+    @contextlib.asynccontextmanager
+    async def updating(self) -> AsyncIterator[None]:
+        """Hold off transfers while the published arrays change (the outer step, a fetch into
+        them): wait for those in flight to end, then keep new ones waiting until we are done."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
 
     async def handle(self, conn: iroh.Connection, on_drop: DropFn | None = None) -> None:
-        """Serve one request: ``{"round": r}`` in, the snapshot of round r (or an error) out.
+        """Serve one request: ``{"round": r}`` in, the state after round r (or an error) out.
 
         Whatever the peer sends or fails to send, this returns normally: a request that is not
         valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line)."""
@@ -89,19 +108,31 @@ class StateServer:
 
     async def _serve(self, ch: Channel) -> None:
         rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
-        snap = self.snapshot
         if not self.allowed(ch.peer_id):
             await ch.send_frame(json.dumps({"error": "not a member of this run"}).encode())
-        elif snap is None or snap.round != rnd:
-            have = None if snap is None else snap.round
-            await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
         else:
-            layout = {} if snap.layout is None else {"names": list(snap.layout.names),
-                                                      "shapes": [list(x) for x in snap.layout.shapes]}
-            await ch.send_frame(json.dumps({"round": snap.round, "checksum": snap.checksum,
-                                            "n": int(snap.theta.size), **layout}).encode())
-            await ch.send_frame(snap.theta)
-            await ch.send_frame(snap.velocity)
+            async with self._cond:
+                await self._cond.wait_for(lambda: not self._writing)
+                cur = self.current
+                if cur is not None and cur.round == rnd:
+                    self._reading += 1
+            if cur is None or cur.round != rnd:
+                have = None if cur is None else cur.round
+                await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+            else:
+                try:
+                    await ch.send_frame(json.dumps({
+                        "round": cur.round, "checksum": cur.checksum, "n": int(cur.theta.size),
+                        "names": list(cur.layout.names), "shapes": [list(x) for x in cur.layout.shapes],
+                        "buffers": cur.layout.n_buffers}).encode())
+                    for a in (cur.theta, cur.velocity):
+                        view = memoryview(a).cast("B")
+                        for i in range(0, len(view), CHUNK_BYTES):
+                            await ch.send_frame(view[i:i + CHUNK_BYTES])
+                finally:
+                    async with self._cond:
+                        self._reading -= 1
+                        self._cond.notify_all()
         try:  # the peer says when it has everything; hanging up instead is fine too
             await ch.recv_frame(16, timeout=DONE_TIMEOUT)
         except TransportError:
@@ -120,34 +151,77 @@ def _parse_request(frame: bytes) -> int:
     return rnd
 
 
+def _parse_header(head: dict, size: int | None) -> ParamLayout:
+    """The layout a donor announces, checked against itself and the size we expect."""
+    if "error" in head:
+        raise StateError(printable(head["error"], 200))
+    names, shapes, n, n_buffers = head.get("names"), head.get("shapes"), head.get("n"), head.get("buffers", 0)
+    if not (isinstance(names, list) and isinstance(shapes, list) and len(names) == len(shapes) <= MAX_TENSORS
+            and all(isinstance(x, str) and len(x) <= 1024 for x in names) and len(set(names)) == len(names)
+            and all(isinstance(s, list) and len(s) <= 32 and all(type(d) is int and 0 <= d <= MAX_VALUES for d in s)
+                    for s in shapes)
+            and type(n) is int and 0 <= n <= MAX_VALUES and type(n_buffers) is int and 0 <= n_buffers <= len(names)):
+        raise StateError("the peer's state header is malformed")
+    layout = ParamLayout(tuple(names), tuple(tuple(s) for s in shapes), n_buffers)
+    if layout.size != n or (size is not None and n != size):
+        raise StateError(f"peer sent {n} values, expected {size if size is not None else layout.size}")
+    return layout
+
+
+Sink = Callable[[int, int, memoryview], None]  # (which: 0 θ / 1 velocity, byte offset, bytes)
+
+
 async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_checksum: str,
-                      size: int | None = None, timeout: float = 120.0) -> Snapshot:
-    """The state after round `rnd` from the first peer in `tickets` that has it and whose θ
-    matches `want_checksum` (and has `size` parameters, when given)."""
+                      sink: Callable[[ParamLayout], Sink], size: int | None = None,
+                      timeout: float = 120.0) -> ParamLayout:
+    """The state after round `rnd`, streamed from the first peer in `tickets` that has it, into
+    `sink(layout)` (which returns where the bytes go: arrays, or files); returns the layout once
+    the bytes match `want_checksum` (and `size` values, when given). A sink written by a peer that
+    then failed holds garbage: the next peer overwrites it, and StateError means none could."""
     errors = []
     for ticket in tickets:
         try:
             ch = await endpoint.connect(ticket, STATE_ALPN, timeout=timeout)
             try:
                 await ch.send_frame(json.dumps({"round": rnd}).encode())
-                head = json.loads(await ch.recv_frame(4096, timeout=timeout))
-                if "error" in head:
-                    raise StateError(head["error"])
-                n = head.get("n")
-                if not isinstance(n, int) or n < 0 or (size is not None and n != size):
-                    raise StateError(f"peer sent {n} parameters, expected {size}")
-                size = n
-                layout = ParamLayout(tuple(head["names"]), tuple(tuple(x) for x in head["shapes"])) \
-                    if "names" in head else None
-                theta = np.frombuffer(await ch.recv_frame(4 * size, timeout=timeout), dtype=np.float32).copy()
-                velocity = np.frombuffer(await ch.recv_frame(4 * size, timeout=timeout), dtype=np.float32).copy()
+                try:
+                    head = json.loads(await ch.recv_frame(MAX_HEADER, timeout=timeout))
+                except (ValueError, RecursionError):
+                    raise StateError("the peer's state header is not JSON") from None
+                if not isinstance(head, dict):
+                    raise StateError("the peer's state header is malformed")
+                layout = _parse_header(head, size)
+                write = sink(layout)
+                h = hashlib.blake2b(digest_size=12)  # as diloco.checksum: θ's bytes, then the velocity's
+                for which in (0, 1):
+                    got, total = 0, 4 * layout.size
+                    while got < total:
+                        frame = await ch.recv_frame(min(CHUNK_BYTES, total - got), timeout=timeout)
+                        if not frame:
+                            raise StateError("the peer sent an empty chunk")
+                        view = memoryview(frame)
+                        h.update(view)
+                        write(which, got, view)
+                        got += len(view)
                 await ch.send_frame(b"ok")
             finally:
                 ch.close("state received")
-            got = checksum(theta, velocity)
-            if got != want_checksum:
-                raise StateError(f"checksum {got} of θ and outer state is not the swarm's {want_checksum}")
-            return Snapshot(rnd, theta, velocity, got, layout)
-        except (StateError, TransportError, ValueError, KeyError, TypeError) as e:
+            if h.hexdigest() != want_checksum:
+                raise StateError(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
+            return layout
+        except (StateError, TransportError) as e:
             errors.append(f"{ticket[:20]}...: {e}")
-    raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors))
+    raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors or ["no peer to ask"]))
+
+
+def into_arrays(theta: np.ndarray, velocity: np.ndarray) -> Callable[[ParamLayout], Sink]:
+    """A fetch_state sink that writes into these flat float32 arrays."""
+    def sink(layout: ParamLayout) -> Sink:
+        if layout.size != theta.size:
+            raise StateError(f"peer sent {layout.size} values, expected {theta.size}")
+        views = (memoryview(theta).cast("B"), memoryview(velocity).cast("B"))
+
+        def write(which: int, offset: int, data: memoryview) -> None:
+            views[which][offset:offset + len(data)] = data
+        return write
+    return sink

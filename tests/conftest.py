@@ -59,33 +59,34 @@ def drift_cmd(*args: str) -> list[str]:
 
 
 def check_exactly_once(events: list[dict], unit_samples: int) -> int:
-    """Every sample of the epochs touched was trained exactly once (or is still pending);
-    returns the number of samples accounted for."""
+    """Every sample of the epochs touched was trained exactly once (or is still pending), per the
+    round events (the units of nodes whose Δ counted) and the final position; returns the number
+    of samples accounted for."""
     started = next(e for e in events if e["event"] == "training_started")
     assert started["unit_samples"] == unit_samples
     n_train = started["n_train"]
-    rounds = [e for e in events if e["event"] == "round"]
+    units_per_epoch = -(-n_train // unit_samples)
     complete = next(e for e in events if e["event"] == "complete")
-    per_epoch: dict[int, list[tuple[int, int, int]]] = {}
-    for r in rounds:
+    pieces: list[tuple[int, int, int, int]] = [tuple(p) for p in complete["pending"]]
+    for r in (e for e in events if e["event"] == "round"):
         for n in r["nodes"].values():
             if n["weight"] > 0:
-                per_epoch.setdefault(r["epoch"], []).extend(map(tuple, n["trained"]))
-    last = complete["epoch"]
-    per_epoch.setdefault(last, []).extend(map(tuple, complete["pending"]))
+                pieces.extend(map(tuple, n["trained"]))
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for epoch, uid, lo, hi in pieces:
+        spans.setdefault((epoch, uid), []).append((lo, hi))
     total = 0
-    for epoch, pieces in per_epoch.items():
-        spans: dict[int, list[tuple[int, int]]] = {}
-        for uid, lo, hi in pieces:
-            spans.setdefault(uid, []).append((lo, hi))
-        for uid, s in spans.items():
-            s.sort()
-            assert s[0][0] == 0, (epoch, uid, s)
-            for (a, b), (c, d) in zip(s, s[1:]):
-                assert b == c, f"epoch {epoch} unit {uid}: samples lost or trained twice: {s}"
-            size = min(unit_samples, n_train - uid * unit_samples)  # an epoch's last unit may be short
-            assert s[-1][1] == size, f"epoch {epoch} unit {uid}: tail lost: {s}"
-            total += size
-        if epoch == last:
-            assert sorted(spans) == list(range(complete["next_unit"])), (sorted(spans), complete["next_unit"])
+    for (epoch, uid), s in sorted(spans.items()):
+        s.sort()
+        assert s[0][0] == 0, (epoch, uid, s)
+        for (_, b), (c, _) in zip(s, s[1:]):
+            assert b == c, f"epoch {epoch} unit {uid}: samples lost or trained twice: {s}"
+        size = min(unit_samples, n_train - uid * unit_samples)  # an epoch's last unit may be short
+        assert s[-1][1] == size, f"epoch {epoch} unit {uid}: tail lost: {s}"
+        total += size
+    last = complete["epoch"]
+    for epoch in sorted({e for e, _ in spans}):
+        ids = sorted(u for e, u in spans if e == epoch)
+        want = list(range(complete["next_unit"] if epoch == last else units_per_epoch))
+        assert ids == want, (epoch, ids[:5], len(ids), len(want))
     return total

@@ -32,6 +32,6 @@ def test_millisecond_steps_never_flag_an_honest_node(tmp_path: Path) -> None:
     for r in rounds:  # weights are exactly the shares of samples trained (a node may get none)
         assert all(abs(n["weight"] - n["samples"] / r["samples"]) < 1e-9 for n in r["nodes"].values()), r["nodes"]
     assert check_exactly_once(events, BATCH * UNIT_STEPS) == sum(r["samples"] for r in rounds) + sum(
-        hi - lo for _, lo, hi in next(e for e in events if e["event"] == "complete")["pending"])
+        hi - lo for _, _, lo, hi in next(e for e in events if e["event"] == "complete")["pending"])
     steps = [e["samples_per_s"] for e in events if e["event"] == "progress"]
     assert len(steps) > 100          # units really crossed the wire many times per round

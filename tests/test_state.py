@@ -1,48 +1,49 @@
 """Handing θ and the outer optimizer's state to a node that lacks it (drift-state/0), over real
-iroh endpoints: only members of the run get it, and a donor cannot slip in another θ or another
-velocity (the checksum the swarm agreed on covers both)."""
+iroh endpoints: streamed in bounded chunks, only to members of the run, and a donor cannot slip
+in another θ or another velocity (the checksum the swarm agreed on covers both)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 
 from conftest import run_async
 from drift.diloco import ParamLayout, checksum
-from drift.state import StateError, StateServer, fetch_state
+from drift.state import StateError, StateServer, fetch_state, into_arrays
 from drift.transport import STATE_ALPN, Endpoint
 
-LAYOUT = ParamLayout(("a", "b"), ((3, 4), (5,)))
+LAYOUT = ParamLayout(("a", "b", "bn.running_mean"), ((3, 4), (5,), (2,)), n_buffers=1)
 
 
-async def _serve(server: StateServer) -> tuple[Endpoint, object]:
-    import asyncio
-
-    ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
-
-    async def accept() -> None:
-        while True:
-            _, conn = await ep.accept()
-            asyncio.ensure_future(server.handle(conn))
-
-    return ep, asyncio.ensure_future(accept())
-
-
-def _state(seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _state(seed: int, layout: ParamLayout = LAYOUT) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return rng.standard_normal(LAYOUT.size).astype(np.float32), rng.standard_normal(LAYOUT.size).astype(np.float32)
+    return rng.standard_normal(layout.size).astype(np.float32), rng.standard_normal(layout.size).astype(np.float32)
 
 
-def _fetch(server: StateServer, rnd: int, want: str, member: bool = True):  # noqa: ANN202
+def _serving(rnd: int, theta: np.ndarray, velocity: np.ndarray, layout: ParamLayout = LAYOUT,
+             announced: str | None = None) -> StateServer:
+    server = StateServer()
+    server.publish(rnd, theta, velocity, announced or checksum(theta, velocity), layout)
+    return server
+
+
+def _fetch(server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOUT, member: bool = True):  # noqa: ANN202
+    """(layout, θ, velocity) as a peer receives them, into arrays of its own."""
     async def main():  # noqa: ANN202
-        ep, task = await _serve(server)
+        ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
+        serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
         client = await Endpoint.bind("local")
         if member:
             server.allowed = lambda peer: peer == client.node_id
+        theta, velocity = np.empty(layout.size, np.float32), np.empty(layout.size, np.float32)
         try:
-            return await fetch_state(client, [ep.ticket()], rnd, want, LAYOUT.size, timeout=10)
+            got = await fetch_state(client, [ep.ticket()], rnd, want, into_arrays(theta, velocity),
+                                    size=layout.size, timeout=10)
+            return got, theta, velocity
         finally:
-            task.cancel()
+            serving.cancel()
             await client.close()
             await ep.close()
     return run_async(main())
@@ -50,29 +51,39 @@ def _fetch(server: StateServer, rnd: int, want: str, member: bool = True):  # no
 
 def test_a_member_gets_exactly_the_agreed_state() -> None:
     theta, velocity = _state(0)
-    server = StateServer(LAYOUT)
-    server.publish(4, theta, velocity)
-    snap = _fetch(server, 4, checksum(theta, velocity))
-    assert snap.round == 4 and snap.layout == LAYOUT
-    assert np.array_equal(snap.theta, theta) and np.array_equal(snap.velocity, velocity)
+    layout, got_theta, got_velocity = _fetch(_serving(4, theta, velocity), 4, checksum(theta, velocity))
+    assert layout == LAYOUT
+    assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
+
+
+def test_a_state_larger_than_one_frame_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No frame holds a whole θ: with 4 KiB chunks a 40 KiB θ takes 10 of them, and arrives exact."""
+    import drift.state
+    monkeypatch.setattr(drift.state, "CHUNK_BYTES", 4096)
+    big = ParamLayout(("w",), ((10_000,),))
+    theta, velocity = _state(5, big)
+    _, got_theta, got_velocity = _fetch(_serving(1, theta, velocity, big), 1, checksum(theta, velocity), big)
+    assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
 
 
 def test_a_stranger_gets_nothing() -> None:
     theta, velocity = _state(1)
-    server = StateServer(LAYOUT)  # allowed: nobody by default
-    server.publish(2, theta, velocity)
     with pytest.raises(StateError, match="not a member"):
-        _fetch(server, 2, checksum(theta, velocity), member=False)
+        _fetch(_serving(2, theta, velocity), 2, checksum(theta, velocity), member=False)
 
 
 def test_a_poisoned_velocity_is_refused() -> None:
     theta, velocity = _state(2)
     agreed = checksum(theta, velocity)
-    server = StateServer(LAYOUT)
     bad = velocity.copy()
-    bad[0] += 1.0                       # same θ, another outer state
-    server.publish(3, theta, bad)
+    bad[0] += 1.0  # same θ, another outer state, announced under the swarm's checksum
     with pytest.raises(StateError, match="not the swarm's"):
-        _fetch(server, 3, agreed)
-    server.publish(3, theta, velocity)  # the right one passes
-    assert _fetch(server, 3, agreed).round == 3
+        _fetch(_serving(3, theta, bad, announced=agreed), 3, agreed)
+    assert np.array_equal(_fetch(_serving(3, theta, velocity), 3, agreed)[2], velocity)
+
+
+def test_a_donor_of_another_size_is_refused() -> None:
+    theta, velocity = _state(3)
+    small = ParamLayout(("a",), ((4,),))
+    with pytest.raises(StateError, match="expected 19"):
+        _fetch(_serving(1, theta[:4].copy(), velocity[:4].copy(), small), 1, checksum(theta, velocity))

@@ -24,6 +24,7 @@ set_params: DiLoCo keeps each node's AdamW state across outer rounds.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -113,12 +114,43 @@ class Worker(Protocol):
         """
         ...
 
+    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every parameter, then every buffer (each group sorted by name), as float32 copies made
+        one at a time: a caller that reads a large model tensor by tensor never holds two of it."""
+        ...
+
+    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
+        """Add these arrays to the named parameters and buffers, in place (optimizer state kept)."""
+        ...
+
     def close(self) -> None:
         """Release the worker's threads and framework state; call once, before the process exits.
 
         Idempotent; the worker must not be used afterwards.
         """
         ...
+
+
+def iter_state_of(worker: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """iter_state for backends whose models are small enough to copy whole (mlx, numpy)."""
+    params, buffers = worker.get_params(), worker.get_buffers()
+    for name in sorted(params):
+        yield name, params[name]
+    for name in sorted(buffers):
+        yield name, buffers[name]
+
+
+def add_to_state_of(worker: Any, deltas: dict[str, np.ndarray]) -> None:
+    """add_to_state for those backends: read, add, write back."""
+    params, buffers = worker.get_params(), worker.get_buffers()
+    for name, d in deltas.items():
+        target = params if name in params else buffers
+        if name not in target:
+            raise ValueError(f"no parameter or buffer named {name}")
+        target[name] += np.asarray(d, np.float32).reshape(target[name].shape)
+    worker.set_params(params)
+    if buffers:
+        worker.set_buffers(buffers)
 
 
 def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndarray], kind: str = "parameter") -> None:

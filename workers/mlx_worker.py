@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, TypeVar
@@ -30,12 +30,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .base import (
     BackendError,
     TaskError,
+    add_to_state_of,
     check_lr,
     check_params,
     check_precision,
     check_task,
     eval_samples,
     initial_params,
+    iter_state_of,
     micro_splits,
     optim_config,
     task_label,
@@ -156,6 +158,14 @@ class MlxWorker:
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         self._on_mlx_thread(self._set_params, params)
+
+    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every parameter (no buffers here), as float32 copies."""
+        return iter_state_of(self)
+
+    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
+        """Add to the named parameters in place."""
+        add_to_state_of(self, deltas)
 
     def get_buffers(self) -> dict[str, np.ndarray]:
         """{}: mlx models here keep no state besides their parameters."""

@@ -10,6 +10,7 @@ Nothing here imports torch or mlx.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -18,12 +19,14 @@ import numpy as np
 from .base import (
     BackendError,
     TaskError,
+    add_to_state_of,
     check_lr,
     check_params,
     check_precision,
     check_task,
     eval_samples,
     initial_params,
+    iter_state_of,
     micro_splits,
     optim_config,
     task_label,
@@ -90,6 +93,14 @@ class NumpyWorker:
         self._m = {name: np.zeros_like(a) for name, a in self._params.items()}
         self._v = {name: np.zeros_like(a) for name, a in self._params.items()}
         self.step: int = 0
+
+    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every parameter (no buffers here), as float32 copies."""
+        return iter_state_of(self)
+
+    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
+        """Add to the named parameters in place."""
+        add_to_state_of(self, deltas)
 
     def get_buffers(self) -> dict[str, np.ndarray]:
         """{}: numpy models here keep no state besides their parameters."""

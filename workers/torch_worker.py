@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -179,6 +179,20 @@ class TorchWorker:
         """Copy buffers into the model's buffers in place."""
         check_params(self._buffer_shapes, buffers, "buffer")
         _copy_into(self._buffers, buffers)
+
+    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every parameter, then every float buffer (each sorted), as float32 copies, one at a time."""
+        with torch.no_grad():
+            for name, t in (*self._params.items(), *self._buffers.items()):
+                yield name, t.detach().to("cpu", torch.float32, copy=True).contiguous().numpy()
+
+    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
+        """Add to the named parameters and buffers in place, keeping the optimizer state."""
+        with torch.no_grad():
+            for name, d in deltas.items():
+                t = self._params.get(name)
+                t = self._buffers[name] if t is None else t
+                t.add_(torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32)).reshape(t.shape).to(t.device))
 
     def reset_optimizer(self) -> None:
         """Forget AdamW's moments and step count (and fp16's loss scale)."""

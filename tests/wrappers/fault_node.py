@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from drift import diloco, node
+from drift import diloco
 from drift import protocol as P
 from drift.cli import main
 from drift.inner import InnerLoop
@@ -69,20 +69,16 @@ elif kind == "nan-params":
             self.worker.set_params(params)
         return report
 elif kind == "nan-ring":
-    weighted = diloco.weighted_delta
-
-    def poisoned(theta_global, theta_local, weight):  # noqa: ANN001, ANN202
-        out = weighted(theta_global, theta_local, weight)
-        if Session.current_round == at:
-            out[:] = np.nan
-        return out
-
-    @patch(Session, "_round")
-    async def _(orig, self, a):  # noqa: ANN001, ANN202
-        Session.current_round = a.round
-        return await orig(self, a)
-
-    node.weighted_delta = poisoned
+    @patch(Session, "_allreduce")
+    async def _(orig, self, t, ready):  # noqa: ANN001, ANN202
+        if ready.round != at:
+            return await orig(self, t, ready)
+        honest = t.rule.contribute
+        t.rule.contribute = lambda delta, weight: (honest(delta, weight), delta.fill(np.nan))
+        try:
+            return await orig(self, t, ready)
+        finally:
+            del t.rule.contribute  # back to the class's
 elif kind == "short-chunks":
     @patch(Ring, "_send_chunk")
     async def _(orig, self, ch, payload, codec, round_, *rest):  # noqa: ANN001, ANN202
