@@ -472,14 +472,25 @@ class Session:
         t = self.node.trainer
         self.round = a.round
         if a.state is not None:  # a late joiner, an evaluator or a node that sat out: take the swarm's θ first
-            await self._fetch(t, a.state)
-            t.pending = None
-            async with t.lock:
-                t.load_worker()
+            try:
+                await self._fetch(t, a.state)
+            except Lost:
+                if a.role != "evaluate":
+                    raise
+            else:
+                t.pending = None
+                async with t.lock:
+                    t.load_worker()
         if a.catch_up is not None and t.pending is None:  # overlapped: that round lands while we train
             t.snap[...] = t.theta
             t.pending = Pending(a.catch_up)
+        if a.role == "wait":  # overlapped: θ comes with the Agreed of the round in flight
+            return
         if a.role == "evaluate":
+            if a.state is not None and t.held != a.state.round:  # no donor had that θ any more
+                await asyncio.sleep(1.0)
+                await self.send(P.AskForMoreWork(round=a.round))
+                return
             val, batch_s = await t.inner.evaluate(a.round)
             n = min(t.worker.n_val, t.recipe.eval_batches * t.recipe.batch_size)
             # Evaluators do not train, so their speed is re-measured here: a node that recovers

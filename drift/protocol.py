@@ -223,7 +223,9 @@ class ShardAssignment(_Msg):
     epoch: Round
     units: Units
     planned: Count = 0
-    role: Literal["train", "evaluate"] = "train"   # evaluate: val loss of θ at round start, no training
+    # evaluate: the val loss of the newest agreed θ, no training; wait (overlapped sync): nothing
+    # this round, but catch up on the round in flight (a node that needs θ first, e.g. a joiner)
+    role: Literal["train", "evaluate", "wait"] = "train"
     report_val: bool = False          # evaluate θ after the outer step and report it in RoundDone
     state: StateSource | None = None  # fetch θ first (late joiners, evaluators)
     progress: Count = 0               # samples the swarm trained before this round (the lr schedule)

@@ -64,7 +64,14 @@ class Round:
         self.participants = set(members)     # nodes that joined later enter the next round
         self.budget = self.r.round_samples if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
         self.evaluators = coord._evaluators(self.budget) if self.steal else set()
-        self.trainers = {i: coord.speed[i] for i in members if i not in self.evaluators}
+        # Overlapped: a node that needs θ first (it joined, or its θ is stale) cannot fetch the
+        # agreed θ while the round before is being reduced (its donors move on to the next one):
+        # it waits this round out and gets θ with that round's Agreed.
+        in_flight = prev is not None and not prev.settled
+        self.waiting = {i for i in members if in_flight and i not in self.evaluators and
+                        coord.state_round.get(i) != max(coord.checksums) and
+                        (prev.ring is None or i not in {m.node_id for m in prev.ring})}
+        self.trainers = {i: coord.speed[i] for i in members if i not in self.evaluators and i not in self.waiting}
         self.queue_before = queue.position()  # the data position before this round took its units
         self.epoch, units = queue.take(self.budget)
         # Lockstep (for comparison) gives every node the same share, whatever its speed.
@@ -95,8 +102,8 @@ class Round:
 
     def part(self) -> list[str]:
         """The nodes in this round's barrier and ring."""
-        return [i for i in self.c.members
-                if i in self.participants and i not in self.evaluators and i not in self.sitting_out]
+        return [i for i in self.c.members if i in self.participants and i not in self.evaluators
+                and i not in self.sitting_out and i not in self.waiting]
 
     def name(self, i: str) -> str:
         return self.c.members[i].info.name if i in self.c.members else i[:10]
@@ -107,15 +114,20 @@ class Round:
         c, prev = self.c, self.prev
         # The lr schedule follows the swarm's samples: those of the round still being reduced count.
         progress = c.samples_seen + (prev.samples_synced() if prev is not None else 0)
+        in_flight = prev is not None and not prev.settled
         for i, peer in list(c.members.items()):
             if i in self.evaluators:  # evaluators work at their own pace: a new job once the last is done
-                if i not in c.evaluating:
+                if i not in c.evaluating and not in_flight:  # (overlapped: once prev is agreed, see finish)
                     await c._assign_evaluation(peer, self.rnd, self.epoch)
                 continue
             catch_up = None
-            if prev is not None and (prev.ring is None or i not in {m.node_id for m in prev.ring}):
+            if in_flight and (prev.ring is None or i not in {m.node_id for m in prev.ring}):
                 catch_up = prev.rnd  # it does not reduce prev itself: Agreed tells it what θ became
                 prev.catching_up.add(i)
+            if i in self.waiting:
+                await c._send(peer, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait",
+                                                      catch_up=catch_up))
+                continue
             last_round = self.rnd == self.r.rounds - 1
             await c._send(peer, P.ShardAssignment(
                 round=self.rnd, epoch=self.epoch, units=self.plan.grant_first(i), planned=len(self.plan.planned[i]),
@@ -160,6 +172,9 @@ class Round:
 
     async def on_AskForMoreWork(self, i: str, msg: P.AskForMoreWork) -> None:
         peer = self.c.members[i]
+        if i in self.evaluators:  # its job could not start (no donor had that θ any more): a fresh one
+            await self.c._assign_evaluation(peer, self.rnd, self.epoch)
+            return
         nxt = None
         if msg.round == self.rnd and i not in self.excluded | self.early and i not in self.synced:
             nxt = self.plan.next_for(i)
@@ -265,6 +280,8 @@ class Round:
 
     async def deadlines(self, now: float) -> None:
         r, c = self.r, self.c
+        if self.prev is not None and not self.prev.settled:
+            return  # overlapped: the nodes wait at this barrier for the round before to land
         for i in list(c.members):
             if i not in self.participants or self.ring is not None or i in self.synced or i in self.excluded \
                     or i in self.evaluators:
@@ -419,6 +436,14 @@ class Round:
             src = c._state_source(i, force=True)
             await c._send(c.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
             c.state_round[i] = latest
+        nxt = c.current if c.current is not None and c.current is not self else None
+        if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
+            now = time.monotonic()
+            nxt.t_stop = max(nxt.t_stop, now) if nxt.stop_sent else nxt.t_stop
+            nxt.last_progress = dict.fromkeys(nxt.last_progress, now)
+            for i in nxt.evaluators:
+                if i in c.members and i not in c.evaluating:
+                    await c._assign_evaluation(c.members[i], nxt.rnd, nxt.epoch)
         return result
 
     def _record(self) -> RoundResult:

@@ -1,0 +1,84 @@
+"""The overlapped sync rule (`sync: overlapped`): nodes train round r+1 while round r's all-reduce
+runs, and the outer step lands a round late. θ_global must stay bit-identical on every node (a
+round event is only written once all ring members reported the same checksum), every sample is
+trained exactly once, and retries, late joins, evaluators and checkpoints keep working."""
+
+from __future__ import annotations
+
+import numpy as np
+from pathlib import Path
+
+from conftest import check_exactly_once, make_task_repo
+from drift.diloco import OverlappedDiLoCo, ParamLayout, SyncRule
+from drift.simulate import Swarm
+
+WRAPPERS = Path(__file__).parent / "wrappers"
+BATCH = 8
+SIM = dict(task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}, batch_size=BATCH,
+           unit_steps=2, eval_batches=2, stale_after_s=4.0, heartbeat_s=0.5, sync="overlapped")
+
+
+def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
+    """In numbers: the local copy moves by exactly what θ_global moved relative to the snapshot
+    taken at the barrier, so the next pseudo-gradient is just the progress made since."""
+    layout = ParamLayout(("w",), ((1000,),))
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal(1000).astype(np.float32)
+    local_at_barrier = theta - np.float32(0.01) * rng.standard_normal(1000).astype(np.float32)
+    progress = np.float32(0.001) * rng.standard_normal(1000).astype(np.float32)
+    blocking, overlapped = SyncRule(layout, 0.7, 0.9), OverlappedDiLoCo(layout, 0.7, 0.9)
+    t_block, t_over = theta.copy(), theta.copy()
+    blocking.apply(t_block, theta - local_at_barrier)       # the same reduced Δ on both
+    overlapped.apply(t_over, theta - local_at_barrier)
+    assert np.array_equal(t_block, t_over)                  # the outer step itself is DiLoCo's
+    snap = local_at_barrier.copy()
+    overlapped.catch_up(t_over, snap)
+    local_now = local_at_barrier + progress                 # trained on while the reduce ran
+    local_now += snap
+    np.testing.assert_allclose(t_over - local_now, -progress, atol=1e-6)  # next Δ: the progress only
+
+
+def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp_path: Path) -> None:
+    """Three nodes; one stops itself in round 2's all-reduce and is killed (the survivors retry
+    while the next round already trains); a fourth joins late (it catches up on the round in
+    flight); checkpoints are written while rounds go on."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=14, inner_steps=6, checkpoint_every=3, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    victim = swarm.join("0.05", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "stop-in-allreduce:2"})
+    swarm.join("0.05")
+    swarm.join("0.05")
+    go = tmp_path / "go"
+    late = swarm.join("0.05", name="late", script=WRAPPERS / "held_node.py", env={"DRIFT_TEST_GO": str(go)})
+    from test_swarm_sim import _wait_stopped
+    _wait_stopped(victim)
+    swarm.kill(victim)
+    swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 3)
+    go.touch()
+    assert swarm.finish() == 0, swarm.log()
+    events = swarm.events()
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [r["round"] for r in rounds] == list(range(14))
+    assert len({r["checksum"] for r in rounds}) == 14       # θ moved every round, agreed every round
+    retry = [e for e in events if e["event"] == "ring_retry"]
+    assert retry and retry[0]["round"] == 2
+    entered = next(e for e in events if e["event"] == "node_entered")
+    assert entered["name"] == "late"
+    assert any(r["nodes"].get("late", {"samples": 0})["samples"] > 0 for r in rounds[entered["round"] + 1:])
+    assert [e["round"] for e in events if e["event"] == "checkpoint"] == [2, 5, 8, 11, 13]
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert rounds[-1]["val_loss"] < initial
+    check_exactly_once(events, 2 * BATCH)
+    assert late.wait(timeout=60) == 0
+
+
+def test_overlapped_evaluator_and_slow_node(tmp_path: Path) -> None:
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, inner_steps=20, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    swarm.join("0.02")
+    swarm.join("2", name="slow")        # 100x slower: it evaluates instead of training
+    assert swarm.finish() == 0, swarm.log()
+    events = swarm.events()
+    rounds = [e for e in events if e["event"] == "round"]
+    assert all(r["evaluators"] == ["slow"] and list(r["nodes"]) == ["n0"] for r in rounds), rounds
+    assert any(e["event"] == "val" for e in events)
+    check_exactly_once(events, 2 * BATCH)
