@@ -395,6 +395,9 @@ class Coordinator:
         if peer is not None and peer.id in self.members:  # else: a node already dropped
             if msg is None:
                 self.drop(peer.id, peer.gone, (cur or prev).rnd)
+            elif isinstance(msg, P.Heartbeat):
+                if msg.held is not None and msg.held in self.checksums:
+                    self.state_round[peer.id] = msg.held
             else:
                 rnd = getattr(msg, "round", None)
                 target = prev if prev is not None and rnd == prev.rnd and \
@@ -409,7 +412,7 @@ class Coordinator:
                 await self._settle(rd)
         return (cur or prev).settled
 
-    async def _settle(self, rd: Round) -> None:
+    async def _settle(self, rd: Round, checkpoint: bool = True) -> None:
         self._record(await rd.finish())
         rd.settled = True
         # The data position of θ after this round: a next round may have taken units already.
@@ -417,7 +420,7 @@ class Coordinator:
         self.positions[rd.rnd] = self.queue.position() if nxt is None else \
             UnitQueue.with_pending(nxt.queue_before, rd.given_back)
         r = self.recipe
-        if not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
+        if checkpoint and not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
             self._start_checkpoint(rd.rnd)
 
     def _check_silence(self, now: float, rnd: int) -> None:
@@ -450,7 +453,8 @@ class Coordinator:
         self.state.publish(ck.round, theta, velocity, got, layout)
         self.checksums[ck.round] = got
         queue.restore(ck.manifest["queue"])
-        self.samples_seen = ck.manifest.get("samples_seen", 0)
+        self.samples_seen = self.samples_at[ck.round] = ck.manifest.get("samples_seen", 0)
+        self.positions[ck.round] = ck.manifest["queue"]
         self.last_checkpoint, self.last_checkpoint_path = ck.round, ck.path
         self._note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
         return ck.round + 1
@@ -550,8 +554,7 @@ class Coordinator:
                 if peer.id in self.members and isinstance(msg, P.RoundDone) and msg.round == cur.rnd:
                     await cur.on_message(peer, msg)
             if cur.agreed():
-                self._record(await cur.finish())
-                cur.settled = True
+                await self._settle(cur, checkpoint=False)
 
     def _record(self, result: RoundResult) -> None:
         self.results.append(result)
@@ -590,6 +593,10 @@ class Coordinator:
                 self.evaluating.discard(peer.id)
             elif isinstance(msg, P.EvalResult):
                 self._on_eval(peer.id, msg)
+            elif isinstance(msg, P.AskForMoreWork) and peer.id in self.evaluating:
+                # its job named a θ no donor holds any more: the final one, then
+                last = self.results[-1].round if self.results else 0
+                await self._assign_evaluation(peer, last, self.queue.epoch)
         if self.evaluating:
             log.warning("ending without %d evaluation(s) still running", len(self.evaluating))
 

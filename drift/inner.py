@@ -88,8 +88,11 @@ class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
     def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],  # noqa: ANN001
-                 sim: SimDevice = SimDevice(), lock: asyncio.Lock | None = None):
+                 sim: SimDevice = SimDevice(), lock: asyncio.Lock | None = None,
+                 defer: Callable[[P.Message], None] = lambda msg: None):
+        """`defer`: where messages that are not this loop's go (the round loop reads them next)."""
         self.worker = worker
+        self.defer = defer
         # Held for every step: whoever else changes the worker's model between steps (the
         # overlapped sync's catch-up, an evaluation of θ_global) takes it too.
         self.lock = lock or asyncio.Lock()
@@ -154,7 +157,12 @@ class InnerLoop:
             raise StopTraining("lost the connection to the coordinator", lost=True)
         if isinstance(msg, P.TrainingCancel):
             raise StopTraining(f"training cancelled by coordinator: {msg.reason}")
-        if getattr(msg, "round", state["round"]) != state["round"]:
+        if not isinstance(msg, (P.AssignNext, P.NoMoreWork, P.StopRound)):
+            self.defer(msg)  # for the round loop, in order
+            if isinstance(msg, (P.ShardAssignment, P.TrainComplete)):
+                state["stop"] = True  # the swarm went on without us (we missed a deadline, or it ended)
+            return
+        if msg.round != state["round"]:
             return  # a late reply to the previous round
         if isinstance(msg, P.AssignNext):
             state["granted"].append(msg.unit)

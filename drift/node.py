@@ -216,6 +216,7 @@ class Session:
         self.lost_reason = "coordinator closed the connection"
         self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
         self.failure: Exception | None = None  # an error of the sync, raised in the round loop
+        self._early_agreed: dict[int, P.Agreed] = {}  # Agreed for a round this node has not synced yet
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -320,7 +321,7 @@ class Session:
             return self._complete(ready)
         await self._verify_ready(ready)
         self.node.admitted = True
-        t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, self.opts.sim, t.lock)
+        t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, self.opts.sim, t.lock, self._stash.append)
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
             msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
@@ -471,7 +472,8 @@ class Session:
     async def _round(self, a: P.ShardAssignment) -> None:
         t = self.node.trainer
         self.round = a.round
-        if a.state is not None:  # a late joiner, an evaluator or a node that sat out: take the swarm's θ first
+        if a.state is not None and (t.held, t.held_checksum) != (a.state.round, a.state.checksum):
+            # a late joiner, an evaluator or a node that sat out: take the swarm's θ first
             try:
                 await self._fetch(t, a.state)
             except Lost:
@@ -481,9 +483,10 @@ class Session:
                 t.pending = None
                 async with t.lock:
                     t.load_worker()
-        if a.catch_up is not None and t.pending is None:  # overlapped: that round lands while we train
+        if a.catch_up is not None and (t.pending is None or t.pending.settled.is_set()):
+            # overlapped: that round lands while we train (Agreed brings it)
             t.snap[...] = t.theta
-            t.pending = Pending(a.catch_up)
+            self._pend(t, Pending(a.catch_up))
         if a.role == "wait":  # overlapped: θ comes with the Agreed of the round in flight
             return
         if a.role == "evaluate":
@@ -509,10 +512,17 @@ class Session:
         if problem:
             log.warning("round %d: %s; reporting it instead of sending it", a.round, problem)
             t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
-        t.pending = Pending(a.round, a.report_val)
+        self._pend(t, Pending(a.round, a.report_val))
         await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem}))
         if not t.rule.overlapped:
             await self._settled(t.pending)
+
+    def _pend(self, t: Trainer, p: Pending) -> None:
+        """This round's θ is now awaited; an Agreed for it that came early is handled now."""
+        t.pending = p
+        self._early_agreed = {r: m for r, m in self._early_agreed.items() if r >= p.round}
+        if p.round in self._early_agreed:
+            self.sync_q.put_nowait(self._early_agreed.pop(p.round))
 
     async def _settled(self, p: Pending) -> None:
         """Until the outer step of round p.round has landed here, or the session ends (then the
@@ -559,7 +569,13 @@ class Session:
                                                      reason="this node already applied the round's outer step"))
                         continue
                     reduce = asyncio.ensure_future(self._allreduce(t, msg))
-                elif isinstance(msg, P.Agreed) and p is not None and msg.round == p.round:
+                    reduce.pending = p  # the round it is for (the round loop may have moved on)
+                elif isinstance(msg, P.Agreed):
+                    if p is None or msg.round != p.round:
+                        # A node still in a long step learns the round went on without it before
+                        # it reaches the barrier: kept for when it does (see _pend).
+                        self._early_agreed[msg.round] = msg
+                        continue
                     if reduce is not None:
                         reduce.cancel()
                         reduce = None
@@ -595,8 +611,8 @@ class Session:
     async def _reduced(self, t: Trainer, task: asyncio.Task) -> None:
         """An all-reduce attempt ended: apply the outer step and report the checksum, or report
         the failure and wait for the coordinator's retry."""
-        p = t.pending
-        if task.cancelled():
+        p = task.pending
+        if task.cancelled() or p is not t.pending or p.settled.is_set():
             return
         ready, stats, error = task.result()
         if error is not None:
@@ -619,14 +635,23 @@ class Session:
     async def _agreed(self, t: Trainer, p: Pending, msg: P.Agreed) -> None:
         """The coordinator settled round p.round without (or despite) our own reduce: make θ the
         agreed state, fetching it if ours differs, and move the local copy along (a round given
-        up leaves θ as it was: the catch-up then takes back what the round trained locally)."""
+        up leaves θ as it was: the catch-up then takes back what the round trained locally).
+
+        A node that reads this late (it was stuck in a long step) may find no donor with that θ
+        any more: it keeps its θ, and the coordinator, told what it holds, hands it the newest
+        at its next assignment."""
         changed = t.held_checksum != msg.state.checksum
         if changed:
-            await self._fetch(t, msg.state)
+            try:
+                await self._fetch(t, msg.state)
+            except Lost as e:
+                log.warning("could not take θ of round %d (%s); the next assignment brings the newest",
+                            msg.state.round, e)
         if changed or not p.applied:
             await self._catch_up(t)
         p.applied = p.superseded = False
         p.settled.set()
+        await self._beat()  # the coordinator learns what we hold now, before it plans the next round
 
     async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
         """θ_global and the outer state <- the agreed state of round src.round, from a peer."""
@@ -678,9 +703,13 @@ class Session:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
             try:
-                await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1))))
+                await self._beat()
             except Exception:  # noqa: BLE001 - the reader notices a dead connection
                 return
+
+    async def _beat(self) -> None:
+        t = self.node.trainer
+        await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1), held=t.held if t else None)))
 
 
 async def run_node(opts: NodeOptions) -> int:

@@ -184,6 +184,7 @@ class Heartbeat(_Msg):
     type: Literal["Heartbeat"] = "Heartbeat"
     round: RoundOrInitial
     samples_per_s: Rate | None = None
+    held: RoundOrInitial | None = None  # the agreed round whose θ this node holds (once it has a model)
 
 
 # --- work --------------------------------------------------------------------------------------

@@ -172,8 +172,8 @@ class Round:
 
     async def on_AskForMoreWork(self, i: str, msg: P.AskForMoreWork) -> None:
         peer = self.c.members[i]
-        if i in self.evaluators:  # its job could not start (no donor had that θ any more): a fresh one
-            await self.c._assign_evaluation(peer, self.rnd, self.epoch)
+        if i in self.evaluators and msg.round == self.rnd:  # its job could not start (no donor had
+            await self.c._assign_evaluation(peer, self.rnd, self.epoch)  # that θ any more): a fresh one
             return
         nxt = None
         if msg.round == self.rnd and i not in self.excluded | self.early and i not in self.synced:
@@ -429,13 +429,12 @@ class Round:
         """Record the settled round, and tell the nodes that did not compute θ themselves what it
         is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt."""
         result = self._record()
-        c, latest = self.c, max(self.c.checksums)
+        c = self.c
         told = [i for i in c.members if i not in self.done and
                 (i in self.participants and i not in self.evaluators or i in self.catching_up)]
-        for i in told:
+        for i in told:  # (their state_round follows from their heartbeats, once they hold it)
             src = c._state_source(i, force=True)
             await c._send(c.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
-            c.state_round[i] = latest
         nxt = c.current if c.current is not None and c.current is not self else None
         if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
             now = time.monotonic()

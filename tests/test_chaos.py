@@ -72,8 +72,9 @@ def test_ctrl_c_checkpoints_and_a_corrupt_checkpoint_is_skipped(tmp_path: Path) 
     assert "warning" in second.log() and newest.name in second.log()
     resumed = next(e for e in second.events() if e["event"] == "resumed")
     assert resumed["path"] == str(ckpts[-2])                  # the newest one that verifies
-    second.kill(second.coord, signal.SIGINT)
+    assert second.kill(second.coord, signal.SIGINT) == 130, second.log()
     second.finish()
+    assert "Traceback" not in second.log()
 
 
 def _events(run: Path) -> list[dict]:
