@@ -46,10 +46,11 @@ class RoundReport:
     val_loss: float | None = None     # report_val in round 0: the loss of the initial θ
     val_samples: int = 0
     busy_s: float = 0.0               # seconds spent in inner steps
+    lr: float = 0.0                   # the inner learning rate of the round
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
         return P.BarrierSync(round=rnd, samples=self.samples, steps=self.steps, loss=mean_loss(self.losses),
-                             busy_s=self.busy_s,
+                             busy_s=self.busy_s, lr=self.lr,
                              trained=self.trained, returned=self.returned,
                              val_loss=self.val_loss, val_samples=self.val_samples)
 
@@ -177,8 +178,9 @@ class InnerLoop:
     async def run_round(self, a: P.ShardAssignment) -> RoundReport:
         self._round = a.round
         # The swarm's progress, not this node's: every node of a round trains at the same rate.
-        self.worker.set_lr(self.recipe.inner_lr(a.progress + (self.recipe.round_samples or 0) // 2))
-        report = RoundReport()
+        lr = self.recipe.inner_lr(a.progress + (self.recipe.round_samples or 0) // 2)
+        self.worker.set_lr(lr)
+        report = RoundReport(lr=lr)
         if a.report_val and a.round == 0:  # the loss before any training, for the record
             report.val_loss, _ = await self.evaluate()
             report.val_samples = min(self.worker.n_val, self.recipe.eval_batches * self.recipe.batch_size)

@@ -282,6 +282,7 @@ class BarrierSync(_Msg):
     val_samples: Count = 0
     delta_error: Text | None = None   # the node's own Δ is unusable (NaN, absurd size): it sends zeros
     busy_s: Seconds = 0.0             # seconds spent in inner steps this round (utilization)
+    lr: Annotated[float, Field(ge=0, le=1e6)] = 0.0  # the inner learning rate it trained with
 
     @model_validator(mode="after")
     def _samples_are_the_trained_ones(self) -> BarrierSync:

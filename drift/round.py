@@ -477,7 +477,8 @@ class Round:
                       reduce_s=max((d.reduce_s for d in done.values()), default=0.0), abandoned=self.abandoned,
                       nodes={self.name(i): {
                           "node_id": i, "samples": _samples(s.trained) if i in counted else 0, "steps": s.steps,
-                          "weight": weights.get(i, 0.0), "busy_s": self.t_sync[i] - self.t0,
+                          "weight": weights.get(i, 0.0), "busy_s": self.t_sync[i] - self.t0, "step_s": s.busy_s,
+                          "lr": s.lr,
                           "idle_s": max(0.0, self.t_ready - self.t_sync[i]),
                           "sync_s": done[i].reduce_s if i in done else 0.0,
                           "bytes_sent": done[i].bytes_sent if i in done else 0,
