@@ -600,16 +600,19 @@ class Coordinator:
         if self.evaluating:
             log.warning("ending without %d evaluation(s) still running", len(self.evaluating))
 
-    def _on_eval(self, i: str, msg: P.EvalResult) -> None:
+    def _on_eval(self, i: str, msg: P.EvalResult) -> bool:
+        """Record an evaluator's result; False if it is not the answer to a job we gave."""
+        if i not in self.evaluating or msg.after_round not in self.checksums:
+            return False  # not a job we gave (or for a θ that never was): counts for nothing
         self.evaluating.discard(i)
         if i in self.members:
             self._measured_speed(i, msg.samples_per_s)
-        self.state_round[i] = msg.after_round
         if msg.after_round < 0:
             self.initial_val_loss = msg.val_loss
             self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
         else:
             self._note("val", after_round=msg.after_round, val_loss=msg.val_loss, val_samples=msg.val_samples)
+        return True
 
     # --- membership ----------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""What the coordinator shows and records: metrics.jsonl in the run directory, and a live table
-(rich) when stdout is a terminal, plain log lines otherwise.
+"""What the coordinator shows and records: metrics.jsonl in the run directory, TensorBoard event
+files beside it (when the `tensorboard` extra is installed: one scalar per round per metric), and
+a live table (rich) when stdout is a terminal, plain log lines otherwise.
 
 Names, devices and reasons come from the network: they are shown as plain text (never rich
 markup, highlighting or emoji codes), one line each (protocol.printable)."""
@@ -49,11 +50,14 @@ class Monitor:
         if self.live:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4)
             self._live.start()
+        self._board = Board.open(self.run_dir)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Record one event (a line of metrics.jsonl) and refresh the view."""
         rec = {"t": round(time.time() - self._t0, 3), "event": kind, **fields}
         self._metrics.write(json.dumps(rec) + "\n")
+        if self._board is not None:
+            self._board.event(rec)
         if self._live:
             self._live.update(self._table())
         elif kind in ("node_joined", "initial", "round", "complete", "error", "node_left"):
@@ -78,6 +82,52 @@ class Monitor:
         if self._live:
             self._live.stop()
         self._metrics.close()
+        if self._board is not None:
+            self._board.close()
+
+
+class Board:
+    """TensorBoard scalars from the run's events (`tensorboard --logdir RUN_DIR`): per round the
+    losses, throughput, sync time and bytes, per node its utilization; evaluators' val losses."""
+
+    def __init__(self, writer, event_cls, summary_cls) -> None:  # noqa: ANN001
+        self._w, self._event, self._summary = writer, event_cls, summary_cls
+
+    @classmethod
+    def open(cls, run_dir: Path) -> Board | None:
+        """A writer in run_dir, or None when tensorboard is not installed (pip install -e '.[tensorboard]')."""
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:
+            return None
+        return cls(EventFileWriter(str(run_dir)), Event, Summary)
+
+    def scalars(self, step: int, values: dict[str, float | None]) -> None:
+        value = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in values.items() if v is not None]
+        if value:
+            self._w.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=value)))
+
+    def event(self, rec: dict[str, Any]) -> None:
+        kind = rec["event"]
+        if kind == "round":
+            step = rec["round"]
+            self.scalars(step, {"loss/val": rec.get("val_loss"), "loss/train": rec.get("train_loss"),
+                                "round/seconds": rec.get("seconds"), "round/samples": rec.get("samples"),
+                                "round/samples_per_s": rec["samples"] / rec["seconds"] if rec.get("seconds") else None,
+                                "sync/reduce_s": rec.get("reduce_s"),
+                                "sync/MiB_sent": rec.get("bytes_sent", 0) / 2**20})
+            self.scalars(step, {f"utilization/{printable(name, MAX_NAME)}": n["step_s"] / rec["seconds"]
+                                for name, n in rec.get("nodes", {}).items() if rec.get("seconds") and "step_s" in n})
+            self._w.flush()
+        elif kind == "initial":
+            self.scalars(-1, {"loss/val": rec["val_loss"]})
+        elif kind == "val":
+            self.scalars(rec["after_round"], {"loss/val_evaluator": rec["val_loss"]})
+
+    def close(self) -> None:
+        self._w.close()
 
 
 def _line(rec: dict[str, Any]) -> str:

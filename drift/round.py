@@ -157,8 +157,10 @@ class Round:
             log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, self.rnd)
 
     async def on_TrainProgress(self, i: str, msg: P.TrainProgress) -> None:
-        if msg.round != self.rnd:
-            return
+        u = msg.unit
+        if msg.round != self.rnd or not any(g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi
+                                            for g in self.plan.granted.get(i, [])):
+            return  # a late report, or samples it was never granted: counts for nothing
         self.last_progress[i] = time.monotonic()
         n = msg.unit.hi - msg.unit.lo
         self.trained_so_far[i] += n
@@ -203,7 +205,7 @@ class Round:
             else:  # accounted for: what it trained is in synced, the rest goes back
                 self.give_back.extend(msg.returned)
                 self.plan.granted[i] = []
-        if msg.val_loss is not None:
+        if msg.val_loss is not None and i == self.fastest:  # the node asked for it (report_val)
             if self.rnd == 0:
                 self.c.initial_val_loss = msg.val_loss
                 self.c._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
@@ -228,8 +230,7 @@ class Round:
             self.ring_failed_at = time.monotonic()
 
     async def on_EvalResult(self, i: str, msg: P.EvalResult) -> None:
-        self.c._on_eval(i, msg)
-        if i in self.evaluators and msg.after_round < max(self.c.checksums):
+        if self.c._on_eval(i, msg) and i in self.evaluators and msg.after_round < max(self.c.checksums):
             # A newer θ is already agreed: evaluate it now rather than at the next round.
             await self.c._assign_evaluation(self.c.members[i], self.rnd, self.epoch)
 
@@ -350,6 +351,16 @@ class Round:
         part = self.part()
         if self.retry_reason is None and self.ring_failed_at is not None and \
                 now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1:
+            # The ring is all or nothing: if every other member finished it, they agree on θ and
+            # the reporters' word against them changes nothing (a node repeating RingFailed cannot
+            # hold every round hostage); the reporters get θ with Agreed.
+            failed = [i for i in part if i not in self.done]
+            if failed and 2 * (len(part) - len(failed)) > len(part) and self.minority() == []:
+                # Their Δ is in the others' result (that is how a ring finishes), so their work
+                # counts; only their θ is behind.
+                log.warning("round %d: %d node(s) reported a failed all-reduce that the others finished; "
+                            "they get θ from a peer", self.rnd, len(failed))
+                return True
             self.retry_reason = "a node reported a broken all-reduce and nobody left"
         if self.retry_reason is None and part and all(i in self.done for i in part):
             diverged = self.minority()

@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
+
 from conftest import drift_cmd
 
 
@@ -40,6 +42,15 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
             assert n["busy_s"] > 0 and n["idle_s"] >= 0 and n["sync_s"] > 0 and n["bytes_sent"] > 0
         assert sum(n["bytes_sent"] for n in r["nodes"].values()) == r["bytes_sent"]
 
+    # TensorBoard event files beside metrics.jsonl: one scalar per round per metric.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(run_dir))
+    board.Reload()
+    vals = {s.step: s.value for s in board.Scalars("loss/val")}
+    assert vals[-1] == np.float32(initial)
+    assert [vals[r["round"]] for r in rounds] == [np.float32(r["val_loss"]) for r in rounds]
+    assert len(board.Scalars("round/samples_per_s")) == 4 and len(board.Scalars("sync/MiB_sent")) == 4
+
     # `drift report` on the real run: three PNGs and a summary quoting the run's own figures.
     rep = subprocess.run(drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")),
                          capture_output=True, text=True, timeout=120)
@@ -49,3 +60,39 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
     row = next(line for line in rep.stdout.splitlines() if line.startswith("tiny "))
     assert row.split()[1:4] == ["4", str(sum(r["samples"] for r in rounds)), f"{rounds[-1]['val_loss']:.4f}"]
+
+
+def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> None:
+    """A task of the general interface (make_model, dict batches, a task loss) with BatchNorm, in a
+    real 2-node swarm: the float buffers are part of θ, averaged at every barrier (the checksum
+    every node reports covers them, so they are equal on both nodes after each round) and
+    checkpointed by name; the checkpoint loads into a plain torch model."""
+    import torch
+
+    from drift.checkpoint import latest_checkpoint
+    from drift.simulate import make_task_repo
+    from workers import load_task
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = {"width": 8, "blocks": 1}
+    recipe = make_task_repo(tmp_path / "repo", {
+        "name": "digits", "task_config": cfg, "min_nodes": 2, "rounds": 4, "inner_steps": 10, "batch_size": 32,
+        "unit_steps": 5, "eval_batches": 4, "inner_optimizer": {"lr": 0.003}, "codec": "fp32",
+        "outer_optimizer": {"lr": 1.0, "momentum": 0.0}}, task=root / "recipes" / "digits_resnet.py")
+    run_dir = tmp_path / "run"
+    out = subprocess.run(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run_dir)),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = _events(run_dir)
+    rounds = [e for e in events if e["event"] == "round"]
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert len(rounds) == 4 and rounds[-1]["val_loss"] < initial
+    ckpt, _ = latest_checkpoint(run_dir / "checkpoints")
+    buffers = [n for n in ckpt.names if "running_" in n]
+    assert buffers and ckpt.manifest["buffers"] == len(buffers)
+    model = load_task(root / "recipes" / "digits_resnet.py").make_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ckpt.theta.items()},
+                                                strict=False)
+    assert not unexpected and all(m.endswith("num_batches_tracked") for m in missing)
+    assert any(not torch.equal(before[k], model.state_dict()[k]) for k in before)  # the statistics were learned

@@ -87,3 +87,37 @@ def test_a_donor_of_another_size_is_refused() -> None:
     small = ParamLayout(("a",), ((4,),))
     with pytest.raises(StateError, match="expected 19"):
         _fetch(_serving(1, theta[:4].copy(), velocity[:4].copy(), small), 1, checksum(theta, velocity))
+
+
+def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The coordinator's checkpoint: θ and the velocity stream from a donor, chunk by chunk, into
+    the checkpoint's files (never whole in memory), and load back exact, buffers named as such."""
+    import drift.state
+    from drift.checkpoint import CheckpointWriter, load_checkpoint
+    monkeypatch.setattr(drift.state, "CHUNK_BYTES", 4096)
+    big = ParamLayout(("w", "b", "bn.running_var"), ((100, 50), (50,), (50,)), n_buffers=1)
+    theta, velocity = _state(7, big)
+    writers: list[CheckpointWriter] = []
+
+    def sink(layout: ParamLayout):  # noqa: ANN202
+        writers.append(CheckpointWriter(tmp_path / "ck", 9, layout.names, layout.shapes))
+        return writers[-1].write
+
+    async def main() -> None:
+        server = _serving(9, theta, velocity, big)
+        ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
+        serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
+        client = await Endpoint.bind("local")
+        server.allowed = lambda peer: peer == client.node_id
+        try:
+            await fetch_state(client, [ep.ticket()], 9, checksum(theta, velocity), sink, size=big.size, timeout=10)
+        finally:
+            serving.cancel()
+            await client.close()
+            await ep.close()
+
+    run_async(main())
+    path = writers[-1].commit({"buffers": big.n_buffers})
+    ck = load_checkpoint(path)
+    assert ck.names == big.names and ck.manifest["buffers"] == 1
+    assert np.array_equal(ck.theta_flat, theta) and np.array_equal(ck.velocity_flat, velocity)

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 
 from conftest import check_exactly_once, make_task_repo
+from drift.recipe import load_recipe
 from drift.simulate import Swarm
 
 WRAPPERS = Path(__file__).parent / "wrappers"
@@ -110,7 +111,10 @@ def test_node_that_suddenly_becomes_very_slow_sits_out_then_evaluates(tmp_path: 
 
 
 def test_late_joiner_fetches_state_and_trains(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=40, inner_steps=6, **SIM)
+    """A node that joins a running swarm fetches θ, trains from the next round, and trains at the
+    same learning rate as everyone (the schedule follows the swarm's samples, not a node's steps)."""
+    schedule = {"warmup_samples": 1500, "min_lr": 0.001}
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=40, inner_steps=6, lr_schedule=schedule, **SIM)
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.05")
     swarm.join("0.05")
@@ -127,6 +131,15 @@ def test_late_joiner_fetches_state_and_trains(tmp_path: Path) -> None:
     assert all(r["nodes"]["late"]["samples"] > 0 for r in rounds[entered["round"]:])
     check_exactly_once(events, 2 * BATCH)
     assert late.wait(timeout=60) == 0, (tmp_path / "late.log").read_text()
+    lrs = [{n["lr"] for n in r["nodes"].values()} for r in rounds]
+    assert all(len(x) == 1 for x in lrs), lrs                  # one rate per round, the late node's too
+    lrs = [x.pop() for x in lrs]
+    r = load_recipe(recipe)
+    done = 0
+    for rnd, lr in zip(rounds, lrs):                              # the schedule of the swarm's samples
+        assert lr == r.inner_lr(done + r.round_samples // 2), (rnd["round"], lr)
+        done += rnd["samples"]
+    assert lrs[0] < lrs[2] and lrs[-1] < max(lrs)                 # warmup, then decay
 
 
 def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
