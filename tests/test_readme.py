@@ -56,3 +56,33 @@ def test_readme_first_command_in_a_fresh_clone(tmp_path: Path) -> None:
     assert vals and vals[-1] < initial - 1.0, (initial, vals)
     for log in runs[0].parent.glob("node-*.log"):  # every node left with the run complete
         assert "run complete" in log.read_text(), log.read_text()[-2000:]
+
+
+def _fenced(readme: str, first_line: str) -> str:
+    """The fenced code block of README.md whose first line is `first_line`."""
+    m = re.search(r"```\w*\n(" + re.escape(first_line) + r".*?)```", readme, re.S)
+    assert m, f"README.md has no code block starting with {first_line!r}"
+    return m.group(1)
+
+
+def test_the_readme_task_trains_as_the_readme_says(tmp_path: Path) -> None:
+    """The task and recipe of README's "Your own model" section, copied from README.md into a
+    fresh git repo of their own, run with the command README gives, from the repo's directory."""
+    readme = (ROOT / "README.md").read_text()
+    repo = tmp_path / "mine"
+    repo.mkdir()
+    (repo / "mytask.py").write_text(_fenced(readme, "# mytask.py"))
+    (repo / "mytask.yaml").write_text(_fenced(readme, "# mytask.yaml"))
+    cmd = re.search(r"`(git add -A && git commit -m task && drift coord mytask.yaml --local 2)`", readme).group(1)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "me", "GIT_AUTHOR_EMAIL": "me@localhost", "GIT_COMMITTER_NAME": "me",
+           "GIT_COMMITTER_EMAIL": "me@localhost"}
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=repo, check=True)
+    out = subprocess.run(["bash", "-c", cmd.replace("drift coord", f"{sys.executable} -m drift coord")],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = next((repo / "runs").glob("points-*"))
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e["event"] == "round"]
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert len(rounds) == 20 and rounds[-1]["val_loss"] < initial / 2, (initial, rounds[-1]["val_loss"])
+    assert not [e for e in events if e["event"] in ("bad_report", "sat_out", "node_left")]
