@@ -303,6 +303,8 @@ def join(repo: str, ticket: str, name: str | None, backend: str, device: str, th
         sim = SimDevice.parse(sim_step)
     except ValueError as e:
         _fail(str(e))
+    if not repo.isprintable():
+        _fail(f"--repo {repo!r}: contains control characters")
     if Path(repo).expanduser().exists():  # a path (else a URL): absolute, whatever the cwd later
         repo = str(Path(repo).expanduser().resolve())
     node_key = _key(key, "node", device)

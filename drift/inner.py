@@ -197,6 +197,10 @@ class InnerLoop:
                 self._apply(await self.inbox.get(), state)
                 continue
             unit = state["granted"].popleft()
+            size = min(self.recipe.unit_samples, self.worker.n_train - unit.id * self.recipe.unit_samples)
+            if not unit.hi <= size:  # a coordinator that names samples the dataset does not have
+                raise StopTraining(f"the coordinator granted samples {unit.lo}..{unit.hi} of unit {unit.id}, "
+                                   f"which the dataset ({self.worker.n_train} samples) does not have")
             idx = unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
             t0, lo, u_losses = time.perf_counter(), unit.lo, []
             while lo < unit.hi:

@@ -260,3 +260,23 @@ def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
     assert all((x == 3).all() for x in xs)
     assert "not in the current ring" in closed
     assert incoming == {left_neighbour}
+
+
+def test_task_code_imports_from_its_checkout_only(tmp_path: Path) -> None:
+    """A task's `import helpers` finds the helpers.py committed next to it, never one in the
+    directory `drift coord --local` (and so its nodes) was started from."""
+    recipe = make_task_repo(tmp_path / "repo", name="helped", min_nodes=2, rounds=2, inner_steps=4, batch_size=8,
+                            unit_steps=2, eval_batches=1,
+                            task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32})
+    repo = recipe.parents[1]
+    task = repo / "recipes" / "shakespeare_char.py"
+    task.write_text(task.read_text() + "\nimport helpers  # noqa: E402\nassert helpers.ORIGIN == 'checkout'\n")
+    (repo / "recipes" / "helpers.py").write_text("ORIGIN = 'checkout'\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "helpers")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "helpers.py").write_text("raise SystemExit('imported helpers.py from the working directory')\n")
+    out = subprocess.run(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(tmp_path / "run")),
+                         cwd=elsewhere, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
