@@ -6,7 +6,9 @@
 
 Topology: one namespace per node plus one "switch" namespace holding a bridge. Each node has a
 veth pair to the bridge; both ends carry `tbf rate <rate>`, so a node's upload and download are
-each limited, like a home link. Safety rules:
+each limited, like a home link. `delay_ms` adds latency on top (the kernel here has no netem):
+every packet a node's namespace sends is held that long in user space (benchmarks/netdelay.py,
+NFQUEUE), so the round trip between two nodes is 2 x delay_ms. Safety rules:
   * addresses exist only inside namespaces created here (10.77.0.0/24, no address on the bridge);
   * no default route anywhere: traffic cannot leave the namespaces;
   * nothing here sends a packet; the root namespace never gets an address on these links;
@@ -18,7 +20,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
 from types import FrameType
+
+HERE = Path(__file__).resolve().parent
 
 
 class NetnsUnavailable(RuntimeError):
@@ -36,16 +42,17 @@ def _in(ns: str, *cmd: str) -> None:
 class Swarm:
     """N namespaces joined through a bridge by rate-limited veth links."""
 
-    def __init__(self, n: int, rate: str = "100mbit", subnet: str = "10.77.0"):
+    def __init__(self, n: int, rate: str = "100mbit", subnet: str = "10.77.0", delay_ms: float = 0.0):
         if os.geteuid() != 0:
             raise NetnsUnavailable("network namespaces need root (run with sudo); skipping the "
                                    "bandwidth-limited section")
-        self.n, self.rate, self.subnet = n, rate, subnet
+        self.n, self.rate, self.subnet, self.delay_ms = n, rate, subnet, delay_ms
         tag = f"{os.getpid() % 100000}"
         self.sw = f"drb{tag}sw"
         self.nodes = [f"drb{tag}n{i}" for i in range(n)]
         self.ifname = "eth0"  # inside each node namespace
         self._created: list[str] = []
+        self._delayers: list[subprocess.Popen] = []
         self._old_term = None
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -86,9 +93,39 @@ class Swarm:
             for where, dev in ((ns, self.ifname), (self.sw, port)):
                 _in(where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
                     "burst", "256kb", "latency", "100ms")
+            if self.delay_ms:
+                self._delay(ns)
+
+    def _delay(self, ns: str) -> None:
+        """Hold every packet `ns` sends for delay_ms (benchmarks/netdelay.py), before its tbf."""
+        try:
+            import netfilterqueue  # noqa: F401
+        except ImportError:
+            raise NetnsUnavailable("added latency needs the NetfilterQueue package (pip install "
+                                   "NetfilterQueue; apt-get install libnetfilter-queue-dev iptables)") from None
+        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(HERE / "netdelay.py"),
+                              "--delay-ms", str(self.delay_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        self._delayers.append(p)
+        if p.stdout.readline().strip() != "ready":
+            raise NetnsUnavailable(f"netdelay.py in {ns} did not start: {p.stderr.read().strip()[-300:]}")
+        # only once the delayer listens; --queue-bypass: should it die, packets pass instead of dropping
+        _in(ns, "iptables-legacy", "-A", "OUTPUT", "-o", self.ifname, "-j", "NFQUEUE", "--queue-num", "0",
+            "--queue-bypass")
 
     def close(self) -> None:
-        """Delete every namespace created (their veth pairs and the bridge go with them)."""
+        """Stop the delayers, delete every namespace created (their veth pairs, bridge and iptables
+        rules go with them)."""
+        for p in self._delayers:
+            if p.poll() is None:
+                p.terminate()
+        for p in self._delayers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._delayers.clear()
         while self._created:
             ns = self._created.pop()
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from shakespeare_char import load_text
+from shakespeare_char import load_text, window_starts
 
 if TYPE_CHECKING:
     import torch
@@ -62,16 +62,7 @@ class ByteDataset:
 
     def batch(self, split: str, indices: np.ndarray) -> dict[str, np.ndarray]:
         """{"input_ids": int64 (B, block_size), "labels": the same array} for these windows."""
-        if split not in self._splits:
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        n = self.n_train if split == "train" else self.n_val
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
-            raise ValueError(f"indices must be a 1-D integer array, got shape {idx.shape} dtype {idx.dtype}")
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
-            bad = idx[(idx < 0) | (idx >= n)][0]
-            raise ValueError(f"{split} sample index {int(bad)} out of range [0, {n})")
-        starts = idx.astype(np.int64) * self.block_size
+        starts = window_starts(self, split, indices)
         ids = self._splits[split][starts[:, None] + np.arange(self.block_size)].astype(np.int64)
         return {"input_ids": ids, "labels": ids}
 

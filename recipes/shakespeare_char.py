@@ -82,6 +82,21 @@ def load_text() -> str:
     return "\n".join(clean_play(f.read_text(encoding="utf-8")) for f in play_files())
 
 
+def window_starts(ds: Any, split: str, indices: np.ndarray) -> np.ndarray:
+    """Where the windows of these samples of a split start (ds: n_train, n_val, block_size,
+    _splits); ValueError naming what is wrong with `split` or `indices`."""
+    if split not in ds._splits:
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    n = ds.n_train if split == "train" else ds.n_val
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
+        raise ValueError(f"indices must be a 1-D integer array, got shape {idx.shape} dtype {idx.dtype}")
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        bad = idx[(idx < 0) | (idx >= n)][0]
+        raise ValueError(f"{split} sample index {int(bad)} out of range [0, {n})")
+    return idx.astype(np.int64) * ds.block_size
+
+
 class CharDataset:
     """Character-tokenised text split by position: train = first 90 %, val = last 10 %.
 
@@ -128,16 +143,7 @@ class CharDataset:
 
     def batch(self, split: str, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """x, y int64 arrays of shape (len(indices), block_size); y is x shifted by one."""
-        if split not in self._splits:
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-        n = self.n_train if split == "train" else self.n_val
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer) or idx.size == 0):
-            raise ValueError(f"indices must be a 1-D integer array, got shape {idx.shape} dtype {idx.dtype}")
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
-            bad = idx[(idx < 0) | (idx >= n)][0]
-            raise ValueError(f"{split} sample index {int(bad)} out of range [0, {n})")
-        starts = idx.astype(np.int64) * self.block_size
+        starts = window_starts(self, split, indices)
         window = self._splits[split][starts[:, None] + self._offsets].astype(np.int64)
         return np.ascontiguousarray(window[:, :-1]), np.ascontiguousarray(window[:, 1:])
 

@@ -131,26 +131,32 @@ class Worker(Protocol):
         ...
 
 
-def iter_state_of(worker: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """iter_state for backends whose models are small enough to copy whole (mlx, numpy)."""
-    params, buffers = worker.get_params(), worker.get_buffers()
-    for name in sorted(params):
-        yield name, params[name]
-    for name in sorted(buffers):
-        yield name, buffers[name]
+class ParamsOnly:
+    """The state methods of a backend whose models keep nothing besides their parameters (mlx,
+    numpy): no buffers, and a model small enough to copy whole."""
 
+    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every parameter (no buffers here), as float32 copies."""
+        params = self.get_params()
+        for name in sorted(params):
+            yield name, params[name]
 
-def add_to_state_of(worker: Any, deltas: dict[str, np.ndarray]) -> None:
-    """add_to_state for those backends: read, add, write back."""
-    params, buffers = worker.get_params(), worker.get_buffers()
-    for name, d in deltas.items():
-        target = params if name in params else buffers
-        if name not in target:
-            raise ValueError(f"no parameter or buffer named {name}")
-        target[name] += np.asarray(d, np.float32).reshape(target[name].shape)
-    worker.set_params(params)
-    if buffers:
-        worker.set_buffers(buffers)
+    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
+        """Add to the named parameters (read, add, write back)."""
+        params = self.get_params()
+        for name, d in deltas.items():
+            if name not in params:
+                raise ValueError(f"no parameter named {name}")
+            params[name] += np.asarray(d, np.float32).reshape(params[name].shape)
+        self.set_params(params)
+
+    def get_buffers(self) -> dict[str, np.ndarray]:
+        """{}: the model keeps no state besides its parameters."""
+        return {}
+
+    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
+        """Accepts only {} (checked like set_params)."""
+        check_params({}, buffers, "buffer")
 
 
 def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndarray], kind: str = "parameter") -> None:

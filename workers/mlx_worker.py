@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, TypeVar
@@ -29,15 +29,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .base import (
     BackendError,
+    ParamsOnly,
     TaskError,
-    add_to_state_of,
     check_lr,
     check_params,
     check_precision,
     check_task,
     eval_samples,
     initial_params,
-    iter_state_of,
     micro_splits,
     optim_config,
     task_label,
@@ -69,7 +68,7 @@ def _close_at_exit(ref: weakref.ref[MlxWorker]) -> None:
         worker.close()
 
 
-class MlxWorker:
+class MlxWorker(ParamsOnly):
     """Worker backed by mlx (fp32; tasks with make_mlx_model and (x, y) batches)."""
 
     backend = "mlx"
@@ -158,22 +157,6 @@ class MlxWorker:
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         self._on_mlx_thread(self._set_params, params)
-
-    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Every parameter (no buffers here), as float32 copies."""
-        return iter_state_of(self)
-
-    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
-        """Add to the named parameters in place."""
-        add_to_state_of(self, deltas)
-
-    def get_buffers(self) -> dict[str, np.ndarray]:
-        """{}: mlx models here keep no state besides their parameters."""
-        return {}
-
-    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
-        """Accepts only {} (checked like set_params)."""
-        check_params({}, buffers, "buffer")
 
     def reset_optimizer(self) -> None:
         """Forget AdamW's moments and step count."""

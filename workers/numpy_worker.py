@@ -10,7 +10,6 @@ Nothing here imports torch or mlx.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -18,15 +17,14 @@ import numpy as np
 
 from .base import (
     BackendError,
+    ParamsOnly,
     TaskError,
-    add_to_state_of,
     check_lr,
     check_params,
     check_precision,
     check_task,
     eval_samples,
     initial_params,
-    iter_state_of,
     micro_splits,
     optim_config,
     task_label,
@@ -34,7 +32,7 @@ from .base import (
 )
 
 
-class NumpyWorker:
+class NumpyWorker(ParamsOnly):
     """Worker backed by plain numpy (CPU only, fp32; tasks with make_numpy_model and (x, y) batches)."""
 
     backend = "numpy"
@@ -93,22 +91,6 @@ class NumpyWorker:
         self._m = {name: np.zeros_like(a) for name, a in self._params.items()}
         self._v = {name: np.zeros_like(a) for name, a in self._params.items()}
         self.step: int = 0
-
-    def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Every parameter (no buffers here), as float32 copies."""
-        return iter_state_of(self)
-
-    def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
-        """Add to the named parameters in place."""
-        add_to_state_of(self, deltas)
-
-    def get_buffers(self) -> dict[str, np.ndarray]:
-        """{}: numpy models here keep no state besides their parameters."""
-        return {}
-
-    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
-        """Accepts only {} (checked like set_params)."""
-        check_params({}, buffers, "buffer")
 
     def set_lr(self, lr: float) -> None:
         """AdamW's learning rate from the next train_step on."""
