@@ -122,7 +122,7 @@ class Sampler(threading.Thread):
         self.peak = {k: 0 for k in pids}
         self.timeline: dict[str, list[tuple[float, int]]] = {k: [] for k in pids}
         self.t0 = time.monotonic()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def add(self, name: str, pid: int) -> None:
         self.pids[name] = pid
@@ -130,17 +130,17 @@ class Sampler(threading.Thread):
         self.timeline.setdefault(name, [])
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             for name, pid in list(self.pids.items()):
                 st = proc_status(pid)
                 if st is None:
                     continue
                 self.peak[name] = max(self.peak[name], st.get("VmHWM", 0), st.get("VmRSS", 0))
                 self.timeline[name].append((time.monotonic() - self.t0, st.get("VmRSS", 0)))
-            self._stop.wait(self.every)
+            self._halt.wait(self.every)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 

@@ -1,12 +1,16 @@
 """Added latency in user space, for kernels without netem: hold every packet a network namespace
-sends for a fixed time, then let it go (needs root, iptables-legacy, libnetfilter-queue and the
+receives for a fixed time, then let it go (needs root, iptables-legacy, libnetfilter-queue and the
 NetfilterQueue package: `apt-get install iptables libnetfilter-queue-dev; pip install NetfilterQueue`).
 
-    ip netns exec NS iptables-legacy -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass
+    ip netns exec NS iptables-legacy -A INPUT -i eth0 -j NFQUEUE --queue-num 0 --queue-bypass
     ip netns exec NS python benchmarks/netdelay.py --delay-ms 25     # prints "ready", runs until killed
 
 netns.Swarm(delay_ms=...) does both for every namespace it builds, so a packet between two of its
-namespaces is delayed once, on its way out: the round-trip time between them is 2 x delay_ms.
+namespaces is delayed once, on its way in: the round-trip time between them is 2 x delay_ms.
+On the way in, not out: a sender's own packets held below TCP count against its TCP small-queue
+budget (~1 ms of data), which throttled a 100 Mbit link to 1.8 Mbit/s at 25 ms; a received packet
+belongs to no sending socket. Measured here: UDP ping-pong 50.6 ms at delay_ms 25; one TCP stream
+20 MiB at ~78 Mbit/s over the 100 Mbit tbf link (slow start included).
 Packets leave in the order they came (one fixed delay), only their verdict is late: the kernel
 keeps the packet, this process sees its metadata only. --queue-bypass: while nobody listens
 (before "ready", after the process is gone), packets pass undelayed instead of being dropped.

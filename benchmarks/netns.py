@@ -7,7 +7,7 @@
 Topology: one namespace per node plus one "switch" namespace holding a bridge. Each node has a
 veth pair to the bridge; both ends carry `tbf rate <rate>`, so a node's upload and download are
 each limited, like a home link. `delay_ms` adds latency on top (the kernel here has no netem):
-every packet a node's namespace sends is held that long in user space (benchmarks/netdelay.py,
+every packet a node's namespace receives is held that long in user space (benchmarks/netdelay.py,
 NFQUEUE), so the round trip between two nodes is 2 x delay_ms. Safety rules:
   * addresses exist only inside namespaces created here (10.77.0.0/24, no address on the bridge);
   * no default route anywhere: traffic cannot leave the namespaces;
@@ -97,7 +97,7 @@ class Swarm:
                 self._delay(ns)
 
     def _delay(self, ns: str) -> None:
-        """Hold every packet `ns` sends for delay_ms (benchmarks/netdelay.py), before its tbf."""
+        """Hold every packet `ns` receives for delay_ms (benchmarks/netdelay.py)."""
         try:
             import netfilterqueue  # noqa: F401
         except ImportError:
@@ -110,7 +110,7 @@ class Swarm:
         if p.stdout.readline().strip() != "ready":
             raise NetnsUnavailable(f"netdelay.py in {ns} did not start: {p.stderr.read().strip()[-300:]}")
         # only once the delayer listens; --queue-bypass: should it die, packets pass instead of dropping
-        _in(ns, "iptables-legacy", "-A", "OUTPUT", "-o", self.ifname, "-j", "NFQUEUE", "--queue-num", "0",
+        _in(ns, "iptables-legacy", "-A", "INPUT", "-i", self.ifname, "-j", "NFQUEUE", "--queue-num", "0",
             "--queue-bypass")
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """`drift report RUN_DIR...`: PNG plots and a summary from the metrics.jsonl of one or more runs.
 
-    loss.png   validation loss against samples trained and against wall-clock
-    nodes.png  per node and round: time training, waiting at the barrier, in the all-reduce
-    bytes.png  bytes each node sent per round
+    loss.png         validation loss against samples trained and against wall-clock
+    nodes.png        per node and round: time training, waiting at the barrier, in the all-reduce
+    bytes.png        bytes each node sent per round
+    utilization.png  the fraction of each node's wall-clock spent in inner steps: per round, and
+                     over the whole run per node (from the rounds' per-node `step_s`)
 
 Several run directories overlay in one set of plots (each labelled by its directory name), which
 is how benchmarks/bench_vs_ddp.py compares drift with synchronous data-parallel training. Any run
@@ -35,6 +37,7 @@ class Run:
     startup_s: float = 0.0
     rounds: list[dict] = field(default_factory=list)  # `round` events by round number, the last of each kept
     wall_s: float | None = None                        # to the `complete` event, when there is one
+    complete: dict = field(default_factory=dict)       # the `complete` event's own fields
 
     def val_curve(self) -> list[tuple[int, float, float]]:
         """(samples trained, seconds since training started, val loss) at θ0 and after each round."""
@@ -61,6 +64,37 @@ class Run:
         for r in self.rounds:
             for name, n in r.get("nodes", {}).items():
                 out[name] = out.get(name, 0) + int(n.get("bytes_sent", 0))
+        return out
+
+    def utilization(self) -> dict[str, float]:
+        """Per node: seconds in inner steps (the rounds' `step_s`) over the run's wall-clock from
+        training start to its last round. Nodes whose rounds carry no `step_s` are left out."""
+        wall = self.rounds[-1]["t"] if self.rounds else 0.0
+        steps: dict[str, float] = {}
+        for r in self.rounds:
+            for name, n in r.get("nodes", {}).items():
+                if n.get("step_s") is not None:
+                    steps[name] = steps.get(name, 0.0) + float(n["step_s"])
+        return {name: s / wall for name, s in steps.items()} if wall > 0 else {}
+
+    def round_utilization(self) -> list[tuple[int, dict[str, float]]]:
+        """(round, {node: step_s / the round's wall-clock}), a round's wall-clock being the time
+        since the previous round event (since training start for the first)."""
+        out, prev = [], 0.0
+        for r in self.rounds:
+            span = r["t"] - prev
+            prev = r["t"]
+            if span > 0:
+                out.append((r["round"], {name: float(n["step_s"]) / span for name, n in r.get("nodes", {}).items()
+                                         if n.get("step_s") is not None}))
+        return out
+
+    def steps_per_node(self) -> dict[str, int]:
+        """Inner steps each node trained over the run."""
+        out: dict[str, int] = {}
+        for r in self.rounds:
+            for name, n in r.get("nodes", {}).items():
+                out[name] = out.get(name, 0) + int(n.get("steps", 0))
         return out
 
     def time_to(self, target: float) -> float | None:
@@ -114,6 +148,7 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
                 raise ReportError(f"{path}:{no}: round event without round/samples") from None
         elif kind == "complete":
             run.wall_s = t
+            run.complete = {k: v for k, v in e.items() if k not in ("t", "event")}
     run.startup_s = started if started is not None else (last_joined or first or 0.0)
     run.rounds = [{**by_round[k], "t": by_round[k]["t"] - run.startup_s} for k in sorted(by_round)]
     if not run.rounds:
@@ -122,19 +157,22 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
 
 
 def summary(runs: list[Run]) -> str:
-    """A plain-text table: final val loss, training wall-clock, MiB sent per node."""
-    rows = [f"{'run':<16} {'rounds':>6} {'samples':>9} {'val loss':>9} {'train s':>8} {'MiB/node':>9}"]
+    """A plain-text table: final val loss, training wall-clock, MiB sent per node, utilization
+    (the least and the most of the nodes', in %)."""
+    rows = [f"{'run':<16} {'rounds':>6} {'samples':>9} {'val loss':>9} {'train s':>8} {'MiB/node':>9} {'util %':>9}"]
     for r in runs:
         mib = r.mib_per_node()
         samples = sum(x["samples"] for x in r.rounds)
         fv = r.final_val()
+        u = r.utilization().values()
+        util = f"{100 * min(u):.0f}-{100 * max(u):.0f}" if u else "-"
         rows.append(f"{r.label:<16} {len(r.rounds):>6} {samples:>9} {fv if fv is not None else float('nan'):>9.4f} "
-                    f"{r.rounds[-1]['t']:>8.1f} {mib:>9.2f}")
+                    f"{r.rounds[-1]['t']:>8.1f} {mib:>9.2f} {util:>9}")
     return "\n".join(rows)
 
 
 def write_report(runs: list[Run], out: Path) -> list[Path]:
-    """Draw loss.png, nodes.png and bytes.png into `out`; returns their paths."""
+    """Draw loss.png, nodes.png, bytes.png and utilization.png into `out`; returns their paths."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed (or wanted) on a headless node
     import matplotlib.pyplot as plt
@@ -199,7 +237,45 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
     else:
         ax.text(0.5, 0.5, "no node sent anything", transform=ax.transAxes, ha="center")
     written.append(_save(fig, out / "bytes.png"))
+    written.append(_utilization_plot(runs, out / "utilization.png"))
     return written
+
+
+def _utilization_plot(runs: list[Run], path: Path) -> Path:
+    """Per round (left: each run's mean over its nodes, the band spanning its nodes) and over the
+    whole run per node (right): the fraction of wall-clock spent in inner steps."""
+    import matplotlib.pyplot as plt
+
+    fig, (per_round, overall) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    labels, bars = [], []
+    for k, r in enumerate(runs):
+        color = f"C{k}"
+        pts = [(rnd, list(u.values())) for rnd, u in r.round_utilization() if u]
+        if pts:
+            xs = [x for x, _ in pts]
+            per_round.plot(xs, [100 * sum(v) / len(v) for _, v in pts], marker=".", color=color, label=r.label)
+            per_round.fill_between(xs, [100 * min(v) for _, v in pts], [100 * max(v) for _, v in pts],
+                                   color=color, alpha=0.2, linewidth=0)
+        for name, u in sorted(r.utilization().items()):
+            labels.append(f"{r.label}\n{name}" if len(runs) > 1 else name)
+            bars.append((100 * u, color))
+    per_round.set(xlabel="round", ylabel="% of wall-clock in inner steps", title="utilization per round",
+                  ylim=(0, 105))
+    per_round.grid(alpha=0.3)
+    if per_round.lines:
+        per_round.legend(fontsize="small", loc="lower right")
+    ys = range(len(bars))
+    overall.barh(list(ys), [b for b, _ in bars], color=[c for _, c in bars])
+    for y, (b, _) in zip(ys, bars):
+        overall.text(min(b, 100) + 1, y, f"{b:.1f} %", va="center", fontsize="small")
+    overall.set(yticks=list(ys), xlim=(0, 118), xlabel="% of wall-clock in inner steps",
+                title="utilization over the run, per node")
+    overall.set_yticklabels(labels, fontsize="small")
+    overall.invert_yaxis()
+    overall.grid(alpha=0.3, axis="x")
+    if not bars:
+        overall.text(0.5, 0.5, "no step_s in these runs", transform=overall.transAxes, ha="center")
+    return _save(fig, path)
 
 
 def _mib(round_event: dict, name: str | None) -> float:

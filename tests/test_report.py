@@ -96,6 +96,37 @@ def test_bad_run_dirs_are_one_line_errors(tmp_path: Path, content: str | None, n
 def test_several_runs_overlay_in_one_set_of_plots(tmp_path: Path) -> None:
     runs = [load_run(_write(tmp_path / name, EVENTS)) for name in ("ddp", "drift")]
     paths = write_report(runs, tmp_path / "out")
-    assert sorted(p.name for p in paths) == ["bytes.png", "loss.png", "nodes.png"]
+    assert sorted(p.name for p in paths) == ["bytes.png", "loss.png", "nodes.png", "utilization.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
     assert not list((tmp_path / "out").glob(".*.tmp"))  # written atomically: no temp file left
+
+
+def test_utilization_is_time_in_inner_steps_over_wall_clock(tmp_path: Path) -> None:
+    # Two rounds ending 3 s and 9 s after training started; node a computed 2.7 s + 5.4 s of them,
+    # b only 1.5 s + 3.0 s (it waited on the network); c is an evaluator with no inner steps.
+    def rnd(r: int, t: float, a: float, b: float) -> dict:
+        e = _round(r, 10.0 + t, 3.0 - r, a=10, b=10)
+        e["nodes"]["a"].update(step_s=a, steps=30 * (r + 1))
+        e["nodes"]["b"].update(step_s=b, steps=10)
+        e["nodes"]["c"] = {"samples": 0, "busy_s": 0.0, "idle_s": 0.0, "sync_s": 0.0, "bytes_sent": 0}
+        return e
+    events = EVENTS[:3] + [rnd(0, 3.0, 2.7, 1.5), rnd(1, 9.0, 5.4, 3.0),
+                           {"t": 19.5, "event": "complete", "rounds": 2, "pure_compute_s": 0.09}]
+    run = load_run(_write(tmp_path / "r", events))
+    assert run.utilization() == pytest.approx({"a": 8.1 / 9.0, "b": 4.5 / 9.0})
+    assert [(k, pytest.approx(u)) for k, u in run.round_utilization()] == \
+        [(0, {"a": 0.9, "b": 0.5}), (1, {"a": 0.9, "b": 0.5})]
+    assert run.steps_per_node() == {"a": 90, "b": 20, "c": 0}
+    assert run.complete == {"rounds": 2, "pure_compute_s": 0.09}
+    # the summary shows the least and the most of the nodes' utilization; the plot is drawn
+    out = subprocess.run(drift_cmd("report", str(tmp_path / "r"), "--out", str(tmp_path / "out")),
+                         capture_output=True, text=True, timeout=60)
+    row = next(line for line in out.stdout.splitlines() if line.startswith("r "))
+    assert out.returncode == 0 and row.split()[-1] == "50-90"
+    assert (tmp_path / "out" / "utilization.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_without_step_s_have_no_utilization(tmp_path: Path) -> None:
+    run = load_run(_write(tmp_path / "old", EVENTS))  # rounds written before step_s existed
+    assert run.utilization() == {} and all(u == {} for _, u in run.round_utilization())
+    assert (write_report([run], tmp_path / "out")[-1]).name == "utilization.png"
