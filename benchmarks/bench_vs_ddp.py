@@ -164,9 +164,11 @@ def table(link: str, runs: dict[str, dict]) -> None:
           f"{f'{ideal:.2f}x' if ideal else '-'}")
     print(f"  {'run':<16} {'val loss':>8} {'vs ddp':>7} {'train s':>8} {'MiB/node':>9} {'ddp/this':>9} {'wire MiB':>9} "
           f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7}")
+    ddp_curve = [(x, v) for x, _, v in ddp.val_curve()]
     for label, res in runs.items():
         r: Run = res["run"]
         fv, mib, tt = r.final_val(), r.mib_per_node(), r.time_to(target)
+        vs_ddp = fv / ddp_val_at(ddp_curve, r.val_curve()[-1][0]) - 1
         u = r.utilization().values()
         util = f"{100 * min(u):.0f}-{100 * max(u):.0f}" if u else "-"
         wire = f"{res['wire_mib']:9.1f}" if res.get("wire_mib") is not None else f"{'-':>9}"
@@ -174,11 +176,20 @@ def table(link: str, runs: dict[str, dict]) -> None:
         tts = f"{tt:8.1f}s" if tt is not None else f"{'never':>9}"
         speed = ddp_tt / tt if tt and ddp_tt else None
         cap = f"{100 * speed / ideal:6.0f}%" if speed and ideal and label.startswith("drift") else f"{'-':>7}"
-        print(f"  {label:<16} {fv:8.4f} {100 * (fv / ddp.final_val() - 1):+6.1f}% {r.rounds[-1]['t']:8.1f} "
+        print(f"  {label:<16} {fv:8.4f} {100 * vs_ddp:+6.1f}% {r.rounds[-1]['t']:8.1f} "
               f"{mib:9.2f} {ratio} {wire} {util:>7} {tts} {f'{speed:7.2f}x' if speed else '-':>8} {cap}")
-    print("  (vs ddp: final val loss relative to ddp's; ddp/this: ddp's MiB per node over this run's; util: "
+    print("  (vs ddp: final val loss relative to ddp's at the same samples (drift's rounds stop at the next inner "
+          "step, so they train a few % fewer samples than their budget: ddp's curve is interpolated there); ddp/this: ddp's MiB per node over this run's; util: "
           "least-most of the nodes' time in inner steps; speed-up: ddp's time to target over this run's; "
           "capture: speed-up over the ideal)", flush=True)
+
+
+def ddp_val_at(curve: list[tuple[int, float]], samples: int) -> float:
+    """ddp's val loss after `samples` samples, linear between its evaluations."""
+    for (x0, v0), (x1, v1) in zip(curve, curve[1:]):
+        if x0 <= samples <= x1:
+            return v0 + (v1 - v0) * (samples - x0) / (x1 - x0) if x1 > x0 else v1
+    return curve[-1][1]
 
 
 def reprint(out: Path) -> None:

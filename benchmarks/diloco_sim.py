@@ -1,12 +1,16 @@
 """DiLoCo in one process, no network: how the outer optimizer and H change the loss at equal samples.
 
     python benchmarks/diloco_sim.py diloco --H 50 --outer-lr 1.3 --momentum 0
+    python benchmarks/diloco_sim.py diloco --nodes 2 --steps 500 --H 25 --schedule --overlapped
     python benchmarks/diloco_sim.py ddp         # one worker, batch nodes x 32: what DDP computes
     python benchmarks/diloco_sim.py single      # one worker, batch 32, nodes x the steps
 
 The default recipe's task, AdamW and θ0 (drift's own TorchWorker), the recipe's epoch-0 sample
 order; `--nodes` replicas train H steps each from the same θ, then the outer step (drift's
-NesterovOuter) applies their mean pseudo-gradient. It isolates the algorithm from the transport:
+NesterovOuter) applies their mean pseudo-gradient. `--overlapped`: drift's OverlappedDiLoCo, the
+replicas train on from where they were while the mean lands `--land-after` steps into the next
+round, then move by what θ_global moved (catch_up). `--schedule`: bench_vs_ddp.py's inner lr
+(5 % warmup, cosine to lr/10 over the run, from the samples all replicas trained). It isolates the algorithm from the transport:
 bench_vs_ddp.py runs the same comparison with real processes over real links. Prints the val
 loss after every H steps per replica.
 """
@@ -23,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drift.diloco import NesterovOuter, ParamLayout, epoch_order  # noqa: E402
-from drift.recipe import load_recipe  # noqa: E402
+from drift.recipe import LrSchedule, load_recipe  # noqa: E402
 from workers import load_task  # noqa: E402
 from workers.torch_worker import TorchWorker  # noqa: E402
 
@@ -37,9 +41,16 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--schedule", action="store_true", help="warmup 5 %% + cosine to lr/10, as bench_vs_ddp.py")
+    ap.add_argument("--overlapped", action="store_true", help="the outer step lands a round late (OverlappedDiLoCo)")
+    ap.add_argument("--land-after", type=int, default=2, help="overlapped: inner steps before the mean lands")
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
+    total = a.nodes * a.steps * r.batch_size
+    if a.schedule:
+        r.lr_schedule = LrSchedule(warmup_samples=total // 20, min_lr=r.inner_optimizer.lr / 10)
+    r.rounds, r.inner_steps, r.min_nodes = a.steps // a.H, a.H, a.nodes  # inner_lr's span: the whole run
     task = load_task(ROOT / r.task)
 
     def worker() -> TorchWorker:
@@ -52,6 +63,7 @@ def main() -> None:
         batch, steps = (N * B, a.steps) if a.mode == "ddp" else (B, N * a.steps)
         every = H if a.mode == "ddp" else N * H
         for k in range(steps):
+            w0.set_lr(r.inner_lr(k * batch))
             w0.train_step(order[k * batch:(k + 1) * batch])
             if (k + 1) % every == 0:
                 print(f"{(k + 1) * batch:>7} samples  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
@@ -60,18 +72,49 @@ def main() -> None:
     layout = ParamLayout.of(w0.get_params())
     theta = layout.flatten(w0.get_params())
     outer = NesterovOuter(theta.size, a.outer_lr, a.momentum)
+    local = [theta.copy() for _ in replicas]  # each replica's θ_local
+    pending = None                            # overlapped: (mean Δ, each replica's θ_local at the barrier)
     pos = 0
+
+    def train(i: int, w: TorchWorker, n: int) -> None:
+        nonlocal pos
+        w.set_params(layout.unflatten(local[i]))
+        for _ in range(n):
+            w.set_lr(r.inner_lr(pos))
+            w.train_step(order[pos:pos + B])
+            pos += B
+        local[i] = layout.flatten(w.get_params())
+
+    def land() -> None:
+        """The all-reduce of the round before lands: the outer step, then every replica keeps the
+        progress it made since its barrier on top of the new θ_global (OverlappedDiLoCo.catch_up)."""
+        mean, snaps = pending
+        outer.step(theta, mean)
+        for i in range(N):
+            local[i] += theta - snaps[i]
+
     for rnd in range(a.steps // H):
-        deltas = []
-        for w in replicas:
-            w.set_params(layout.unflatten(theta))
-            for _ in range(H):
-                w.train_step(order[pos:pos + B])
-                pos += B
-            deltas.append(theta - layout.flatten(w.get_params()))
-        outer.step(theta, np.mean(deltas, axis=0))
+        # pos: the samples all replicas trained (one after another here; at once in a swarm)
+        first = min(a.land_after, H) if pending is not None else 0
+        for i, w in enumerate(replicas):
+            train(i, w, first)
+        if pending is not None:
+            land()
+            pending = None
+        for i, w in enumerate(replicas):
+            train(i, w, H - first)
+        deltas = [theta - x for x in local]
+        if a.overlapped:
+            pending = (np.mean(deltas, axis=0), [x.copy() for x in local])
+        else:
+            outer.step(theta, np.mean(deltas, axis=0))
+            local = [theta.copy() for _ in replicas]
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  round {rnd}  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
+    if pending is not None:  # the last round's outer step lands after the run, as in drift
+        land()
+        w0.set_params(layout.unflatten(theta))
+        print(f"{pos:>7} samples  final  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
 
 
 if __name__ == "__main__":
