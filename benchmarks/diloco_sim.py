@@ -43,8 +43,9 @@ def main() -> None:
     task = load_task(ROOT / r.task)
 
     def worker() -> TorchWorker:
-        return TorchWorker(task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed,
-                           threads=a.threads)
+        return TorchWorker(
+            task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed, threads=a.threads
+        )
 
     w0 = worker()
     order, B, N, H = epoch_order(w0.n_train, r.seed, 0), r.batch_size, a.nodes, a.H
@@ -52,7 +53,7 @@ def main() -> None:
         batch, steps = (N * B, a.steps) if a.mode == "ddp" else (B, N * a.steps)
         every = H if a.mode == "ddp" else N * H
         for k in range(steps):
-            w0.train_step(order[k * batch:(k + 1) * batch])
+            w0.train_step(order[k * batch : (k + 1) * batch])
             if (k + 1) % every == 0:
                 print(f"{(k + 1) * batch:>7} samples  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
         return
@@ -66,7 +67,7 @@ def main() -> None:
         for w in replicas:
             w.set_params(layout.unflatten(theta))
             for _ in range(H):
-                w.train_step(order[pos:pos + B])
+                w.train_step(order[pos : pos + B])
                 pos += B
             deltas.append(theta - layout.flatten(w.get_params()))
         outer.step(theta, np.mean(deltas, axis=0))
