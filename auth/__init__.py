@@ -11,11 +11,36 @@ class AuthError(Exception):
     """Something failed a trust check; str() is the one line shown on both sides."""
 
 
-from .keys import (KeyFileError, KeyInUse, KeyLock, NodeKey, default_key_path, drift_home, load_key,  # noqa: E402
-                   load_or_create_key, parse_node_id)
-from .repo_commit import sign_message, verify_message, verify_signature  # noqa: E402
 from .admission import Admission, ReplayGuard, parse_allowlist, verify_peers  # noqa: E402
+from .keys import (  # noqa: E402
+    KeyFileError,
+    KeyInUse,
+    KeyLock,
+    NodeKey,
+    default_key_path,
+    drift_home,
+    load_key,
+    load_or_create_key,
+    parse_node_id,
+)
+from .repo_commit import sign_message, verify_message, verify_signature  # noqa: E402
 
-__all__ = ["AuthError", "KeyFileError", "KeyInUse", "KeyLock", "NodeKey", "drift_home", "default_key_path", "load_key", "load_or_create_key",
-           "parse_node_id", "sign_message", "verify_message", "verify_signature", "Admission", "ReplayGuard",
-           "parse_allowlist", "verify_peers"]
+__all__ = [
+    "Admission",
+    "AuthError",
+    "KeyFileError",
+    "KeyInUse",
+    "KeyLock",
+    "NodeKey",
+    "ReplayGuard",
+    "default_key_path",
+    "drift_home",
+    "load_key",
+    "load_or_create_key",
+    "parse_allowlist",
+    "parse_node_id",
+    "sign_message",
+    "verify_message",
+    "verify_peers",
+    "verify_signature",
+]

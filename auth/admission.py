@@ -14,8 +14,9 @@ side: it checks the signatures the coordinator forwards in TrainingReady.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from . import AuthError
 from .keys import parse_node_id
@@ -81,8 +82,10 @@ class Admission:
 
     def check_allowed(self, node_id: str) -> None:
         if self.allowlist is not None and node_id not in self.allowlist:
-            raise AuthError(f"node {node_id} is not on this swarm's allowlist "
-                            f"(its operator can add the id `drift id` prints on that machine)")
+            raise AuthError(
+                f"node {node_id} is not on this swarm's allowlist "
+                f"(its operator can add the id `drift id` prints on that machine)"
+            )
 
     # --- RepoCommit ------------------------------------------------------------------------------
 
@@ -94,32 +97,44 @@ class Admission:
             raise AuthError(f"RepoCommit lacks {', '.join(missing)}")
         node_id = msg["node_id"]
         if node_id != peer_id:
-            raise AuthError(f"wrong signer: RepoCommit is signed as node {_short(node_id)} but the "
-                            f"connection is from node {_short(peer_id)}; a node can only speak for itself")
+            raise AuthError(
+                f"wrong signer: RepoCommit is signed as node {_short(node_id)} but the "
+                f"connection is from node {_short(peer_id)}; a node can only speak for itself"
+            )
         verify_message(msg)
         if self.run_id is not None and msg.get("run_id") != self.run_id:
-            raise AuthError(f"RepoCommit from {_short(node_id)} is for run {msg.get('run_id')!r}, "
-                            f"not this run {self.run_id!r} (replayed from another run?)")
+            raise AuthError(
+                f"RepoCommit from {_short(node_id)} is for run {msg.get('run_id')!r}, "
+                f"not this run {self.run_id!r} (replayed from another run?)"
+            )
         ts = msg["timestamp"]
         if not isinstance(ts, (int, float)):
             raise AuthError("RepoCommit timestamp is not a number")
         age = now - ts
         if age > self.window:
-            raise AuthError(f"stale RepoCommit from {_short(node_id)}: signed {age:.0f} s ago, the limit is "
-                            f"{self.window:.0f} s (a replay, or that machine's clock is wrong)")
+            raise AuthError(
+                f"stale RepoCommit from {_short(node_id)}: signed {age:.0f} s ago, the limit is "
+                f"{self.window:.0f} s (a replay, or that machine's clock is wrong)"
+            )
         if -age > self.window:
-            raise AuthError(f"RepoCommit from {_short(node_id)} is dated {-age:.0f} s in the future, the limit "
-                            f"is {self.window:.0f} s (that machine's clock is wrong)")
+            raise AuthError(
+                f"RepoCommit from {_short(node_id)} is dated {-age:.0f} s in the future, the limit "
+                f"is {self.window:.0f} s (that machine's clock is wrong)"
+            )
         nonce = msg["nonce"]
         if not isinstance(nonce, str) or len(nonce) < 16:
             raise AuthError("RepoCommit nonce must be a string of at least 16 characters")
         self.replay.check(node_id, nonce, float(ts), now)
         if msg["commit"] != self.commit:
-            raise AuthError(f"wrong commit: node {_short(node_id)} runs {_short(msg['commit'])}, "
-                            f"this run needs {_short(self.commit)}")
+            raise AuthError(
+                f"wrong commit: node {_short(node_id)} runs {_short(msg['commit'])}, "
+                f"this run needs {_short(self.commit)}"
+            )
         if self.tree is not None and msg["tree"] != self.tree:
-            raise AuthError(f"wrong tree: node {_short(node_id)} checked out tree {_short(msg['tree'])} of "
-                            f"commit {_short(self.commit)}, which has tree {_short(self.tree)}")
+            raise AuthError(
+                f"wrong tree: node {_short(node_id)} checked out tree {_short(msg['tree'])} of "
+                f"commit {_short(self.commit)}, which has tree {_short(self.tree)}"
+            )
         self.verified[node_id] = dict(msg)
         self.refused.pop(node_id, None)
         return msg
@@ -145,20 +160,30 @@ class Admission:
         if len(left) >= self.threshold:
             return None
         if not self.refused:
-            return (f"auth_threshold {self.threshold} can never be met: the allowlist names only "
-                    f"{len(self.allowlist)} node(s)")
+            return (
+                f"auth_threshold {self.threshold} can never be met: the allowlist names only "
+                f"{len(self.allowlist)} node(s)"
+            )
         last = next(reversed(self.refused.values()))
-        return (f"auth_threshold {self.threshold} can no longer be met: {len(self.allowlist) - len(left)} of "
-                f"the {len(self.allowlist)} allowlisted nodes were refused (last: {last})")
+        return (
+            f"auth_threshold {self.threshold} can no longer be met: {len(self.allowlist) - len(left)} of "
+            f"the {len(self.allowlist)} allowlisted nodes were refused (last: {last})"
+        )
 
     def signatures(self, node_ids: Iterable[str]) -> list[dict[str, Any]]:
         """The signed RepoCommits of these nodes, for TrainingReady."""
         return [self.verified[n] for n in node_ids]
 
 
-def verify_peers(signatures: list[dict[str, Any]], nodes: list[str], *, commit: str | None,
-                 run_id: str | None = None, threshold: int = 1,
-                 allowlist: frozenset[str] | None = None) -> None:
+def verify_peers(
+    signatures: list[dict[str, Any]],
+    nodes: list[str],
+    *,
+    commit: str | None,
+    run_id: str | None = None,
+    threshold: int = 1,
+    allowlist: frozenset[str] | None = None,
+) -> None:
     """A node's check of TrainingReady: every listed node has a valid RepoCommit for this run and
     commit, there are at least `threshold` of them, and (if given) all are allowlisted."""
     by_id: dict[str, dict[str, Any]] = {}

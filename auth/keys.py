@@ -103,7 +103,7 @@ class NodeKey:
         self.node_id = bytes(self._sk.verify_key).hex()
 
     @classmethod
-    def generate(cls) -> "NodeKey":
+    def generate(cls) -> NodeKey:
         return cls(secrets.token_bytes(32))
 
     def sign(self, data: bytes) -> str:
@@ -130,11 +130,15 @@ def _check_private(path: Path, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise KeyFileError(f"key file {path} is not a regular file")
     if st.st_mode & 0o077:
-        raise KeyFileError(f"key file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                           f"fix with: chmod 600 {path}")
+        raise KeyFileError(
+            f"key file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"fix with: chmod 600 {path}"
+        )
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise KeyFileError(f"key file {path} belongs to another user (uid {st.st_uid}); "
-                           f"fix with: chown {os.getuid()} {path} (or use your own --key)")
+        raise KeyFileError(
+            f"key file {path} belongs to another user (uid {st.st_uid}); "
+            f"fix with: chown {os.getuid()} {path} (or use your own --key)"
+        )
 
 
 def load_key(path: str | Path) -> NodeKey:
@@ -158,8 +162,10 @@ def load_key(path: str | Path) -> NodeKey:
             raise ValueError
         return NodeKey(bytes.fromhex(body[0]), p)
     except ValueError:
-        raise KeyFileError(f"{p} is not a drift key file (expected one line of 64 hex characters); "
-                           f"move it away and drift creates a new key there") from None
+        raise KeyFileError(
+            f"{p} is not a drift key file (expected one line of 64 hex characters); "
+            f"move it away and drift creates a new key there"
+        ) from None
 
 
 def _fsync_dir(d: Path) -> None:
@@ -191,10 +197,10 @@ def create_key(path: str | Path) -> NodeKey:
         os.close(fd)
     try:
         try:
-            os.link(tmp, p)          # atomic, and fails rather than replacing an existing key
+            os.link(tmp, p)  # atomic, and fails rather than replacing an existing key
         except FileExistsError:
             return load_key(p)
-        except OSError:              # no hard links on this file system
+        except OSError:  # no hard links on this file system
             if p.exists():
                 return load_key(p)
             os.replace(tmp, p)

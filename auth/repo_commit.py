@@ -30,8 +30,7 @@ def canonical(msg: dict[str, Any]) -> bytes:
 def sign_message(key: NodeKey, msg: dict[str, Any]) -> dict[str, Any]:
     """`msg` (whose node_id must be this key's) with its ``signature`` filled in."""
     if msg.get("node_id") != key.node_id:
-        raise AuthError(f"refusing to sign for node {str(msg.get('node_id'))[:10]}: this key is "
-                        f"{key.node_id[:10]}")
+        raise AuthError(f"refusing to sign for node {str(msg.get('node_id'))[:10]}: this key is {key.node_id[:10]}")
     return {**msg, "signature": key.sign(canonical(msg))}
 
 

@@ -23,12 +23,23 @@ from drift.simulate import Swarm, make_task_repo
 TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 
 
-def recipe(name: str, a: argparse.Namespace, **kw) -> dict:  # noqa: ANN003
-    return {"name": name, "task_config": TASK, "min_nodes": 3, "rounds": 8, "inner_steps": 8, "batch_size": 8,
-            "unit_steps": 2, "eval_batches": 1, "stale_after_s": a.stale, "heartbeat_s": a.heartbeat, **kw}
+def recipe(name: str, a: argparse.Namespace, **kw) -> dict:
+    return {
+        "name": name,
+        "task_config": TASK,
+        "min_nodes": 3,
+        "rounds": 8,
+        "inner_steps": 8,
+        "batch_size": 8,
+        "unit_steps": 2,
+        "eval_batches": 1,
+        "stale_after_s": a.stale,
+        "heartbeat_s": a.heartbeat,
+        **kw,
+    }
 
 
-def wait(swarm: Swarm, pred, t0: float) -> float:  # noqa: ANN001
+def wait(swarm: Swarm, pred, t0: float) -> float:
     swarm.wait_event(pred, timeout=300)
     return time.monotonic() - t0
 
@@ -86,8 +97,10 @@ def main() -> None:
     print(f"node killed in all-reduce:   retry after   {d:5.2f}s, round done after      {r:5.2f}s")
     for every in (1, 3):
         done, resumed = coordinator_loss(tmp / f"coord-{every}", a, every)
-        print(f"coordinator killed, checkpoint_every {every}: last round done {done}, resumed after "
-              f"round {resumed}: {done - resumed} round(s) lost")
+        print(
+            f"coordinator killed, checkpoint_every {every}: last round done {done}, resumed after "
+            f"round {resumed}: {done - resumed} round(s) lost"
+        )
 
 
 if __name__ == "__main__":

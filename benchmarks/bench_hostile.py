@@ -101,9 +101,7 @@ async def train(swarm: Swarm, mode: str, repeat: int, res: dict) -> float:
     attack = None
     if mode == "during":
         res["tallies"].append({})
-        attack = asyncio.ensure_future(
-            attack_all(swarm.ticket, repeat, res["tallies"][-1])
-        )
+        attack = asyncio.ensure_future(attack_all(swarm.ticket, repeat, res["tallies"][-1]))
     while swarm.coord.poll() is None and time.monotonic() - t0 < 600:
         await asyncio.sleep(0.02)
     seconds = time.monotonic() - t0
@@ -118,9 +116,7 @@ def run(work: Path, rounds: int, mode: str, repeat: int) -> dict:
     swarm = Swarm(make_task_repo(work / "repo", recipe(rounds)), work)
     res: dict = {"mode": mode, "tallies": []}
     try:
-        time.sleep(
-            1.0
-        )  # the coordinator has bound and printed its ticket: let it settle
+        time.sleep(1.0)  # the coordinator has bound and printed its ticket: let it settle
         res["rss"] = [rss_mib(swarm)]
         if mode == "after":
             for _ in range(2):
@@ -142,40 +138,28 @@ def run(work: Path, rounds: int, mode: str, repeat: int) -> dict:
 
 
 def report(results: list[dict], a: argparse.Namespace) -> None:
-    print(
-        f"\nhostile traffic at a real `drift coord` before any node joined, twice (--repeat {a.repeat}):"
-    )
+    print(f"\nhostile traffic at a real `drift coord` before any node joined, twice (--repeat {a.repeat}):")
     print(f"{'ALPN':28} {'connections':>11} {'frames':>7} {'closed by coord':>15}")
     for r in (x for x in results if x["mode"] == "after"):
         for k, tallies in enumerate(r["tallies"]):
             for name, t in tallies.items():
-                print(
-                    f"{name:28} {t.connections:>11} {t.frames:>7} {t.closed_by_server:>15}"
-                )
+                print(f"{name:28} {t.connections:>11} {t.frames:>7} {t.closed_by_server:>15}")
             total = sum(t.connections for t in tallies.values())
             print(
                 f"{'  barrage ' + str(k + 1):28} {total:>11}   coordinator RSS {r['rss'][k]:.1f} -> {r['rss'][k + 1]:.1f} MiB"
             )
         total = sum(t.connections for d in r["tallies"] for t in d.values())
-        print(
-            f"{'  both':28} {total:>11}   connection_dropped lines in metrics.jsonl: {r['drops']}\n"
-        )
+        print(f"{'  both':28} {total:>11}   connection_dropped lines in metrics.jsonl: {r['drops']}\n")
     for r in (x for x in results if x["mode"] == "during"):
         t = r["tallies"][0]
         parts = ", ".join(f"{k} {x.connections}" for k, x in t.items())
-        print(
-            f"during a run: {sum(x.connections for x in t.values())} hostile connections ({parts})"
-        )
+        print(f"during a run: {sum(x.connections for x in t.values())} hostile connections ({parts})")
     secs = {m: [r["seconds"] for r in results if r["mode"] == m] for m in MODES}
     med = {m: statistics.median(v) for m, v in secs.items()}
-    print(
-        f"\n2-node swarm, {a.rounds} rounds: nodes started -> coordinator exited (each run; median; ratio)"
-    )
+    print(f"\n2-node swarm, {a.rounds} rounds: nodes started -> coordinator exited (each run; median; ratio)")
     for m in MODES:
         runs = ", ".join(f"{s:.1f}" for s in secs[m])
-        print(
-            f"  {m:7} {runs:>20} s   median {med[m]:.1f} s   {med[m] / med['clean']:.2f}x clean"
-        )
+        print(f"  {m:7} {runs:>20} s   median {med[m]:.1f} s   {med[m] / med['clean']:.2f}x clean")
 
 
 def main() -> None:
@@ -187,9 +171,7 @@ def main() -> None:
         help="times each hostile kind is tried per ALPN",
     )
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument(
-        "--pairs", type=int, default=2, help="runs of each mode (clean, after, during)"
-    )
+    ap.add_argument("--pairs", type=int, default=2, help="runs of each mode (clean, after, during)")
     a = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -47,6 +47,7 @@ MiB = 1 << 20
 
 # --- worker (one per node) ---------------------------------------------------------------------
 
+
 def _wire_tx(ifname: str | None) -> int:
     if not ifname:
         return 0
@@ -73,18 +74,13 @@ async def _worker(a: argparse.Namespace) -> None:
     peers = json.loads(sys.stdin.readline())
     members = [RingMember(node_id=p["node_id"], ticket=p["ticket"], weight=1 / world) for p in peers]
 
-    async def accept() -> None:
-        while True:
-            alpn, conn = await ep.accept()
-            if alpn == RING_ALPN:
-                asyncio.ensure_future(ring.handle_incoming(conn))
-
-    acc = asyncio.ensure_future(accept())
+    acc = asyncio.ensure_future(ep.serve({RING_ALPN: ring.handle_incoming}))
     loop = asyncio.get_running_loop()
     if a.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = a.ifname
-    await loop.run_in_executor(None, lambda: dist.init_process_group(
-        "gloo", init_method=f"tcp://{a.master}", rank=rank, world_size=world))
+    await loop.run_in_executor(
+        None, lambda: dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=rank, world_size=world)
+    )
 
     async def barrier() -> None:
         await loop.run_in_executor(None, dist.barrier)
@@ -94,17 +90,24 @@ async def _worker(a: argparse.Namespace) -> None:
     base = (rng.standard_normal(n) * 1e-3).astype(np.float32)
     results: dict[str, list[dict]] = {}
 
-    def record(name: str, **kw) -> None:  # noqa: ANN003
+    def record(name: str, **kw) -> None:
         results.setdefault(name, []).append(kw)
 
-    async def measure(name: str, body) -> None:  # noqa: ANN001
+    async def measure(name: str, body) -> None:
         for _ in range(a.reps):
             await barrier()
             w0, c0, m0, t0 = _wire_tx(a.ifname), time.process_time(), time.thread_time(), time.perf_counter()
             sent, codec_s = await body()
             t = time.perf_counter() - t0
-            record(name, t=t, cpu=time.process_time() - c0, main=time.thread_time() - m0, sent=sent,
-                   wire=_wire_tx(a.ifname) - w0, codec_s=codec_s)
+            record(
+                name,
+                t=t,
+                cpu=time.process_time() - c0,
+                main=time.thread_time() - m0,
+                sent=sent,
+                wire=_wire_tx(a.ifname) - w0,
+                codec_s=codec_s,
+            )
 
     # connections up once (and warm) before anything is timed
     await barrier()
@@ -112,12 +115,12 @@ async def _worker(a: argparse.Namespace) -> None:
     right, left = await ring._configure(members, 0)
     frame = np.zeros(MiB, np.uint8)
 
-    async def raw_send(ch, total: int) -> None:  # noqa: ANN001
+    async def raw_send(ch, total: int) -> None:
         for off in range(0, total, MiB):
-            await ch.send_frame(frame[:min(MiB, total - off)], timeout=600)
+            await ch.send_frame(frame[: min(MiB, total - off)], timeout=600)
 
-    async def raw_recv(ch, total: int) -> None:  # noqa: ANN001
-        for off in range(0, total, MiB):
+    async def raw_recv(ch, total: int) -> None:
+        for _off in range(0, total, MiB):
             await ch.recv_frame(MiB, timeout=600)
 
     tensor_bytes = 4 * n
@@ -161,6 +164,7 @@ async def _worker(a: argparse.Namespace) -> None:
             x = base.copy()
             st = await ring.allreduce_sum(x, members, 1, codec=codec, topk_fraction=a.topk_fraction)
             return st.bytes_sent, st.codec_seconds
+
         return run
 
     await measure("p2p", p2p)
@@ -180,13 +184,14 @@ async def _worker(a: argparse.Namespace) -> None:
 
 # --- orchestrator ------------------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_swarm(world: int, args: argparse.Namespace, swarm=None) -> dict[str, list[list[dict]]]:  # noqa: ANN001
+def run_swarm(world: int, args: argparse.Namespace, swarm=None) -> dict[str, list[list[dict]]]:
     """Start `world` worker processes, wire them up, return per-node results."""
     if swarm is None:
         master, mode, prefixes, ifname = f"127.0.0.1:{_free_port()}", "local", [[]] * world, ""
@@ -196,13 +201,41 @@ def run_swarm(world: int, args: argparse.Namespace, swarm=None) -> dict[str, lis
     procs = []
     try:
         for i in range(world):
-            cmd = [*prefixes[i], sys.executable, str(Path(__file__).resolve()), "--worker",
-                   "--rank", str(i), "--world", str(world), "--master", master, "--mode", mode,
-                   "--mib", str(args.mib), "--reps", str(args.reps), "--ifname", ifname,
-                   "--topk-fraction", str(args.topk_fraction), "--chunk-kib", str(args.chunk_kib),
-                   "--codecs", *args.codecs]
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
+            cmd = [
+                *prefixes[i],
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                "--rank",
+                str(i),
+                "--world",
+                str(world),
+                "--master",
+                master,
+                "--mode",
+                mode,
+                "--mib",
+                str(args.mib),
+                "--reps",
+                str(args.reps),
+                "--ifname",
+                ifname,
+                "--topk-fraction",
+                str(args.topk_fraction),
+                "--chunk-kib",
+                str(args.chunk_kib),
+                "--codecs",
+                *args.codecs,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+            )
         peers = [json.loads(p.stdout.readline()) for p in procs]
         for p in procs:
             p.stdin.write(json.dumps(peers) + "\n")
@@ -227,7 +260,7 @@ def summarize(world: int, per_node: list[dict], mib: int, label: str) -> list[di
     reps = len(per_node[0][names[0]])
     tensor = mib * MiB
 
-    def med(name: str, key: str, agg) -> float:  # noqa: ANN001
+    def med(name: str, key: str, agg) -> float:
         return statistics.median(agg(node[name][r][key] for node in per_node) for r in range(reps))
 
     t = {k: med(k, "t", max) for k in names}
@@ -237,11 +270,15 @@ def summarize(world: int, per_node: list[dict], mib: int, label: str) -> list[di
     print(f"  point to point, iroh (1 stream, alone): {p2p_bps / MiB:8.1f} MiB/s")
     print(f"  ring links, iroh (all {world} at once):     {link_bps / MiB:8.1f} MiB/s per link")
     small = (2 * (world - 1) * tensor // world) // 4
-    print(f"  ring links, 1/4 of that volume:         {small / t['links_small'] / MiB:8.1f} MiB/s per link"
-          f" ({t['links_small']:.2f} s: a shorter transfer pays the same start-up)")
+    print(
+        f"  ring links, 1/4 of that volume:         {small / t['links_small'] / MiB:8.1f} MiB/s per link"
+        f" ({t['links_small']:.2f} s: a shorter transfer pays the same start-up)"
+    )
     print(f"  point to point, gloo TCP (alone):       {tensor / t['gloo_p2p'] / MiB:8.1f} MiB/s")
-    hdr = (f"  {'method':<12}{'time s':>8}{'algbw MiB/s':>13}{'MiB/node':>10}{'wire MiB':>10}{'x gloo':>8}"
-           f"{'vs bound':>10}{'vs links':>10}{'CPU s/MiB':>11}{'py CPU':>8}{'codec s':>9}")
+    hdr = (
+        f"  {'method':<12}{'time s':>8}{'algbw MiB/s':>13}{'MiB/node':>10}{'wire MiB':>10}{'x gloo':>8}"
+        f"{'vs bound':>10}{'vs links':>10}{'CPU s/MiB':>11}{'py CPU':>8}{'codec s':>9}"
+    )
     print(hdr)
     rows = []
     for k in ["gloo", *[c for c in names if c not in ("p2p", "links", "links_small", "gloo_p2p", "gloo")]]:
@@ -250,17 +287,29 @@ def summarize(world: int, per_node: list[dict], mib: int, label: str) -> list[di
         cpu = med(k, "cpu", sum)
         codec_s = med(k, "codec_s", max)
         main = med(k, "main", sum)
-        row = dict(method=k if k == "gloo" else f"drift {k}", nodes=world, link=label, time_s=t[k],
-                   algbw=tensor / t[k] / MiB, mib_node=sent / MiB, wire_mib=wire / MiB,
-                   x_gloo=t["gloo"] / t[k], vs_bound=(sent / p2p_bps) / t[k],
-                   vs_links=(sent / link_bps) / t[k], cpu_per_mib=cpu / (sent * world / MiB),
-                   py_share=main / cpu if cpu else 0.0, codec_s=codec_s)
+        row = dict(
+            method=k if k == "gloo" else f"drift {k}",
+            nodes=world,
+            link=label,
+            time_s=t[k],
+            algbw=tensor / t[k] / MiB,
+            mib_node=sent / MiB,
+            wire_mib=wire / MiB,
+            x_gloo=t["gloo"] / t[k],
+            vs_bound=(sent / p2p_bps) / t[k],
+            vs_links=(sent / link_bps) / t[k],
+            cpu_per_mib=cpu / (sent * world / MiB),
+            py_share=main / cpu if cpu else 0.0,
+            codec_s=codec_s,
+        )
         rows.append(row)
         wire_s = f"{row['wire_mib']:.1f}" if wire else "-"
         py_s = f"{row['py_share']:.2f}" if k != "gloo" else "-"
-        print(f"  {row['method']:<12}{t[k]:>8.2f}{row['algbw']:>13.1f}{row['mib_node']:>10.1f}"
-              f"{wire_s:>10}{row['x_gloo']:>8.2f}{row['vs_bound']:>10.2f}{row['vs_links']:>10.2f}"
-              f"{row['cpu_per_mib']:>11.4f}{py_s:>8}{codec_s:>9.2f}")
+        print(
+            f"  {row['method']:<12}{t[k]:>8.2f}{row['algbw']:>13.1f}{row['mib_node']:>10.1f}"
+            f"{wire_s:>10}{row['x_gloo']:>8.2f}{row['vs_bound']:>10.2f}{row['vs_links']:>10.2f}"
+            f"{row['cpu_per_mib']:>11.4f}{py_s:>8}{codec_s:>9.2f}"
+        )
     return rows
 
 
@@ -288,14 +337,17 @@ def main() -> int:
         asyncio.run(_worker(args))
         return 0
 
-    print(f"bench_ring: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} CPUs, "
-          f"codecs {args.codecs}, topk_fraction {args.topk_fraction}")
+    print(
+        f"bench_ring: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} CPUs, "
+        f"codecs {args.codecs}, topk_fraction {args.topk_fraction}"
+    )
     rows: list[dict] = []
     if not args.no_loopback:
         for world in args.nodes:
             rows += summarize(world, run_swarm(world, args), args.mib, "loopback")
     if not args.no_netns:
         from netns import NetnsUnavailable, Swarm
+
         mib = args.netns_mib or args.mib
         sub = argparse.Namespace(**{**vars(args), "mib": mib})
         try:

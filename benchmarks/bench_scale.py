@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -66,12 +67,13 @@ CODECS = ("fp32", "int8", "topk")
 
 # --- small helpers -----------------------------------------------------------------------------
 
+
 def parse_size(s: str) -> int:
     m = re.fullmatch(r"\s*([\d.]+)\s*([kKmMbBgG]?)\s*", s)
     if not m:
         raise argparse.ArgumentTypeError(f"size {s!r}: expected e.g. 10M, 124M, 1B")
     mult = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}[m.group(2).lower()]
-    return int(round(float(m.group(1)) * mult))
+    return round(float(m.group(1)) * mult)
 
 
 def fmt_size(n: int) -> str:
@@ -155,8 +157,11 @@ class Budget:
         limit = min(self.max_bytes, avail)
         if need <= limit:
             return None
-        which = f"the {self.max_bytes / GiB:g} GiB cap" if limit == self.max_bytes else \
-            f"MemAvailable − 1.5 GiB ({gib(avail)} GiB)"
+        which = (
+            f"the {self.max_bytes / GiB:g} GiB cap"
+            if limit == self.max_bytes
+            else f"MemAvailable − 1.5 GiB ({gib(avail)} GiB)"
+        )
         return f"needs ~{gib(need)} GiB, over {which}"
 
 
@@ -179,9 +184,13 @@ def table(title: str, head: list[str], rows: list[list], note: str = "") -> None
 
 
 def spawn(args: list[str], prefix: list[str] | None = None, stdin: bool = True) -> subprocess.Popen:
-    return subprocess.Popen([*(prefix or []), sys.executable, str(Path(__file__).resolve()), *args],
-                            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [*(prefix or []), sys.executable, str(Path(__file__).resolve()), *args],
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def read_json(p: subprocess.Popen, timeout: float) -> dict:
@@ -198,6 +207,7 @@ def read_json(p: subprocess.Popen, timeout: float) -> dict:
                 box.append(json.loads(line))
                 return
             sys.stderr.write(line)
+
     t = threading.Thread(target=reader, daemon=True)
     t.start()
     t.join(timeout)
@@ -215,19 +225,21 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def fill(x, seed: int) -> None:  # noqa: ANN001
+def fill(x, seed: int) -> None:
     """Pseudo-gradient-like values (uniform ±1e-3), generated in place, in pieces."""
     import numpy as np
+
     rng = np.random.default_rng(seed)
     step = 1 << 24
     for a in range(0, x.size, step):
-        v = x[a:a + step]
+        v = x[a : a + step]
         rng.random(out=v, dtype=np.float32)
         v -= np.float32(0.5)
         v *= np.float32(2e-3)
 
 
 # --- part 1: ring all-reduce between two processes ---------------------------------------------
+
 
 async def _ring_worker(a: argparse.Namespace) -> None:
     import numpy as np
@@ -253,8 +265,14 @@ async def _ring_worker(a: argparse.Namespace) -> None:
         await readline()  # "go", written to both nodes at once
         t0, c0 = time.perf_counter(), time.process_time()
         st = await ring.allreduce_sum(x, members, rep + 1, codec=a.codec, topk_fraction=a.topk_fraction)
-        runs.append({"t": time.perf_counter() - t0, "cpu": time.process_time() - c0, "sent": st.bytes_sent,
-                     "codec_s": st.codec_seconds})
+        runs.append(
+            {
+                "t": time.perf_counter() - t0,
+                "cpu": time.process_time() - c0,
+                "sent": st.bytes_sent,
+                "codec_s": st.codec_seconds,
+            }
+        )
     print(json.dumps({"runs": runs, "hwm": own_hwm()}), flush=True)
     await readline()  # both finish before either closes its connections
     serve.cancel()
@@ -269,14 +287,32 @@ def ring_need(n: int, codec: str) -> int:
     return 2 * per
 
 
-def ring_pair(n: int, codec: str, reps: int, topk_fraction: float, swarm=None) -> dict:  # noqa: ANN001
+def ring_pair(n: int, codec: str, reps: int, topk_fraction: float, swarm=None) -> dict:
     mode = "local" if swarm is None else "lan"
     procs = []
     try:
         for i in range(2):
-            procs.append(spawn(["--role", "ring", "--rank", str(i), "--n", str(n), "--codec", codec,
-                                "--reps", str(reps), "--mode", mode, "--topk-fraction", str(topk_fraction)],
-                               prefix=None if swarm is None else swarm.exec_prefix(i)))
+            procs.append(
+                spawn(
+                    [
+                        "--role",
+                        "ring",
+                        "--rank",
+                        str(i),
+                        "--n",
+                        str(n),
+                        "--codec",
+                        codec,
+                        "--reps",
+                        str(reps),
+                        "--mode",
+                        mode,
+                        "--topk-fraction",
+                        str(topk_fraction),
+                    ],
+                    prefix=None if swarm is None else swarm.exec_prefix(i),
+                )
+            )
         peers = [read_json(p, 120) for p in procs]
         for p in procs:
             p.stdin.write(json.dumps(peers) + "\n")
@@ -296,11 +332,14 @@ def ring_pair(n: int, codec: str, reps: int, topk_fraction: float, swarm=None) -
     finally:
         kill_all(procs)
     ts = [max(r["runs"][k]["t"] for r in res) for k in range(reps)]
-    return {"t": statistics.median(ts), "ts": ts,
-            "sent": statistics.median(r["runs"][k]["sent"] for r in res for k in range(reps)),
-            "cpu": statistics.median(sum(r["runs"][k]["cpu"] for r in res) for k in range(reps)),
-            "codec_s": statistics.median(max(r["runs"][k]["codec_s"] for r in res) for k in range(reps)),
-            "hwm": max(r["hwm"] for r in res)}
+    return {
+        "t": statistics.median(ts),
+        "ts": ts,
+        "sent": statistics.median(r["runs"][k]["sent"] for r in res for k in range(reps)),
+        "cpu": statistics.median(sum(r["runs"][k]["cpu"] for r in res) for k in range(reps)),
+        "codec_s": statistics.median(max(r["runs"][k]["codec_s"] for r in res) for k in range(reps)),
+        "hwm": max(r["hwm"] for r in res),
+    }
 
 
 def part_ring(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict:
@@ -312,6 +351,7 @@ def part_ring(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dic
         sw = None
         if kind == "netns":
             from netns import NetnsUnavailable, Swarm
+
             try:
                 sw = Swarm(2, rate=args.rate).__enter__()
             except NetnsUnavailable as e:
@@ -321,13 +361,16 @@ def part_ring(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dic
             for n in sizes:
                 for codec in args.codecs:
                     from drift.compress import make_codec
+
                     wire = make_codec(codec, topk_fraction=args.topk_fraction).encoded_nbytes(n)
                     why = budget.why_not(ring_need(n, codec))
                     if why is None and sw is not None:
                         est = max(wire / (rate_bits(args.rate) / 8 * 0.95), loop_t.get((n, codec), 0.0))
                         if est > args.netns_max_s:
-                            why = (f"one run would take ~{est:.0f} s (> {args.netns_max_s:.0f} s: "
-                                   f"{wire / MiB:.0f} MiB per node at {args.rate})")
+                            why = (
+                                f"one run would take ~{est:.0f} s (> {args.netns_max_s:.0f} s: "
+                                f"{wire / MiB:.0f} MiB per node at {args.rate})"
+                            )
                     if why:
                         skipped.append(f"{label}, θ {fmt_size(n)}, {codec}: {why}")
                         print(f"  [ring] skip {label} {fmt_size(n)} {codec}: {why}", file=sys.stderr, flush=True)
@@ -335,30 +378,63 @@ def part_ring(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dic
                     reps = args.reps if 4 * n <= args.many_reps_below else 1
                     t0 = time.time()
                     r = ring_pair(n, codec, reps, args.topk_fraction, sw)
-                    print(f"  [ring] {label} {fmt_size(n)} {codec}: {r['t']:.2f} s ({time.time() - t0:.0f} s wall)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"  [ring] {label} {fmt_size(n)} {codec}: {r['t']:.2f} s ({time.time() - t0:.0f} s wall)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     if sw is None:
                         loop_t[(n, codec)] = r["t"]
                     theta = 4 * n
-                    rows.append([label, fmt_size(n), f"{theta / MiB:,.0f}", codec, reps, f"{r['t']:.2f}",
-                                 f"{r['t'] / (theta / GiB):.2f}", f"{theta / MiB / r['t']:.1f}",
-                                 f"{r['sent'] / MiB:,.1f}", f"{r['sent'] / MiB / r['t']:.1f}", f"{r['codec_s']:.2f}",
-                                 f"{r['cpu'] / (2 * r['sent'] / MiB):.4f}", f"{r['hwm'] / theta:.2f}"])
+                    rows.append(
+                        [
+                            label,
+                            fmt_size(n),
+                            f"{theta / MiB:,.0f}",
+                            codec,
+                            reps,
+                            f"{r['t']:.2f}",
+                            f"{r['t'] / (theta / GiB):.2f}",
+                            f"{theta / MiB / r['t']:.1f}",
+                            f"{r['sent'] / MiB:,.1f}",
+                            f"{r['sent'] / MiB / r['t']:.1f}",
+                            f"{r['codec_s']:.2f}",
+                            f"{r['cpu'] / (2 * r['sent'] / MiB):.4f}",
+                            f"{r['hwm'] / theta:.2f}",
+                        ]
+                    )
         finally:
             if sw is not None:
                 sw.close()
-    table("Ring all-reduce, 2 nodes (one process each), drift/ring.py Ring.allreduce_sum",
-          ["link", "θ", "θ MiB", "codec", "reps", "time s", "s per GiB θ", "algbw MiB/s", "MiB sent/node",
-           "wire MiB/s", "codec s", "CPU s/MiB", "peak RSS/θ per node"], rows,
-          "time: the slower node, median over reps; algbw = θ bytes / time; MiB sent/node: frames incl. headers; "
-          "CPU s/MiB: CPU seconds of both processes per MiB sent by both; peak RSS/θ: VmHWM of the larger "
-          "ring process over θ bytes (x, plus int8's arena or top-k's two residuals).")
+    table(
+        "Ring all-reduce, 2 nodes (one process each), drift/ring.py Ring.allreduce_sum",
+        [
+            "link",
+            "θ",
+            "θ MiB",
+            "codec",
+            "reps",
+            "time s",
+            "s per GiB θ",
+            "algbw MiB/s",
+            "MiB sent/node",
+            "wire MiB/s",
+            "codec s",
+            "CPU s/MiB",
+            "peak RSS/θ per node",
+        ],
+        rows,
+        "time: the slower node, median over reps; algbw = θ bytes / time; MiB sent/node: frames incl. headers; "
+        "CPU s/MiB: CPU seconds of both processes per MiB sent by both; peak RSS/θ: VmHWM of the larger "
+        "ring process over θ bytes (x, plus int8's arena or top-k's two residuals).",
+    )
     if skipped:
         print("\nSkipped (nothing extrapolated):\n" + "\n".join(f"* {s}" for s in skipped))
     return {"rows": rows, "skipped": skipped}
 
 
 # --- part 2: state transfer, checkpoint write, checkpoint load --------------------------------
+
 
 async def _state_server(a: argparse.Namespace) -> None:
     import numpy as np
@@ -404,7 +480,7 @@ async def _state_client(a: argparse.Namespace) -> None:
     out: dict = {}
     if a.what == "fetch":
         theta, velocity = np.empty(a.n, np.float32), np.empty(a.n, np.float32)
-        theta.fill(0)      # a node's θ and velocity are live arrays: their pages exist already
+        theta.fill(0)  # a node's θ and velocity are live arrays: their pages exist already
         velocity.fill(0)
         t0 = time.perf_counter()
         await fetch_state(ep, [a.ticket], 0, a.checksum, into_arrays(theta, velocity), size=a.n, timeout=600)
@@ -413,11 +489,12 @@ async def _state_client(a: argparse.Namespace) -> None:
         ckdir = Path(a.dir) / "checkpoints"
         writers: list = []
 
-        def sink(layout):  # noqa: ANN001, ANN202 - as Coordinator.checkpoint
+        def sink(layout):
             for w in writers:
                 w.abort()
             writers.append(C.CheckpointWriter(ckdir, 0, layout.names, layout.shapes))
             return writers[-1].write
+
         t0 = time.perf_counter()
         await fetch_state(ep, [a.ticket], 0, a.checksum, sink, size=a.n, timeout=600)
         t1 = time.perf_counter()
@@ -471,28 +548,59 @@ def part_state(sizes: list[int], args: argparse.Namespace, budget: Budget) -> di
             c.wait(60)
             srv.stdin.write("bye\n")
             srv.stdin.flush()
-            sr = read_json(srv, 60)
+            read_json(srv, 60)
             srv.wait(60)
         finally:
             kill_all([srv])
             shutil.rmtree(d, ignore_errors=True)
         moved = 2 * theta
-        print(f"  [state] {fmt_size(n)}: fetch {fr['fetch_s']:.1f} s, checkpoint {cr['stream_s']:.1f}+"
-              f"{cr['commit_s']:.1f} s", file=sys.stderr, flush=True)
-        rows.append([fmt_size(n), f"{moved / MiB:,.0f}", f"{fr['fetch_s']:.2f}", f"{moved / MiB / fr['fetch_s']:.0f}",
-                     f"{cr['stream_s']:.2f}", f"{cr['commit_s']:.2f}", f"{cr['stream_s'] + cr['commit_s']:.2f}",
-                     f"{(cr['stream_s'] + cr['commit_s']) / (moved / GiB):.2f}",
-                     f"{cr['load_cold_s']:.2f}", f"{cr['load_hot_s']:.2f}", f"{cr['map_s'] * 1e3:.2f}",
-                     f"{fr['hwm'] / theta:.2f}", f"{cr['hwm'] / MiB:.0f}"])
-    table("State transfer (drift-state/0, loopback) and checkpoints",
-          ["θ", "θ+velocity MiB", "fetch_state s", "fetch MiB/s", "ckpt stream s", "commit s", "ckpt total s",
-           "ckpt s per GiB", "load cold s", "load hot s", "map only ms", "fetcher RSS/θ", "ckpt writer RSS MiB"],
-          rows,
-          "fetch_state: into two live float32 arrays in another process (blake2b of every chunk included). ckpt: "
-          "fetch_state streaming into CheckpointWriter (as Coordinator.checkpoint), then commit (fsync both files, "
-          "sha256 both, manifest, rename). load: load_checkpoint, which verifies both files' sha256 (cold: the "
-          "files evicted from the page cache first) and then maps them; 'map only' is drift.checkpoint._map_tensors "
-          "of both files. RSS: peak VmHWM of the receiving process.")
+        print(
+            f"  [state] {fmt_size(n)}: fetch {fr['fetch_s']:.1f} s, checkpoint {cr['stream_s']:.1f}+"
+            f"{cr['commit_s']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(
+            [
+                fmt_size(n),
+                f"{moved / MiB:,.0f}",
+                f"{fr['fetch_s']:.2f}",
+                f"{moved / MiB / fr['fetch_s']:.0f}",
+                f"{cr['stream_s']:.2f}",
+                f"{cr['commit_s']:.2f}",
+                f"{cr['stream_s'] + cr['commit_s']:.2f}",
+                f"{(cr['stream_s'] + cr['commit_s']) / (moved / GiB):.2f}",
+                f"{cr['load_cold_s']:.2f}",
+                f"{cr['load_hot_s']:.2f}",
+                f"{cr['map_s'] * 1e3:.2f}",
+                f"{fr['hwm'] / theta:.2f}",
+                f"{cr['hwm'] / MiB:.0f}",
+            ]
+        )
+    table(
+        "State transfer (drift-state/0, loopback) and checkpoints",
+        [
+            "θ",
+            "θ+velocity MiB",
+            "fetch_state s",
+            "fetch MiB/s",
+            "ckpt stream s",
+            "commit s",
+            "ckpt total s",
+            "ckpt s per GiB",
+            "load cold s",
+            "load hot s",
+            "map only ms",
+            "fetcher RSS/θ",
+            "ckpt writer RSS MiB",
+        ],
+        rows,
+        "fetch_state: into two live float32 arrays in another process (blake2b of every chunk included). ckpt: "
+        "fetch_state streaming into CheckpointWriter (as Coordinator.checkpoint), then commit (fsync both files, "
+        "sha256 both, manifest, rename). load: load_checkpoint, which verifies both files' sha256 (cold: the "
+        "files evicted from the page cache first) and then maps them; 'map only' is drift.checkpoint._map_tensors "
+        "of both files. RSS: peak VmHWM of the receiving process.",
+    )
     if skipped:
         print("\nSkipped:\n" + "\n".join(f"* {s}" for s in skipped))
     return {"rows": rows, "skipped": skipped}
@@ -504,10 +612,23 @@ RSS_ROUNDS, RSS_INNER, RSS_BATCH = 2, 2, 4
 
 
 def rss_recipe(n: int, codec: str, sync: str, n_tensors: int) -> dict:
-    return {"name": f"scale-{fmt_size(n)}-{codec}-{sync}", "task_config": {"n_params": n, "n_tensors": n_tensors},
-            "min_nodes": 2, "rounds": RSS_ROUNDS, "inner_steps": RSS_INNER, "batch_size": RSS_BATCH,
-            "unit_steps": 1, "eval_batches": 1, "codec": codec, "sync": sync, "seed": 1,
-            "checkpoint_every": 1000, "stale_after_s": 600.0, "heartbeat_s": 2.0, "network": "local"}
+    return {
+        "name": f"scale-{fmt_size(n)}-{codec}-{sync}",
+        "task_config": {"n_params": n, "n_tensors": n_tensors},
+        "min_nodes": 2,
+        "rounds": RSS_ROUNDS,
+        "inner_steps": RSS_INNER,
+        "batch_size": RSS_BATCH,
+        "unit_steps": 1,
+        "eval_batches": 1,
+        "codec": codec,
+        "sync": sync,
+        "seed": 1,
+        "checkpoint_every": 1000,
+        "stale_after_s": 600.0,
+        "heartbeat_s": 2.0,
+        "network": "local",
+    }
 
 
 def _plain_loop(a: argparse.Namespace) -> None:
@@ -524,9 +645,15 @@ def _plain_loop(a: argparse.Namespace) -> None:
     torch.manual_seed(1)
     model = task.make_model(cfg)
     params = [p for _, p in sorted(model.named_parameters())]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     rng = np.random.default_rng(0)
     for _ in range(a.steps):
         (ids,) = ds.batch("train", rng.integers(0, ds.n_train, a.batch))
@@ -542,8 +669,21 @@ def _plain_loop(a: argparse.Namespace) -> None:
 
 
 def plain_rss(n: int, n_tensors: int, steps: int) -> int:
-    p = spawn(["--role", "plain", "--n", str(n), "--n-tensors", str(n_tensors), "--steps", str(steps),
-               "--batch", str(RSS_BATCH)], stdin=False)
+    p = spawn(
+        [
+            "--role",
+            "plain",
+            "--n",
+            str(n),
+            "--n-tensors",
+            str(n_tensors),
+            "--steps",
+            str(steps),
+            "--batch",
+            str(RSS_BATCH),
+        ],
+        stdin=False,
+    )
     s = Sampler({"plain": p.pid})
     s.start()
     try:
@@ -557,6 +697,7 @@ def plain_rss(n: int, n_tensors: int, steps: int) -> int:
 
 def node_rss(n: int, codec: str, sync: str, n_tensors: int, tmp: str) -> dict:
     from drift.simulate import Swarm, make_task_repo
+
     work = Path(tempfile.mkdtemp(prefix="bench-scale-rss-", dir=tmp))
     try:
         recipe = make_task_repo(work / "repo", rss_recipe(n, codec, sync, n_tensors), task=HERE / "bigtask.py")
@@ -577,8 +718,14 @@ def node_rss(n: int, codec: str, sync: str, n_tensors: int, tmp: str) -> dict:
         ev = sw.events()
         rounds = [e for e in ev if e["event"] == "round"]
         steps = sum(e.get("steps", 0) for e in rounds) or None
-        out = {"peak": {k: v for k, v in sampler.peak.items()}, "timeline": sampler.timeline, "wall": wall,
-               "rounds": len(rounds), "reduce_s": [e.get("reduce_s") for e in rounds], "steps": steps}
+        out = {
+            "peak": {k: v for k, v in sampler.peak.items()},
+            "timeline": sampler.timeline,
+            "wall": wall,
+            "rounds": len(rounds),
+            "reduce_s": [e.get("reduce_s") for e in rounds],
+            "steps": steps,
+        }
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -610,21 +757,64 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
         plain = plains[key]
         r = node_rss(n, codec, sync, nt, args.tmp)
         node = max(r["peak"]["n0"], r["peak"]["n1"])
-        print(f"  [rss] {fmt_size(n)} {codec} {sync} x{nt}: node {gib(node)} GiB, plain {gib(plain)} GiB "
-              f"({r['wall']:.0f} s)", file=sys.stderr, flush=True)
-        rows.append([fmt_size(n), nt, codec, sync, f"{theta / MiB:,.0f}", f"{node / MiB:,.0f}",
-                     f"{min(r['peak']['n0'], r['peak']['n1']) / MiB:,.0f}", f"{plain / MiB:,.0f}",
-                     f"{node / theta:.2f}", f"{plain / theta:.2f}", f"**{(node - plain) / theta:.2f}**",
-                     f"{r['peak']['coord'] / MiB:,.0f}", f"{r['wall']:.0f}"])
-        detail.append({"n": n, "codec": codec, "sync": sync, "tensors": nt, "node": node, "plain": plain,
-                       "theta": theta, "timeline": {k: v[::max(1, len(v) // 400)] for k, v in r["timeline"].items()}})
-    table("Peak RSS of a real `drift join` node (2-node swarm) vs a plain torch loop",
-          ["θ", "tensors", "codec", "sync", "θ MiB", "node peak MiB", "other node MiB", "plain loop MiB",
-           "node / θ", "plain / θ", "(node − plain) / θ", "coord peak MiB", "swarm wall s"], rows,
-          f"Swarm: coordinator + 2 nodes on loopback, {RSS_ROUNDS} rounds, {RSS_INNER} inner steps per node and "
-          f"round at batch {RSS_BATCH}, 1 torch thread per node, checkpoint at the end (streamed by the "
-          f"coordinator from a node). Plain loop: {plain_steps} AdamW steps + 1 eval batch in a fresh process. "
-          "Peak: VmHWM (polled every 50 ms until exit). Target (issue 14): (node − plain) / θ ≤ 3.")
+        print(
+            f"  [rss] {fmt_size(n)} {codec} {sync} x{nt}: node {gib(node)} GiB, plain {gib(plain)} GiB "
+            f"({r['wall']:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        rows.append(
+            [
+                fmt_size(n),
+                nt,
+                codec,
+                sync,
+                f"{theta / MiB:,.0f}",
+                f"{node / MiB:,.0f}",
+                f"{min(r['peak']['n0'], r['peak']['n1']) / MiB:,.0f}",
+                f"{plain / MiB:,.0f}",
+                f"{node / theta:.2f}",
+                f"{plain / theta:.2f}",
+                f"**{(node - plain) / theta:.2f}**",
+                f"{r['peak']['coord'] / MiB:,.0f}",
+                f"{r['wall']:.0f}",
+            ]
+        )
+        detail.append(
+            {
+                "n": n,
+                "codec": codec,
+                "sync": sync,
+                "tensors": nt,
+                "node": node,
+                "plain": plain,
+                "theta": theta,
+                "timeline": {k: v[:: max(1, len(v) // 400)] for k, v in r["timeline"].items()},
+            }
+        )
+    table(
+        "Peak RSS of a real `drift join` node (2-node swarm) vs a plain torch loop",
+        [
+            "θ",
+            "tensors",
+            "codec",
+            "sync",
+            "θ MiB",
+            "node peak MiB",
+            "other node MiB",
+            "plain loop MiB",
+            "node / θ",
+            "plain / θ",
+            "(node − plain) / θ",
+            "coord peak MiB",
+            "swarm wall s",
+        ],
+        rows,
+        f"Swarm: coordinator + 2 nodes on loopback, {RSS_ROUNDS} rounds, {RSS_INNER} inner steps per node and "
+        f"round at batch {RSS_BATCH}, 1 torch thread per node, checkpoint at the end (streamed by the "
+        f"coordinator from a node). Plain loop: {plain_steps} AdamW steps + 1 eval batch in a fresh process. "
+        "Peak: VmHWM (polled every 50 ms until exit). Target (issue 14): (node − plain) / θ ≤ 3.",
+    )
     # the same peaks fitted across sizes: the fixed part (imports, iroh) drops out of the slope
     by = {}
     for d in detail:
@@ -633,29 +823,40 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
     slope_rows = []
     for codec, ds in by.items():
         ds.sort(key=lambda d: d["n"])
-        for lo, hi in zip(ds, ds[1:]):
+        for lo, hi in itertools.pairwise(ds):
             dth = hi["theta"] - lo["theta"]
-            slope_rows.append([codec, f"{fmt_size(lo['n'])} → {fmt_size(hi['n'])}",
-                               f"{(hi['node'] - lo['node']) / dth:.2f}", f"{(hi['plain'] - lo['plain']) / dth:.2f}",
-                               f"**{((hi['node'] - hi['plain']) - (lo['node'] - lo['plain'])) / dth:.2f}**",
-                               f"{((lo['node'] - lo['plain']) - (hi['node'] - hi['plain']) * lo['theta'] / hi['theta']) / MiB / (1 - lo['theta'] / hi['theta']):.0f}"])
+            slope_rows.append(
+                [
+                    codec,
+                    f"{fmt_size(lo['n'])} → {fmt_size(hi['n'])}",
+                    f"{(hi['node'] - lo['node']) / dth:.2f}",
+                    f"{(hi['plain'] - lo['plain']) / dth:.2f}",
+                    f"**{((hi['node'] - hi['plain']) - (lo['node'] - lo['plain'])) / dth:.2f}**",
+                    f"{((lo['node'] - lo['plain']) - (hi['node'] - hi['plain']) * lo['theta'] / hi['theta']) / MiB / (1 - lo['theta'] / hi['theta']):.0f}",
+                ]
+            )
     if slope_rows:
-        table("The same, per extra byte of θ between two sizes (fixed overheads drop out)",
-              ["codec", "sizes", "Δnode / Δθ", "Δplain / Δθ", "Δ(node − plain) / Δθ", "fixed node − plain MiB"],
-              slope_rows)
+        table(
+            "The same, per extra byte of θ between two sizes (fixed overheads drop out)",
+            ["codec", "sizes", "Δnode / Δθ", "Δplain / Δθ", "Δ(node − plain) / Δθ", "fixed node − plain MiB"],
+            slope_rows,
+        )
     if detail:
         print("\nRSS over a node's life (MiB, the larger node, sampled; phases from the shape):")
         for d in detail:
             tl = max((d["timeline"][k] for k in ("n0", "n1")), key=lambda v: max((x for _, x in v), default=0))
-            pts = tl[::max(1, len(tl) // 24)]
-            print(f"* {fmt_size(d['n'])} {d['codec']} {d['sync']} x{d['tensors']}: "
-                  + " ".join(f"{t:.0f}s:{x / MiB:.0f}" for t, x in pts))
+            pts = tl[:: max(1, len(tl) // 24)]
+            print(
+                f"* {fmt_size(d['n'])} {d['codec']} {d['sync']} x{d['tensors']}: "
+                + " ".join(f"{t:.0f}s:{x / MiB:.0f}" for t, x in pts)
+            )
     if skipped:
         print("\nSkipped:\n" + "\n".join(f"* {s}" for s in skipped))
     return {"rows": rows, "skipped": skipped, "detail": detail}
 
 
 # --- part 4: the GPT-2-shaped recipe through drift's worker vs a plain loop --------------------
+
 
 def part_worker(args: argparse.Namespace) -> dict:
     import numpy as np
@@ -666,6 +867,7 @@ def part_worker(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     task = load_task(ROOT / "recipes" / "gpt2_shakespeare.py")
     from shakespeare_char import load_text  # a sibling of the task file (load_task put it on sys.path)
+
     cfg = {"block_size": 256} if not args.quick else {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 128}
     bs = 1
     ds = task.make_dataset(cfg)
@@ -680,16 +882,22 @@ def part_worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = task.make_model(cfg)
     params = [p for _, p in sorted(model.named_parameters())]
-    popt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    popt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=6e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     block = cfg["block_size"]
     data = np.frombuffer(load_text().encode("utf-8"), np.uint8)
-    tokens = torch.from_numpy(data[:ds.n_train * block].astype(np.int64))
+    tokens = torch.from_numpy(data[: ds.n_train * block].astype(np.int64))
     offsets = torch.arange(block)
     model.train()
 
-    def plain(batches: list) -> None:  # noqa: ANN001
+    def plain(batches: list) -> None:
         loss = None
         for idx in batches:
             w = tokens[torch.from_numpy(idx * block)[:, None] + offsets]
@@ -700,14 +908,14 @@ def part_worker(args: argparse.Namespace) -> dict:
             popt.step()
         float(loss.item())
 
-    def drift(batches: list) -> None:  # noqa: ANN001
+    def drift(batches: list) -> None:
         for idx in batches:
             worker.train_step(idx)
 
     rng = np.random.default_rng(0)
     draw = lambda k: [rng.integers(0, ds.n_train, bs) for _ in range(k)]  # noqa: E731
 
-    def timed(fn, batches) -> tuple[float, float]:  # noqa: ANN001
+    def timed(fn, batches) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
         fn(batches)
         return len(batches) * bs / (time.perf_counter() - t0), len(batches) * bs / (time.process_time() - c0)
@@ -719,7 +927,7 @@ def part_worker(args: argparse.Namespace) -> dict:
     for i in range(args.worker_pairs):
         b = draw(args.worker_steps)
         order = [(drift, w_r, w_c), (plain, p_r, p_c)]
-        for fn, rates, cpus in (order if i % 2 == 0 else order[::-1]):
+        for fn, rates, cpus in order if i % 2 == 0 else order[::-1]:
             r, c = timed(fn, b)
             rates.append(r)
             cpus.append(c)
@@ -727,18 +935,28 @@ def part_worker(args: argparse.Namespace) -> dict:
     cratios = [w / p for w, p in zip(w_c, p_c)]
     n_params = sum(p.numel() for p in model.parameters())
     med = statistics.median
-    table(f"Worker vs plain loop: recipes/gpt2_shakespeare.py shrunk ({cfg}, batch {bs}), "
-          f"{n_params / 1e6:.1f}M params, 1 thread",
-          ["loop", "samples/s (median)", "samples per CPU-s (median)", "worker / plain, wall", "worker / plain, CPU"],
-          [["plain torch loop", f"{med(p_r):.3f}", f"{med(p_c):.3f}", "", ""],
-           ["drift TorchWorker.train_step", f"{med(w_r):.3f}", f"{med(w_c):.3f}", f"**{med(ratios) * 100:.1f} %**",
-            f"{med(cratios) * 100:.1f} %"]],
-          f"{args.worker_pairs} pairs x {args.worker_steps} steps, same batches in a pair, who goes first alternating; "
-          f"pairs (wall): {', '.join(f'{r * 100:.1f}' for r in ratios)}. Target (issue 14): ≥ 97 %.")
+    table(
+        f"Worker vs plain loop: recipes/gpt2_shakespeare.py shrunk ({cfg}, batch {bs}), "
+        f"{n_params / 1e6:.1f}M params, 1 thread",
+        ["loop", "samples/s (median)", "samples per CPU-s (median)", "worker / plain, wall", "worker / plain, CPU"],
+        [
+            ["plain torch loop", f"{med(p_r):.3f}", f"{med(p_c):.3f}", "", ""],
+            [
+                "drift TorchWorker.train_step",
+                f"{med(w_r):.3f}",
+                f"{med(w_c):.3f}",
+                f"**{med(ratios) * 100:.1f} %**",
+                f"{med(cratios) * 100:.1f} %",
+            ],
+        ],
+        f"{args.worker_pairs} pairs x {args.worker_steps} steps, same batches in a pair, who goes first alternating; "
+        f"pairs (wall): {', '.join(f'{r * 100:.1f}' for r in ratios)}. Target (issue 14): ≥ 97 %.",
+    )
     return {"ratio": med(ratios), "cpu_ratio": med(cratios), "worker": med(w_r), "plain": med(p_r)}
 
 
 # --- main --------------------------------------------------------------------------------------
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -799,15 +1017,19 @@ def main() -> int:
     budget = Budget(args.max_gib)
     mi = meminfo()
     try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
-                             text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         rev = "?"
     import numpy
     import torch
-    print(f"bench_scale: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, drift {rev}, {os.cpu_count()} CPUs, "
-          f"RAM {gib(mi['MemTotal'])} GiB (available {gib(mi['MemAvailable'])}), cap {args.max_gib:g} GiB per run, "
-          f"torch {torch.__version__}, numpy {numpy.__version__}")
+
+    print(
+        f"bench_scale: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, drift {rev}, {os.cpu_count()} CPUs, "
+        f"RAM {gib(mi['MemTotal'])} GiB (available {gib(mi['MemAvailable'])}), cap {args.max_gib:g} GiB per run, "
+        f"torch {torch.__version__}, numpy {numpy.__version__}"
+    )
     print(f"sizes: {', '.join(f'{fmt_size(n)} ({4 * n / MiB:,.0f} MiB)' for n in sizes)}; parts: {', '.join(parts)}")
     t_start = time.time()
     out: dict = {"sizes": sizes}

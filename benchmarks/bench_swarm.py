@@ -25,14 +25,25 @@ from drift.simulate import Swarm, make_task_repo
 
 TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 BATCH, UNIT_STEPS = 8, 2
-BASE = 0.1   # seconds per inner step of a speed-1 device
+BASE = 0.1  # seconds per inner step of a speed-1 device
 MIXES = {"[1, .5, .25, .1]": [1, 0.5, 0.25, 0.1], "[1, 1, 1, 1]": [1, 1, 1, 1], "[1, .002]": [1, 0.002]}
 
 
 def recipe(n: int, schedule: str, inner_steps: int, rounds: int) -> dict:
-    return {"name": f"bench-{schedule}", "task_config": TASK, "min_nodes": n, "rounds": rounds,
-            "inner_steps": inner_steps, "batch_size": BATCH, "unit_steps": UNIT_STEPS, "eval_batches": 1,
-            "schedule": schedule, "seed": 1, "stale_after_s": 120.0, "heartbeat_s": 1.0}
+    return {
+        "name": f"bench-{schedule}",
+        "task_config": TASK,
+        "min_nodes": n,
+        "rounds": rounds,
+        "inner_steps": inner_steps,
+        "batch_size": BATCH,
+        "unit_steps": UNIT_STEPS,
+        "eval_batches": 1,
+        "schedule": schedule,
+        "seed": 1,
+        "stale_after_s": 120.0,
+        "heartbeat_s": 1.0,
+    }
 
 
 def run(work: Path, speeds: list[float], schedule: str, inner_steps: int, rounds: int) -> dict:
@@ -75,8 +86,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="drift-bench-swarm-"))
     for s in (1, 0.1):  # the simulation holds: a device alone trains at its nominal speed
         measured = run(tmp / f"solo-{s}", [s], "steal", 5, 3)["train_sps"]
-        print(f"solo speed {s:<5g} (--sim-step {BASE / s:g}): nominal {solo_sps(s):6.2f}, measured "
-              f"{measured:6.2f} samples/s", flush=True)
+        print(
+            f"solo speed {s:<5g} (--sim-step {BASE / s:g}): nominal {solo_sps(s):6.2f}, measured "
+            f"{measured:6.2f} samples/s",
+            flush=True,
+        )
     rows = []
     for label, mix in MIXES.items():
         for schedule in ("steal", "lockstep"):
@@ -92,11 +106,17 @@ def main() -> None:
                 idle = ", ".join(f"{v:.2f}" for v in res["idle"].values())
                 roles = f"evaluators {res['evaluators']}" if res["evaluators"] else "all train"
                 rows.append({"mix": label, "schedule": schedule, "run": k, "efficiency": eff, **res})
-                print(f"{label:<18}{schedule:<10} run {k}  efficiency {eff:6.1%}  swarm {res['sps']:7.1f} samples/s  "
-                      f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}", flush=True)
+                print(
+                    f"{label:<18}{schedule:<10} run {k}  efficiency {eff:6.1%}  swarm {res['sps']:7.1f} samples/s  "
+                    f"round {res['round_s']:5.1f}s  barrier idle/round [{idle}] s  {roles}",
+                    flush=True,
+                )
             if len(effs) > 1:
-                print(f"{label:<18}{schedule:<10} efficiency over {len(effs)} runs: mean {sum(effs) / len(effs):.1%}, "
-                      f"min {min(effs):.1%}, max {max(effs):.1%}", flush=True)
+                print(
+                    f"{label:<18}{schedule:<10} efficiency over {len(effs)} runs: mean {sum(effs) / len(effs):.1%}, "
+                    f"min {min(effs):.1%}, max {max(effs):.1%}",
+                    flush=True,
+                )
     if a.json:
         a.json.write_text(json.dumps({"base_step_s": BASE, "rows": rows}, indent=1))
 

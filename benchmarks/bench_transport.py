@@ -26,13 +26,27 @@ async def receiver(fixed_mib: int, write_mib: float) -> None:
     ep = await Endpoint.bind("local")
     rows = []
     for fix, streams, mib in ((False, 1, 4), (True, 1, fixed_mib), (True, 4, fixed_mib)):
-        proc = subprocess.Popen([sys.executable, __file__, "--send", ep.ticket(), "--mib", str(mib),
-                                 "--write-mib", str(write_mib), "--streams", str(streams)]
-                                + ([] if fix else ["--nofix"]), stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--send",
+                ep.ticket(),
+                "--mib",
+                str(mib),
+                "--write-mib",
+                str(write_mib),
+                "--streams",
+                str(streams),
+            ]
+            + ([] if fix else ["--nofix"]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         _alpn, conn = await ep.accept(timeout=60)
         chans = [await Endpoint.accept_channel(conn, timeout=60) for _ in range(streams)]
 
-        async def drain(ch) -> int:  # noqa: ANN001
+        async def drain(ch) -> int:
             got = 0
             while frame := await ch.recv_frame(64 << 20, timeout=600):
                 got += len(frame)

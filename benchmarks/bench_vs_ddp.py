@@ -46,8 +46,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drift.report import Run, load_run  # noqa: E402
-from drift.simulate import Swarm, make_task_repo  # noqa: E402
+import itertools
+
+from drift.report import Run, load_run
+from drift.simulate import Swarm, make_task_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -58,10 +60,17 @@ def recipe(args: argparse.Namespace, sync: str = "blocking") -> dict:
     r = yaml.safe_load((ROOT / "recipes" / "shakespeare.yaml").read_text())
     r.pop("task")  # make_task_repo sets it
     total = args.rounds * args.inner_steps * args.nodes * r["batch_size"]
-    r.update(name=f"vs-ddp-{sync}", min_nodes=args.nodes, codec=args.codec, rounds=args.rounds,
-             inner_steps=args.inner_steps, sync=sync, checkpoint_every=args.rounds,  # one checkpoint, at the end
-             lr_schedule={"warmup_samples": total // 20, "min_lr": r["inner_optimizer"]["lr"] / 10},
-             network="local")
+    r.update(
+        name=f"vs-ddp-{sync}",
+        min_nodes=args.nodes,
+        codec=args.codec,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        sync=sync,
+        checkpoint_every=args.rounds,  # one checkpoint, at the end
+        lr_schedule={"warmup_samples": total // 20, "min_lr": r["inner_optimizer"]["lr"] / 10},
+        network="local",
+    )
     return r
 
 
@@ -75,7 +84,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_drift(work: Path, sync: str, args: argparse.Namespace, net=None) -> dict:  # noqa: ANN001 - netns.Swarm
+def run_drift(work: Path, sync: str, args: argparse.Namespace, net=None) -> dict:
     work.mkdir(parents=True)
     rec = make_task_repo(work / "repo", recipe(args, sync))
     coord_args = ["--network", "lan"] if net else []
@@ -89,7 +98,7 @@ def run_drift(work: Path, sync: str, args: argparse.Namespace, net=None) -> dict
     return {"run_dir": swarm.run_dir, "total_s": time.time() - t0}
 
 
-def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> dict:  # noqa: ANN001
+def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> dict:
     """`world` ddp_baseline.py ranks (1 = the single node, with nodes x the steps)."""
     work.mkdir(parents=True)
     rec = make_task_repo(work / "repo", recipe(args))
@@ -99,11 +108,26 @@ def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> 
     procs = []
     try:
         for rank in range(world):
-            cmd = [*(net.exec_prefix(rank) if net else []), *pin(rank % os.cpu_count()), sys.executable,
-                   str(ROOT / "benchmarks" / "ddp_baseline.py"), str(rec), "--rank", str(rank), "--world", str(world),
-                   "--master", master, "--steps-scale", str(args.nodes if world == 1 else 1), "--out", str(work / "run")]
-            procs.append(subprocess.Popen(cmd, stdout=open(work / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT,
-                                          env=env))
+            cmd = [
+                *(net.exec_prefix(rank) if net else []),
+                *pin(rank % os.cpu_count()),
+                sys.executable,
+                str(ROOT / "benchmarks" / "ddp_baseline.py"),
+                str(rec),
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--master",
+                master,
+                "--steps-scale",
+                str(args.nodes if world == 1 else 1),
+                "--out",
+                str(work / "run"),
+            ]
+            procs.append(
+                subprocess.Popen(cmd, stdout=open(work / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT, env=env)
+            )
         for rank, p in enumerate(procs):
             if p.wait(timeout=3600) != 0:
                 raise SystemExit(f"baseline rank {rank} failed:\n{(work / f'rank{rank}.log').read_text()[-3000:]}")
@@ -123,13 +147,15 @@ def parse_link(link: str) -> tuple[str, float]:
     return m.group(1), float(m.group(2) or 0)
 
 
-def section(link: str, work: Path, args: argparse.Namespace, net, single: dict | None) -> dict:  # noqa: ANN001
+def section(link: str, work: Path, args: argparse.Namespace, net, single: dict | None) -> dict:
     """Run ddp and both drift rules over one kind of link (the single node shown beside them)."""
     print(f"\n== {link} ==", flush=True)
     runs: dict[str, dict] = {} if single is None else {"single": single}
-    plan = {"ddp": lambda w: run_baseline(w, args.nodes, args, net),
-            "drift-blocking": lambda w: run_drift(w, "blocking", args, net),
-            "drift-overlapped": lambda w: run_drift(w, "overlapped", args, net)}
+    plan = {
+        "ddp": lambda w: run_baseline(w, args.nodes, args, net),
+        "drift-blocking": lambda w: run_drift(w, "blocking", args, net),
+        "drift-overlapped": lambda w: run_drift(w, "overlapped", args, net),
+    }
     for label in [x for x in RUNS if x in args.runs and x in plan]:
         wire0 = [net.tx_bytes(i) for i in range(args.nodes)]
         res = keep(plan[label](work / label), args.out / link / label)
@@ -138,8 +164,11 @@ def section(link: str, work: Path, args: argparse.Namespace, net, single: dict |
         print(f"  {label:<16} done: val {res['run'].final_val():.4f}, {res['total_s']:.0f} s in all", flush=True)
     table(link, runs)
     out = args.out / link
-    subprocess.run([sys.executable, "-m", "drift", "report", *(str(r["run_dir"]) for r in runs.values()),
-                    "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "drift", "report", *(str(r["run_dir"]) for r in runs.values()), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     print(f"  plots: {out}/loss.png, nodes.png, bytes.png, utilization.png", flush=True)
     return runs
 
@@ -159,11 +188,15 @@ def table(link: str, runs: dict[str, dict]) -> None:
     ddp_tt, ddp_mib = ddp.time_to(target), ddp.mib_per_node()
     c = ddp.complete
     ideal = c["step_wall_s"] / c["pure_compute_s"] if c.get("pure_compute_s") else None
-    print(f"\n{link}: target val loss {target:.4f} (the worst final); ddp per step {1000 * c.get('step_wall_s', 0):.1f} ms "
-          f"wall, {1000 * c.get('pure_compute_s', 0):.1f} ms pure compute: ideal speed-up "
-          f"{f'{ideal:.2f}x' if ideal else '-'}")
-    print(f"  {'run':<16} {'val loss':>8} {'vs ddp':>7} {'train s':>8} {'MiB/node':>9} {'ddp/this':>9} {'wire MiB':>9} "
-          f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7}")
+    print(
+        f"\n{link}: target val loss {target:.4f} (the worst final); ddp per step {1000 * c.get('step_wall_s', 0):.1f} ms "
+        f"wall, {1000 * c.get('pure_compute_s', 0):.1f} ms pure compute: ideal speed-up "
+        f"{f'{ideal:.2f}x' if ideal else '-'}"
+    )
+    print(
+        f"  {'run':<16} {'val loss':>8} {'vs ddp':>7} {'train s':>8} {'MiB/node':>9} {'ddp/this':>9} {'wire MiB':>9} "
+        f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7}"
+    )
     ddp_curve = [(x, v) for x, _, v in ddp.val_curve()]
     for label, res in runs.items():
         r: Run = res["run"]
@@ -176,17 +209,22 @@ def table(link: str, runs: dict[str, dict]) -> None:
         tts = f"{tt:8.1f}s" if tt is not None else f"{'never':>9}"
         speed = ddp_tt / tt if tt and ddp_tt else None
         cap = f"{100 * speed / ideal:6.0f}%" if speed and ideal and label.startswith("drift") else f"{'-':>7}"
-        print(f"  {label:<16} {fv:8.4f} {100 * vs_ddp:+6.1f}% {r.rounds[-1]['t']:8.1f} "
-              f"{mib:9.2f} {ratio} {wire} {util:>7} {tts} {f'{speed:7.2f}x' if speed else '-':>8} {cap}")
-    print("  (vs ddp: final val loss relative to ddp's at the same samples (drift's rounds stop at the next inner "
-          "step, so they train a few % fewer samples than their budget: ddp's curve is interpolated there); ddp/this: ddp's MiB per node over this run's; util: "
-          "least-most of the nodes' time in inner steps; speed-up: ddp's time to target over this run's; "
-          "capture: speed-up over the ideal)", flush=True)
+        print(
+            f"  {label:<16} {fv:8.4f} {100 * vs_ddp:+6.1f}% {r.rounds[-1]['t']:8.1f} "
+            f"{mib:9.2f} {ratio} {wire} {util:>7} {tts} {f'{speed:7.2f}x' if speed else '-':>8} {cap}"
+        )
+    print(
+        "  (vs ddp: final val loss relative to ddp's at the same samples (drift's rounds stop at the next inner "
+        "step, so they train a few % fewer samples than their budget: ddp's curve is interpolated there); ddp/this: ddp's MiB per node over this run's; util: "
+        "least-most of the nodes' time in inner steps; speed-up: ddp's time to target over this run's; "
+        "capture: speed-up over the ideal)",
+        flush=True,
+    )
 
 
 def ddp_val_at(curve: list[tuple[int, float]], samples: int) -> float:
     """ddp's val loss after `samples` samples, linear between its evaluations."""
-    for (x0, v0), (x1, v1) in zip(curve, curve[1:]):
+    for (x0, v0), (x1, v1) in itertools.pairwise(curve):
         if x0 <= samples <= x1:
             return v0 + (v1 - v0) * (samples - x0) / (x1 - x0) if x1 > x0 else v1
     return curve[-1][1]
@@ -198,8 +236,11 @@ def reprint(out: Path) -> None:
         runs = {}
         for label, res in saved.items():
             run_dir = out / link / label if (out / link / label).exists() else out / "single"
-            runs[label] = {"total_s": res["total_s"], "run": load_run(run_dir, label),
-                           "wire_mib": res.get("wire_mib_per_node")}
+            runs[label] = {
+                "total_s": res["total_s"],
+                "run": load_run(run_dir, label),
+                "wire_mib": res.get("wire_mib_per_node"),
+            }
         table(link, runs)
 
 
@@ -211,8 +252,12 @@ def main() -> None:
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--links", default="100mbit,10mbit,100mbit+25ms", help="RATE or RATE+Dms, comma-separated")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"which of {','.join(RUNS)} (ddp always)")
-    ap.add_argument("--tables", type=Path, metavar="OUT", help="print the tables of an earlier run's OUT again "
-                    "(from its metrics and results.json), run nothing")
+    ap.add_argument(
+        "--tables",
+        type=Path,
+        metavar="OUT",
+        help="print the tables of an earlier run's OUT again (from its metrics and results.json), run nothing",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("bench-vs-ddp-%Y%m%d-%H%M%S"))
     args = ap.parse_args()
     args.runs = {x.strip() for x in args.runs.split(",")} | {"ddp"}
@@ -226,8 +271,11 @@ def main() -> None:
     from netns import Swarm as Links
 
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"{args.nodes} nodes, {args.rounds} rounds x {args.inner_steps} inner steps, codec {args.codec}; "
-          f"plots and runs in {args.out}", flush=True)
+    print(
+        f"{args.nodes} nodes, {args.rounds} rounds x {args.inner_steps} inner steps, codec {args.codec}; "
+        f"plots and runs in {args.out}",
+        flush=True,
+    )
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="drift-vs-ddp-") as tmp:
         work = Path(tmp)
@@ -242,11 +290,20 @@ def main() -> None:
                     results[link] = section(link, work / link, args, net, single)
             except NetnsUnavailable as e:
                 print(f"\n{link} skipped: {e}")
-            summary = {name: {label: {"final_val": res["run"].final_val(), "train_s": res["run"].rounds[-1]["t"],
-                                      "total_s": res["total_s"], "mib_per_node": res["run"].mib_per_node(),
-                                      "wire_mib_per_node": res.get("wire_mib"),
-                                      "utilization": res["run"].utilization()}
-                              for label, res in runs.items()} for name, runs in results.items()}
+            summary = {
+                name: {
+                    label: {
+                        "final_val": res["run"].final_val(),
+                        "train_s": res["run"].rounds[-1]["t"],
+                        "total_s": res["total_s"],
+                        "mib_per_node": res["run"].mib_per_node(),
+                        "wire_mib_per_node": res.get("wire_mib"),
+                        "utilization": res["run"].utilization(),
+                    }
+                    for label, res in runs.items()
+                }
+                for name, runs in results.items()
+            }
             (args.out / "results.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -45,13 +45,15 @@ def sync(device: str) -> None:
 class PlainLoop:
     """The same model and optimizer in the loop one would write by hand."""
 
-    def __init__(self, task, cfg: dict, ds, opt: dict, device: str, seed: int) -> None:  # noqa: ANN001
+    def __init__(self, task, cfg: dict, ds, opt: dict, device: str, seed: int) -> None:
         torch.manual_seed(seed)
         self.device, self.block = device, ds.block_size
         self.model = task.make_torch_model(cfg, ds.vocab_size).to(device)
         params = [p for _, p in sorted(self.model.named_parameters())]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         self.params = params
         self.opt = torch.optim.AdamW(groups, lr=opt["lr"], betas=(0.9, 0.95), fused=device.startswith("cuda"))
         self.tokens = torch.from_numpy(ds.tokens("train").astype(np.int64)).to(device)
@@ -106,7 +108,7 @@ def main() -> None:
 
     cpu_rates: dict[str, list[float]] = {"worker": [], "plain": []}
 
-    def timed(fn, batches: list[np.ndarray], key: str | None) -> float:  # noqa: ANN001
+    def timed(fn, batches: list[np.ndarray], key: str | None) -> float:
         """samples/s of wall time; also records samples per CPU-second of this process (on the
         CPU that is the figure other jobs on a shared machine do not disturb much)."""
         sync(device)
@@ -118,7 +120,7 @@ def main() -> None:
             cpu_rates[key].append(len(batches) * bs / cpu)
         return len(batches) * bs / wall
 
-    def run_worker(batches: list[np.ndarray], w=worker) -> None:  # noqa: ANN001
+    def run_worker(batches: list[np.ndarray], w=worker) -> None:
         for idx in batches:
             w.train_step(idx)
 
@@ -146,18 +148,22 @@ def main() -> None:
     print(f"{args.pairs} pairs x {args.steps} steps, medians:")
     print(f"  plain torch loop : {statistics.median(p_rates):9.1f} samples/s")
     print(f"  drift TorchWorker: {statistics.median(w_rates):9.1f} samples/s")
-    print(f"  worker / plain   : {statistics.median(ratios) * 100:6.1f} %  "
-          f"(pairs: {', '.join(f'{r * 100:.1f}' for r in ratios)})")
+    print(
+        f"  worker / plain   : {statistics.median(ratios) * 100:6.1f} %  "
+        f"(pairs: {', '.join(f'{r * 100:.1f}' for r in ratios)})"
+    )
     if device == "cpu":
         cpu_ratios = [w / p for w, p in zip(cpu_rates["worker"], cpu_rates["plain"])]
-        print(f"  per CPU-second   : plain {statistics.median(cpu_rates['plain']):.1f}, worker "
-              f"{statistics.median(cpu_rates['worker']):.1f} samples/s; worker / plain "
-              f"{statistics.median(cpu_ratios) * 100:.1f} %  (pairs: {', '.join(f'{r * 100:.1f}' for r in cpu_ratios)})")
+        print(
+            f"  per CPU-second   : plain {statistics.median(cpu_rates['plain']):.1f}, worker "
+            f"{statistics.median(cpu_rates['worker']):.1f} samples/s; worker / plain "
+            f"{statistics.median(cpu_ratios) * 100:.1f} %  (pairs: {', '.join(f'{r * 100:.1f}' for r in cpu_ratios)})"
+        )
     if args.backends:
         for backend in ("mlx", "numpy"):
             try:
                 w = make_worker(Cached, cfg, opt, backend=backend, seed=0)
-            except Exception as e:  # noqa: BLE001 - not installed here
+            except Exception as e:
                 print(f"  {backend:5s} worker     : unavailable ({e})")
                 continue
             run_it = lambda b, w=w: run_worker(b, w)  # noqa: E731

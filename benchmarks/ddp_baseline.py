@@ -64,7 +64,7 @@ class CommStats:
         self.last_done = 0.0
 
     # No annotations here: DDP checks them, and `from __future__ import annotations` makes them strings.
-    def hook(self, state, bucket):  # noqa: ANN001, ANN201
+    def hook(self, state, bucket):
         self.last_hook = time.perf_counter()
         buf = bucket.buffer()
         self.bytes += buf.numel() * buf.element_size()
@@ -90,15 +90,18 @@ def main() -> None:
     ap.add_argument("--master", default="127.0.0.1:29500", help="rank 0's HOST:PORT for gloo's rendezvous")
     ap.add_argument("--steps-scale", type=int, default=1, help="multiply the steps (single node: the swarm size)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--calib-steps", type=int, default=30, help="steps without communication after training, "
-                    "timed: the pure compute per step")
+    ap.add_argument(
+        "--calib-steps",
+        type=int,
+        default=30,
+        help="steps without communication after training, timed: the pure compute per step",
+    )
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
 
     r = load_recipe(a.recipe)
     task = load_task(a.recipe.resolve().parents[1] / r.task)
-    w = TorchWorker(task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed,
-                    threads=a.threads)
+    w = TorchWorker(task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed, threads=a.threads)
     model, stats = w.model, CommStats()
     if a.world > 1:
         host, port = a.master.rsplit(":", 1)
@@ -129,7 +132,7 @@ def main() -> None:
     def step(k: int) -> float:
         """Train global step k (this rank's slice of the k-th global batch); its loss."""
         lo = (k * W + a.rank) * B
-        x, y = w.dataset.batch("train", order[lo % len(order):][:B])
+        x, y = w.dataset.batch("train", order[lo % len(order) :][:B])
         loss = model(torch.from_numpy(x), torch.from_numpy(y))
         w.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces (averages) the gradients here
@@ -162,8 +165,16 @@ def main() -> None:
         # A ring all-reduce sends 2(W-1)/W of the buffer from each rank (gloo's ring algorithms);
         # bench_vs_ddp.py checks this against the interface counters on the limited links.
         sent = int((stats.bytes - bytes0) * 2 * (W - 1) / W)
-        mine = {"samples": H * B, "steps": H, "step_s": compute, "busy_s": compute, "sync_s": wait,
-                "bytes_sent": sent, "loss": loss, "lr": lr}
+        mine = {
+            "samples": H * B,
+            "steps": H,
+            "step_s": compute,
+            "busy_s": compute,
+            "sync_s": wait,
+            "bytes_sent": sent,
+            "loss": loss,
+            "lr": lr,
+        }
         per_rank = [None] * W
         if W > 1:
             dist.all_gather_object(per_rank, mine)
@@ -173,10 +184,17 @@ def main() -> None:
         seconds = time.perf_counter() - t_round  # the same span on every rank: they meet at the barrier
         for p in per_rank:
             p["idle_s"] = max(0.0, seconds - p["step_s"] - p["sync_s"])
-        event("round", round=rnd, epoch=0, val_loss=val, samples=H * B * W, seconds=seconds,
-              bytes_sent=sum(p["bytes_sent"] for p in per_rank),
-              train_loss=float(np.mean([p.pop("loss") for p in per_rank])),
-              nodes={f"rank{i}": p for i, p in enumerate(per_rank)})
+        event(
+            "round",
+            round=rnd,
+            epoch=0,
+            val_loss=val,
+            samples=H * B * W,
+            seconds=seconds,
+            bytes_sent=sum(p["bytes_sent"] for p in per_rank),
+            train_loss=float(np.mean([p.pop("loss") for p in per_rank])),
+            nodes={f"rank{i}": p for i, p in enumerate(per_rank)},
+        )
     # The pure compute per step, in this run: the same steps with no communication (DDP's no_sync;
     # the single node has none anyway), on the samples after the run's. Nothing here is recorded
     # as training: the run's metrics are complete.
@@ -198,10 +216,20 @@ def main() -> None:
     else:
         per_rank = [stat]
     if out:
-        out.write(json.dumps({"t": t_train_end, "event": "complete", "rounds": r.rounds, "final_val_loss": val,
-                              "steps": steps,
-                              **{key: float(np.mean([p[key] for p in per_rank])) for key in stat if pure_s is not None},
-                              "ranks": {f"rank{i}": p for i, p in enumerate(per_rank)}}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "t": t_train_end,
+                    "event": "complete",
+                    "rounds": r.rounds,
+                    "final_val_loss": val,
+                    "steps": steps,
+                    **{key: float(np.mean([p[key] for p in per_rank])) for key in stat if pure_s is not None},
+                    "ranks": {f"rank{i}": p for i, p in enumerate(per_rank)},
+                }
+            )
+            + "\n"
+        )
         out.close()
     if W > 1:
         # Not destroy_process_group(): once rank 0 (the rendezvous store) is gone it can block

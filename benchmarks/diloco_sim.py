@@ -54,8 +54,9 @@ def main() -> None:
     task = load_task(ROOT / r.task)
 
     def worker() -> TorchWorker:
-        return TorchWorker(task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed,
-                           threads=a.threads)
+        return TorchWorker(
+            task, r.task_config, r.inner_optimizer.model_dump(), device="cpu", seed=r.seed, threads=a.threads
+        )
 
     w0 = worker()
     order, B, N, H = epoch_order(w0.n_train, r.seed, 0), r.batch_size, a.nodes, a.H
@@ -64,7 +65,7 @@ def main() -> None:
         every = H if a.mode == "ddp" else N * H
         for k in range(steps):
             w0.set_lr(r.inner_lr(k * batch))
-            w0.train_step(order[k * batch:(k + 1) * batch])
+            w0.train_step(order[k * batch : (k + 1) * batch])
             if (k + 1) % every == 0:
                 print(f"{(k + 1) * batch:>7} samples  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
         return
@@ -73,7 +74,7 @@ def main() -> None:
     theta = layout.flatten(w0.get_params())
     outer = NesterovOuter(theta.size, a.outer_lr, a.momentum)
     local = [theta.copy() for _ in replicas]  # each replica's θ_local
-    pending = None                            # overlapped: (mean Δ, each replica's θ_local at the barrier)
+    pending = None  # overlapped: (mean Δ, each replica's θ_local at the barrier)
     pos = 0
 
     def train(i: int, w: TorchWorker, n: int) -> None:
@@ -81,7 +82,7 @@ def main() -> None:
         w.set_params(layout.unflatten(local[i]))
         for _ in range(n):
             w.set_lr(r.inner_lr(pos))
-            w.train_step(order[pos:pos + B])
+            w.train_step(order[pos : pos + B])
             pos += B
         local[i] = layout.flatten(w.get_params())
 

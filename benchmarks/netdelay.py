@@ -37,7 +37,7 @@ def main() -> None:
     delay = a.delay_ms / 1000
     held: collections.deque = collections.deque()  # (release time, packet), in arrival order
 
-    def hold(pkt) -> None:  # noqa: ANN001 - a netfilterqueue.Packet
+    def hold(pkt) -> None:
         held.append((time.monotonic() + delay, pkt))
 
     nfq = NetfilterQueue()

@@ -44,8 +44,9 @@ class Swarm:
 
     def __init__(self, n: int, rate: str = "100mbit", subnet: str = "10.77.0", delay_ms: float = 0.0):
         if os.geteuid() != 0:
-            raise NetnsUnavailable("network namespaces need root (run with sudo); skipping the "
-                                   "bandwidth-limited section")
+            raise NetnsUnavailable(
+                "network namespaces need root (run with sudo); skipping the bandwidth-limited section"
+            )
         self.n, self.rate, self.subnet, self.delay_ms = n, rate, subnet, delay_ms
         tag = f"{os.getpid() % 100000}"
         self.sw = f"drb{tag}sw"
@@ -57,7 +58,7 @@ class Swarm:
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def __enter__(self) -> "Swarm":
+    def __enter__(self) -> Swarm:
         self._old_term = signal.signal(signal.SIGTERM, self._on_term)
         try:
             self._build()
@@ -69,7 +70,7 @@ class Swarm:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
+    def __exit__(self, *exc) -> None:
         self.close()
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
@@ -91,8 +92,22 @@ class Swarm:
             _in(self.sw, "ip", "link", "set", port, "master", "br0")
             _in(self.sw, "ip", "link", "set", port, "up")
             for where, dev in ((ns, self.ifname), (self.sw, port)):
-                _in(where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                    "burst", "256kb", "latency", "100ms")
+                _in(
+                    where,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.rate,
+                    "burst",
+                    "256kb",
+                    "latency",
+                    "100ms",
+                )
             if self.delay_ms:
                 self._delay(ns)
 
@@ -101,17 +116,33 @@ class Swarm:
         try:
             import netfilterqueue  # noqa: F401
         except ImportError:
-            raise NetnsUnavailable("added latency needs the NetfilterQueue package (pip install "
-                                   "NetfilterQueue; apt-get install libnetfilter-queue-dev iptables)") from None
-        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(HERE / "netdelay.py"),
-                              "--delay-ms", str(self.delay_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+            raise NetnsUnavailable(
+                "added latency needs the NetfilterQueue package (pip install "
+                "NetfilterQueue; apt-get install libnetfilter-queue-dev iptables)"
+            ) from None
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, str(HERE / "netdelay.py"), "--delay-ms", str(self.delay_ms)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self._delayers.append(p)
         if p.stdout.readline().strip() != "ready":
             raise NetnsUnavailable(f"netdelay.py in {ns} did not start: {p.stderr.read().strip()[-300:]}")
         # only once the delayer listens; --queue-bypass: should it die, packets pass instead of dropping
-        _in(ns, "iptables-legacy", "-A", "INPUT", "-i", self.ifname, "-j", "NFQUEUE", "--queue-num", "0",
-            "--queue-bypass")
+        _in(
+            ns,
+            "iptables-legacy",
+            "-A",
+            "INPUT",
+            "-i",
+            self.ifname,
+            "-j",
+            "NFQUEUE",
+            "--queue-num",
+            "0",
+            "--queue-bypass",
+        )
 
     def close(self) -> None:
         """Stop the delayers, delete every namespace created (their veth pairs, bridge and iptables
@@ -143,6 +174,10 @@ class Swarm:
 
     def tx_bytes(self, i: int) -> int:
         """Bytes node i's interface has sent so far (the kernel's counter: every header included)."""
-        out = subprocess.run([*self.exec_prefix(i), "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes"],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [*self.exec_prefix(i), "cat", f"/sys/class/net/{self.ifname}/statistics/tx_bytes"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         return int(out)

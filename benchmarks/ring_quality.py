@@ -42,9 +42,17 @@ def pseudo_gradients(recipe_path: Path, nodes: int, rounds: int, threads: int) -
     r = load_recipe(recipe_path)
     task = load_task(ROOT / r.task)
     io = r.inner_optimizer
-    workers = [TorchWorker(task, r.task_config, dict(lr=io.lr, weight_decay=io.weight_decay,
-                                                     betas=(io.beta1, io.beta2), grad_clip=io.grad_clip),
-                           device="cpu", seed=r.seed, threads=threads) for _ in range(nodes)]
+    workers = [
+        TorchWorker(
+            task,
+            r.task_config,
+            dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2), grad_clip=io.grad_clip),
+            device="cpu",
+            seed=r.seed,
+            threads=threads,
+        )
+        for _ in range(nodes)
+    ]
     layout = ParamLayout.of(workers[0].get_params())
     theta = layout.flatten(workers[0].get_params())
     outer = NesterovOuter(layout.size, r.outer_optimizer.lr, r.outer_optimizer.momentum)
@@ -55,32 +63,27 @@ def pseudo_gradients(recipe_path: Path, nodes: int, rounds: int, threads: int) -
         for w in workers:
             w.set_params(layout.unflatten(theta))
             for _ in range(r.inner_steps):
-                w.train_step(order[b * r.batch_size:(b + 1) * r.batch_size])
+                w.train_step(order[b * r.batch_size : (b + 1) * r.batch_size])
                 b += 1
             d = theta - layout.flatten(w.get_params())
             deltas.append((d * np.float32(1 / nodes)).astype(np.float32))
         avg = np.sum(np.stack(deltas).astype(np.float64), axis=0).astype(np.float32)
         outer.step(theta, avg)
         out.append(deltas)
-        print(f"  round {rnd}: trained {nodes} x {r.inner_steps} steps, |avg Δ| = {np.linalg.norm(avg):.4g}",
-              flush=True)
+        print(
+            f"  round {rnd}: trained {nodes} x {r.inner_steps} steps, |avg Δ| = {np.linalg.norm(avg):.4g}", flush=True
+        )
     print(f"  {layout.size} parameters")
     return out
 
 
-async def reduce_all(grads: list[list[np.ndarray]], codec) -> tuple[list[np.ndarray], int, bool]:  # noqa: ANN001
+async def reduce_all(grads: list[list[np.ndarray]], codec) -> tuple[list[np.ndarray], int, bool]:
     """All-reduce every round's inputs through one persistent ring; (results, bytes/node/round, identical)."""
     n = len(grads[0])
     eps = [await Endpoint.bind("local") for _ in range(n)]
     rings = [Ring(e, codec=codec) for e in eps]
 
-    async def accept(ep: Endpoint, ring: Ring) -> None:
-        while True:
-            alpn, conn = await ep.accept()
-            if alpn == RING_ALPN:
-                asyncio.ensure_future(ring.handle_incoming(conn))
-
-    tasks = [asyncio.ensure_future(accept(e, r)) for e, r in zip(eps, rings)]
+    tasks = [asyncio.ensure_future(e.serve({RING_ALPN: r.handle_incoming})) for e, r in zip(eps, rings)]
     members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=1 / n) for e in eps]
     results, sent, same = [], 0, True
     try:
@@ -108,8 +111,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--topk-fraction", type=float, nargs="+", default=[0.01, 0.05])
     args = ap.parse_args()
-    print(f"ring_quality: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {args.nodes} nodes, {args.rounds} rounds, "
-          f"{Path(args.recipe).name}")
+    print(
+        f"ring_quality: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {args.nodes} nodes, {args.rounds} rounds, "
+        f"{Path(args.recipe).name}"
+    )
     grads = pseudo_gradients(Path(args.recipe), args.nodes, args.rounds, args.threads)
     exact = [np.sum(np.stack(xs).astype(np.float64), axis=0) for xs in grads]
     exact_sum = np.sum(np.stack(exact), axis=0)
@@ -120,16 +125,21 @@ def main() -> int:
         no_ef = TopK(f)
         no_ef.error_feedback = False  # the same codec, residual dropped: what error feedback buys
         codecs.append((f"topk {f:g} no EF", no_ef))
-    print(f"\n  {'codec':<18}{'rel err/round':>14}{'round 0':>10}{'rel err of sum':>16}"
-          f"{'bytes/node/round':>18}{'vs fp32':>9}{'replicas':>10}")
+    print(
+        f"\n  {'codec':<18}{'rel err/round':>14}{'round 0':>10}{'rel err of sum':>16}"
+        f"{'bytes/node/round':>18}{'vs fp32':>9}{'replicas':>10}"
+    )
     fp32_bytes = None
     for name, codec in codecs:
         res, sent, same = asyncio.run(reduce_all(grads, codec))
         errs = [relative_error(r, e) for r, e in zip(res, exact)]
         err_sum = relative_error(np.sum(np.stack(res).astype(np.float64), axis=0), exact_sum)
         fp32_bytes = fp32_bytes or sent
-        print(f"  {name:<18}{np.mean(errs):>14.3g}{errs[0]:>10.3g}{err_sum:>16.3g}{sent:>18,}"
-              f"{fp32_bytes / sent:>8.1f}x{'identical' if same else 'DIFFER':>10}", flush=True)
+        print(
+            f"  {name:<18}{np.mean(errs):>14.3g}{errs[0]:>10.3g}{err_sum:>16.3g}{sent:>18,}"
+            f"{fp32_bytes / sent:>8.1f}x{'identical' if same else 'DIFFER':>10}",
+            flush=True,
+        )
     return 0
 
 

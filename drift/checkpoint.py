@@ -42,19 +42,19 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    path: Path                       # the round-NNNNNN directory
-    round: int                       # θ after this round's outer step
-    names: tuple[str, ...]           # tensors in file (= drift's layout) order
+    path: Path  # the round-NNNNNN directory
+    round: int  # θ after this round's outer step
+    names: tuple[str, ...]  # tensors in file (= drift's layout) order
     shapes: tuple[tuple[int, ...], ...]
-    theta_flat: np.ndarray           # float32, the whole of θ: a copy-on-write map of the file
-    velocity_flat: np.ndarray        # the outer Nesterov momentum, same layout
-    manifest: dict                   # everything in manifest.json (meta's keys at the top level)
+    theta_flat: np.ndarray  # float32, the whole of θ: a copy-on-write map of the file
+    velocity_flat: np.ndarray  # the outer Nesterov momentum, same layout
+    manifest: dict  # everything in manifest.json (meta's keys at the top level)
 
     def _named(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         out, i = {}, 0
         for name, shape in zip(self.names, self.shapes):
             n = int(np.prod(shape, dtype=np.int64))
-            out[name] = flat[i:i + n].reshape(shape)
+            out[name] = flat[i : i + n].reshape(shape)
             i += n
         return out
 
@@ -98,7 +98,7 @@ def _fsync(path: Path) -> None:
 def _swap(a: Path, b: Path) -> bool:
     """Exchange two dirs in one atomic step (Linux renameat2, macOS renamex_np); False if unsupported."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if hasattr(libc, "renameat2"):    # renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
+    if hasattr(libc, "renameat2"):  # renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
         rc = libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2)
     elif hasattr(libc, "renamex_np"):  # renamex_np(a, b, RENAME_SWAP)
         rc = libc.renamex_np(os.fsencode(a), os.fsencode(b), 2)
@@ -158,21 +158,27 @@ class CheckpointWriter:
                 os.fsync(f.fileno())
                 f.close()
                 files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-            manifest = {**meta, "format": CHECKPOINT_FORMAT, "round": self.round, "created": time.time(), "files": files}
+            manifest = {
+                **meta,
+                "format": CHECKPOINT_FORMAT,
+                "round": self.round,
+                "created": time.time(),
+                "files": files,
+            }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             _fsync(tmp / "manifest.json")
             _fsync(tmp)
             if not final.exists():
                 tmp.rename(final)
-            elif not _swap(tmp, final):   # same round again, no atomic exchange here: two renames
+            elif not _swap(tmp, final):  # same round again, no atomic exchange here: two renames
                 old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
                 final.rename(old)
                 tmp.rename(final)
                 shutil.rmtree(old, ignore_errors=True)
             _fsync(ckpt_dir)
         finally:
-            self.abort()   # nothing left, or the swapped-out old copy, or a failed write
-        for stale in ckpt_dir.glob(".tmp-*"):        # left behind by a crash mid-save
+            self.abort()  # nothing left, or the swapped-out old copy, or a failed write
+        for stale in ckpt_dir.glob(".tmp-*"):  # left behind by a crash mid-save
             shutil.rmtree(stale, ignore_errors=True)
         for _, old in _rounds(ckpt_dir)[:-keep] if keep > 0 else []:
             if old != final:
@@ -185,8 +191,9 @@ class CheckpointWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def save_checkpoint(ckpt_dir: Path, round: int, theta: dict[str, np.ndarray], velocity: dict[str, np.ndarray],
-                    meta: dict, keep: int = 3) -> Path:
+def save_checkpoint(
+    ckpt_dir: Path, round: int, theta: dict[str, np.ndarray], velocity: dict[str, np.ndarray], meta: dict, keep: int = 3
+) -> Path:
     """Write ckpt_dir/round-NNNNNN atomically, then keep only the newest `keep` checkpoints. The
     tensors go in the dicts' order (drift's layout order: see ParamLayout.unflatten)."""
     if {k: np.shape(v) for k, v in theta.items()} != {k: np.shape(v) for k, v in velocity.items()}:
@@ -230,8 +237,11 @@ def _map_tensors(f: Path) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...],
             end = b
         if end != size or size % 4:
             raise ValueError(f"data of {size} bytes, tensors cover {end}")
-        flat = np.memmap(f, dtype=np.float32, mode="c", offset=8 + n, shape=(size // 4,)) if size \
+        flat = (
+            np.memmap(f, dtype=np.float32, mode="c", offset=8 + n, shape=(size // 4,))
+            if size
             else np.zeros(0, np.float32)
+        )
         return tuple(names), tuple(shapes), flat
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{f}: not a float32 safetensors file ({str(e).splitlines()[0]})") from None

@@ -43,7 +43,7 @@ def _absolute(path: Path | None) -> Path | None:
     return None if path is None else path.expanduser().resolve()
 
 
-def _run(coro) -> int:  # noqa: ANN001
+def _run(coro) -> int:
     try:
         return asyncio.run(coro)
     except USER_ERRORS as e:
@@ -59,8 +59,9 @@ def _run(coro) -> int:  # noqa: ANN001
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
     """drift: train one model across the machines you have, peer to peer."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
 
 
 def _git_head(root: Path) -> str | None:
@@ -70,7 +71,7 @@ def _git_head(root: Path) -> str | None:
         return None
 
 
-def _key(path: Path | None, kind: str, device: str | None = None):  # noqa: ANN202 - auth.NodeKey
+def _key(path: Path | None, kind: str, device: str | None = None):
     """Load (or create on first use) a key file; a bad one ends in one error line."""
     try:
         return load_or_create_key(_absolute(path) or default_key_path(kind, device))
@@ -79,9 +80,12 @@ def _key(path: Path | None, kind: str, device: str | None = None):  # noqa: ANN2
 
 
 @main.command("id")
-@click.option("--key", type=click.Path(path_type=Path), default=None,
-              help="Key file [default: ~/.drift/node.key, or ~/.drift/coord.key with --coord; "
-                   "$DRIFT_HOME replaces ~/.drift].")
+@click.option(
+    "--key",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Key file [default: ~/.drift/node.key, or ~/.drift/coord.key with --coord; $DRIFT_HOME replaces ~/.drift].",
+)
 @click.option("--coord", is_flag=True, help="Print the coordinator's id instead of the node's.")
 @click.option("--device", default=None, help="The id of the node that runs with --device DEVICE (its own key).")
 def id_(key: Path | None, coord: bool, device: str | None) -> None:
@@ -91,21 +95,50 @@ def id_(key: Path | None, coord: bool, device: str | None) -> None:
 
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
-@click.option("--local", "local", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Also start N nodes on this machine (real processes).")
-@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
-              help="Where metrics.jsonl and logs go [default: runs/NAME-TIME].")
-@click.option("--network", type=click.Choice(["local", "lan", "relay"]), default=None,
-              help="local: loopback only; lan: this machine's addresses; relay: iroh relays + "
-                   "hole-punching [default: the recipe's].")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Torch threads per --local node [default: cores / N].")
-@click.option("--key", type=click.Path(path_type=Path), default=None,
-              help="The coordinator's key file [default: ~/.drift/coord.key; with --local: RUN_DIR/keys/coord.key].")
-@click.option("--resume", is_flag=True,
-              help="Continue from the newest checkpoint that verifies (in --run-dir, else the newest runs/NAME-*).")
-def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, threads: int | None,
-          key: Path | None, resume: bool) -> None:
+@click.option(
+    "--local",
+    "local",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Also start N nodes on this machine (real processes).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where metrics.jsonl and logs go [default: runs/NAME-TIME].",
+)
+@click.option(
+    "--network",
+    type=click.Choice(["local", "lan", "relay"]),
+    default=None,
+    help="local: loopback only; lan: this machine's addresses; relay: iroh relays + "
+    "hole-punching [default: the recipe's].",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, help="Torch threads per --local node [default: cores / N]."
+)
+@click.option(
+    "--key",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The coordinator's key file [default: ~/.drift/coord.key; with --local: RUN_DIR/keys/coord.key].",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue from the newest checkpoint that verifies (in --run-dir, else the newest runs/NAME-*).",
+)
+def coord(
+    recipe: Path,
+    local: int,
+    run_dir: Path | None,
+    network: str | None,
+    threads: int | None,
+    key: Path | None,
+    resume: bool,
+) -> None:
     """Coordinate a run: print a join ticket, admit nodes, run the rounds."""
     recipe, run_dir = _absolute(recipe), _absolute(run_dir)
     try:
@@ -127,14 +160,17 @@ def coord(recipe: Path, local: int, run_dir: Path | None, network: str | None, t
     except RepoError as e:
         _fail(f"{recipe}: commit: {e}")
     if commit is None:
-        _fail(f"{recipe}: {root} is not a git repository and the recipe pins no commit: nodes run only "
-              f"committed code (git init && git commit there, or set commit:)")
+        _fail(
+            f"{recipe}: {root} is not a git repository and the recipe pins no commit: nodes run only "
+            f"committed code (git init && git commit there, or set commit:)"
+        )
     sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint)))
 
 
-def _find_checkpoint(name: str, run_dir: Path | None):  # noqa: ANN202
+def _find_checkpoint(name: str, run_dir: Path | None):
     """--resume: the newest checkpoint that verifies, in RUN_DIR or else the newest runs/NAME-* ."""
     from drift.checkpoint import latest_checkpoint
+
     if run_dir is None:
         runs = sorted(Path("runs").resolve().glob(f"{name}-*/checkpoints"), key=lambda p: p.stat().st_mtime)
         if not runs:
@@ -148,14 +184,31 @@ def _find_checkpoint(name: str, run_dir: Path | None):  # noqa: ANN202
     return run_dir, ckpt
 
 
-async def _coord(r, recipe: Path, root: Path, run_dir: Path, mode: str, local: int,  # noqa: ANN001
-                 threads: int | None, coord_key, commit: str, checkpoint=None) -> int:  # noqa: ANN001
+async def _coord(
+    r,
+    recipe: Path,
+    root: Path,
+    run_dir: Path,
+    mode: str,
+    local: int,
+    threads: int | None,
+    coord_key,
+    commit: str,
+    checkpoint=None,
+) -> int:
     monitor = Monitor(run_dir)
     node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
-    coordinator = Coordinator(r, run_dir, mode=mode, commit=commit, monitor=monitor,
-                              key=coord_key.seed if coord_key else None,
-                              tree=tree_of(root, commit) if commit else None,
-                              extra_allowed=tuple(k.node_id for k in node_keys), resume=checkpoint)
+    coordinator = Coordinator(
+        r,
+        run_dir,
+        mode=mode,
+        commit=commit,
+        monitor=monitor,
+        key=coord_key.seed if coord_key else None,
+        tree=tree_of(root, commit) if commit else None,
+        extra_allowed=tuple(k.node_id for k in node_keys),
+        resume=checkpoint,
+    )
     children: list[tuple[subprocess.Popen, Path]] = []
     try:
         ticket = await coordinator.start()
@@ -170,23 +223,49 @@ async def _coord(r, recipe: Path, root: Path, run_dir: Path, mode: str, local: i
             monitor.say(f"note: {root} has uncommitted changes; nodes run commit {commit[:12]} as committed")
         needed = max(r.min_nodes, r.auth_threshold or 0)
         if local and local < needed:
-            monitor.say(f"note: {recipe.name} needs {needed} nodes (min_nodes) and --local starts {local}: "
-                        f"the run waits for {needed - local} more; start each with the join command above "
-                        f"(or use --local {needed})")
+            monitor.say(
+                f"note: {recipe.name} needs {needed} nodes (min_nodes) and --local starts {local}: "
+                f"the run waits for {needed - local} more; start each with the join command above "
+                f"(or use --local {needed})"
+            )
         if local:
             per_node = threads or max(1, (os.cpu_count() or 1) // local)
             for i in range(local):
                 logf = run_dir / f"node-{i}.log"
-                cmd = [sys.executable, "-m", "drift", "join", "--repo", str(root), "--ticket", ticket,
-                       "--name", f"local-{i}", "--threads", str(per_node), "--key", str(node_keys[i].path),
-                       "--cache-dir", str(run_dir / "repos")]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "drift",
+                    "join",
+                    "--repo",
+                    str(root),
+                    "--ticket",
+                    ticket,
+                    "--name",
+                    f"local-{i}",
+                    "--threads",
+                    str(per_node),
+                    "--key",
+                    str(node_keys[i].path),
+                    "--cache-dir",
+                    str(run_dir / "repos"),
+                ]
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
                 with open(logf, "w") as fh:
-                    children.append((subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                                      env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                           "DRIFT_PARENT_PID": str(os.getpid())}), logf))
+                    children.append(
+                        (
+                            subprocess.Popen(
+                                cmd,
+                                stdout=fh,
+                                stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())},
+                            ),
+                            logf,
+                        )
+                    )
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children))
         stop = asyncio.Event()
@@ -225,8 +304,9 @@ async def _coord(r, recipe: Path, root: Path, run_dir: Path, mode: str, local: i
         first = coordinator.initial_val_loss
         first = first if first is not None else results[0].val_loss
         vals = [f"{v:.4f}" if v is not None else "?" for v in (first, results[-1].val_loss)]
-        monitor.say(f"done: {len(results)} rounds, val loss {vals[0]} -> {vals[1]}; "
-                    f"metrics in {run_dir / 'metrics.jsonl'}")
+        monitor.say(
+            f"done: {len(results)} rounds, val loss {vals[0]} -> {vals[1]}; metrics in {run_dir / 'metrics.jsonl'}"
+        )
         return 0
     finally:
         for proc, _ in children:
@@ -256,8 +336,10 @@ async def _watch_children(children: list[tuple[subprocess.Popen, Path]]) -> None
         for proc, logf in children:
             if proc.poll() not in (None, 0):
                 lines = logf.read_text(errors="replace").strip().splitlines()
-                raise CoordinatorError(f"local node exited with code {proc.returncode}: "
-                                       f"{lines[-1] if lines else '(no output)'} (log: {logf})")
+                raise CoordinatorError(
+                    f"local node exited with code {proc.returncode}: "
+                    f"{lines[-1] if lines else '(no output)'} (log: {logf})"
+                )
         await asyncio.sleep(0.5)
 
 
@@ -269,32 +351,63 @@ def _dirty(root: Path) -> bool:
 
 
 @main.command()
-@click.option("--repo", required=True, metavar="URL_OR_PATH",
-              help="The git repo holding the task code (URL or path); drift clones it and runs "
-                   "exactly the commit the coordinator names, from a clean checkout.")
+@click.option(
+    "--repo",
+    required=True,
+    metavar="URL_OR_PATH",
+    help="The git repo holding the task code (URL or path); drift clones it and runs "
+    "exactly the commit the coordinator names, from a clean checkout.",
+)
 @click.option("--ticket", required=True, help="The ticket `drift coord` printed.")
 @click.option("--name", default=None, help="A name for this node in the coordinator's view.")
-@click.option("--backend", default="auto", show_default=True,
-              help="The framework this node trains with: auto, torch, mlx, numpy.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple).")
+@click.option(
+    "--backend", default="auto", show_default=True, help="The framework this node trains with: auto, torch, mlx, numpy."
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple).",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch CPU threads.")
-@click.option("--key", type=click.Path(path_type=Path), default=None,
-              help="This node's key file [default: ~/.drift/node.key, or ~/.drift/node-DEVICE.key with "
-                   "--device]; created on first use.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-              help="Where --repo is cloned and checked out [default: ~/.drift/repos].")
-@click.option("--sim-step", default=None, metavar="SECONDS",
-              help="Simulations only: every inner step takes exactly this long (per round: 0.1 or "
-                   "0.1,0.1,2 to slow down from round 2), so one machine can play very different devices.")
-def join(repo: str, ticket: str, name: str | None, backend: str, device: str, threads: int | None,
-         key: Path | None, cache_dir: Path | None, sim_step: str | None) -> None:
+@click.option(
+    "--key",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="This node's key file [default: ~/.drift/node.key, or ~/.drift/node-DEVICE.key with "
+    "--device]; created on first use.",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where --repo is cloned and checked out [default: ~/.drift/repos].",
+)
+@click.option(
+    "--sim-step",
+    default=None,
+    metavar="SECONDS",
+    help="Simulations only: every inner step takes exactly this long (per round: 0.1 or "
+    "0.1,0.1,2 to slow down from round 2), so one machine can play very different devices.",
+)
+def join(
+    repo: str,
+    ticket: str,
+    name: str | None,
+    backend: str,
+    device: str,
+    threads: int | None,
+    key: Path | None,
+    cache_dir: Path | None,
+    sim_step: str | None,
+) -> None:
     """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
     try:
         parse_ticket(ticket)
     except TransportError as e:
         _fail(str(e))
     from workers import BackendError, choose
+
     try:  # fail before connecting when this machine cannot do what was asked
         choose(backend, device)
     except BackendError as e:
@@ -309,16 +422,26 @@ def join(repo: str, ticket: str, name: str | None, backend: str, device: str, th
         repo = str(Path(repo).expanduser().resolve())
     node_key = _key(key, "node", device)
     try:
-        lock = KeyLock(node_key.path, "give each node on a machine its own --device (each device gets its own "
-                                      "key) or its own --key FILE")
+        lock = KeyLock(
+            node_key.path,
+            "give each node on a machine its own --device (each device gets its own key) or its own --key FILE",
+        )
     except AuthError as e:
         _fail(str(e))
     # The task checkout is the only place task code imports from: not the directory this command
     # happens to run in (python -m puts it first on sys.path).
     sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
-    opts = NodeOptions(ticket=ticket, repo=repo, device=device, backend=backend, threads=threads,
-                       key=node_key, cache_dir=_absolute(cache_dir), sim=sim,
-                       say=lambda line: click.echo(f"drift: {line}", err=True))
+    opts = NodeOptions(
+        ticket=ticket,
+        repo=repo,
+        device=device,
+        backend=backend,
+        threads=threads,
+        key=node_key,
+        cache_dir=_absolute(cache_dir),
+        sim=sim,
+        say=lambda line: click.echo(f"drift: {line}", err=True),
+    )
     if name:
         opts.name = name
     try:
@@ -336,6 +459,7 @@ def status(as_json: bool) -> None:
     from rich.console import Console
 
     from workers.detect import detect, status_renderables
+
     info = detect()
     if as_json:
         click.echo(json.dumps(info.to_dict(), indent=2))
@@ -347,8 +471,9 @@ def status(as_json: bool) -> None:
 
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("-o", "--out", type=click.Path(path_type=Path), default=None,
-              help="Where the PNGs go (default: the first RUN_DIR).")
+@click.option(
+    "-o", "--out", type=click.Path(path_type=Path), default=None, help="Where the PNGs go (default: the first RUN_DIR)."
+)
 def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
     """Plot RUN_DIR/metrics.jsonl: loss.png, nodes.png, bytes.png (several runs overlay)."""
     from drift.report import ReportError, load_run, summary, write_report

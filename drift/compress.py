@@ -44,7 +44,7 @@ class Codec(ABC):
     """Encode float32 chunks to bytes and back. Instances hold scratch space: one per thread."""
 
     name: str = ""
-    id: int = -1                 # the codec byte in the ring's chunk header
+    id: int = -1  # the codec byte in the ring's chunk header
     lossy: bool = True
     error_feedback: bool = False  # the caller should carry encode error into the next round
 
@@ -208,15 +208,15 @@ class Int8Block(Codec):
         n = x.size
         o = self._out(out, n)
         nb = math.ceil(n / self.block)
-        scales = o[:4 * nb].view(_F32)
-        _quantize_blocks(x, self.block, scales, o[4 * nb:].view(_I8), self._scratch(n, 1))
+        scales = o[: 4 * nb].view(_F32)
+        _quantize_blocks(x, self.block, scales, o[4 * nb :].view(_I8), self._scratch(n, 1))
         return o
 
     def decode(self, payload, out: np.ndarray) -> np.ndarray:
         n = out.size
         p = self._payload(payload, n)
         nb = math.ceil(n / self.block)
-        _dequantize_blocks(p[4 * nb:].view(_I8), p[:4 * nb].view(_F32), self.block, out)
+        _dequantize_blocks(p[4 * nb :].view(_I8), p[: 4 * nb].view(_F32), self.block, out)
         return out
 
 
@@ -242,15 +242,15 @@ class TopK(Codec):
         k = self.k(n)
         if k == 0:
             return o
-        idx = o[:4 * k].view(_U32)
+        idx = o[: 4 * k].view(_U32)
         if k < n:
             mag = np.abs(x, out=self._scratch(n, 1))
-            sel = np.argpartition(mag, n - k)[n - k:]
+            sel = np.argpartition(mag, n - k)[n - k :]
             sel.sort()
             idx[:] = sel
         else:
             idx[:] = np.arange(n, dtype=np.uint32)
-        self.values.encode(x[idx], out=o[4 * k:])
+        self.values.encode(x[idx], out=o[4 * k :])
         return o
 
     def _parts(self, payload, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -258,10 +258,10 @@ class TopK(Codec):
         k = self.k(n)
         if k == 0:
             return np.empty(0, np.intp), np.empty(0, np.float32)
-        idx = p[:4 * k].view(_U32)
+        idx = p[: 4 * k].view(_U32)
         if idx[-1] >= n or (k > 1 and not (np.diff(idx.astype(np.int64)) > 0).all()):
             raise CodecError(f"topk payload indices are not strictly increasing below {n}")
-        vals = self.values.decode(p[4 * k:], self._scratch(k, 2))
+        vals = self.values.decode(p[4 * k :], self._scratch(k, 2))
         return idx, vals
 
     def decode(self, payload, out: np.ndarray) -> np.ndarray:
@@ -293,6 +293,6 @@ def make_codec(name: str, *, topk_fraction: float = 0.01, block: int = 256) -> C
 
 def relative_error(approx: np.ndarray, exact: np.ndarray) -> float:
     """||approx - exact|| / ||exact|| in float64 (0 when both are zero)."""
-    d = np.linalg.norm((approx.astype(np.float64) - exact.astype(np.float64)))
+    d = np.linalg.norm(approx.astype(np.float64) - exact.astype(np.float64))
     e = np.linalg.norm(exact.astype(np.float64))
     return float(d / e) if e else float(d)

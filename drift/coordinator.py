@@ -25,17 +25,27 @@ from drift.recipe import Recipe
 from drift.round import Round, RoundError, RoundResult
 from drift.scheduler import Ledger, UnitQueue
 from drift.state import StateError, StateServer, fetch_state
-from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Channel, Endpoint, NetworkMode, TransportError,
-                             TransportTimeout, parse_ticket, peer_of)
+from drift.transport import (
+    CONTROL_ALPN,
+    MAX_CONTROL_FRAME,
+    STATE_ALPN,
+    Channel,
+    Endpoint,
+    NetworkMode,
+    TransportError,
+    TransportTimeout,
+    parse_ticket,
+    peer_of,
+)
 
 log = logging.getLogger("drift.coord")
 
 HANDSHAKE_TIMEOUT = 30.0
-MAX_STRIKES = 2       # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
+MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
-MAX_JOINING = 64      # connections not yet admitted (handshake, loading the task) at once; more are dropped
-MAX_REJECTED = 100    # recent drop reasons kept in Coordinator.rejected (all are logged)
+MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
+MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
 
 
 class CoordinatorError(Exception):
@@ -54,7 +64,7 @@ class Peer:
     info: P.NodeInfo
     ch: Channel
     commit: P.RepoCommit | None = None
-    gone: str = "connection closed"   # why its connection ended (for the log), once it has
+    gone: str = "connection closed"  # why its connection ended (for the log), once it has
 
     @property
     def id(self) -> str:
@@ -69,21 +79,26 @@ class Coordinator:
     commit: str | None = None
     monitor: Monitor | None = None
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    key: bytes | None = None            # Ed25519 seed (auth.NodeKey.seed): the coordinator's node id
-    tree: str | None = None             # tree id of `commit`, when the coordinator's repo has it
+    key: bytes | None = None  # Ed25519 seed (auth.NodeKey.seed): the coordinator's node id
+    tree: str | None = None  # tree id of `commit`, when the coordinator's repo has it
     extra_allowed: tuple[str, ...] = ()  # ids admitted on top of the recipe's allowlist (--local nodes)
-    resume: Checkpoint | None = None     # continue from this checkpoint (nodes fetch its θ from us)
+    resume: Checkpoint | None = None  # continue from this checkpoint (nodes fetch its θ from us)
 
     def __post_init__(self) -> None:
         r = self.recipe
         if r.allowlist is not None and self.extra_allowed:  # nodes check peers against the same list
             r.allowlist = sorted({*r.allowlist, *self.extra_allowed})
         allow = None if r.allowlist is None else frozenset(r.allowlist)
-        self.admission = Admission(commit=self.commit, run_id=self.run_id, allowlist=allow,
-                                   threshold=r.auth_threshold or r.min_nodes, tree=self.tree)
+        self.admission = Admission(
+            commit=self.commit,
+            run_id=self.run_id,
+            allowlist=allow,
+            threshold=r.auth_threshold or r.min_nodes,
+            tree=self.tree,
+        )
         self._auth_abort: str | None = None  # why the whole swarm is cancelled (auth_threshold)
         self.endpoint: Endpoint | None = None
-        self.ready: dict[str, Peer] = {}         # admitted and connected (members, joiners, evaluators)
+        self.ready: dict[str, Peer] = {}  # admitted and connected (members, joiners, evaluators)
         self._handshaking: dict[str, Channel] = {}  # connected, not yet admitted (they load the task)
         self.events: asyncio.Queue[tuple[Peer, P.Message | None]] = asyncio.Queue()
         self._joined = asyncio.Condition()
@@ -92,28 +107,28 @@ class Coordinator:
         self._tasks: set[asyncio.Task] = set()
         self.results: list[RoundResult] = []
         self.initial_val_loss: float | None = None
-        self.members: dict[str, Peer] = {}       # nodes in the run now
-        self.speed: dict[str, float] = {}        # samples/s: calibrated at join, then measured
-        self.last_seen: dict[str, float] = {}    # monotonic time of each node's last message
+        self.members: dict[str, Peer] = {}  # nodes in the run now
+        self.speed: dict[str, float] = {}  # samples/s: calibrated at join, then measured
+        self.last_seen: dict[str, float] = {}  # monotonic time of each node's last message
         self.ledger = Ledger()
-        self.joining: list[Peer] = []           # admitted after the start: enter at the next round
-        self.state_round: dict[str, int] = {}   # the round whose θ each node holds (-1: initial θ)
-        self.checksums: dict[int, str] = {}     # the agreed checksum of θ after each round
-        self.evaluating: set[str] = set()       # evaluators with an evaluation in flight
-        self.ring_epoch = 0                     # +1 per retried all-reduce (ring connections renew)
+        self.joining: list[Peer] = []  # admitted after the start: enter at the next round
+        self.state_round: dict[str, int] = {}  # the round whose θ each node holds (-1: initial θ)
+        self.checksums: dict[int, str] = {}  # the agreed checksum of θ after each round
+        self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
+        self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
         self.state = StateServer(allowed=lambda peer: peer in self.ready)  # a resumed checkpoint's θ, to members
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
-        self.checkpoint_error = ""                # why the last checkpoint could not be fetched
+        self.checkpoint_error = ""  # why the last checkpoint could not be fetched
         # Set by Ctrl-C. Cancelling run() is not enough: a cancel that lands inside an iroh call can
         # come back as an ordinary error (a failed state fetch, say) and the rounds would go on.
         self.stopping = False
         self.samples_seen = 0
-        self.current: Round | None = None        # the round in progress (or the last one)
-        self.live: list[Round] = []              # rounds not settled yet (two with the overlapped sync)
+        self.current: Round | None = None  # the round in progress (or the last one)
+        self.live: list[Round] = []  # rounds not settled yet (two with the overlapped sync)
         self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
-        self.positions: dict[int, dict] = {}      # the data position after each settled round
-        self.samples_at: dict[int, int] = {}      # samples trained after each settled round
+        self.positions: dict[int, dict] = {}  # the data position after each settled round
+        self.samples_at: dict[int, int] = {}  # samples trained after each settled round
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
@@ -129,7 +144,7 @@ class Coordinator:
         self._spawn(self._ping())
         return self.endpoint.ticket()
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001
+    def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -138,9 +153,10 @@ class Coordinator:
         """Serve drift/0 (nodes) and drift-state/0 (θ of a resumed checkpoint) until the endpoint
         closes. A connection that fails, whatever its bytes, ends in one connection_dropped line."""
         assert self.endpoint is not None
-        await self.endpoint.serve({CONTROL_ALPN: self._serve,
-                                   STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped)},
-                                  on_drop=self._dropped)
+        await self.endpoint.serve(
+            {CONTROL_ALPN: self._serve, STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped)},
+            on_drop=self._dropped,
+        )
 
     def _dropped(self, peer: str, why: str) -> None:
         """One line (and one connection_dropped event) per dropped connection; `why` as plain text."""
@@ -151,14 +167,14 @@ class Coordinator:
         if self.monitor:
             self.monitor.event("connection_dropped", peer=peer, reason=why)
 
-    def _drop(self, ch: Channel | None, conn, why: str) -> None:  # noqa: ANN001
+    def _drop(self, ch: Channel | None, conn, why: str) -> None:
         self._dropped(peer_of(conn), why)
         try:
             (ch.close(why) if ch else conn.close(1, why.encode()[:100]))
-        except Exception:  # noqa: BLE001, S110 - already closed
+        except Exception:
             pass
 
-    async def _refuse(self, ch: Channel, conn, why: str, retry: bool = False) -> None:  # noqa: ANN001
+    async def _refuse(self, ch: Channel, conn, why: str, retry: bool = False) -> None:
         """Tell a node why it is refused (TrainingCancel), let it read that, then drop it."""
         try:
             await ch.send_frame(P.encode(P.TrainingCancel(reason=why, retry=retry)), timeout=5.0)
@@ -170,7 +186,7 @@ class Coordinator:
             pass
         self._drop(ch, conn, why)
 
-    async def _auth_failed(self, ch: Channel, conn, node_id: str, why: str, tell: bool = True) -> None:  # noqa: ANN001
+    async def _auth_failed(self, ch: Channel, conn, node_id: str, why: str, tell: bool = True) -> None:
         """A node failed a trust check: refuse it, and cancel the swarm if auth_threshold is now out of reach."""
         self.admission.refuse(node_id, why)
         if self.monitor:
@@ -185,7 +201,7 @@ class Coordinator:
                 self._auth_abort = abort
                 self._joined.notify_all()
 
-    async def _serve(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
+    async def _serve(self, conn) -> None:
         """One node's connection: the handshake, then every frame feeds the round loop. Whatever
         the peer sends ends, at worst, its own connection with one connection_dropped line."""
         ch: Channel | None = None
@@ -203,10 +219,15 @@ class Coordinator:
             if ch.peer_id in self.ready or ch.peer_id in self._handshaking:
                 # One identity, one node. A node that rejoins before we noticed its old connection
                 # died gets retry=True and comes back once that one is gone.
-                await self._refuse(ch, conn, f"a node with this id ({ch.peer_id[:10]}) is already in this swarm; "
-                                   "every node needs its own key: to run several nodes on one machine, start "
-                                   "each with its own --device (cuda:0, cuda:1, ...: each device gets its own "
-                                   "key) or its own --key FILE", retry=True)
+                await self._refuse(
+                    ch,
+                    conn,
+                    f"a node with this id ({ch.peer_id[:10]}) is already in this swarm; "
+                    "every node needs its own key: to run several nodes on one machine, start "
+                    "each with its own --device (cuda:0, cuda:1, ...: each device gets its own "
+                    "key) or its own --key FILE",
+                    retry=True,
+                )
                 return
             self._handshaking[ch.peer_id] = ch
             info = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=HANDSHAKE_TIMEOUT))
@@ -217,12 +238,16 @@ class Coordinator:
             if str(parse_ticket(info.ring_ticket).id()) != ch.peer_id:  # neighbours dial it: it must be this node
                 raise P.ProtocolError("NodeInfo.ring_ticket names another endpoint")
             peer = Peer(info, ch)
-            await ch.send_frame(P.encode(P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"),
-                                                       commit=self.commit)))
+            await ch.send_frame(
+                P.encode(
+                    P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"), commit=self.commit)
+                )
+            )
             rc = await self._next_message(ch, LOAD_TIMEOUT)  # the node loads the task first: it heartbeats
             if isinstance(rc, P.TrainingCancel):  # the node refused the code it was asked to run
-                await self._auth_failed(ch, conn, peer.id, f"node {info.name} ({peer.id[:10]}) refused to run: "
-                                        f"{rc.reason}", tell=False)
+                await self._auth_failed(
+                    ch, conn, peer.id, f"node {info.name} ({peer.id[:10]}) refused to run: {rc.reason}", tell=False
+                )
                 return
             if not isinstance(rc, P.RepoCommit):
                 raise P.ProtocolError(f"expected RepoCommit, got {rc.type}")
@@ -234,8 +259,14 @@ class Coordinator:
             peer.commit = rc
             if self.monitor:
                 self.monitor.nodes[peer.id] = NodeView(info.name, info.device)
-                self.monitor.event("node_joined", node_id=peer.id, name=info.name, device=info.device,
-                                   backend=info.backend, commit=rc.commit)
+                self.monitor.event(
+                    "node_joined",
+                    node_id=peer.id,
+                    name=info.name,
+                    device=info.device,
+                    backend=info.backend,
+                    commit=rc.commit,
+                )
             self.last_seen[peer.id] = time.monotonic()
             async with self._joined:  # last: nothing below can fail once the round loop may count on it
                 self._handshaking.pop(peer.id, None)
@@ -243,7 +274,7 @@ class Coordinator:
                 if self._started:  # a late joiner: it enters at the next round, fetching θ first
                     self.joining.append(peer)
                 self._joined.notify_all()
-        except Exception as e:  # noqa: BLE001 - a peer's bytes end its connection, never the coordinator
+        except Exception as e:
             if not self._finished:  # after the end, a node that read our last word just hangs up
                 log.debug("handshake with %s failed", peer_of(conn)[:10], exc_info=True)
                 self._drop(ch, conn, _why(e))
@@ -260,7 +291,7 @@ class Coordinator:
                 msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
                 self.last_seen[peer.id] = time.monotonic()
                 self.events.put_nowait((peer, msg))
-        except Exception as e:  # noqa: BLE001 - as above: the round loop sees the node leave, nothing more
+        except Exception as e:
             silent = isinstance(e, TransportTimeout)
             peer.gone = f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
             if not self._finished:
@@ -323,8 +354,10 @@ class Coordinator:
             if len(seen) != 1:
                 await self._broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
                 raise CoordinatorError(f"nodes loaded different tasks: {what} differs {sorted(map(str, seen))}")
-        await self._broadcast(peers, P.TrainingReady(nodes=[p.id for p in peers],
-                                                     signatures=self.admission.signatures(p.id for p in peers)))
+        await self._broadcast(
+            peers,
+            P.TrainingReady(nodes=[p.id for p in peers], signatures=self.admission.signatures(p.id for p in peers)),
+        )
         r = self.recipe
         self.checksums[-1] = peers[0].commit.param_checksum
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
@@ -400,8 +433,13 @@ class Coordinator:
                     self.state_round[peer.id] = msg.held
             else:
                 rnd = getattr(msg, "round", None)
-                target = prev if prev is not None and rnd == prev.rnd and \
-                    isinstance(msg, (P.RoundDone, P.RingFailed, P.BarrierSync)) else (cur or prev)
+                target = (
+                    prev
+                    if prev is not None
+                    and rnd == prev.rnd
+                    and isinstance(msg, (P.RoundDone, P.RingFailed, P.BarrierSync))
+                    else (cur or prev)
+                )
                 await target.on_message(peer, msg)
         now = time.monotonic()
         self._check_silence(now, (cur or prev).rnd)
@@ -417,8 +455,9 @@ class Coordinator:
         rd.settled = True
         # The data position of θ after this round: a next round may have taken units already.
         nxt = self.current if self.current is not None and self.current.rnd > rd.rnd else None
-        self.positions[rd.rnd] = self.queue.position() if nxt is None else \
-            UnitQueue.with_pending(nxt.queue_before, rd.given_back)
+        self.positions[rd.rnd] = (
+            self.queue.position() if nxt is None else UnitQueue.with_pending(nxt.queue_before, rd.given_back)
+        )
         r = self.recipe
         if checkpoint and not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
             self._start_checkpoint(rd.rnd)
@@ -465,9 +504,14 @@ class Coordinator:
         if self._saver is not None and not self._saver.done():
             log.warning("the checkpoint of an earlier round is still being written: none for round %d", rnd)
             return
-        meta = {"checksum": self.checksums[rnd], "samples_seen": self.samples_at[rnd], "commit": self.commit,
-                "recipe_hash": recipe_hash(self._model_fields()), "run_id": self.run_id,
-                "queue": self.positions[rnd]}
+        meta = {
+            "checksum": self.checksums[rnd],
+            "samples_seen": self.samples_at[rnd],
+            "commit": self.commit,
+            "recipe_hash": recipe_hash(self._model_fields()),
+            "run_id": self.run_id,
+            "queue": self.positions[rnd],
+        }
         self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta))
 
     async def _wait_checkpoint(self) -> None:
@@ -487,22 +531,27 @@ class Coordinator:
             donors.append(self.endpoint.ticket())  # a resumed checkpoint we serve ourselves
         writers: list[CheckpointWriter] = []
 
-        def sink(layout: ParamLayout):  # noqa: ANN202 - a fresh file set for every donor tried
+        def sink(layout: ParamLayout):
             for w in writers:
                 w.abort()
             writers.append(CheckpointWriter(self.run_dir / "checkpoints", rnd, layout.names, layout.shapes))
             meta["buffers"] = layout.n_buffers
             return writers[-1].write
+
         try:
             if not donors:
                 raise StateError("no connected node holds it")
-            await fetch_state(self.endpoint, donors, rnd, self.checksums[rnd], sink, size=self.n_params,
-                              timeout=timeout)
+            await fetch_state(
+                self.endpoint, donors, rnd, self.checksums[rnd], sink, size=self.n_params, timeout=timeout
+            )
             writer = writers[-1]
             # Shielded: a cancelled run (Ctrl-C) cannot stop the thread, so the commit stays
             # awaitable and interrupt() waits for it instead of racing a second writer.
-            path = await asyncio.shield(asyncio.get_running_loop().run_in_executor(
-                None, lambda: writer.commit(meta, keep=self.recipe.keep_checkpoints)))
+            path = await asyncio.shield(
+                asyncio.get_running_loop().run_in_executor(
+                    None, lambda: writer.commit(meta, keep=self.recipe.keep_checkpoints)
+                )
+            )
         except (StateError, OSError, ValueError) as e:
             for w in writers:
                 w.abort()
@@ -537,8 +586,10 @@ class Coordinator:
         if self.last_checkpoint is None:
             return f"{why}, and no checkpoint was written before"
         lost = newest - self.last_checkpoint
-        return (f"{why}; --resume continues from round {self.last_checkpoint} ({self.last_checkpoint_path}), "
-                f"{lost} round(s) earlier")
+        return (
+            f"{why}; --resume continues from round {self.last_checkpoint} ({self.last_checkpoint_path}), "
+            f"{lost} round(s) earlier"
+        )
 
     async def _finish_reduce(self) -> None:
         """Ctrl-C during an all-reduce: the nodes may already hold the next θ (and serve only
@@ -567,8 +618,11 @@ class Coordinator:
         it too (a node that joins as the run ends learns that it ended)."""
         self._finished = True
         loading = list(self._handshaking.values())
-        await asyncio.gather(*(self._send(p, msg) for p in peers),
-                             *(ch.send_frame(P.encode(msg), timeout=5.0) for ch in loading), return_exceptions=True)
+        await asyncio.gather(
+            *(self._send(p, msg) for p in peers),
+            *(ch.send_frame(P.encode(msg), timeout=5.0) for ch in loading),
+            return_exceptions=True,
+        )
         left: set[str] = set()
         deadline = time.monotonic() + timeout
         while len(left) < len(peers) and time.monotonic() < deadline:
@@ -627,8 +681,11 @@ class Coordinator:
         async with self._joined:
             joining, self.joining = self.joining, []
         for p in joining:
-            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params) != \
-                    (self.checksums[-1], self.n_train, self.n_params):
+            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params) != (
+                self.checksums[-1],
+                self.n_train,
+                self.n_params,
+            ):
                 why = "this node loaded a different task (initial θ or dataset differs)"
                 await self._send(p, P.TrainingCancel(reason=why))
                 self._note("node_refused", node_id=p.id, reason=why)
@@ -639,20 +696,22 @@ class Coordinator:
             # Everyone learns the new membership, with every member's signed RepoCommit: the nodes
             # already training check the newcomers themselves before any ring or state connection.
             ids = list(self.members)
-            await self._broadcast(list(self.members.values()),
-                                  P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids)))
+            await self._broadcast(
+                list(self.members.values()), P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids))
+            )
 
     def _state_source(self, node: str, force: bool = False) -> P.StateSource | None:
         """Where `node` gets the swarm's newest agreed θ, or None when it already holds it."""
         last = max(self.checksums)
         if self.state_round.get(node) == last and not force:
             return None
-        donors = sorted((i for i in self.members if self.state_round.get(i) == last and i != node),
-                        key=lambda i: -self.speed[i])
+        donors = sorted(
+            (i for i in self.members if self.state_round.get(i) == last and i != node), key=lambda i: -self.speed[i]
+        )
         tickets = [self.members[i].info.ring_ticket for i in donors]
         if self.state.current is not None and self.state.current.round == last:
             tickets.append(self.endpoint.ticket())  # a resumed checkpoint, served by us
-        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[:P.MAX_NODES])
+        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[: P.MAX_NODES])
 
     # --- one round -----------------------------------------------------------------------------
 
@@ -662,8 +721,12 @@ class Coordinator:
             return float(sps)
         trusted = [v for k, v in self.speed.items() if k != peer.id]
         fallback = min(trusted) if trusted else 1.0
-        log.warning("node %s reported an absurd speed (%r); planning with %.3g samples/s until measured",
-                    peer.info.name, sps, fallback)
+        log.warning(
+            "node %s reported an absurd speed (%r); planning with %.3g samples/s until measured",
+            peer.info.name,
+            sps,
+            fallback,
+        )
         self._note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
         return fallback
 
@@ -695,7 +758,7 @@ class Coordinator:
         self.strikes[i] = self.strikes.get(i, 0) + 1
         return self.strikes[i] >= MAX_STRIKES
 
-    def _note(self, kind: str, **fields) -> None:  # noqa: ANN003
+    def _note(self, kind: str, **fields) -> None:
         if self.monitor:
             self.monitor.event(kind, **fields)
 
@@ -714,16 +777,20 @@ class Coordinator:
                 break
             trainers = sum(v for k, v in speeds.items() if k not in evaluators)
             round_s = budget / trainers
-            if speeds[i] < r.slow_node_fraction * speeds[fastest] and \
-                    r.batch_size / speeds[i] > r.slow_node_fraction * round_s:
+            if (
+                speeds[i] < r.slow_node_fraction * speeds[fastest]
+                and r.batch_size / speeds[i] > r.slow_node_fraction * round_s
+            ):
                 evaluators.add(i)
         return evaluators
 
     async def _assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None:
         """Send an evaluator its next job: the val loss of the newest agreed θ."""
         self.evaluating.add(peer.id)
-        await self._send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate",
-                                                 state=self._state_source(peer.id)))
+        await self._send(
+            peer,
+            P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self._state_source(peer.id)),
+        )
 
     async def _send(self, peer: Peer, msg: P._Msg) -> None:
         try:

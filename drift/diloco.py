@@ -50,11 +50,11 @@ class ParamLayout:
     @property
     def params_size(self) -> int:
         """Values that are parameters: θ[:params_size]; the rest are buffers."""
-        return sum(int(np.prod(s)) for s in self.shapes[:len(self.shapes) - self.n_buffers])
+        return sum(int(np.prod(s)) for s in self.shapes[: len(self.shapes) - self.n_buffers])
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
-        return self.names[len(self.names) - self.n_buffers:]
+        return self.names[len(self.names) - self.n_buffers :]
 
     def slices(self) -> Iterable[tuple[str, slice, tuple[int, ...]]]:
         """(name, where in the flat vector, shape) for every tensor, in order."""
@@ -94,8 +94,9 @@ class NesterovOuter:
     Only θ[:params]: the buffers that follow are plain averages (θ_buf -= avg Δ_buf).
     """
 
-    def __init__(self, size: int, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 params: int | None = None):
+    def __init__(
+        self, size: int, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True, params: int | None = None
+    ):
         self.lr = np.float32(lr)
         self.momentum = np.float32(momentum)
         self.nesterov = nesterov
@@ -111,12 +112,12 @@ class NesterovOuter:
             vc *= mu
             vc += gc
             if self.nesterov:
-                gc += mu * vc            # g + mu*v, as torch's SGD(nesterov=True)
+                gc += mu * vc  # g + mu*v, as torch's SGD(nesterov=True)
             else:
                 gc[...] = vc
             gc *= self.lr
             theta[a:b] -= gc
-        theta[self.params:] -= grad[self.params:]  # buffers: the weighted average of the nodes'
+        theta[self.params :] -= grad[self.params :]  # buffers: the weighted average of the nodes'
 
 
 class SyncRule:
@@ -163,7 +164,7 @@ class OverlappedDiLoCo(SyncRule):
         """snapshot <- θ_global - snapshot: what to add to the local copy, which was `snapshot`
         at the barrier (θ_local + θ_global_new - θ_local_at_barrier)."""
         for a in range(0, snapshot.size, CHUNK):
-            np.subtract(theta_global[a:a + CHUNK], snapshot[a:a + CHUNK], out=snapshot[a:a + CHUNK])
+            np.subtract(theta_global[a : a + CHUNK], snapshot[a : a + CHUNK], out=snapshot[a : a + CHUNK])
 
 
 RULES: dict[str, type[SyncRule]] = {"blocking": SyncRule, "overlapped": OverlappedDiLoCo}
@@ -201,8 +202,9 @@ class DeltaCheck:
 
     def problem(self, delta: np.ndarray, steps: int) -> str | None:
         """None if Δ is fine (and then it joins the history), else what is wrong with it."""
-        norm = float(np.sqrt(sum(float(np.dot(delta[a:a + CHUNK], delta[a:a + CHUNK]))
-                                 for a in range(0, delta.size, CHUNK))))
+        norm = float(
+            np.sqrt(sum(float(np.dot(delta[a : a + CHUNK], delta[a : a + CHUNK])) for a in range(0, delta.size, CHUNK)))
+        )
         if not np.isfinite(norm):
             return "its pseudo-gradient has NaN or Inf values"
         per_step = norm / max(steps, 1)
@@ -210,7 +212,7 @@ class DeltaCheck:
             typical = float(np.median(self.recent))
             if typical > 0 and per_step > self.factor * typical:
                 return f"its pseudo-gradient is {per_step / typical:.0f}x larger per step than its recent ones"
-        self.recent = (self.recent + [per_step])[-self.history:]
+        self.recent = ([*self.recent, per_step])[-self.history :]
         return None
 
 
@@ -219,7 +221,7 @@ def epoch_order(n_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n_samples)
 
 
-def unit_indices(order: np.ndarray, unit, unit_samples: int) -> np.ndarray:  # noqa: ANN001 - a WorkUnit
+def unit_indices(order: np.ndarray, unit, unit_samples: int) -> np.ndarray:
     """The samples [unit.lo, unit.hi) of work unit `unit.id` (units tile the epoch's order)."""
     base = unit.id * unit_samples
-    return order[base + unit.lo:base + min(unit.hi, unit_samples)]
+    return order[base + unit.lo : base + min(unit.hi, unit_samples)]

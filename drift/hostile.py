@@ -72,9 +72,7 @@ async def _raw(ch: Channel, data: bytes) -> None:
 def _frames(*frames: bytes) -> Attack:
     """An attack that sends these frames (stopping early once the server has hung up)."""
 
-    async def attack(
-        ep: Endpoint, ticket: str, alpn: bytes, patience: float
-    ) -> tuple[int, bool]:
+    async def attack(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
         ch = await ep.connect(ticket, alpn)
         sent = 0
         try:
@@ -89,9 +87,7 @@ def _frames(*frames: bytes) -> Attack:
 
 
 def _bytes(data: bytes, finish: bool = False) -> Attack:
-    async def attack(
-        ep: Endpoint, ticket: str, alpn: bytes, patience: float
-    ) -> tuple[int, bool]:
+    async def attack(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
         ch = await ep.connect(ticket, alpn)
         try:
             await _raw(ch, data)
@@ -104,19 +100,13 @@ def _bytes(data: bytes, finish: bool = False) -> Attack:
     return attack
 
 
-async def _idle(
-    ep: Endpoint, ticket: str, alpn: bytes, patience: float
-) -> tuple[int, bool]:
+async def _idle(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
     """A connection that never opens a stream: held until the server gives up on it, or we do."""
-    ch = await ep.connect(
-        ticket, alpn
-    )  # opening a stream sends nothing until data flows
+    ch = await ep.connect(ticket, alpn)  # opening a stream sends nothing until data flows
     return 0, await _closed(ch, patience)
 
 
-async def _hangup(
-    ep: Endpoint, ticket: str, alpn: bytes, patience: float
-) -> tuple[int, bool]:
+async def _hangup(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
     ch = await ep.connect(ticket, alpn)
     ch.close("bye")
     return 0, True
@@ -137,9 +127,7 @@ def junk_attacks() -> dict[str, Attack]:
         "deep JSON": _frames(DEEP_JSON),
         "invalid UTF-8": _frames(b'{"v":1,"type":"\xff\xfe\xfd"}', b"\xc3\x28"),
         "lone surrogate": _frames(b'{"v":1,"type":"NodeInfo","name":"\\ud800"}'),
-        "NaN and Infinity": _frames(
-            b'{"v":1,"type":"Heartbeat","round":NaN}', b'{"round":Infinity}'
-        ),
+        "NaN and Infinity": _frames(b'{"v":1,"type":"Heartbeat","round":NaN}', b'{"round":Infinity}'),
         "JSON that is not an object": _frames(b"[1,2,3]", b'"string"', b"null"),
         "idle connection": _idle,
         "hang up at once": _hangup,
@@ -164,23 +152,17 @@ def _after_hello(*frames: bytes, name: str = "hostile") -> Attack:
     """A valid NodeInfo (this endpoint's own id and ticket), the TrainConfig read, then `frames`;
     then it reads what the server answers (a refusal it must let us read, or the close)."""
 
-    async def attack(
-        ep: Endpoint, ticket: str, alpn: bytes, patience: float
-    ) -> tuple[int, bool]:
+    async def attack(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
         ch = await ep.connect(ticket, alpn)
         sent, answered = 0, False
         try:
             await ch.send_frame(_node_info(ep, name=name))
             sent += 1
-            await ch.recv_frame(
-                MAX_CONTROL_FRAME, timeout=patience
-            )  # TrainConfig (or a refusal)
+            await ch.recv_frame(MAX_CONTROL_FRAME, timeout=patience)  # TrainConfig (or a refusal)
             for f in frames:
                 await ch.send_frame(f)
                 sent += 1
-            await ch.recv_frame(
-                MAX_CONTROL_FRAME, timeout=patience
-            )  # TrainingCancel, say
+            await ch.recv_frame(MAX_CONTROL_FRAME, timeout=patience)  # TrainingCancel, say
             answered = True
         except TransportError:
             pass
@@ -190,9 +172,7 @@ def _after_hello(*frames: bytes, name: str = "hostile") -> Attack:
 
 
 def _with_node_info(**over: object) -> Attack:
-    async def attack(
-        ep: Endpoint, ticket: str, alpn: bytes, patience: float
-    ) -> tuple[int, bool]:
+    async def attack(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
         return await _frames(_node_info(ep, **over))(ep, ticket, alpn, patience)
 
     return attack
@@ -228,23 +208,15 @@ def control_attacks(other: Endpoint) -> dict[str, Attack]:
     )
     return {
         **junk_attacks(),
-        "wrong message first": _frames(
-            P.encode(P.Ping()), P.encode(P.TrainComplete(rounds=1))
-        ),
+        "wrong message first": _frames(P.encode(P.Ping()), P.encode(P.TrainComplete(rounds=1))),
         "NodeInfo for another id": _frames(_node_info(other)),
-        "NodeInfo with another's ring ticket": _with_node_info(
-            ring_ticket=other.ticket()
-        ),
+        "NodeInfo with another's ring ticket": _with_node_info(ring_ticket=other.ticket()),
         "NodeInfo out of range": _with_node_info(samples_per_s=-1.0),
         "NodeInfo of the wrong types": _with_node_info(name=7, node_id=None),
         "NodeInfo with a huge ticket": _with_node_info(ring_ticket="e" * 100_000),
-        "marked-up name, then WorkUnit lo > hi": _after_hello(
-            bad_unit, name=MARKUP_NAME
-        ),
+        "marked-up name, then WorkUnit lo > hi": _after_hello(bad_unit, name=MARKUP_NAME),
         "RepoCommit signed by nobody": _after_hello(unsigned),
-        "frames after the handshake": _after_hello(
-            P.encode(P.Ping()), DEEP_JSON, b"\xff" * 10
-        ),
+        "frames after the handshake": _after_hello(P.encode(P.Ping()), DEEP_JSON, b"\xff" * 10),
     }
 
 
@@ -281,16 +253,12 @@ def ring_attacks() -> dict[str, Attack]:
     }
 
 
-async def stranger(
-    ep: Endpoint, ticket: str, alpn: bytes, patience: float
-) -> tuple[int, bool]:
+async def stranger(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
     """A well-formed ring hello from an endpoint no ring names: it waits for a while to be named."""
     return await _frames(b'{"generation": 0}')(ep, ticket, alpn, patience)
 
 
-async def wrong_alpn(
-    ep: Endpoint, ticket: str, alpn: bytes, patience: float
-) -> tuple[int, bool]:
+async def wrong_alpn(ep: Endpoint, ticket: str, alpn: bytes, patience: float) -> tuple[int, bool]:
     """A connection on an ALPN the server does not serve: the QUIC handshake must fail fast."""
     try:
         ch = await ep.connect(ticket, alpn, timeout=patience)
@@ -317,9 +285,7 @@ async def barrage(
     async def one(i: int, attack: Attack) -> None:
         async with sem:
             try:
-                frames, closed = await attack(
-                    clients[i % len(clients)], ticket, alpn, patience
-                )
+                frames, closed = await attack(clients[i % len(clients)], ticket, alpn, patience)
             except TransportError:  # the server hung up before the attack could start
                 frames, closed = 0, True
             tally.connections += 1

@@ -43,16 +43,24 @@ class RoundReport:
     losses: list[float] = field(default_factory=list)
     trained: list[P.WorkUnit] = field(default_factory=list)
     returned: list[P.WorkUnit] = field(default_factory=list)
-    val_loss: float | None = None     # report_val in round 0: the loss of the initial θ
+    val_loss: float | None = None  # report_val in round 0: the loss of the initial θ
     val_samples: int = 0
-    busy_s: float = 0.0               # seconds spent in inner steps
-    lr: float = 0.0                   # the inner learning rate of the round
+    busy_s: float = 0.0  # seconds spent in inner steps
+    lr: float = 0.0  # the inner learning rate of the round
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
-        return P.BarrierSync(round=rnd, samples=self.samples, steps=self.steps, loss=mean_loss(self.losses),
-                             busy_s=self.busy_s, lr=self.lr,
-                             trained=self.trained, returned=self.returned,
-                             val_loss=self.val_loss, val_samples=self.val_samples)
+        return P.BarrierSync(
+            round=rnd,
+            samples=self.samples,
+            steps=self.steps,
+            loss=mean_loss(self.losses),
+            busy_s=self.busy_s,
+            lr=self.lr,
+            trained=self.trained,
+            returned=self.returned,
+            val_loss=self.val_loss,
+            val_samples=self.val_samples,
+        )
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,9 @@ class SimDevice:
     The times are absolute, so a simulated swarm means the same on any machine that computes a
     real step faster than S; a real step longer than S is not cut (logged once)."""
 
-    steps: tuple[float, ...] = ()   # empty: a real device
+    steps: tuple[float, ...] = ()  # empty: a real device
 
-    EVAL_SHARE = 1 / 3              # an evaluation batch costs this share of a training step
+    EVAL_SHARE = 1 / 3  # an evaluation batch costs this share of a training step
 
     @classmethod
     def parse(cls, spec: str | None) -> SimDevice:
@@ -88,9 +96,16 @@ class SimDevice:
 class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
-    def __init__(self, worker, recipe, inbox: asyncio.Queue, send: Callable[[P._Msg], Awaitable[None]],  # noqa: ANN001
-                 sim: SimDevice = SimDevice(), lock: asyncio.Lock | None = None,
-                 defer: Callable[[P.Message], None] = lambda msg: None):
+    def __init__(
+        self,
+        worker,
+        recipe,
+        inbox: asyncio.Queue,
+        send: Callable[[P._Msg], Awaitable[None]],
+        sim: SimDevice = SimDevice(),
+        lock: asyncio.Lock | None = None,
+        defer: Callable[[P.Message], None] = lambda msg: None,
+    ):
         """`defer`: where messages that are not this loop's go (the round loop reads them next)."""
         self.worker = worker
         self.defer = defer
@@ -104,10 +119,10 @@ class InnerLoop:
         self._orders: dict[int, np.ndarray] = {}
         self._round = 0
         self._warned_slow = False
-        self.step_s = 0.0          # EMA of one inner step (what the swarm sees)
-        self.rtt_s = 0.05          # EMA of AskForMoreWork -> reply
+        self.step_s = 0.0  # EMA of one inner step (what the swarm sees)
+        self.rtt_s = 0.05  # EMA of AskForMoreWork -> reply
 
-    async def _run(self, fn, *args, sim_s: float | None = None):  # noqa: ANN001, ANN202
+    async def _run(self, fn, *args, sim_s: float | None = None):
         """Run one worker call off the event loop (so heartbeats and messages keep flowing), with
         the worker's lock; a simulated device then stays busy until `sim_s` seconds have passed."""
         async with self.lock:
@@ -117,8 +132,12 @@ class InnerLoop:
                 took = time.perf_counter() - t0
                 if took > sim_s and not self._warned_slow:
                     self._warned_slow = True
-                    log.warning("simulated step of %.3fs, but the real one took %.3fs: this machine is too "
-                                "slow to simulate that device", sim_s, took)
+                    log.warning(
+                        "simulated step of %.3fs, but the real one took %.3fs: this machine is too "
+                        "slow to simulate that device",
+                        sim_s,
+                        took,
+                    )
                 await asyncio.sleep(max(0.0, sim_s - took))
         return out
 
@@ -133,8 +152,12 @@ class InnerLoop:
         batches = max(1, -(-n // r.batch_size))
         step = self.sim.step_s(self._round if rnd is None else rnd)
         t0 = time.perf_counter()
-        val = await self._run(self.worker.evaluate, r.eval_batches, r.batch_size,
-                              sim_s=None if step is None else batches * step * SimDevice.EVAL_SHARE)
+        val = await self._run(
+            self.worker.evaluate,
+            r.eval_batches,
+            r.batch_size,
+            sim_s=None if step is None else batches * step * SimDevice.EVAL_SHARE,
+        )
         return val, (time.perf_counter() - t0) / batches
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -184,8 +207,14 @@ class InnerLoop:
         if a.report_val and a.round == 0:  # the loss before any training, for the record
             report.val_loss, _ = await self.evaluate()
             report.val_samples = min(self.worker.n_val, self.recipe.eval_batches * self.recipe.batch_size)
-        state = {"round": a.round, "granted": deque(a.units), "asked": False, "asked_at": 0.0,
-                 "no_more": False, "stop": False}
+        state = {
+            "round": a.round,
+            "granted": deque(a.units),
+            "asked": False,
+            "asked_at": 0.0,
+            "no_more": False,
+            "stop": False,
+        }
         bs = self.recipe.batch_size
         while True:
             self._poll(state)
@@ -199,19 +228,24 @@ class InnerLoop:
             unit = state["granted"].popleft()
             size = min(self.recipe.unit_samples, self.worker.n_train - unit.id * self.recipe.unit_samples)
             if not unit.hi <= size:  # a coordinator that names samples the dataset does not have
-                raise StopTraining(f"the coordinator granted samples {unit.lo}..{unit.hi} of unit {unit.id}, "
-                                   f"which the dataset ({self.worker.n_train} samples) does not have")
+                raise StopTraining(
+                    f"the coordinator granted samples {unit.lo}..{unit.hi} of unit {unit.id}, "
+                    f"which the dataset ({self.worker.n_train} samples) does not have"
+                )
             idx = unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
             t0, lo, u_losses = time.perf_counter(), unit.lo, []
             while lo < unit.hi:
                 # Ask ahead: the steps still in hand should cover a round trip to the coordinator.
                 left = (unit.hi - lo) // bs + sum((u.hi - u.lo) // bs for u in state["granted"])
-                if not state["asked"] and not state["no_more"] and \
-                        left * self.step_s <= max(self.rtt_s * 2, self.step_s):
+                if (
+                    not state["asked"]
+                    and not state["no_more"]
+                    and left * self.step_s <= max(self.rtt_s * 2, self.step_s)
+                ):
                     await self._ask(state)
                 t_step = time.perf_counter()
                 hi = min(lo + bs, unit.hi)
-                u_losses.append(await self.train_step(idx[lo - unit.lo:hi - unit.lo]))
+                u_losses.append(await self.train_step(idx[lo - unit.lo : hi - unit.lo]))
                 dt = time.perf_counter() - t_step
                 report.busy_s += dt
                 self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
@@ -225,9 +259,15 @@ class InnerLoop:
                 report.samples += lo - unit.lo
                 report.steps += len(u_losses)
                 report.losses += u_losses
-                await self.send(P.TrainProgress(round=a.round, unit=done, steps=len(u_losses),
-                                                loss=mean_loss(u_losses),
-                                                samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0)))
+                await self.send(
+                    P.TrainProgress(
+                        round=a.round,
+                        unit=done,
+                        steps=len(u_losses),
+                        loss=mean_loss(u_losses),
+                        samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0),
+                    )
+                )
             if lo < unit.hi:
                 report.returned.append(unit.model_copy(update={"lo": lo}))
         # A grant may still be on its way: wait for it, then hand back every untrained unit once.
@@ -254,8 +294,8 @@ def finite_positive(x: float | None) -> bool:
 
 @dataclass(frozen=True)
 class Calibration:
-    samples_per_s: float   # what the swarm plans with (a simulated device's, when simulated)
-    eval_ratio: float      # one training step over one evaluation batch, in seconds
+    samples_per_s: float  # what the swarm plans with (a simulated device's, when simulated)
+    eval_ratio: float  # one training step over one evaluation batch, in seconds
 
 
 async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:

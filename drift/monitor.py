@@ -73,9 +73,14 @@ class Monitor:
         for col in ("node", "device", "samples/s", "loss", "samples", "MiB sent"):
             t.add_column(col, justify="right" if col not in ("node", "device") else "left")
         for n in self.nodes.values():
-            t.add_row(Text(printable(n.name, MAX_NAME)), Text(printable(n.device, MAX_NAME)), f"{n.samples_per_s:.0f}",
-                      f"{n.loss:.3f}" if n.loss is not None else "-", str(n.samples),
-                      f"{n.bytes_sent / 2**20:.1f}")
+            t.add_row(
+                Text(printable(n.name, MAX_NAME)),
+                Text(printable(n.device, MAX_NAME)),
+                f"{n.samples_per_s:.0f}",
+                f"{n.loss:.3f}" if n.loss is not None else "-",
+                str(n.samples),
+                f"{n.bytes_sent / 2**20:.1f}",
+            )
         return t
 
     def close(self) -> None:
@@ -90,7 +95,7 @@ class Board:
     """TensorBoard scalars from the run's events (`tensorboard --logdir RUN_DIR`): per round the
     losses, throughput, sync time and bytes, per node its utilization; evaluators' val losses."""
 
-    def __init__(self, writer, event_cls, summary_cls) -> None:  # noqa: ANN001
+    def __init__(self, writer, event_cls, summary_cls) -> None:
         self._w, self._event, self._summary = writer, event_cls, summary_cls
 
     @classmethod
@@ -113,13 +118,26 @@ class Board:
         kind = rec["event"]
         if kind == "round":
             step = rec["round"]
-            self.scalars(step, {"loss/val": rec.get("val_loss"), "loss/train": rec.get("train_loss"),
-                                "round/seconds": rec.get("seconds"), "round/samples": rec.get("samples"),
-                                "round/samples_per_s": rec["samples"] / rec["seconds"] if rec.get("seconds") else None,
-                                "sync/reduce_s": rec.get("reduce_s"),
-                                "sync/MiB_sent": rec.get("bytes_sent", 0) / 2**20})
-            self.scalars(step, {f"utilization/{printable(name, MAX_NAME)}": n["step_s"] / rec["seconds"]
-                                for name, n in rec.get("nodes", {}).items() if rec.get("seconds") and "step_s" in n})
+            self.scalars(
+                step,
+                {
+                    "loss/val": rec.get("val_loss"),
+                    "loss/train": rec.get("train_loss"),
+                    "round/seconds": rec.get("seconds"),
+                    "round/samples": rec.get("samples"),
+                    "round/samples_per_s": rec["samples"] / rec["seconds"] if rec.get("seconds") else None,
+                    "sync/reduce_s": rec.get("reduce_s"),
+                    "sync/MiB_sent": rec.get("bytes_sent", 0) / 2**20,
+                },
+            )
+            self.scalars(
+                step,
+                {
+                    f"utilization/{printable(name, MAX_NAME)}": n["step_s"] / rec["seconds"]
+                    for name, n in rec.get("nodes", {}).items()
+                    if rec.get("seconds") and "step_s" in n
+                },
+            )
             self._w.flush()
         elif kind == "initial":
             self.scalars(-1, {"loss/val": rec["val_loss"]})
@@ -135,11 +153,15 @@ def _line(rec: dict[str, Any]) -> str:
     if kind == "round":
         vl = f"{rec['val_loss']:.4f}" if rec.get("val_loss") is not None else "-"
         tl = f"{rec['train_loss']:.4f}" if rec.get("train_loss") is not None else "-"
-        return (f"round {rec['round']:>3}  train {tl}  val {vl}  samples {rec['samples']}  "
-                f"{rec['seconds']:.1f}s  sync {rec['reduce_s']:.2f}s  {rec['bytes_sent'] / 2**20:.1f} MiB sent")
+        return (
+            f"round {rec['round']:>3}  train {tl}  val {vl}  samples {rec['samples']}  "
+            f"{rec['seconds']:.1f}s  sync {rec['reduce_s']:.2f}s  {rec['bytes_sent'] / 2**20:.1f} MiB sent"
+        )
     if kind == "initial":
         return f"initial val loss {rec['val_loss']:.4f}"
     if kind == "node_joined":
-        return (f"node joined: {printable(rec['name'], MAX_NAME)} ({printable(rec['device'], MAX_NAME)}) "
-                f"{printable(str(rec['node_id'])[:10])}")
+        return (
+            f"node joined: {printable(rec['name'], MAX_NAME)} ({printable(rec['device'], MAX_NAME)}) "
+            f"{printable(str(rec['node_id'])[:10])}"
+        )
     return " ".join(f"{k}={printable(v)}" for k, v in rec.items() if k != "t")

@@ -42,13 +42,23 @@ from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
 from drift.ring import Ring, RingError
 from drift.state import StateError, StateServer, fetch_state, into_arrays
-from drift.transport import (CONTROL_ALPN, MAX_CONTROL_FRAME, RING_ALPN, STATE_ALPN, Channel, Endpoint, TransportError,
-                             TransportTimeout, mode_for_ticket, parse_ticket)
+from drift.transport import (
+    CONTROL_ALPN,
+    MAX_CONTROL_FRAME,
+    RING_ALPN,
+    STATE_ALPN,
+    Channel,
+    Endpoint,
+    TransportError,
+    TransportTimeout,
+    mode_for_ticket,
+    parse_ticket,
+)
 from workers import BackendError, TaskError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
 
-HANDSHAKE_TIMEOUT = 60.0   # TrainConfig after NodeInfo; the coordinator's silence before a recipe names one
+HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silence before a recipe names one
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
 SYNC_MESSAGES = (P.BarrierReady, P.Agreed)  # handled by the sync of a round, not by the round loop
@@ -65,12 +75,12 @@ class Lost(Exception):
 @dataclass
 class NodeOptions:
     ticket: str
-    repo: str | Path                  # URL or path of the git repo the task code comes from
-    key: NodeKey | None = None        # this node's identity; None: a throwaway key (tests)
-    cache_dir: Path | None = None     # where --repo is cloned [default: ~/.drift/repos]
+    repo: str | Path  # URL or path of the git repo the task code comes from
+    key: NodeKey | None = None  # this node's identity; None: a throwaway key (tests)
+    cache_dir: Path | None = None  # where --repo is cloned [default: ~/.drift/repos]
     name: str = field(default_factory=socket.gethostname)
     device: str = "auto"
-    backend: str = "auto"             # torch, mlx, numpy (auto: the best one here)
+    backend: str = "auto"  # torch, mlx, numpy (auto: the best one here)
     threads: int | None = None
     sim: SimDevice = field(default_factory=SimDevice)  # simulations only
     say: Callable[[str], None] = print  # one line for the operator (run complete, rejoining, ...)
@@ -84,8 +94,8 @@ class Pending:
 
     round: int
     report_val: bool = False
-    applied: bool = False             # our own all-reduce succeeded: θ_global is (provisionally) the round's
-    superseded: bool = False          # ... but the coordinator redid it without us: wait for Agreed
+    applied: bool = False  # our own all-reduce succeeded: θ_global is (provisionally) the round's
+    superseded: bool = False  # ... but the coordinator redid it without us: wait for Agreed
     settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -100,12 +110,12 @@ class Trainer:
     tree: str | None
     layout: ParamLayout
     rule: SyncRule
-    theta: np.ndarray                 # θ_global: parameters, then buffers (flat float32)
-    delta: np.ndarray                 # the all-reduce buffer: Δ, then the reduced sum
-    snap: np.ndarray | None           # overlapped: the local copy at the barrier (then: what to add)
+    theta: np.ndarray  # θ_global: parameters, then buffers (flat float32)
+    delta: np.ndarray  # the all-reduce buffer: Δ, then the reduced sum
+    snap: np.ndarray | None  # overlapped: the local copy at the barrier (then: what to add)
     calibration: Calibration
-    initial_checksum: str             # of θ0: the coordinator checks every node built the same model
-    held: int = -1                    # the round whose state θ_global is
+    initial_checksum: str  # of θ0: the coordinator checks every node built the same model
+    held: int = -1  # the round whose state θ_global is
     held_checksum: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the worker's model, between inner steps
     inner: InnerLoop | None = None
@@ -147,10 +157,10 @@ class Node:
         self.endpoint: Endpoint | None = None
         self.ring: Ring | None = None
         self.members: set[str] = set()  # peers this node verified (TrainingReady): the only ones it talks to
-        self.coordinator = ""           # the coordinator's id, from the ticket
+        self.coordinator = ""  # the coordinator's id, from the ticket
         self.state = StateServer(allowed=lambda peer: peer in self.members or peer == self.coordinator)
         self.trainer: Trainer | None = None
-        self.admitted = False         # this node trained in the swarm (so a refusal may be transient)
+        self.admitted = False  # this node trained in the swarm (so a refusal may be transient)
 
     async def run(self) -> int:
         opts = self.opts
@@ -186,8 +196,9 @@ class Node:
                 now = time.monotonic()
                 lost_since = lost_since or now
                 if now - lost_since > REJOIN_PATIENCE_S:
-                    raise NodeError(f"could not rejoin the swarm for {REJOIN_PATIENCE_S:.0f}s (last: {e}); "
-                                    f"the run may have ended") from None
+                    raise NodeError(
+                        f"could not rejoin the swarm for {REJOIN_PATIENCE_S:.0f}s (last: {e}); the run may have ended"
+                    ) from None
                 self.opts.say(f"lost the swarm ({e}); rejoining in {delay:.0f}s")
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, REJOIN_BACKOFF_S[1])
@@ -206,10 +217,10 @@ class Session:
     def __init__(self, node: Node):
         self.node = node
         self.opts = node.opts
-        self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()   # the round loop's messages
+        self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()  # the round loop's messages
         self.sync_q: asyncio.Queue[P.Message | None] = asyncio.Queue()  # BarrierReady, Agreed (and the end)
         self.ctl: Channel | None = None
-        self.silence_s = HANDSHAKE_TIMEOUT   # the coordinator pings; this much silence means it is gone
+        self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
         self.round = -1
         self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
         self._tasks: list[asyncio.Task] = []
@@ -250,10 +261,11 @@ class Session:
             log.warning("dropping the coordinator's connection: %s", e)
             self.lost_reason = f"the coordinator sent an invalid message ({e})"
             self.ctl.close(str(e))
-        except Exception as e:  # noqa: BLE001 - closed or silent: the session ends (and may rejoin)
+        except Exception as e:
             log.debug("control stream ended: %s", e)
-            self.lost_reason = "coordinator silent" if isinstance(e, TransportTimeout) else \
-                "coordinator closed the connection"
+            self.lost_reason = (
+                "coordinator silent" if isinstance(e, TransportTimeout) else "coordinator closed the connection"
+            )
         self.inbox.put_nowait(None)
         self.sync_q.put_nowait(None)
         self.ended.set()
@@ -351,14 +363,23 @@ class Session:
             choice = choose(opts.backend, opts.device)
         except BackendError as e:
             raise NodeError(str(e)) from None
-        await self.send(P.NodeInfo(node_id=node.endpoint.node_id, name=opts.name, backend=choice.backend,
-                                   device=choice.device, device_name=choice.device_name,
-                                   ring_ticket=node.endpoint.ticket()))
+        await self.send(
+            P.NodeInfo(
+                node_id=node.endpoint.node_id,
+                name=opts.name,
+                backend=choice.backend,
+                device=choice.device,
+                device_name=choice.device_name,
+                ring_ticket=node.endpoint.ticket(),
+            )
+        )
         cfg = await self.expect(P.TrainConfig, timeout=HANDSHAKE_TIMEOUT)
         t = node.trainer
         if t is not None and cfg.run_id != t.run_id:
-            raise NodeError(f"the coordinator now runs another run ({cfg.run_id}, not {t.run_id}); "
-                            f"join it with a fresh `drift join`")
+            raise NodeError(
+                f"the coordinator now runs another run ({cfg.run_id}, not {t.run_id}); "
+                f"join it with a fresh `drift join`"
+            )
         if t is None:
             alive = asyncio.ensure_future(self._heartbeat(2.0))  # the coordinator hears us while we load
             try:
@@ -390,30 +411,58 @@ class Session:
             raise await self._refuse(str(e)) from None
         io = recipe.inner_optimizer
 
-        def build():  # noqa: ANN202 - off the event loop: importing torch and building a model takes a while
+        def build():
             task = load_task(task_path, root=work)  # only from the checkout of cfg.commit
-            return make_worker(task, recipe.task_config,
-                               dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2),
-                                    grad_clip=io.grad_clip),
-                               backend=opts.backend, device=opts.device, seed=recipe.seed,
-                               threads=opts.threads, task_name=f"task {recipe.task}", precision=recipe.precision)
+            return make_worker(
+                task,
+                recipe.task_config,
+                dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2), grad_clip=io.grad_clip),
+                backend=opts.backend,
+                device=opts.device,
+                seed=recipe.seed,
+                threads=opts.threads,
+                task_name=f"task {recipe.task}",
+                precision=recipe.precision,
+            )
+
         try:
             worker = await loop.run_in_executor(None, build)
             layout = ParamLayout.of(worker.get_params(), worker.get_buffers())
             theta = np.empty(layout.size, np.float32)
             oo = recipe.outer_optimizer
             rule = RULES[recipe.sync](layout, oo.lr, oo.momentum, oo.nesterov)
-            t = Trainer(worker, recipe, cfg.run_id, cfg.commit, tree, layout, rule, theta,
-                        np.empty(layout.size, np.float32),
-                        np.empty(layout.size, np.float32) if rule.overlapped else None, None, "")
+            t = Trainer(
+                worker,
+                recipe,
+                cfg.run_id,
+                cfg.commit,
+                tree,
+                layout,
+                rule,
+                theta,
+                np.empty(layout.size, np.float32),
+                np.empty(layout.size, np.float32) if rule.overlapped else None,
+                None,
+                "",
+            )
             t.read_local(theta)
-            log.info("loaded %s: %d values (%d in buffers), %s on %s", recipe.task, layout.size,
-                     layout.size - layout.params_size, worker.backend, worker.device)
+            log.info(
+                "loaded %s: %d values (%d in buffers), %s on %s",
+                recipe.task,
+                layout.size,
+                layout.size - layout.params_size,
+                worker.backend,
+                worker.device,
+            )
             t.calibration = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send, opts.sim))
-        except (BackendError, TaskError, ImportError) as e:  # a task that breaks the interface says so at its first step
+        except (
+            BackendError,
+            TaskError,
+            ImportError,
+        ) as e:  # a task that breaks the interface says so at its first step
             raise await self._refuse(str(e).splitlines()[0]) from None
-        t.load_worker()              # calibration trained a few steps: back to θ0 (buffers too)
-        worker.reset_optimizer()     # ... and to a fresh AdamW, as every node starts
+        t.load_worker()  # calibration trained a few steps: back to θ0 (buffers too)
+        worker.reset_optimizer()  # ... and to a fresh AdamW, as every node starts
         t.publish(node.state, -1)
         t.initial_checksum = t.held_checksum
         return t
@@ -430,17 +479,26 @@ class Session:
             while loop.time() < deadline:
                 if await asyncio.wait_for(self.inbox.get(), deadline - loop.time()) is None:
                     break
-        except Exception:  # noqa: BLE001, S110 - best effort: we are leaving anyway
+        except Exception:
             pass
         return NodeError(reason)
 
     def _repo_commit(self, t: Trainer) -> P.RepoCommit:
         """This node's RepoCommit, signed with its key (a fresh nonce every session)."""
         node = self.node
-        rc = P.RepoCommit(repo=node.cache.source, commit=t.commit, tree=t.tree, node_id=node.endpoint.node_id,
-                          timestamp=time.time(), nonce=secrets.token_hex(16),
-                          param_checksum=t.initial_checksum, n_train=t.worker.n_train, n_params=t.layout.size,
-                          run_id=t.run_id, samples_per_s=t.calibration.samples_per_s)
+        rc = P.RepoCommit(
+            repo=node.cache.source,
+            commit=t.commit,
+            tree=t.tree,
+            node_id=node.endpoint.node_id,
+            timestamp=time.time(),
+            nonce=secrets.token_hex(16),
+            param_checksum=t.initial_checksum,
+            n_train=t.worker.n_train,
+            n_params=t.layout.size,
+            run_id=t.run_id,
+            samples_per_s=t.calibration.samples_per_s,
+        )
         return P.RepoCommit.model_validate(sign_message(node.key, rc.model_dump(mode="json")))
 
     def _check_members(self, ready: P.TrainingReady) -> str | None:
@@ -451,9 +509,14 @@ class Session:
             return "TrainingReady before this node loaded the task"
         recipe = t.recipe
         try:
-            verify_peers(ready.signatures, ready.nodes, commit=t.commit, run_id=t.run_id,
-                         threshold=recipe.auth_threshold or 1,
-                         allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist))
+            verify_peers(
+                ready.signatures,
+                ready.nodes,
+                commit=t.commit,
+                run_id=t.run_id,
+                threshold=recipe.auth_threshold or 1,
+                allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist),
+            )
         except AuthError as e:
             return f"peer check failed: {e}"
         if self.node.endpoint.node_id not in ready.nodes:
@@ -565,8 +628,14 @@ class Session:
                     if p.applied:
                         p.applied, p.superseded = False, True
                         p.settled.clear()
-                        await self.send(P.RingFailed(round=msg.round, ring_epoch=msg.ring_epoch, sit_out=True,
-                                                     reason="this node already applied the round's outer step"))
+                        await self.send(
+                            P.RingFailed(
+                                round=msg.round,
+                                ring_epoch=msg.ring_epoch,
+                                sit_out=True,
+                                reason="this node already applied the round's outer step",
+                            )
+                        )
                         continue
                     reduce = asyncio.ensure_future(self._allreduce(t, msg))
                     reduce.pending = p  # the round it is for (the round loop may have moved on)
@@ -580,7 +649,7 @@ class Session:
                         reduce.cancel()
                         reduce = None
                     await self._agreed(t, p, msg)
-        except Exception as e:  # noqa: BLE001 - the round loop must end too, and say why
+        except Exception as e:
             if not isinstance(e, Lost):
                 log.exception("the sync of round %s failed", t.pending.round if t.pending else "?")
                 self.failure = e
@@ -591,7 +660,7 @@ class Session:
             if reduce is not None:
                 reduce.cancel()
 
-    async def _allreduce(self, t: Trainer, ready: P.BarrierReady):  # noqa: ANN202
+    async def _allreduce(self, t: Trainer, ready: P.BarrierReady):
         """One attempt at the round's all-reduce: Δ (recomputed: an earlier attempt left the buffer
         garbled) times this node's weight, summed around the ring. (ready, stats or None, error)."""
         me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
@@ -601,9 +670,14 @@ class Session:
             t.pseudo_gradient(t.snap)
         t.rule.contribute(t.delta, me.weight)
         try:
-            stats = await self.node.ring.allreduce_sum(t.delta, ready.ring, ready.round, codec=ready.codec,
-                                                       topk_fraction=t.recipe.topk_fraction,
-                                                       generation=ready.ring_epoch)
+            stats = await self.node.ring.allreduce_sum(
+                t.delta,
+                ready.ring,
+                ready.round,
+                codec=ready.codec,
+                topk_fraction=t.recipe.topk_fraction,
+                generation=ready.ring_epoch,
+            )
         except RingError as e:
             return ready, None, e
         return ready, stats, None
@@ -617,8 +691,9 @@ class Session:
         ready, stats, error = task.result()
         if error is not None:
             log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", p.round, error)
-            await self.send(P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=str(error)[:500],
-                                         suspect=error.suspect))
+            await self.send(
+                P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=str(error)[:500], suspect=error.suspect)
+            )
             return
         if stats is None:
             return
@@ -628,8 +703,16 @@ class Session:
         p.applied = True
         await self._catch_up(t)
         val = await self._evaluate_global(t) if p.report_val else None
-        await self.send(P.RoundDone(round=p.round, ring_epoch=ready.ring_epoch, checksum=t.held_checksum,
-                                    val_loss=val, bytes_sent=stats.bytes_sent, reduce_s=stats.seconds))
+        await self.send(
+            P.RoundDone(
+                round=p.round,
+                ring_epoch=ready.ring_epoch,
+                checksum=t.held_checksum,
+                val_loss=val,
+                bytes_sent=stats.bytes_sent,
+                reduce_s=stats.seconds,
+            )
+        )
         p.settled.set()
 
     async def _agreed(self, t: Trainer, p: Pending, msg: P.Agreed) -> None:
@@ -645,8 +728,9 @@ class Session:
             try:
                 await self._fetch(t, msg.state)
             except Lost as e:
-                log.warning("could not take θ of round %d (%s); the next assignment brings the newest",
-                            msg.state.round, e)
+                log.warning(
+                    "could not take θ of round %d (%s); the next assignment brings the newest", msg.state.round, e
+                )
         if changed or not p.applied:
             await self._catch_up(t)
         p.applied = p.superseded = False
@@ -657,8 +741,14 @@ class Session:
         """θ_global and the outer state <- the agreed state of round src.round, from a peer."""
         try:
             async with self.node.state.updating():
-                await fetch_state(self.node.endpoint, src.tickets, src.round, src.checksum,
-                                  into_arrays(t.theta, t.rule.velocity), size=t.layout.size)
+                await fetch_state(
+                    self.node.endpoint,
+                    src.tickets,
+                    src.round,
+                    src.checksum,
+                    into_arrays(t.theta, t.rule.velocity),
+                    size=t.layout.size,
+                )
                 t.publish(self.node.state, src.round)
         except StateError as e:
             raise Lost(str(e)) from None  # come back and ask again, rather than train on a stale θ
@@ -704,7 +794,7 @@ class Session:
                 os._exit(1)
             try:
                 await self._beat()
-            except Exception:  # noqa: BLE001 - the reader notices a dead connection
+            except Exception:
                 return
 
     async def _beat(self) -> None:

@@ -38,20 +38,20 @@ SCHEMA_VERSION = 1
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
-MAX_NODES = 1024            # nodes in a swarm: TrainingReady.nodes, ring members, signatures
-MAX_UNITS = 65536           # work units in one message (the 1 MiB frame cap binds first anyway)
-MAX_ROUND = 2**31 - 1       # rounds, epochs, ring epochs (the ring header carries round as uint32)
-MAX_COUNT = 2**53           # samples, steps, bytes: integers JSON carries exactly
+MAX_NODES = 1024  # nodes in a swarm: TrainingReady.nodes, ring members, signatures
+MAX_UNITS = 65536  # work units in one message (the 1 MiB frame cap binds first anyway)
+MAX_ROUND = 2**31 - 1  # rounds, epochs, ring epochs (the ring header carries round as uint32)
+MAX_COUNT = 2**53  # samples, steps, bytes: integers JSON carries exactly
 MAX_UNIT_SAMPLES = 2**31 - 1  # WorkUnit.hi: samples within one unit
-MAX_RATE = 1e12             # samples/s
-MAX_SECONDS = 1e9           # durations
-MAX_NAME = 64               # node names, devices, backends (HOST_NAME_MAX is 64)
-MAX_TEXT = 1000             # reasons and other free text
-MAX_TICKET = 4096           # an iroh ticket: ~77 characters on loopback, more with many addresses
-MAX_TOKEN = 256             # checksums, nonces, run ids, commits, signatures
-MAX_PATH = 4096             # repo URLs and paths
-MAX_DEPTH = 32              # JSON nesting of a whole frame (a recipe's task_config included)
-MAX_VALUES = 100_000        # JSON values in a whole frame
+MAX_RATE = 1e12  # samples/s
+MAX_SECONDS = 1e9  # durations
+MAX_NAME = 64  # node names, devices, backends (HOST_NAME_MAX is 64)
+MAX_TEXT = 1000  # reasons and other free text
+MAX_TICKET = 4096  # an iroh ticket: ~77 characters on loopback, more with many addresses
+MAX_TOKEN = 256  # checksums, nonces, run ids, commits, signatures
+MAX_PATH = 4096  # repo URLs and paths
+MAX_DEPTH = 32  # JSON nesting of a whole frame (a recipe's task_config included)
+MAX_VALUES = 100_000  # JSON values in a whole frame
 
 
 class ProtocolError(Exception):
@@ -68,7 +68,7 @@ def printable(s: object, cap: int = 200) -> str:
         return text
     out: list[str] = []
     n = 0
-    for c in text[:cap + 1]:  # escapes only lengthen it: the rest would be cut anyway
+    for c in text[: cap + 1]:  # escapes only lengthen it: the rest would be cut anyway
         piece = c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
         out.append(piece)
         n += len(piece)
@@ -116,28 +116,32 @@ class _Msg(BaseModel):
 
 # --- handshake ---------------------------------------------------------------------------------
 
+
 class NodeInfo(_Msg):
     """Node -> coordinator, first message: who I am and what I bring."""
+
     type: Literal["NodeInfo"] = "NodeInfo"
     node_id: NodeId
     name: Name
-    backend: Name                     # "torch", "mlx", "numpy"
-    device: Name                      # "cpu", "cuda:0", "mps", ...
+    backend: Name  # "torch", "mlx", "numpy"
+    device: Name  # "cpu", "cuda:0", "mps", ...
     device_name: Text = ""
-    ring_ticket: Ticket               # where ring neighbours reach this node (drift-ring/0)
+    ring_ticket: Ticket  # where ring neighbours reach this node (drift-ring/0)
     samples_per_s: Rate | None = None  # calibrated on the real task; None until measured
 
 
 class TrainConfig(_Msg):
     """Coordinator -> node: the run to join."""
+
     type: Literal["TrainConfig"] = "TrainConfig"
     run_id: Token
-    recipe: dict[str, Any]            # the validated recipe (see recipe.py), as plain data
-    commit: Token | None = None       # repo commit every node must run
+    recipe: dict[str, Any]  # the validated recipe (see recipe.py), as plain data
+    commit: Token | None = None  # repo commit every node must run
 
 
 class RepoCommit(_Msg):
     """Node -> coordinator: the code I loaded, signed with my node key (auth/ checks it)."""
+
     type: Literal["RepoCommit"] = "RepoCommit"
     repo: PathText
     commit: Token | None
@@ -145,16 +149,17 @@ class RepoCommit(_Msg):
     node_id: NodeId
     timestamp: Annotated[float, Field(ge=0, le=1e11)]
     nonce: Token
-    signature: Token = ""             # hex Ed25519 over every other field (auth.repo_commit)
-    param_checksum: Token             # checksum of the initial θ this node built
-    n_train: Count                    # training samples in the task this node loaded
-    n_params: Count = 0               # values in θ: bounds what a state transfer may send
-    run_id: Token = ""                # TrainConfig.run_id: binds the signature to this run
+    signature: Token = ""  # hex Ed25519 over every other field (auth.repo_commit)
+    param_checksum: Token  # checksum of the initial θ this node built
+    n_train: Count  # training samples in the task this node loaded
+    n_params: Count = 0  # values in θ: bounds what a state transfer may send
+    run_id: Token = ""  # TrainConfig.run_id: binds the signature to this run
     samples_per_s: Rate | None = None  # calibrated on the loaded task (a few timed inner steps)
 
 
 class TrainingReady(_Msg):
     """Coordinator -> nodes: the swarm is admitted; rounds start."""
+
     type: Literal["TrainingReady"] = "TrainingReady"
     nodes: Annotated[list[NodeId], Field(max_length=MAX_NODES)]
     signatures: Annotated[list[Signed], Field(max_length=MAX_NODES)] = Field(default_factory=list)  # signed RepoCommits
@@ -163,12 +168,14 @@ class TrainingReady(_Msg):
 class TrainingCancel(_Msg):
     """Either side: this node is not (or no longer) part of the run, and why. `retry` tells a node
     that was in the swarm before that it may connect again (its old connection is not gone yet)."""
+
     type: Literal["TrainingCancel"] = "TrainingCancel"
     reason: Text
     retry: bool = False
 
 
 # --- liveness ----------------------------------------------------------------------------------
+
 
 class Ping(_Msg):
     type: Literal["Ping"] = "Ping"
@@ -189,9 +196,11 @@ class Heartbeat(_Msg):
 
 # --- work --------------------------------------------------------------------------------------
 
+
 class WorkUnit(_Msg):
     """Samples [lo, hi) of unit `id` in epoch `epoch`'s order (a unit cut short comes back as a
     tail). A round's units may span two epochs: a small dataset ends mid-round."""
+
     epoch: Round = 0
     id: int = Field(ge=0, le=MAX_COUNT)
     lo: int = Field(ge=0, le=MAX_UNIT_SAMPLES)
@@ -209,7 +218,8 @@ Units = Annotated[list[WorkUnit], Field(max_length=MAX_UNITS)]  # (the frame's M
 
 class StateSource(_Msg):
     """Where a node that lacks the swarm's θ fetches it (ALPN drift-state/0), and what to expect."""
-    round: RoundOrInitial             # θ after this round's outer step (-1: the initial θ)
+
+    round: RoundOrInitial  # θ after this round's outer step (-1: the initial θ)
     checksum: Token
     tickets: Annotated[list[Ticket], Field(max_length=MAX_NODES + 1)]  # peers that hold it, tried in order
 
@@ -219,6 +229,7 @@ class ShardAssignment(_Msg):
 
     `planned` is how many more units the plan holds for this node; they are granted one at a time
     (AskForMoreWork -> AssignNext), so a faster node can take them instead (work stealing)."""
+
     type: Literal["ShardAssignment"] = "ShardAssignment"
     round: Round
     epoch: Round
@@ -227,20 +238,21 @@ class ShardAssignment(_Msg):
     # evaluate: the val loss of the newest agreed θ, no training; wait (overlapped sync): nothing
     # this round, but catch up on the round in flight (a node that needs θ first, e.g. a joiner)
     role: Literal["train", "evaluate", "wait"] = "train"
-    report_val: bool = False          # evaluate θ after the outer step and report it in RoundDone
+    report_val: bool = False  # evaluate θ after the outer step and report it in RoundDone
     state: StateSource | None = None  # fetch θ first (late joiners, evaluators)
-    progress: Count = 0               # samples the swarm trained before this round (the lr schedule)
-    catch_up: Round | None = None     # overlapped sync: a round still being reduced without this node;
-                                      # its θ comes with Agreed, and this node's progress moves along
+    progress: Count = 0  # samples the swarm trained before this round (the lr schedule)
+    catch_up: Round | None = None  # overlapped sync: a round still being reduced without this node;
+    # its θ comes with Agreed, and this node's progress moves along
 
 
 class TrainProgress(_Msg):
     """Node -> coordinator: one unit finished."""
+
     type: Literal["TrainProgress"] = "TrainProgress"
     round: Round
     unit: WorkUnit
     steps: Count
-    loss: Loss | None                 # None: the node's loss was not finite (it says so at the barrier)
+    loss: Loss | None  # None: the node's loss was not finite (it says so at the barrier)
     samples_per_s: Rate
 
 
@@ -262,15 +274,18 @@ class NoMoreWork(_Msg):
 
 class StopRound(_Msg):
     """Coordinator -> node: the round's budget is spent; stop at the next inner step."""
+
     type: Literal["StopRound"] = "StopRound"
     round: Round
 
 
 # --- barrier and reduce ------------------------------------------------------------------------
 
+
 class BarrierSync(_Msg):
     """Node -> coordinator: I stopped for this round. `trained` lists exactly the samples that
     went into my θ_local; `returned` the granted samples I did not train (back to the queue)."""
+
     type: Literal["BarrierSync"] = "BarrierSync"
     round: Round
     samples: Count
@@ -278,10 +293,10 @@ class BarrierSync(_Msg):
     loss: Loss | None
     trained: Units = Field(default_factory=list)
     returned: Units = Field(default_factory=list)
-    val_loss: Loss | None = None      # evaluators: val loss of θ at the start of this round
+    val_loss: Loss | None = None  # evaluators: val loss of θ at the start of this round
     val_samples: Count = 0
-    delta_error: Text | None = None   # the node's own Δ is unusable (NaN, absurd size): it sends zeros
-    busy_s: Seconds = 0.0             # seconds spent in inner steps this round (utilization)
+    delta_error: Text | None = None  # the node's own Δ is unusable (NaN, absurd size): it sends zeros
+    busy_s: Seconds = 0.0  # seconds spent in inner steps this round (utilization)
     lr: Annotated[float, Field(ge=0, le=1e6)] = 0.0  # the inner learning rate it trained with
 
     @model_validator(mode="after")
@@ -300,10 +315,11 @@ class RingMember(_Msg):
 
 class BarrierReady(_Msg):
     """Coordinator -> nodes: the ring for this round (also serves as RingConfig)."""
+
     type: Literal["BarrierReady"] = "BarrierReady"
     round: Round
     ring: Annotated[list[RingMember], Field(min_length=1, max_length=MAX_NODES)]  # ring order; weights sum to 1
-    ring_epoch: Round = 0             # bumped on every retry: ring connections of older epochs are stale
+    ring_epoch: Round = 0  # bumped on every retry: ring connections of older epochs are stale
     codec: Annotated[StrictStr, StringConstraints(max_length=16)] = "fp32"
 
     @model_validator(mode="after")
@@ -315,16 +331,18 @@ class BarrierReady(_Msg):
 
 class RingFailed(_Msg):
     """Node -> coordinator: the all-reduce broke (a neighbour vanished?); waiting for a retry."""
+
     type: Literal["RingFailed"] = "RingFailed"
     round: Round
     ring_epoch: Round
     reason: Text
     suspect: NodeId | Literal[""] = ""  # the neighbour whose bytes or silence failed it, when known
-    sit_out: bool = False             # this node already applied this round's outer step: it cannot redo it
+    sit_out: bool = False  # this node already applied this round's outer step: it cannot redo it
 
 
 class RoundDone(_Msg):
     """Node -> coordinator: outer step applied; the checksum of the new θ."""
+
     type: Literal["RoundDone"] = "RoundDone"
     round: Round
     ring_epoch: Round = 0
@@ -336,6 +354,7 @@ class RoundDone(_Msg):
 
 class EvalResult(_Msg):
     """Evaluator -> coordinator: validation loss of θ after round `after_round`."""
+
     type: Literal["EvalResult"] = "EvalResult"
     after_round: RoundOrInitial
     val_loss: Loss
@@ -347,6 +366,7 @@ class Agreed(_Msg):
     """Coordinator -> the nodes that did not compute it themselves (not in the ring's last attempt,
     or caught up later): round `round` is settled, and θ is now the state in `state` (the round's,
     or, when the round was given up, the one before: `abandoned`)."""
+
     type: Literal["Agreed"] = "Agreed"
     round: Round
     abandoned: bool = False
@@ -367,9 +387,28 @@ class TrainComplete(_Msg):
 
 
 Message = Annotated[
-    NodeInfo | TrainConfig | RepoCommit | TrainingReady | TrainingCancel | Ping | Pong | Heartbeat
-    | ShardAssignment | TrainProgress | AskForMoreWork | AssignNext | NoMoreWork | StopRound
-    | BarrierSync | BarrierReady | RingFailed | RoundDone | EvalResult | Agreed | CheckpointInfo | TrainComplete,
+    NodeInfo
+    | TrainConfig
+    | RepoCommit
+    | TrainingReady
+    | TrainingCancel
+    | Ping
+    | Pong
+    | Heartbeat
+    | ShardAssignment
+    | TrainProgress
+    | AskForMoreWork
+    | AssignNext
+    | NoMoreWork
+    | StopRound
+    | BarrierSync
+    | BarrierReady
+    | RingFailed
+    | RoundDone
+    | EvalResult
+    | Agreed
+    | CheckpointInfo
+    | TrainComplete,
     Field(discriminator="type"),
 ]
 _adapter: TypeAdapter[Message] = TypeAdapter(Message)
@@ -429,9 +468,10 @@ def decode(frame: bytes) -> Message:
             first = e.errors(include_url=False, include_input=False)[0]
             where = ".".join(str(p) for p in first["loc"]) or "message"
             kind = obj.get("type", "message")
-            raise ProtocolError(printable(f"invalid {kind if isinstance(kind, str) else 'message'}: {where}: "
-                                          f"{first['msg']}", 300)) from None
+            raise ProtocolError(
+                printable(f"invalid {kind if isinstance(kind, str) else 'message'}: {where}: {first['msg']}", 300)
+            ) from None
     except ProtocolError:
         raise
-    except Exception as e:  # noqa: BLE001 - a bug of ours meeting bytes nobody expected: still the peer's frame
+    except Exception as e:
         raise ProtocolError(f"frame could not be decoded ({e.__class__.__name__}: {printable(e, 120)})") from None

@@ -25,6 +25,7 @@ class _Strict(BaseModel):
 
 class InnerOptimizer(_Strict):
     """AdamW, run by every node between syncs."""
+
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -35,13 +36,18 @@ class InnerOptimizer(_Strict):
 class LrSchedule(_Strict):
     """The inner learning rate as a function of the swarm's progress (samples trained so far),
     never of a node's own step count: nodes that steal work or join late use the same rate."""
+
     warmup_samples: int = Field(0, ge=0, description="linear warmup from 0 over the swarm's first N samples")
-    min_lr: float | None = Field(None, ge=0, description="cosine decay from inner_optimizer.lr down to this "
-                                                         "at the run's last sample (default: no decay)")
+    min_lr: float | None = Field(
+        None,
+        ge=0,
+        description="cosine decay from inner_optimizer.lr down to this at the run's last sample (default: no decay)",
+    )
 
 
 class OuterOptimizer(_Strict):
     """Nesterov SGD on the averaged pseudo-gradient, as in DiLoCo."""
+
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
@@ -61,39 +67,52 @@ class Recipe(_Strict):
     lr_schedule: LrSchedule = Field(default_factory=LrSchedule)
     micro_batches: int = Field(1, ge=1, description="gradient accumulation: each inner step's batch in this many parts")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="bf16/fp16: torch autocast with float32 master weights (fp16 with loss scaling)")
+        "fp32", description="bf16/fp16: torch autocast with float32 master weights (fp16 with loss scaling)"
+    )
     outer_optimizer: OuterOptimizer = Field(default_factory=OuterOptimizer)
     sync: Literal["blocking", "overlapped"] = Field(
-        "blocking", description="blocking: nodes wait for the all-reduce and the outer step; overlapped: they "
-                                "train the next round meanwhile, and the outer step lands a round late")
+        "blocking",
+        description="blocking: nodes wait for the all-reduce and the outer step; overlapped: they "
+        "train the next round meanwhile, and the outer step lands a round late",
+    )
     eval_batches: int = Field(8, ge=1)
     schedule: Literal["steal", "lockstep"] = Field(
-        "steal", description="steal: shares by speed, idle nodes take unstarted units, the round stops "
-                             "at the next inner step once the budget is handed out; lockstep: every node "
-                             "does inner_steps, the barrier waits for the slowest (for comparison)")
+        "steal",
+        description="steal: shares by speed, idle nodes take unstarted units, the round stops "
+        "at the next inner step once the budget is handed out; lockstep: every node "
+        "does inner_steps, the barrier waits for the slowest (for comparison)",
+    )
     slow_node_fraction: float = Field(
-        0.05, gt=0, description="a node whose single inner step would take longer than this fraction of "
-                               "the round evaluates instead of training")
+        0.05,
+        gt=0,
+        description="a node whose single inner step would take longer than this fraction of "
+        "the round evaluates instead of training",
+    )
     unit_deadline_factor: float = Field(
-        4.0, gt=1, description="a unit not finished within this many times its expected time is reassigned")
+        4.0, gt=1, description="a unit not finished within this many times its expected time is reassigned"
+    )
     checkpoint_every: int = Field(5, ge=1, description="rounds between checkpoints (one is always written at the end)")
     keep_checkpoints: int = Field(3, ge=1)
     heartbeat_s: float = Field(2.0, gt=0)
     stale_after_s: float = Field(10.0, gt=0, description="a node silent this long is dropped")
     codec: Literal["fp32", "fp16", "bf16", "int8", "topk"] = Field(
-        "int8", description="how the ring sends pseudo-gradients (drift/compress.py)")
+        "int8", description="how the ring sends pseudo-gradients (drift/compress.py)"
+    )
     topk_fraction: float = Field(0.01, gt=0, le=1, description="codec topk: share of values sent per chunk")
     network: Literal["local", "lan", "relay"] = "local"
     seed: int = 0
     commit: str | None = Field(None, description="pin nodes to this commit (default: the repo's HEAD)")
     allowlist: list[str] | str | None = Field(
-        None, description="node ids admitted (a list, or a file of ids relative to the recipe); default: anyone")
+        None, description="node ids admitted (a list, or a file of ids relative to the recipe); default: anyone"
+    )
     auth_threshold: int | None = Field(
-        None, ge=1, description="verified nodes the run needs; the swarm is cancelled once it cannot "
-                                "be met (default: min_nodes)")
+        None,
+        ge=1,
+        description="verified nodes the run needs; the swarm is cancelled once it cannot be met (default: min_nodes)",
+    )
 
     @model_validator(mode="after")
-    def _budget(self) -> "Recipe":
+    def _budget(self) -> Recipe:
         if self.round_samples is None:
             self.round_samples = self.min_nodes * self.inner_steps * self.batch_size
         if self.micro_batches > self.batch_size:
@@ -127,8 +146,9 @@ def repo_root(path: Path) -> Path:
     """The git work tree holding `path`, or its directory when it is not in one."""
     d = path.resolve().parent
     try:
-        out = subprocess.run(["git", "-C", str(d), "rev-parse", "--show-toplevel"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(d), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return d
     return Path(out.stdout.strip()) if out.returncode == 0 else d
@@ -173,6 +193,7 @@ def _field_error(err: dict) -> str:
 def _load_allowlist(recipe_path: Path, value: list[str] | str) -> list[str]:
     """The recipe's allowlist as sorted node ids; a string names a file (one id per line)."""
     from auth import AuthError, parse_allowlist
+
     source, entries = f"{recipe_path}: allowlist", value
     if isinstance(value, str):
         f = (recipe_path.parent / value).expanduser()

@@ -90,8 +90,10 @@ class RepoCache:
             try:
                 git.Repo(local)
             except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-                raise RepoError(f"--repo {src}: not a git repository (drift runs only committed code; "
-                                f"`git init && git commit` it, or give the repo's URL)") from None
+                raise RepoError(
+                    f"--repo {src}: not a git repository (drift runs only committed code; "
+                    f"`git init && git commit` it, or give the repo's URL)"
+                ) from None
             src = str(local.resolve())
         self.source = src
         # Absolute: git runs the worktree commands inside the mirror, where a relative path would land.
@@ -107,6 +109,7 @@ class RepoCache:
         with open(self.root.parent / f"{self.root.name}.lock", "a") as fh:
             try:
                 import fcntl
+
                 fcntl.flock(fh, fcntl.LOCK_EX)
             except ImportError:  # no fcntl (Windows): one node per cache
                 pass
@@ -119,10 +122,10 @@ class RepoCache:
             tmp = self.root / f"mirror.{os.getpid()}.tmp"
             if tmp.exists():
                 import shutil
+
                 shutil.rmtree(tmp)
             try:
-                git.Repo.clone_from(self.source, tmp, bare=True, env=_GIT_ENV,
-                                    kill_after_timeout=FETCH_TIMEOUT)
+                git.Repo.clone_from(self.source, tmp, bare=True, env=_GIT_ENV, kill_after_timeout=FETCH_TIMEOUT)
             except git.GitCommandError as e:
                 raise RepoError(f"cannot clone --repo {self.source}: {_git_error(e)}") from None
             os.replace(tmp, self.mirror_dir)
@@ -140,8 +143,14 @@ class RepoCache:
         repo = self._mirror()
         if not fresh:
             try:
-                repo.git.fetch("--prune", "--force", self.source, "+refs/heads/*:refs/heads/*",
-                               "+refs/tags/*:refs/tags/*", kill_after_timeout=FETCH_TIMEOUT)
+                repo.git.fetch(
+                    "--prune",
+                    "--force",
+                    self.source,
+                    "+refs/heads/*:refs/heads/*",
+                    "+refs/tags/*:refs/tags/*",
+                    kill_after_timeout=FETCH_TIMEOUT,
+                )
             except git.GitCommandError as e:
                 raise RepoError(f"cannot fetch --repo {self.source}: {_git_error(e)}") from None
         return repo
@@ -164,9 +173,11 @@ class RepoCache:
             if not self._reachable(repo, commit):
                 repo = self._fetch()
                 if not self._reachable(repo, commit):
-                    raise RepoError(f"commit {commit[:12]} is not reachable from any branch or tag of "
-                                    f"--repo {self.source}: push it there, or check that --repo names "
-                                    f"the coordinator's repo")
+                    raise RepoError(
+                        f"commit {commit[:12]} is not reachable from any branch or tag of "
+                        f"--repo {self.source}: push it there, or check that --repo names "
+                        f"the coordinator's repo"
+                    )
             work = self.root / commit
             if not work.exists():
                 repo.git.worktree("prune")
@@ -188,8 +199,10 @@ class RepoCache:
         dirty = dirty_files(work)
         if dirty:
             more = f" (and {len(dirty) - 1} more)" if len(dirty) > 1 else ""
-            raise RepoError(f"checkout {work} has uncommitted changes ({dirty[0]}{more}); drift runs only "
-                            f"clean commits: delete that directory and join again")
+            raise RepoError(
+                f"checkout {work} has uncommitted changes ({dirty[0]}{more}); drift runs only "
+                f"clean commits: delete that directory and join again"
+            )
         return work
 
     def tree(self, work: Path) -> str:

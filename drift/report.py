@@ -13,6 +13,7 @@ that writes the same events can be plotted: see `Run` for the fields read.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +37,8 @@ class Run:
     initial_val: float | None = None
     startup_s: float = 0.0
     rounds: list[dict] = field(default_factory=list)  # `round` events by round number, the last of each kept
-    wall_s: float | None = None                        # to the `complete` event, when there is one
-    complete: dict = field(default_factory=dict)       # the `complete` event's own fields
+    wall_s: float | None = None  # to the `complete` event, when there is one
+    complete: dict = field(default_factory=dict)  # the `complete` event's own fields
 
     def val_curve(self) -> list[tuple[int, float, float]]:
         """(samples trained, seconds since training started, val loss) at θ0 and after each round."""
@@ -85,8 +86,16 @@ class Run:
             span = r["t"] - prev
             prev = r["t"]
             if span > 0:
-                out.append((r["round"], {name: float(n["step_s"]) / span for name, n in r.get("nodes", {}).items()
-                                         if n.get("step_s") is not None}))
+                out.append(
+                    (
+                        r["round"],
+                        {
+                            name: float(n["step_s"]) / span
+                            for name, n in r.get("nodes", {}).items()
+                            if n.get("step_s") is not None
+                        },
+                    )
+                )
         return out
 
     def steps_per_node(self) -> dict[str, int]:
@@ -103,7 +112,7 @@ class Run:
         curve = self.val_curve()
         if curve and curve[0][2] <= target:
             return curve[0][1]
-        for (_, t0, v0), (_, t1, v1) in zip(curve, curve[1:]):
+        for (_, t0, v0), (_, t1, v1) in itertools.pairwise(curve):
             if v1 <= target:  # and v0 > target, or the previous pair would have returned
                 return t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
         return None
@@ -119,7 +128,7 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
     by_round: dict[int, dict] = {}
     offset = last_t = 0.0
     started: float | None = None  # `training_started`
-    first: float | None = None    # the first `initial` or `round`: training was under way by then
+    first: float | None = None  # the first `initial` or `round`: training was under way by then
     last_joined = 0.0
     for no, line in enumerate(lines, 1):
         try:
@@ -166,14 +175,17 @@ def summary(runs: list[Run]) -> str:
         fv = r.final_val()
         u = r.utilization().values()
         util = f"{100 * min(u):.0f}-{100 * max(u):.0f}" if u else "-"
-        rows.append(f"{r.label:<16} {len(r.rounds):>6} {samples:>9} {fv if fv is not None else float('nan'):>9.4f} "
-                    f"{r.rounds[-1]['t']:>8.1f} {mib:>9.2f} {util:>9}")
+        rows.append(
+            f"{r.label:<16} {len(r.rounds):>6} {samples:>9} {fv if fv is not None else float('nan'):>9.4f} "
+            f"{r.rounds[-1]['t']:>8.1f} {mib:>9.2f} {util:>9}"
+        )
     return "\n".join(rows)
 
 
 def write_report(runs: list[Run], out: Path) -> list[Path]:
     """Draw loss.png, nodes.png, bytes.png and utilization.png into `out`; returns their paths."""
     import matplotlib
+
     matplotlib.use("Agg")  # files only: no display needed (or wanted) on a headless node
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -189,8 +201,9 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
             by_samples.plot(s, v, marker=".", label=r.label)
             by_time.plot(t, v, marker=".", label=r.label)
     by_samples.set(xlabel="samples trained", ylabel="validation loss", title="val loss vs samples")
-    by_time.set(xlabel="wall-clock since training started (s)", ylabel="validation loss",
-                title="val loss vs wall-clock")
+    by_time.set(
+        xlabel="wall-clock since training started (s)", ylabel="validation loss", title="val loss vs wall-clock"
+    )
     for ax in (by_samples, by_time):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -213,8 +226,14 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
             lab = k == 0
             ax.bar(xs, busy, width, color="tab:blue", label="training" if lab else None)
             ax.bar(xs, idle, width, bottom=busy, color="tab:orange", label="waiting at barrier" if lab else None)
-            ax.bar(xs, sync, width, bottom=[b + i for b, i in zip(busy, idle)], color="tab:green",
-                   label="all-reduce" if lab else None)
+            ax.bar(
+                xs,
+                sync,
+                width,
+                bottom=[b + i for b, i in zip(busy, idle)],
+                color="tab:green",
+                label="all-reduce" if lab else None,
+            )
         ax.set(ylabel="seconds", title=f"{r.label}: per node ({', '.join(names)}) and round")
         ax.legend(loc="upper right", fontsize="small")
     axes[-1, 0].set_xlabel("round")
@@ -254,16 +273,18 @@ def _utilization_plot(runs: list[Run], path: Path) -> Path:
         if pts:
             xs = [x for x, _ in pts]
             per_round.plot(xs, [100 * sum(v) / len(v) for _, v in pts], marker=".", color=color, label=r.label)
-            per_round.fill_between(xs, [100 * min(v) for _, v in pts], [100 * max(v) for _, v in pts],
-                                   color=color, alpha=0.2, linewidth=0)
+            per_round.fill_between(
+                xs, [100 * min(v) for _, v in pts], [100 * max(v) for _, v in pts], color=color, alpha=0.2, linewidth=0
+            )
         for name, u in sorted(r.utilization().items()):
             labels.append(f"{r.label}\n{name}" if len(runs) > 1 else name)
             bars.append((100 * u, color))
     # An overlapped round settles while the next one trains, so the span between two round events
     # can be shorter than a round's training: single rounds may show over 100 %; the run's total cannot.
     top = max([105.0] + [100 * max(u.values()) + 5 for r in runs for _, u in r.round_utilization() if u])
-    per_round.set(xlabel="round", ylabel="% of wall-clock in inner steps", title="utilization per round",
-                  ylim=(0, min(top, 200)))
+    per_round.set(
+        xlabel="round", ylabel="% of wall-clock in inner steps", title="utilization per round", ylim=(0, min(top, 200))
+    )
     per_round.grid(alpha=0.3)
     if per_round.lines:
         per_round.legend(fontsize="small", loc="lower right")
@@ -271,8 +292,12 @@ def _utilization_plot(runs: list[Run], path: Path) -> Path:
     overall.barh(list(ys), [b for b, _ in bars], color=[c for _, c in bars])
     for y, (b, _) in zip(ys, bars):
         overall.text(min(b, 100) + 1, y, f"{b:.1f} %", va="center", fontsize="small")
-    overall.set(yticks=list(ys), xlim=(0, 118), xlabel="% of wall-clock in inner steps",
-                title="utilization over the run, per node")
+    overall.set(
+        yticks=list(ys),
+        xlim=(0, 118),
+        xlabel="% of wall-clock in inner steps",
+        title="utilization over the run, per node",
+    )
     overall.set_yticklabels(labels, fontsize="small")
     overall.invert_yaxis()
     overall.grid(alpha=0.3, axis="x")
@@ -288,7 +313,7 @@ def _mib(round_event: dict, name: str | None) -> float:
     return sum(n.get("bytes_sent", 0) for n in nodes.values()) / max(1, len(nodes)) / 2**20
 
 
-def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+def _save(fig, path: Path) -> Path:
     """Write atomically: a reader never sees half a PNG."""
     import matplotlib.pyplot as plt
 

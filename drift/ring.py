@@ -44,8 +44,8 @@ import logging
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -85,8 +85,9 @@ def tune_allocator() -> bool:
             try:
                 libc = ctypes.CDLL("libc.so.6")
                 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-                _TUNED = bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and \
-                    bool(libc.mallopt(M_TRIM_THRESHOLD, 128 << 20))
+                _TUNED = bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(
+                    libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
+                )
             except (OSError, AttributeError):
                 pass
     return _TUNED
@@ -110,7 +111,7 @@ class ReduceStats:
     seconds: float
     bytes_sent: int
     bytes_received: int
-    codec_seconds: float = 0.0   # encode + decode + accumulate, on this node
+    codec_seconds: float = 0.0  # encode + decode + accumulate, on this node
     codec: str = "fp32"
 
 
@@ -128,8 +129,14 @@ class Ring:
 
     Holds, per node, the error-feedback residual of codecs that use it (`residual`)."""
 
-    def __init__(self, endpoint: Endpoint, timeout: float = 120.0, chunk_bytes: int = CHUNK_BYTES,
-                 codec: Codec | str = "fp32", trusted: Callable[[str], bool] = lambda peer: True):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        timeout: float = 120.0,
+        chunk_bytes: int = CHUNK_BYTES,
+        codec: Codec | str = "fp32",
+        trusted: Callable[[str], bool] = lambda peer: True,
+    ):
         """`trusted(peer id)`: peers this node verified itself (their signed RepoCommit); nobody
         else is connected to or accepted, whatever a BarrierReady says."""
         tune_allocator()
@@ -155,7 +162,7 @@ class Ring:
 
     # --- connections ---------------------------------------------------------------------------
 
-    async def handle_incoming(self, conn) -> None:  # noqa: ANN001 - iroh.Connection
+    async def handle_incoming(self, conn) -> None:
         """Register a ring connection accepted by the node's endpoint (called per connection).
 
         Returns normally whatever the peer does: a connection that fails its hello, whose peer
@@ -166,7 +173,7 @@ class Ring:
             log.warning("dropping ring connection from %s: not a verified member of this run", peer[:10])
             try:
                 conn.close(1, b"not a verified member of this run")
-            except Exception:  # noqa: BLE001, S110 - already closed
+            except Exception:
                 pass
             return
         try:
@@ -174,13 +181,13 @@ class Ring:
             ch = await Endpoint.accept_channel(conn, timeout=hello_s)
             gen = _parse_hello(await ch.recv_frame(MAX_HELLO, timeout=hello_s))  # also makes the stream visible
             why = await self._admit(peer, ch, gen)
-        except Exception as e:  # noqa: BLE001 - a peer's bytes end its connection, never the node
+        except Exception as e:
             why = printable(f"ring hello failed: {e if isinstance(e, (RingError, TransportError)) else repr(e)}", 300)
         if why is not None:
             log.warning("dropping ring connection from %s: %s", peer[:10], why)
             try:
                 conn.close(1, why.encode()[:100])
-            except Exception:  # noqa: BLE001, S110 - already closed
+            except Exception:
                 pass
 
     async def _admit(self, peer: str, ch: Channel, gen: int) -> str | None:
@@ -198,9 +205,14 @@ class Ring:
                     self._pending.pop(oldest).close("too many connections wait for the ring")
                 self._arrived.notify_all()
                 try:
-                    await asyncio.wait_for(self._arrived.wait_for(
-                        lambda: peer in self._expected or self._generation > gen or self._pending.get(peer) is not ch),
-                        min(self.timeout, PENDING_WAIT))
+                    await asyncio.wait_for(
+                        self._arrived.wait_for(
+                            lambda: (
+                                peer in self._expected or self._generation > gen or self._pending.get(peer) is not ch
+                            )
+                        ),
+                        min(self.timeout, PENDING_WAIT),
+                    )
                 except asyncio.TimeoutError:
                     pass
                 if self._pending.get(peer) is not ch:
@@ -240,12 +252,14 @@ class Ring:
             await self._right.send_frame(json.dumps({"node_id": self.node_id, "generation": generation}).encode())
         try:
             async with self._arrived:
-                await asyncio.wait_for(self._arrived.wait_for(
-                    lambda: self._incoming_gen.get(left.node_id) == generation), self.timeout)
+                await asyncio.wait_for(
+                    self._arrived.wait_for(lambda: self._incoming_gen.get(left.node_id) == generation), self.timeout
+                )
                 left_ch = self._incoming[left.node_id]
         except asyncio.TimeoutError:
-            raise RingError(f"left neighbour {left.node_id[:10]} never connected "
-                            f"(waited {self.timeout:g}s)", suspect=left.node_id) from None
+            raise RingError(
+                f"left neighbour {left.node_id[:10]} never connected (waited {self.timeout:g}s)", suspect=left.node_id
+            ) from None
         return self._right, left_ch
 
     def close(self, reason: str = "ring closed") -> None:
@@ -257,9 +271,15 @@ class Ring:
 
     # --- the all-reduce ------------------------------------------------------------------------
 
-    async def allreduce_sum(self, x: np.ndarray, members: list[RingMember], round_: int,
-                            codec: Codec | str | None = None, generation: int = 0,
-                            **codec_options) -> ReduceStats:
+    async def allreduce_sum(
+        self,
+        x: np.ndarray,
+        members: list[RingMember],
+        round_: int,
+        codec: Codec | str | None = None,
+        generation: int = 0,
+        **codec_options,
+    ) -> ReduceStats:
         """Replace x (flat float32, in place) by the sum of every member's x, sent with `codec`
         (a Codec, or a name plus make_codec options; default: the ring's). All members must use
         the same codec and options, or the all-reduce fails."""
@@ -281,8 +301,9 @@ class Ring:
         except TransportError as e:  # only the connection to the right neighbour is ours to make
             ids = [m.node_id for m in members]
             right_id = ids[(ids.index(self.node_id) + 1) % len(ids)]
-            raise RingError(f"ring setup failed: {e}",
-                            suspect=right_id if isinstance(e, TransportTimeout) else "") from None
+            raise RingError(
+                f"ring setup failed: {e}", suspect=right_id if isinstance(e, TransportTimeout) else ""
+            ) from None
         sent0, recv0 = right.bytes_sent, left.bytes_received
         r = [m.node_id for m in members].index(self.node_id)
         bounds = segment_bounds(x.size, n_nodes)
@@ -303,10 +324,12 @@ class Ring:
         codec_s = 0.0
 
         steps = 2 * (n_nodes - 1)
-        send_seg = [(r - s) % n_nodes if s < n_nodes - 1 else (r + 1 - (s - n_nodes + 1)) % n_nodes
-                    for s in range(steps)]
-        recv_seg = [(r - s - 1) % n_nodes if s < n_nodes - 1 else (r - (s - n_nodes + 1)) % n_nodes
-                    for s in range(steps)]
+        send_seg = [
+            (r - s) % n_nodes if s < n_nodes - 1 else (r + 1 - (s - n_nodes + 1)) % n_nodes for s in range(steps)
+        ]
+        recv_seg = [
+            (r - s - 1) % n_nodes if s < n_nodes - 1 else (r - (s - n_nodes + 1)) % n_nodes for s in range(steps)
+        ]
         owner_step = n_nodes - 2  # the last reduce-scatter receive completes the segment we own
 
         def encode(a: int, b: int, o: int, owner: bool):
@@ -316,7 +339,7 @@ class Ring:
             v = x[a:b]
             if residual is not None:
                 v += residual[a:b]
-            payload = codec.encode(v, out=arena[o:o + codec.encoded_nbytes(b - a)])
+            payload = codec.encode(v, out=arena[o : o + codec.encoded_nbytes(b - a)])
             if residual is not None:
                 np.subtract(v, codec.decode(payload, new_residual[a:b]), out=new_residual[a:b])
             if owner:
@@ -346,11 +369,11 @@ class Ring:
                     t = time.perf_counter()
                     try:
                         if g < n_nodes - 1:
-                            codec.decode_add(payload, x[a:b])   # reduce-scatter: fp32 accumulation
+                            codec.decode_add(payload, x[a:b])  # reduce-scatter: fp32 accumulation
                             out = encode(a, b, o, owner=g == owner_step)
                         else:
-                            codec.decode(payload, x[a:b])       # all-gather: the owner's bytes
-                            out = payload                       # forwarded verbatim
+                            codec.decode(payload, x[a:b])  # all-gather: the owner's bytes
+                            out = payload  # forwarded verbatim
                     except CodecError as e:
                         raise RingError(f"bad chunk from left neighbour: {e}", suspect=left.peer_id) from None
                     if not np.isfinite(x[a:b]).all():  # our own part was checked (DeltaCheck)
@@ -359,7 +382,7 @@ class Ring:
                     if g + 1 < steps:
                         forward.put_nowait((g + 1, c, b - a, out))
 
-        async def side(coro, peer: str) -> None:  # noqa: ANN001
+        async def side(coro, peer: str) -> None:
             """Which neighbour a failure points at: one that sent bad bytes (RingError) or went
             silent (a timeout). A closed connection is no evidence: the neighbour may have closed
             it because it caught someone else."""
@@ -370,8 +393,10 @@ class Ring:
             except TransportError as e:
                 raise RingError(str(e)) from None
 
-        tasks = [asyncio.ensure_future(side(sender(), right.peer_id)),
-                 asyncio.ensure_future(side(receiver(), left.peer_id))]
+        tasks = [
+            asyncio.ensure_future(side(sender(), right.peer_id)),
+            asyncio.ensure_future(side(receiver(), left.peer_id)),
+        ]
         try:
             await asyncio.gather(*tasks)
         except RingError as e:
@@ -384,8 +409,9 @@ class Ring:
             raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect) from None
         if residual is not None:
             self.residual, self._residual_next = new_residual, residual
-        return ReduceStats(time.perf_counter() - t0, right.bytes_sent - sent0,
-                           left.bytes_received - recv0, codec_s, codec.name)
+        return ReduceStats(
+            time.perf_counter() - t0, right.bytes_sent - sent0, left.bytes_received - recv0, codec_s, codec.name
+        )
 
     def _chunk_elems(self, codec: Codec) -> int:
         """Values per chunk: about chunk_bytes on the wire whatever the codec (per-frame costs in
@@ -406,14 +432,16 @@ class Ring:
             self._arena = np.empty(arena_bytes, np.uint8)
         return self._arena
 
-    async def _send_chunk(self, ch: Channel, payload, codec: Codec, round_: int, step: int,
-                          chunk: int, n: int, total: int) -> None:
+    async def _send_chunk(
+        self, ch: Channel, payload, codec: Codec, round_: int, step: int, chunk: int, n: int, total: int
+    ) -> None:
         nbytes = memoryview(payload).nbytes
         head = _HEADER.pack(_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
         await ch.send_parts([head, payload], timeout=self.timeout)
 
-    async def _recv_chunk(self, ch: Channel, codec: Codec, round_: int, step: int, chunk: int,
-                          n: int, total: int) -> memoryview:
+    async def _recv_chunk(
+        self, ch: Channel, codec: Codec, round_: int, step: int, chunk: int, n: int, total: int
+    ) -> memoryview:
         nbytes = codec.encoded_nbytes(n)
         # The cap admits any codec's chunk of our chunk size, so that a peer with another codec or
         # vector size gets a diagnosis from its header rather than a bare "frame too big".
@@ -424,14 +452,14 @@ class Ring:
         got = _HEADER.unpack_from(frame)
         want = (_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
         if got != want or len(frame) != _HEADER.size + nbytes:
-            names = ("magic", "version", "codec", "step", "round", "chunk", "values", "vector size",
-                     "payload bytes")
-            diff = ", ".join(f"{k} {_show(k, g)} (expected {_show(k, w)})"
-                             for k, g, w in zip(names, got, want) if g != w)
+            names = ("magic", "version", "codec", "step", "round", "chunk", "values", "vector size", "payload bytes")
+            diff = ", ".join(
+                f"{k} {_show(k, g)} (expected {_show(k, w)})" for k, g, w in zip(names, got, want) if g != w
+            )
             if len(frame) != _HEADER.size + nbytes and got[-1] == nbytes:
                 diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + nbytes}"
             raise RingError(f"unexpected ring chunk: {diff}", suspect=ch.peer_id)
-        return memoryview(frame)[_HEADER.size:]
+        return memoryview(frame)[_HEADER.size :]
 
 
 def _parse_hello(frame: bytes) -> int:
@@ -446,7 +474,7 @@ def _parse_hello(frame: bytes) -> int:
     return gen
 
 
-def _show(field: str, v) -> str:  # noqa: ANN001
+def _show(field: str, v) -> str:
     if field == "codec":
         return f"{CODEC_IDS.get(v, '?')}({v})"
     return repr(v) if isinstance(v, bytes) else str(v)

@@ -61,39 +61,46 @@ class Round:
         self.t0 = time.monotonic()
         self.steal = self.r.schedule == "steal"
         members = coord.members
-        self.participants = set(members)     # nodes that joined later enter the next round
+        self.participants = set(members)  # nodes that joined later enter the next round
         self.budget = self.r.round_samples if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
         self.evaluators = coord._evaluators(self.budget) if self.steal else set()
         # Overlapped: a node that needs θ first (it joined, or its θ is stale) cannot fetch the
         # agreed θ while the round before is being reduced (its donors move on to the next one):
         # it waits this round out and gets θ with that round's Agreed.
         in_flight = prev is not None and not prev.settled
-        self.waiting = {i for i in members if in_flight and i not in self.evaluators and
-                        coord.state_round.get(i) != max(coord.checksums) and
-                        (prev.ring is None or i not in {m.node_id for m in prev.ring})}
+        self.waiting = {
+            i
+            for i in members
+            if in_flight
+            and i not in self.evaluators
+            and coord.state_round.get(i) != max(coord.checksums)
+            and (prev.ring is None or i not in {m.node_id for m in prev.ring})
+        }
         self.trainers = {i: coord.speed[i] for i in members if i not in self.evaluators and i not in self.waiting}
         self.queue_before = queue.position()  # the data position before this round took its units
         self.epoch, units = queue.take(self.budget)
         # Lockstep (for comparison) gives every node the same share, whatever its speed.
-        self.plan = RoundPlan.make(units, self.trainers if self.steal else dict.fromkeys(self.trainers, 1.0), self.steal)
+        self.plan = RoundPlan.make(
+            units, self.trainers if self.steal else dict.fromkeys(self.trainers, 1.0), self.steal
+        )
         self.fastest = max(self.trainers, key=self.trainers.get)
         now = time.monotonic()
         self.last_progress = dict.fromkeys(members, now)
-        self.trained_so_far = dict.fromkeys(members, 0)   # from TrainProgress, this round
+        self.trained_so_far = dict.fromkeys(members, 0)  # from TrainProgress, this round
         self.synced: dict[str, P.BarrierSync] = {}
         self.t_sync: dict[str, float] = {}
         self.done: dict[str, P.RoundDone] = {}
-        self.excluded: set[str] = set()      # weight 0 this round (bad report, deadline)
-        self.sitting_out: set[str] = set()   # not in the ring this round (never synced, or diverged)
-        self.early: set[str] = set()         # stopped ahead of the others (see tail())
+        self.excluded: set[str] = set()  # weight 0 this round (bad report, deadline)
+        self.sitting_out: set[str] = set()  # not in the ring this round (never synced, or diverged)
+        self.early: set[str] = set()  # stopped ahead of the others (see tail())
         self.give_back: list[P.WorkUnit] = []
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
         self.ring: list[P.RingMember] | None = None
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
         self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
-        self.abandoned: str | None = None     # why this round's all-reduce was given up (θ unchanged)
-        self.catching_up: set[str] = set()   # told to catch up on prev (not in its ring)
+        self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
+        self.catching_up: set[str] = set()  # told to catch up on prev (not in its ring)
         self.settled = False
         self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
         self.epoch0 = coord.ring_epoch
@@ -102,8 +109,14 @@ class Round:
 
     def part(self) -> list[str]:
         """The nodes in this round's barrier and ring."""
-        return [i for i in self.c.members if i in self.participants and i not in self.evaluators
-                and i not in self.sitting_out and i not in self.waiting]
+        return [
+            i
+            for i in self.c.members
+            if i in self.participants
+            and i not in self.evaluators
+            and i not in self.sitting_out
+            and i not in self.waiting
+        ]
 
     def name(self, i: str) -> str:
         return self.c.members[i].info.name if i in self.c.members else i[:10]
@@ -125,14 +138,24 @@ class Round:
                 catch_up = prev.rnd  # it does not reduce prev itself: Agreed tells it what θ became
                 prev.catching_up.add(i)
             if i in self.waiting:
-                await c._send(peer, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait",
-                                                      catch_up=catch_up))
+                await c._send(
+                    peer, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait", catch_up=catch_up)
+                )
                 continue
             last_round = self.rnd == self.r.rounds - 1
-            await c._send(peer, P.ShardAssignment(
-                round=self.rnd, epoch=self.epoch, units=self.plan.grant_first(i), planned=len(self.plan.planned[i]),
-                report_val=i == self.fastest and (not self.evaluators or last_round), state=c._state_source(i),
-                progress=progress, catch_up=catch_up))
+            await c._send(
+                peer,
+                P.ShardAssignment(
+                    round=self.rnd,
+                    epoch=self.epoch,
+                    units=self.plan.grant_first(i),
+                    planned=len(self.plan.planned[i]),
+                    report_val=i == self.fastest and (not self.evaluators or last_round),
+                    state=c._state_source(i),
+                    progress=progress,
+                    catch_up=catch_up,
+                ),
+            )
 
     def samples_synced(self) -> int:
         """Samples the nodes reported at this round's barrier (counted ones)."""
@@ -158,8 +181,9 @@ class Round:
 
     async def on_TrainProgress(self, i: str, msg: P.TrainProgress) -> None:
         u = msg.unit
-        if msg.round != self.rnd or not any(g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi
-                                            for g in self.plan.granted.get(i, [])):
+        if msg.round != self.rnd or not any(
+            g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
+        ):
             return  # a late report, or samples it was never granted: counts for nothing
         self.last_progress[i] = time.monotonic()
         n = msg.unit.hi - msg.unit.lo
@@ -169,8 +193,14 @@ class Round:
         if mon and i in mon.nodes:
             v = mon.nodes[i]
             v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + n
-            mon.event("progress", node_id=i, round=self.rnd, unit=[msg.unit.epoch, msg.unit.id, msg.unit.lo, msg.unit.hi],
-                      loss=msg.loss, samples_per_s=msg.samples_per_s)
+            mon.event(
+                "progress",
+                node_id=i,
+                round=self.rnd,
+                unit=[msg.unit.epoch, msg.unit.id, msg.unit.lo, msg.unit.hi],
+                loss=msg.loss,
+                samples_per_s=msg.samples_per_s,
+            )
 
     async def on_AskForMoreWork(self, i: str, msg: P.AskForMoreWork) -> None:
         peer = self.c.members[i]
@@ -240,8 +270,13 @@ class Round:
         if not self.stop_sent:
             self.stop_sent, self.t_stop = True, time.monotonic()
             log.info("round %d: %s; stopping at the next inner step", self.rnd, reason)
-            await asyncio.gather(*(self.c._send(self.c.members[i], P.StopRound(round=self.rnd))
-                                   for i in self.part() if i not in self.synced))
+            await asyncio.gather(
+                *(
+                    self.c._send(self.c.members[i], P.StopRound(round=self.rnd))
+                    for i in self.part()
+                    if i not in self.synced
+                )
+            )
 
     def exclude(self, i: str) -> None:
         """Weight 0 this round: everything granted to it (trained or not) is redone by others."""
@@ -284,8 +319,13 @@ class Round:
         if self.prev is not None and not self.prev.settled:
             return  # overlapped: the nodes wait at this barrier for the round before to land
         for i in list(c.members):
-            if i not in self.participants or self.ring is not None or i in self.synced or i in self.excluded \
-                    or i in self.evaluators:
+            if (
+                i not in self.participants
+                or self.ring is not None
+                or i in self.synced
+                or i in self.excluded
+                or i in self.evaluators
+            ):
                 continue
             # Deadlines: a unit should take unit_samples/speed, and after StopRound a node should
             # reach the barrier within one inner step. Past unit_deadline_factor times that (plus
@@ -302,8 +342,13 @@ class Round:
             others = [j for j in self.part() if j != i and j not in self.excluded]
             if others and waited > r.unit_deadline_factor * expected + 2 * r.heartbeat_s:
                 name = self.name(i)
-                log.warning("node %s has not finished its work in %.1fs (expected %.2fs): its units are "
-                            "reassigned and it sits out this round", name, waited, expected)
+                log.warning(
+                    "node %s has not finished its work in %.1fs (expected %.2fs): its units are "
+                    "reassigned and it sits out this round",
+                    name,
+                    waited,
+                    expected,
+                )
                 c._note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
                 self.exclude(i)
                 # What we know now: it is at least this slow. Plans (and the choice of evaluators)
@@ -343,14 +388,19 @@ class Round:
         order = part if c.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
         self.ring = [P.RingMember(node_id=i, ticket=c.members[i].info.ring_ticket, weight=weight(i)) for i in order]
         c._note("barrier", round=self.rnd, ring_epoch=c.ring_epoch, nodes=len(self.ring))
-        await c._broadcast([c.members[i] for i in part],
-                           P.BarrierReady(round=self.rnd, ring=self.ring, codec=self.r.codec, ring_epoch=c.ring_epoch))
+        await c._broadcast(
+            [c.members[i] for i in part],
+            P.BarrierReady(round=self.rnd, ring=self.ring, codec=self.r.codec, ring_epoch=c.ring_epoch),
+        )
 
     async def reduce_progress(self, now: float) -> bool:
         """While the ring runs: retry it when it broke; once every member reported, check θ."""
         part = self.part()
-        if self.retry_reason is None and self.ring_failed_at is not None and \
-                now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1:
+        if (
+            self.retry_reason is None
+            and self.ring_failed_at is not None
+            and now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1
+        ):
             # The ring is all or nothing: if every other member finished it, they agree on θ and
             # the reporters' word against them changes nothing (a node repeating RingFailed cannot
             # hold every round hostage); the reporters get θ with Agreed.
@@ -358,8 +408,12 @@ class Round:
             if failed and 2 * (len(part) - len(failed)) > len(part) and self.minority() == []:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
                 # counts; only their θ is behind.
-                log.warning("round %d: %d node(s) reported a failed all-reduce that the others finished; "
-                            "they get θ from a peer", self.rnd, len(failed))
+                log.warning(
+                    "round %d: %d node(s) reported a failed all-reduce that the others finished; "
+                    "they get θ from a peer",
+                    self.rnd,
+                    len(failed),
+                )
                 return True
             self.retry_reason = "a node reported a broken all-reduce and nobody left"
         if self.retry_reason is None and part and all(i in self.done for i in part):
@@ -382,7 +436,9 @@ class Round:
         if self.c.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
             self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
             return True
-        log.warning("round %d: %s; retrying the all-reduce with %d node(s)", self.rnd, self.retry_reason, len(self.part()))
+        log.warning(
+            "round %d: %s; retrying the all-reduce with %d node(s)", self.rnd, self.retry_reason, len(self.part())
+        )
         self.c._note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
         self.done.clear()
@@ -393,8 +449,12 @@ class Round:
     def agreed(self) -> bool:
         """Every ring member reported θ after the outer step, and all the same θ."""
         part = self.part()
-        return bool(part) and all(i in self.done for i in part) and \
-            len({self.done[i].checksum for i in part}) == 1 and self.retry_reason is None
+        return (
+            bool(part)
+            and all(i in self.done for i in part)
+            and len({self.done[i].checksum for i in part}) == 1
+            and self.retry_reason is None
+        )
 
     def minority(self) -> list[str]:
         """Ring members whose θ checksum disagrees with the majority's (RoundError if none has one)."""
@@ -441,8 +501,11 @@ class Round:
         is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt."""
         result = self._record()
         c = self.c
-        told = [i for i in c.members if i not in self.done and
-                (i in self.participants and i not in self.evaluators or i in self.catching_up)]
+        told = [
+            i
+            for i in c.members
+            if i not in self.done and ((i in self.participants and i not in self.evaluators) or i in self.catching_up)
+        ]
         for i in told:  # (their state_round follows from their heartbeats, once they hold it)
             src = c._state_source(i, force=True)
             await c._send(c.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
@@ -461,8 +524,11 @@ class Round:
         if self.abandoned:  # θ unchanged: nobody's work counts, the last agreed θ stays the newest
             checksum, weights, done = c.checksums[max(c.checksums)], {}, {}
         else:
-            checksum, weights, done = next(iter(self.done.values())).checksum, \
-                {m.node_id: m.weight for m in self.ring or []}, self.done
+            checksum, weights, done = (
+                next(iter(self.done.values())).checksum,
+                {m.node_id: m.weight for m in self.ring or []},
+                self.done,
+            )
             c.checksums[rnd] = checksum
             for i in done:
                 c.state_round[i] = rnd
@@ -482,18 +548,36 @@ class Round:
             for i, d in done.items():
                 if i in mon.nodes:
                     mon.nodes[i].bytes_sent += d.bytes_sent
-            mon.event("round", round=rnd, epoch=self.epoch, val_loss=val, train_loss=train_loss, samples=samples,
-                      seconds=res.seconds, checksum=checksum, bytes_sent=sum(d.bytes_sent for d in done.values()),
-                      evaluators=sorted(self.name(i) for i in self.evaluators if i in c.members),
-                      reduce_s=max((d.reduce_s for d in done.values()), default=0.0), abandoned=self.abandoned,
-                      nodes={self.name(i): {
-                          "node_id": i, "samples": _samples(s.trained) if i in counted else 0, "steps": s.steps,
-                          "weight": weights.get(i, 0.0), "busy_s": self.t_sync[i] - self.t0, "step_s": s.busy_s,
-                          "lr": s.lr,
-                          "idle_s": max(0.0, self.t_ready - self.t_sync[i]),
-                          "sync_s": done[i].reduce_s if i in done else 0.0,
-                          "bytes_sent": done[i].bytes_sent if i in done else 0,
-                          "role": "evaluate" if i in self.evaluators else "train",
-                          "trained": [[u.epoch, u.id, u.lo, u.hi] for u in s.trained]}
-                          for i, s in self.synced.items() if i in c.members})
+            mon.event(
+                "round",
+                round=rnd,
+                epoch=self.epoch,
+                val_loss=val,
+                train_loss=train_loss,
+                samples=samples,
+                seconds=res.seconds,
+                checksum=checksum,
+                bytes_sent=sum(d.bytes_sent for d in done.values()),
+                evaluators=sorted(self.name(i) for i in self.evaluators if i in c.members),
+                reduce_s=max((d.reduce_s for d in done.values()), default=0.0),
+                abandoned=self.abandoned,
+                nodes={
+                    self.name(i): {
+                        "node_id": i,
+                        "samples": _samples(s.trained) if i in counted else 0,
+                        "steps": s.steps,
+                        "weight": weights.get(i, 0.0),
+                        "busy_s": self.t_sync[i] - self.t0,
+                        "step_s": s.busy_s,
+                        "lr": s.lr,
+                        "idle_s": max(0.0, self.t_ready - self.t_sync[i]),
+                        "sync_s": done[i].reduce_s if i in done else 0.0,
+                        "bytes_sent": done[i].bytes_sent if i in done else 0,
+                        "role": "evaluate" if i in self.evaluators else "train",
+                        "trained": [[u.epoch, u.id, u.lo, u.hi] for u in s.trained],
+                    }
+                    for i, s in self.synced.items()
+                    if i in c.members
+                },
+            )
         return res

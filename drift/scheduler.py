@@ -32,8 +32,9 @@ class UnitQueue:
         self._returned: deque[WorkUnit] = deque()
 
     def full(self, uid: int) -> WorkUnit:
-        return WorkUnit(epoch=self.epoch, id=uid, lo=0,
-                        hi=min(self.unit_samples, self.n_samples - uid * self.unit_samples))
+        return WorkUnit(
+            epoch=self.epoch, id=uid, lo=0, hi=min(self.unit_samples, self.n_samples - uid * self.unit_samples)
+        )
 
     def take(self, budget: int) -> tuple[int, list[WorkUnit]]:
         """Units worth about `budget` samples (at least one), and the epoch of the first."""
@@ -53,8 +54,11 @@ class UnitQueue:
     def position(self) -> dict:
         """Where the data stands: every sample of epochs before `epoch`, and of units [0, next_unit)
         of `epoch`, was trained, except the `pending` pieces ([epoch, id, lo, hi])."""
-        return {"epoch": self.epoch, "next_unit": self._next,
-                "pending": [[u.epoch, u.id, u.lo, u.hi] for u in self._returned]}
+        return {
+            "epoch": self.epoch,
+            "next_unit": self._next,
+            "pending": [[u.epoch, u.id, u.lo, u.hi] for u in self._returned],
+        }
 
     @staticmethod
     def with_pending(position: dict, units: list[WorkUnit]) -> dict:
@@ -65,9 +69,12 @@ class UnitQueue:
     def restore(self, position: dict) -> None:
         """Continue from a position() saved in a checkpoint."""
         self.epoch, self._next = int(position["epoch"]), int(position["next_unit"])
-        self._returned = deque(WorkUnit(epoch=p[0], id=p[1], lo=p[2], hi=p[3]) if len(p) == 4
-                               else WorkUnit(epoch=self.epoch, id=p[0], lo=p[1], hi=p[2])
-                               for p in position["pending"])
+        self._returned = deque(
+            WorkUnit(epoch=p[0], id=p[1], lo=p[2], hi=p[3])
+            if len(p) == 4
+            else WorkUnit(epoch=self.epoch, id=p[0], lo=p[1], hi=p[2])
+            for p in position["pending"]
+        )
 
     def give_back(self, units: list[WorkUnit]) -> None:
         self._returned.extendleft(reversed([u for u in units if u.hi > u.lo]))
@@ -84,7 +91,7 @@ def split_proportional(units: list, speeds: list[float]) -> list[list]:
         counts[i] += 1
     shares, i = [], 0
     for c in counts:
-        shares.append(units[i:i + c])
+        shares.append(units[i : i + c])
         i += c
     return shares
 
@@ -104,7 +111,7 @@ class RoundPlan:
     orphans: deque[WorkUnit] = field(default_factory=deque)  # from nodes that left mid-round
 
     @classmethod
-    def make(cls, units: list[WorkUnit], speeds: dict[str, float], steal: bool = True) -> "RoundPlan":
+    def make(cls, units: list[WorkUnit], speeds: dict[str, float], steal: bool = True) -> RoundPlan:
         ids = list(speeds)
         shares = split_proportional(units, [speeds[i] for i in ids])
         return cls(dict(speeds), steal, {i: deque(s) for i, s in zip(ids, shares)}, {i: [] for i in ids})
@@ -165,6 +172,7 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
 
 def check_accounting(granted: list[WorkUnit], trained: list[WorkUnit], returned: list[WorkUnit]) -> str | None:
     """Trained + returned must tile exactly what was granted; returns what is wrong, or None."""
+
     def by_id(units: list[WorkUnit]) -> dict[tuple[int, int], list[tuple[int, int]]]:
         out: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for u in units:
@@ -172,7 +180,7 @@ def check_accounting(granted: list[WorkUnit], trained: list[WorkUnit], returned:
                 out.setdefault((u.epoch, u.id), []).append((u.lo, u.hi))
         return out
 
-    def show(keys) -> str:  # noqa: ANN001
+    def show(keys) -> str:
         return str(sorted(uid for _, uid in keys))
 
     want, got = by_id(granted), by_id([*trained, *returned])

@@ -26,8 +26,15 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 class Swarm:
-    def __init__(self, recipe: Path, work: Path, *coord_args: str, log_name: str = "coord.log",
-                 wrap: list[str] | None = None, session: bool = False):
+    def __init__(
+        self,
+        recipe: Path,
+        work: Path,
+        *coord_args: str,
+        log_name: str = "coord.log",
+        wrap: list[str] | None = None,
+        session: bool = False,
+    ):
         """`wrap` prefixes the coordinator's command (e.g. `ip netns exec NS`); join() takes one too.
         `session`: the coordinator leads a process group of its own, as a shell's foreground job
         does (nodes can join that group: a terminal's Ctrl-C then reaches all of them)."""
@@ -36,10 +43,25 @@ class Swarm:
         self.nodes: list[subprocess.Popen] = []
         self.coord_log = work / log_name
         with open(self.coord_log, "w") as fh:
-            self.coord = subprocess.Popen([*(wrap or []), sys.executable, "-m", "drift", "coord", str(recipe), "--run-dir",
-                                           str(self.run_dir), "--key", str(work / "coord.key"), *coord_args],
-                                          stdout=fh, stderr=subprocess.STDOUT, env=ENV,
-                                          preexec_fn=(lambda: os.setpgid(0, 0)) if session else None)
+            self.coord = subprocess.Popen(
+                [
+                    *(wrap or []),
+                    sys.executable,
+                    "-m",
+                    "drift",
+                    "coord",
+                    str(recipe),
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--key",
+                    str(work / "coord.key"),
+                    *coord_args,
+                ],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+                preexec_fn=(lambda: os.setpgid(0, 0)) if session else None,
+            )
         self.ticket = self._wait_for(r"--ticket (\S+)", 60)
 
     def _wait_for(self, pattern: str, timeout: float) -> str:
@@ -53,9 +75,16 @@ class Swarm:
             time.sleep(0.1)
         raise AssertionError(f"coordinator never printed {pattern!r}")
 
-    def join(self, sim_step: str | None = None, name: str | None = None, wrap: list[str] | None = None,
-             script: Path | None = None, env: dict[str, str] | None = None,
-             process_group: int | None = None, key: Path | None = None) -> subprocess.Popen:
+    def join(
+        self,
+        sim_step: str | None = None,
+        name: str | None = None,
+        wrap: list[str] | None = None,
+        script: Path | None = None,
+        env: dict[str, str] | None = None,
+        process_group: int | None = None,
+        key: Path | None = None,
+    ) -> subprocess.Popen:
         """Start `drift join`; `sim_step` is its --sim-step (None: the real speed), `wrap` prefixes
         the command (`ip netns exec NS`), `script` runs instead of `python -m drift` (a test's
         wrapper that calls drift.cli.main, e.g. tests/held_node.py)."""
@@ -65,11 +94,30 @@ class Swarm:
         log = open(self.work / f"{stem}.log", "w")
         sim = ["--sim-step", sim_step] if sim_step else []
         launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
-        p = subprocess.Popen([*(wrap or []), *launcher, "join", "--repo", str(self.recipe.parents[1]),
-                              "--ticket", self.ticket, "--name", name, "--threads", "1", *sim,
-                              "--key", str(key or self.work / f"{stem}.key"), "--cache-dir", str(self.work / "cache")],
-                             stdout=log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
-                             preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)))
+        p = subprocess.Popen(
+            [
+                *(wrap or []),
+                *launcher,
+                "join",
+                "--repo",
+                str(self.recipe.parents[1]),
+                "--ticket",
+                self.ticket,
+                "--name",
+                name,
+                "--threads",
+                "1",
+                *sim,
+                "--key",
+                str(key or self.work / f"{stem}.key"),
+                "--cache-dir",
+                str(self.work / "cache"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**ENV, **(env or {})},
+            preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)),
+        )
         self.nodes.append(p)
         return p
 
@@ -85,7 +133,7 @@ class Swarm:
                 break
         return events
 
-    def wait_event(self, pred, timeout: float = 120) -> dict:  # noqa: ANN001
+    def wait_event(self, pred, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for e in self.events():
@@ -123,10 +171,16 @@ class Swarm:
 
 
 def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "drift", "GIT_AUTHOR_EMAIL": "drift@localhost",
-           "GIT_COMMITTER_NAME": "drift", "GIT_COMMITTER_EMAIL": "drift@localhost"}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "drift",
+        "GIT_AUTHOR_EMAIL": "drift@localhost",
+        "GIT_COMMITTER_NAME": "drift",
+        "GIT_COMMITTER_EMAIL": "drift@localhost",
+    }
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env
+    ).stdout.strip()
 
 
 def make_task_repo(path: Path, recipe: dict, task: Path = ROOT / "recipes" / "shakespeare_char.py") -> Path:

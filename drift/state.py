@@ -29,13 +29,13 @@ from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportErro
 log = logging.getLogger("drift.state")
 
 REQUEST_TIMEOUT = 10.0  # a peer sends its request as soon as it connects
-DONE_TIMEOUT = 60.0     # for the peer's "ok" once the state is sent
-MAX_REQUEST = 256       # bytes: a request is {"round": N}
-MAX_HEADER = 1 << 24    # bytes: the header names every tensor of the model (16 MiB: ~100k tensors)
-MAX_CLIENTS = 64        # connections served at once; more are refused at once
-CHUNK_BYTES = 4 << 20   # one frame of a transfer
+DONE_TIMEOUT = 60.0  # for the peer's "ok" once the state is sent
+MAX_REQUEST = 256  # bytes: a request is {"round": N}
+MAX_HEADER = 1 << 24  # bytes: the header names every tensor of the model (16 MiB: ~100k tensors)
+MAX_CLIENTS = 64  # connections served at once; more are refused at once
+CHUNK_BYTES = 4 << 20  # one frame of a transfer
 MAX_TENSORS = 1 << 20
-MAX_VALUES = 1 << 40    # values in θ a receiver will accept at all (it also checks the size it expects)
+MAX_VALUES = 1 << 40  # values in θ a receiver will accept at all (it also checks the size it expects)
 
 
 class StateError(Exception):
@@ -44,8 +44,8 @@ class StateError(Exception):
 
 @dataclass
 class Published:
-    round: int            # θ after this round's outer step (-1: the initial θ)
-    theta: np.ndarray     # the node's live arrays, not copies
+    round: int  # θ after this round's outer step (-1: the initial θ)
+    theta: np.ndarray  # the node's live arrays, not copies
     velocity: np.ndarray
     checksum: str
     layout: ParamLayout
@@ -58,8 +58,8 @@ class StateServer:
     def __init__(self, allowed: Callable[[str], bool] = lambda peer: False) -> None:
         self.current: Published | None = None
         self.allowed = allowed
-        self._clients = 0    # requests being served now (MAX_CLIENTS)
-        self._reading = 0    # transfers streaming the arrays right now
+        self._clients = 0  # requests being served now (MAX_CLIENTS)
+        self._reading = 0  # transfers streaming the arrays right now
         self._writing = False
         self._cond = asyncio.Condition()
 
@@ -94,7 +94,7 @@ class StateServer:
                 await self._serve(await Endpoint.accept_channel(conn, timeout=REQUEST_TIMEOUT))
             finally:
                 self._clients -= 1
-        except Exception as e:  # noqa: BLE001 - a peer's bytes end its request, never the server
+        except Exception as e:
             why = printable(e if isinstance(e, (StateError, TransportError)) else f"{e.__class__.__name__}: {e}", 300)
             if on_drop is not None:
                 on_drop(peer_of(conn), why)
@@ -103,7 +103,7 @@ class StateServer:
         finally:
             try:
                 conn.close(0, b"done")
-            except Exception:  # noqa: BLE001, S110 - already closed
+            except Exception:
                 pass
 
     async def _serve(self, ch: Channel) -> None:
@@ -121,14 +121,22 @@ class StateServer:
                 await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
             else:
                 try:
-                    await ch.send_frame(json.dumps({
-                        "round": cur.round, "checksum": cur.checksum, "n": int(cur.theta.size),
-                        "names": list(cur.layout.names), "shapes": [list(x) for x in cur.layout.shapes],
-                        "buffers": cur.layout.n_buffers}).encode())
+                    await ch.send_frame(
+                        json.dumps(
+                            {
+                                "round": cur.round,
+                                "checksum": cur.checksum,
+                                "n": int(cur.theta.size),
+                                "names": list(cur.layout.names),
+                                "shapes": [list(x) for x in cur.layout.shapes],
+                                "buffers": cur.layout.n_buffers,
+                            }
+                        ).encode()
+                    )
                     for a in (cur.theta, cur.velocity):
                         view = memoryview(a).cast("B")
                         for i in range(0, len(view), CHUNK_BYTES):
-                            await ch.send_frame(view[i:i + CHUNK_BYTES])
+                            await ch.send_frame(view[i : i + CHUNK_BYTES])
                 finally:
                     async with self._cond:
                         self._reading -= 1
@@ -147,7 +155,7 @@ def _parse_request(frame: bytes) -> int:
         raise StateError("state request is not JSON") from None
     rnd = want.get("round") if isinstance(want, dict) and len(want) == 1 else None
     if type(rnd) is not int or not -1 <= rnd <= MAX_ROUND:
-        raise StateError(f"state request is not {{\"round\": R}} with -1 <= R <= {MAX_ROUND}")
+        raise StateError(f'state request is not {{"round": R}} with -1 <= R <= {MAX_ROUND}')
     return rnd
 
 
@@ -156,11 +164,21 @@ def _parse_header(head: dict, size: int | None) -> ParamLayout:
     if "error" in head:
         raise StateError(printable(head["error"], 200))
     names, shapes, n, n_buffers = head.get("names"), head.get("shapes"), head.get("n"), head.get("buffers", 0)
-    if not (isinstance(names, list) and isinstance(shapes, list) and len(names) == len(shapes) <= MAX_TENSORS
-            and all(isinstance(x, str) and len(x) <= 1024 for x in names) and len(set(names)) == len(names)
-            and all(isinstance(s, list) and len(s) <= 32 and all(type(d) is int and 0 <= d <= MAX_VALUES for d in s)
-                    for s in shapes)
-            and type(n) is int and 0 <= n <= MAX_VALUES and type(n_buffers) is int and 0 <= n_buffers <= len(names)):
+    if not (
+        isinstance(names, list)
+        and isinstance(shapes, list)
+        and len(names) == len(shapes) <= MAX_TENSORS
+        and all(isinstance(x, str) and len(x) <= 1024 for x in names)
+        and len(set(names)) == len(names)
+        and all(
+            isinstance(s, list) and len(s) <= 32 and all(type(d) is int and 0 <= d <= MAX_VALUES for d in s)
+            for s in shapes
+        )
+        and type(n) is int
+        and 0 <= n <= MAX_VALUES
+        and type(n_buffers) is int
+        and 0 <= n_buffers <= len(names)
+    ):
         raise StateError("the peer's state header is malformed")
     layout = ParamLayout(tuple(names), tuple(tuple(s) for s in shapes), n_buffers)
     if layout.size != n or (size is not None and n != size):
@@ -171,9 +189,15 @@ def _parse_header(head: dict, size: int | None) -> ParamLayout:
 Sink = Callable[[int, int, memoryview], None]  # (which: 0 θ / 1 velocity, byte offset, bytes)
 
 
-async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_checksum: str,
-                      sink: Callable[[ParamLayout], Sink], size: int | None = None,
-                      timeout: float = 120.0) -> ParamLayout:
+async def fetch_state(
+    endpoint: Endpoint,
+    tickets: list[str],
+    rnd: int,
+    want_checksum: str,
+    sink: Callable[[ParamLayout], Sink],
+    size: int | None = None,
+    timeout: float = 120.0,
+) -> ParamLayout:
     """The state after round `rnd`, streamed from the first peer in `tickets` that has it, into
     `sink(layout)` (which returns where the bytes go: arrays, or files); returns the layout once
     the bytes match `want_checksum` (and `size` values, when given). A sink written by a peer that
@@ -216,12 +240,15 @@ async def fetch_state(endpoint: Endpoint, tickets: list[str], rnd: int, want_che
 
 def into_arrays(theta: np.ndarray, velocity: np.ndarray) -> Callable[[ParamLayout], Sink]:
     """A fetch_state sink that writes into these flat float32 arrays."""
+
     def sink(layout: ParamLayout) -> Sink:
         if layout.size != theta.size:
             raise StateError(f"peer sent {layout.size} values, expected {theta.size}")
         views = (memoryview(theta).cast("B"), memoryview(velocity).cast("B"))
 
         def write(which: int, offset: int, data: memoryview) -> None:
-            views[which][offset:offset + len(data)] = data
+            views[which][offset : offset + len(data)] = data
+
         return write
+
     return sink

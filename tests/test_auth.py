@@ -11,11 +11,21 @@ from pathlib import Path
 import iroh
 import nacl.signing
 import pytest
-
-from auth import (Admission, AuthError, KeyFileError, NodeKey, load_key, load_or_create_key, parse_allowlist,
-                  sign_message, verify_message, verify_peers)
-from auth.keys import create_key
 from conftest import drift_cmd, git, run_async
+
+from auth import (
+    Admission,
+    AuthError,
+    KeyFileError,
+    NodeKey,
+    load_key,
+    load_or_create_key,
+    parse_allowlist,
+    sign_message,
+    verify_message,
+    verify_peers,
+)
+from auth.keys import create_key
 from drift.repo import RepoCache, RepoError, is_commit_id, resolve_commit
 from drift.transport import Endpoint
 
@@ -23,6 +33,7 @@ COMMIT, TREE = "c" * 40, "7" * 40
 
 
 # --- keys ----------------------------------------------------------------------------------------
+
 
 def test_iroh_secret_key_is_the_ed25519_seed_and_node_id_the_verify_key() -> None:
     key = NodeKey.generate()
@@ -94,14 +105,27 @@ def test_cli_id_prints_the_node_id_and_refuses_loose_keys(tmp_path: Path) -> Non
     out = subprocess.run(drift_cmd("id", "--key", str(path)), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"drift: error: key file {path} is readable by other users (mode 0644); fix with: chmod 600 {path}"]
+        f"drift: error: key file {path} is readable by other users (mode 0644); fix with: chmod 600 {path}"
+    ]
 
 
 # --- signatures and admission --------------------------------------------------------------------
 
+
 def _rc(key: NodeKey, **over) -> dict:
-    body = dict(type="RepoCommit", repo="r", commit=COMMIT, tree=TREE, node_id=key.node_id, timestamp=time.time(),
-                nonce=os.urandom(16).hex(), signature="", param_checksum="p", n_train=10, run_id="run1")
+    body = dict(
+        type="RepoCommit",
+        repo="r",
+        commit=COMMIT,
+        tree=TREE,
+        node_id=key.node_id,
+        timestamp=time.time(),
+        nonce=os.urandom(16).hex(),
+        signature="",
+        param_checksum="p",
+        n_train=10,
+        run_id="run1",
+    )
     body.update(over)
     return sign_message(key, body)
 
@@ -138,7 +162,7 @@ def test_admission_refusals_say_why() -> None:
     cases = [
         (forged, key, "bad signature"),
         ({**_rc(key), "signature": "00" * 64}, key, "bad signature"),
-        (_rc(other), key, "wrong signer"),                                       # another node's message
+        (_rc(other), key, "wrong signer"),  # another node's message
         (_rc(key, timestamp=now - 3600), key, "stale RepoCommit"),
         (_rc(key, timestamp=now + 3600), key, "in the future"),
         (_rc(key, commit="d" * 40), key, "wrong commit"),
@@ -179,14 +203,16 @@ def test_allowlist_and_threshold() -> None:
         adm.check_allowed(stranger.node_id)
     adm.check_allowed(a.node_id)
     adm.refuse(a.node_id, "wrong commit")
-    assert adm.unreachable() is None          # b and c can still make 2
+    assert adm.unreachable() is None  # b and c can still make 2
     adm.refuse(b.node_id, "stale")
     why = adm.unreachable()
     assert why and "auth_threshold 2 can no longer be met: 2 of the 3 allowlisted nodes were refused" in why
     assert _admission(threshold=5).unreachable() is None  # an open swarm can always gain nodes
-    adm.refuse(stranger.node_id, "unknown")                 # strangers are not remembered
+    adm.refuse(stranger.node_id, "unknown")  # strangers are not remembered
     assert stranger.node_id not in adm.refused
-    assert "can never be met: the allowlist names only 3 node(s)" in _admission(allowlist=ids, threshold=4).unreachable()
+    assert (
+        "can never be met: the allowlist names only 3 node(s)" in _admission(allowlist=ids, threshold=4).unreachable()
+    )
 
 
 def test_node_checks_its_peers_signatures() -> None:
@@ -210,6 +236,7 @@ def test_node_checks_its_peers_signatures() -> None:
 
 # --- the repo cache ------------------------------------------------------------------------------
 
+
 def _repo(path: Path) -> tuple[Path, str]:
     path.mkdir(parents=True)
     (path / "task.py").write_text("X = 1\n")
@@ -230,9 +257,9 @@ def test_checkout_of_a_pinned_commit_fetches_what_is_new(tmp_path: Path) -> None
     (src / "task.py").write_text("X = 2\n")
     git(src, "commit", "-qam", "two")
     second = git(src, "rev-parse", "HEAD")
-    work2 = cache.checkout(second)          # not in the mirror yet: fetched
+    work2 = cache.checkout(second)  # not in the mirror yet: fetched
     assert (work2 / "task.py").read_text() == "X = 2\n"
-    assert (work / "task.py").read_text() == "X = 1\n"   # each commit keeps its own checkout
+    assert (work / "task.py").read_text() == "X = 1\n"  # each commit keeps its own checkout
     assert cache.tree(work2) == git(src, "rev-parse", "HEAD^{tree}")
     assert resolve_commit(src, "main") == second and resolve_commit(src, second[:8]) == second
     # A file:// URL goes through the same path as any remote.
@@ -244,7 +271,7 @@ def test_unreachable_commit_is_refused(tmp_path: Path) -> None:
     (src / "task.py").write_text("EVIL = 1\n")
     git(src, "commit", "-qam", "dangling")
     dangling = git(src, "rev-parse", "HEAD")
-    git(src, "reset", "-q", "--hard", first)          # the object exists, no branch or tag holds it
+    git(src, "reset", "-q", "--hard", first)  # the object exists, no branch or tag holds it
     cache = RepoCache(str(src), tmp_path / "cache")
     for commit in (dangling, "0" * 40):
         with pytest.raises(RepoError, match=f"commit {commit[:12]} is not reachable from any branch or tag"):
@@ -259,14 +286,14 @@ def test_dirty_checkout_is_refused(tmp_path: Path) -> None:
     cache = RepoCache(str(src), tmp_path / "cache")
     work = cache.checkout(first)
     (work / "__pycache__").mkdir()
-    (work / "__pycache__" / "task.cpython-312.pyc").write_bytes(b"\0")   # importing the task does this
+    (work / "__pycache__" / "task.cpython-312.pyc").write_bytes(b"\0")  # importing the task does this
     assert cache.checkout(first) == work
     (work / "task.py").write_text("X = 'patched'\n")
     with pytest.raises(RepoError, match=r"has uncommitted changes \(task.py\).*delete that directory"):
         cache.checkout(first)
     git(work, "checkout", "--", "task.py")
     (work / "sneaky.py").write_text("import os\n")
-    with pytest.raises(RepoError, match="sneaky.py"):
+    with pytest.raises(RepoError, match=r"sneaky\.py"):
         cache.checkout(first)
 
 
@@ -278,7 +305,7 @@ def test_repo_must_be_git_and_task_must_stay_inside(tmp_path: Path) -> None:
         RepoCache(str(tmp_path / "nope"), tmp_path / "cache")
     with pytest.raises(RepoError, match="cannot clone"):
         RepoCache(f"file://{tmp_path}/nope", tmp_path / "cache").fetch()
-    src, first = _repo(tmp_path / "src")
+    src, _first = _repo(tmp_path / "src")
     os.symlink("/etc/passwd", src / "link.py")
     git(src, "add", "link.py")
     git(src, "commit", "-qm", "link")
@@ -291,10 +318,16 @@ def test_repo_must_be_git_and_task_must_stay_inside(tmp_path: Path) -> None:
 
 # --- the coordinator's side of the CLI -----------------------------------------------------------
 
+
 def _coord_error(recipe: Path, tmp_path: Path) -> str:
     env = {**os.environ, "DRIFT_HOME": str(tmp_path / "home")}
-    out = subprocess.run(drift_cmd("coord", str(recipe), "--run-dir", str(tmp_path / "run")),
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        drift_cmd("coord", str(recipe), "--run-dir", str(tmp_path / "run")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("drift: error: "), out.stderr
@@ -305,8 +338,8 @@ def test_coord_refuses_unpinnable_code_and_bad_allowlists(tmp_path: Path) -> Non
     import shutil
 
     import yaml
-
     from conftest import ROOT, make_task_repo
+
     recipe = make_task_repo(tmp_path / "repo")
     data = yaml.safe_load(recipe.read_text())
 
@@ -315,7 +348,8 @@ def test_coord_refuses_unpinnable_code_and_bad_allowlists(tmp_path: Path) -> Non
         return recipe
 
     assert "commit: commit 'no-such-branch' is not in the repository" in _coord_error(
-        write(commit="no-such-branch"), tmp_path)
+        write(commit="no-such-branch"), tmp_path
+    )
     (recipe.parent / "allow.txt").write_text(f"{NodeKey.generate().node_id} ok\nbogus line\n")
     line = _coord_error(write(allowlist="allow.txt"), tmp_path)
     assert "allow.txt, entry 2: 'bogus' is not a node id" in line

@@ -219,7 +219,7 @@ def test_diloco_rounds_over_mixed_backends_keep_one_theta(cached: SimpleNamespac
     rng = np.random.default_rng(0)
     sums = []
     for _ in range(3):
-        for b, w in ws.items():
+        for w in ws.values():
             for _ in range(3):
                 w.train_step(rng.integers(0, w.n_train, 16))
         deltas = {b: weighted_delta(thetas[b], layout.flatten(w.get_params()), weights[b]) for b, w in ws.items()}

@@ -12,11 +12,19 @@ import time
 from pathlib import Path
 
 from conftest import check_exactly_once, drift_cmd, make_task_repo
+
 from drift.simulate import Swarm
 
 BATCH = 8
-SIM = dict(task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}, batch_size=BATCH,
-           unit_steps=2, eval_batches=2, stale_after_s=4.0, heartbeat_s=0.5, inner_steps=6)
+SIM = dict(
+    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    batch_size=BATCH,
+    unit_steps=2,
+    eval_batches=2,
+    stale_after_s=4.0,
+    heartbeat_s=0.5,
+    inner_steps=6,
+)
 
 
 def _after_resume(events: list[dict]) -> list[dict]:
@@ -31,7 +39,7 @@ def test_coordinator_killed_then_resumed(tmp_path: Path) -> None:
     first = Swarm(recipe, tmp_path)
     nodes = [first.join("0.02"), first.join("0.02")]
     first.wait_event(lambda e: e["event"] == "checkpoint" and e["round"] == 2)
-    first.kill(first.coord)                                   # kill -9, mid-run
+    first.kill(first.coord)  # kill -9, mid-run
     for p in nodes:
         first.kill(p)
     last_done = max(e["round"] for e in first.events() if e["event"] == "round")
@@ -43,8 +51,8 @@ def test_coordinator_killed_then_resumed(tmp_path: Path) -> None:
     events = second.events()
     resumed = next(e for e in events if e["event"] == "resumed")
     assert resumed["round"] >= 2 and "resuming:   after round" in second.log()
-    assert last_done - resumed["round"] <= 1                  # at most the round in flight was lost
-    rounds = [e["round"] for e in events[events.index(resumed):] if e["event"] == "round"]
+    assert last_done - resumed["round"] <= 1  # at most the round in flight was lost
+    rounds = [e["round"] for e in events[events.index(resumed) :] if e["event"] == "round"]
     assert rounds == list(range(resumed["round"] + 1, 6))
     check_exactly_once(_after_resume(events), 2 * BATCH)
 
@@ -56,13 +64,13 @@ def test_ctrl_c_checkpoints_and_a_corrupt_checkpoint_is_skipped(tmp_path: Path) 
     first.wait_event(lambda e: e["event"] == "round" and e["round"] == 2)
     assert first.kill(first.coord, signal.SIGINT) == 130, first.log()  # Ctrl-C: a clean stop
     assert "interrupted: checkpoint" in first.log()
-    for p in nodes:                                           # the nodes were told, and left
+    for p in nodes:  # the nodes were told, and left
         assert p.wait(timeout=60) != 0
     assert "coordinator was stopped" in (tmp_path / "n0.log").read_text()
     ckpts = sorted((first.run_dir / "checkpoints").glob("round-*"))
     newest = ckpts[-1]
     data = bytearray((newest / "theta.safetensors").read_bytes())
-    data[len(data) // 2] ^= 0xFF                              # one flipped byte
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
     (newest / "theta.safetensors").write_bytes(bytes(data))
 
     second = Swarm(recipe, tmp_path, "--resume", log_name="coord2.log")
@@ -71,7 +79,7 @@ def test_ctrl_c_checkpoints_and_a_corrupt_checkpoint_is_skipped(tmp_path: Path) 
     second.wait_event(lambda e: e["event"] == "resumed")
     assert "warning" in second.log() and newest.name in second.log()
     resumed = next(e for e in second.events() if e["event"] == "resumed")
-    assert resumed["path"] == str(ckpts[-2])                  # the newest one that verifies
+    assert resumed["path"] == str(ckpts[-2])  # the newest one that verifies
     assert second.kill(second.coord, signal.SIGINT) == 130, second.log()
     second.finish()
     assert "Traceback" not in second.log()
@@ -97,14 +105,18 @@ def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> Non
     run = tmp_path / "run"
     out = tmp_path / "coord.log"
     with open(out, "w") as fh:
-        coord = subprocess.Popen(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run)),
-                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        coord = subprocess.Popen(
+            drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run)),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 300
         while not any(e["event"] == "round" and e["round"] >= 2 for e in _events(run)):
             assert coord.poll() is None and time.monotonic() < deadline, out.read_text()
             time.sleep(0.05)
-        os.killpg(coord.pid, signal.SIGINT)                    # what the terminal does
+        os.killpg(coord.pid, signal.SIGINT)  # what the terminal does
         assert coord.wait(timeout=120) == 130, out.read_text()
     finally:
         if coord.poll() is None:
@@ -137,6 +149,6 @@ def test_ctrl_c_that_kills_the_nodes_too_names_the_checkpoint_resume_uses(tmp_pa
     ckpts = sorted((swarm.run_dir / "checkpoints").glob("round-*"))
     if "could not fetch" in line:  # the nodes were gone before they could hand θ over
         assert f"--resume continues from round {int(ckpts[-1].name[6:])} ({ckpts[-1]})" in line, line
-    else:                          # one of them still answered
+    else:  # one of them still answered
         assert f"checkpoint of round {int(ckpts[-1].name[6:])}: {ckpts[-1]}" in line, line
     assert "resume with: drift coord" in text

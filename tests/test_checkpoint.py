@@ -13,12 +13,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drift.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, latest_checkpoint, load_checkpoint,
-                              recipe_hash, save_checkpoint)
+from drift.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    recipe_hash,
+    save_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-META = {"samples_seen": 1234, "commit": "abc123", "recipe_hash": "f" * 64, "checksum": "c0ffee",
-        "queue": {"epoch": 1, "pos": 7}}
+META = {
+    "samples_seen": 1234,
+    "commit": "abc123",
+    "recipe_hash": "f" * 64,
+    "checksum": "c0ffee",
+    "queue": {"epoch": 1, "pos": 7},
+}
 
 
 def params(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -70,22 +81,26 @@ def test_latest_skips_broken_newer_checkpoints_with_a_warning_each(tmp_path: Pat
     for rnd in range(1, 7):
         save(d, rnd)
     theta6 = d / "round-000006" / "theta.safetensors"
-    theta6.write_bytes(theta6.read_bytes()[:-10])                          # truncated
+    theta6.write_bytes(theta6.read_bytes()[:-10])  # truncated
     outer5 = d / "round-000005" / "outer.safetensors"
     raw = bytearray(outer5.read_bytes())
-    raw[-3] ^= 0x01                                                        # one flipped bit
+    raw[-3] ^= 0x01  # one flipped bit
     outer5.write_bytes(bytes(raw))
-    (d / "round-000004" / "manifest.json").unlink()                        # missing manifest
-    (d / "round-000003" / "outer.safetensors").unlink()                    # missing file
-    half = d / ".tmp-crashed"                                              # half-written temp dir
+    (d / "round-000004" / "manifest.json").unlink()  # missing manifest
+    (d / "round-000003" / "outer.safetensors").unlink()  # missing file
+    half = d / ".tmp-crashed"  # half-written temp dir
     half.mkdir()
     (half / "theta.safetensors").write_bytes(b"\x00" * 10)
 
     ck, warnings = latest_checkpoint(d)
     assert ck is not None and ck.round == 2 and ck.manifest["samples_seen"] == 2
     assert len(warnings) == 4, warnings
-    expected = [("round-000006/theta.safetensors", "(truncated?)"), ("round-000005/outer.safetensors", "sha256"),
-                ("round-000004/manifest.json", "unreadable"), ("round-000003/outer.safetensors", "missing")]
+    expected = [
+        ("round-000006/theta.safetensors", "(truncated?)"),
+        ("round-000005/outer.safetensors", "sha256"),
+        ("round-000004/manifest.json", "unreadable"),
+        ("round-000003/outer.safetensors", "missing"),
+    ]
     for w, (file, what) in zip(warnings, expected):
         assert w.startswith("skipping checkpoint ") and file in w and what in w and "\n" not in w, w
     with pytest.raises(CheckpointError, match="truncated"):
@@ -110,7 +125,7 @@ def test_bad_manifest_format_and_round(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="says round 4"):
         load_checkpoint(path)
     mf.write_text("[1, 2]")
-    with pytest.raises(CheckpointError, match="manifest.json: format None"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json: format None"):
         load_checkpoint(path)
 
 
@@ -162,8 +177,12 @@ def test_kill_9_mid_save_never_leaves_a_broken_checkpoint(tmp_path: Path) -> Non
     save(d, 1)
     rng = np.random.default_rng(0)
     for _ in range(4):
-        p = subprocess.Popen([sys.executable, "-c", _SAVER, str(d)], stdout=subprocess.PIPE, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        p = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(d)],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert p.stdout.readline() == b"ready\n"
         time.sleep(rng.uniform(0.05, 0.4))
         p.send_signal(signal.SIGKILL)
@@ -186,6 +205,7 @@ def test_recipe_hash_is_canonical() -> None:
 def test_checkpoint_loads_into_a_plain_torch_model(tmp_path: Path) -> None:
     """The README recipe: θ is named like named_parameters(); the tied lm_head is not in it."""
     import torch
+
     from workers import load_task
 
     task = load_task(ROOT / "recipes" / "shakespeare_char.py")
@@ -198,7 +218,7 @@ def test_checkpoint_loads_into_a_plain_torch_model(tmp_path: Path) -> None:
     ck = load_checkpoint(path)
     model2 = task.make_torch_model(cfg, vocab_size)
     state = {k: torch.from_numpy(v) for k, v in ck.theta.items()}
-    with pytest.raises(RuntimeError, match='Missing key.*"lm_head.weight"'):
+    with pytest.raises(RuntimeError, match=r'Missing key.*"lm_head\.weight"'):
         model2.load_state_dict(state, strict=True)  # state_dict() lists the tied weight twice
     missing, unexpected = model2.load_state_dict(state, strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import TINY_RECIPE, drift_cmd
 
 
@@ -24,14 +23,17 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"rounds": None}, "rounds: required field is missing"),
-    ({"warp_speed": 9}, "warp_speed: unknown field"),
-    ({"batch_size": "lots"}, "batch_size: Input should be a valid integer"),
-    ({"outer_optimizer": {"lr": "fast"}}, "outer_optimizer.lr: Input should be a valid number"),
-    ({"min_nodes": 0}, "min_nodes: Input should be greater than or equal to 1"),
-    ({"task": "recipes/nope.py"}, "task: file recipes/nope.py not found"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"rounds": None}, "rounds: required field is missing"),
+        ({"warp_speed": 9}, "warp_speed: unknown field"),
+        ({"batch_size": "lots"}, "batch_size: Input should be a valid integer"),
+        ({"outer_optimizer": {"lr": "fast"}}, "outer_optimizer.lr: Input should be a valid number"),
+        ({"min_nodes": 0}, "min_nodes: Input should be greater than or equal to 1"),
+        ({"task": "recipes/nope.py"}, "task: file recipes/nope.py not found"),
+    ],
+)
 def test_bad_recipe_fields(tiny_recipe: Path, change: dict, needle: str) -> None:
     data = yaml.safe_load(tiny_recipe.read_text())
     for k, v in change.items():
@@ -93,8 +95,12 @@ def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
 
 
 def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(drift_cmd("coord", str(tiny_recipe), "--local", "1", "--run-dir", str(tmp_path / "run")),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        drift_cmd("coord", str(tiny_recipe), "--local", "1", "--run-dir", str(tmp_path / "run")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = ""
         for line in proc.stdout:
@@ -111,7 +117,12 @@ def test_relative_paths_from_another_directory(tiny_recipe: Path, tmp_path: Path
     """Paths as a user types them, relative to wherever the shell is: the recipe, --run-dir,
     --local's node checkouts under it, and the key files."""
     cwd = tiny_recipe.parents[1]
-    out = subprocess.run(drift_cmd("coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "myrun"),
-                         cwd=cwd, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        drift_cmd("coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "myrun"),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (cwd / "myrun" / "metrics.jsonl").exists() and list((cwd / "myrun" / "repos").glob("*/*/recipes"))

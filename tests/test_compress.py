@@ -42,6 +42,7 @@ def test_encode_into_preallocated_buffer(name: str) -> None:
 
 def test_bf16_rounds_to_nearest_even_like_torch() -> None:
     import torch
+
     x = np.concatenate([_x(10_000), np.array([1.0, -2.5, 3.4e38, 1e-40, 0.0, -0.0], np.float32)])
     want = torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
     c = make_codec("bf16")
@@ -131,14 +132,26 @@ def test_unknown_codec_in_recipe_is_a_clear_error(tmp_path) -> None:
     from drift.recipe import RecipeError, load_recipe
 
     p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1,
-                                 "batch_size": 1, "codec": "int4"}))
+    p.write_text(
+        yaml.safe_dump({"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1, "codec": "int4"})
+    )
     with pytest.raises(RecipeError) as e:
         load_recipe(p, check_task=False)
     assert "codec" in str(e.value)
     for name in ALL:  # every codec the ring knows is offered, and no other
         assert repr(name) in str(e.value)
-    p.write_text(yaml.safe_dump({"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1,
-                                 "batch_size": 1, "codec": "topk", "topk_fraction": 0.05}))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "name": "x",
+                "task": "t.py",
+                "rounds": 1,
+                "inner_steps": 1,
+                "batch_size": 1,
+                "codec": "topk",
+                "topk_fraction": 0.05,
+            }
+        )
+    )
     r = load_recipe(p, check_task=False)
     assert make_codec(r.codec, topk_fraction=r.topk_fraction).encoded_nbytes(1000) == TopK(0.05).encoded_nbytes(1000)

@@ -7,6 +7,7 @@ import struct
 from pathlib import Path
 
 from conftest import run_async
+
 from drift import protocol as P
 from drift.coordinator import Coordinator
 from drift.recipe import load_recipe
@@ -22,29 +23,31 @@ def test_bad_frames_are_dropped_and_coordinator_keeps_serving(tiny_recipe: Path,
         clients: list[Endpoint] = []
         channels = []  # kept alive: dropping the last handle closes a QUIC connection at once
         try:
-            async def bad(send) -> None:  # noqa: ANN001
+
+            async def bad(send) -> None:
                 ep = await Endpoint.bind("local")
                 clients.append(ep)
                 ch = await ep.connect(ticket, CONTROL_ALPN)
                 await send(ch)
                 channels.append(ch)
 
-            async def garbage(ch) -> None:  # noqa: ANN001
+            async def garbage(ch) -> None:
                 await ch.send_frame(b"\xff\x00 not json")
 
-            async def truncated(ch) -> None:  # noqa: ANN001
+            async def truncated(ch) -> None:
                 await ch._send.write_all(struct.pack(">I", 100) + b"only ten b")
                 await ch.finish()  # the stream ends 90 bytes short
 
-            async def oversized(ch) -> None:  # noqa: ANN001
+            async def oversized(ch) -> None:
                 await ch._send.write_all(struct.pack(">I", MAX_CONTROL_FRAME + 1) + b"x" * 64)
 
-            async def unexpected(ch) -> None:  # noqa: ANN001
+            async def unexpected(ch) -> None:
                 await ch.send_frame(P.encode(P.Ping()))
 
-            async def impostor(ch) -> None:  # noqa: ANN001 - claims another node's id
-                await ch.send_frame(P.encode(P.NodeInfo(node_id="f" * 64, name="x", backend="torch",
-                                                        device="cpu", ring_ticket="t")))
+            async def impostor(ch) -> None:
+                await ch.send_frame(
+                    P.encode(P.NodeInfo(node_id="f" * 64, name="x", backend="torch", device="cpu", ring_ticket="t"))
+                )
 
             for send in (garbage, truncated, oversized, unexpected, impostor):
                 await bad(send)
@@ -57,8 +60,13 @@ def test_bad_frames_are_dropped_and_coordinator_keeps_serving(tiny_recipe: Path,
             good = await Endpoint.bind("local")
             clients.append(good)
             ch = await good.connect(ticket, CONTROL_ALPN)
-            await ch.send_frame(P.encode(P.NodeInfo(node_id=good.node_id, name="good", backend="torch",
-                                                    device="cpu", ring_ticket=good.ticket())))
+            await ch.send_frame(
+                P.encode(
+                    P.NodeInfo(
+                        node_id=good.node_id, name="good", backend="torch", device="cpu", ring_ticket=good.ticket()
+                    )
+                )
+            )
             reply = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=20))
             return list(coord.rejected), reply
         finally:
@@ -71,7 +79,7 @@ def test_bad_frames_are_dropped_and_coordinator_keeps_serving(tiny_recipe: Path,
     text = "\n".join(rejected)
     assert len(rejected) == 5, text
     assert "not JSON" in text
-    assert "reading a 100-byte frame" in text            # truncated
+    assert "reading a 100-byte frame" in text  # truncated
     assert f"exceeds the {MAX_CONTROL_FRAME}-byte cap" in text
     assert "expected NodeInfo first, got Ping" in text
     assert "not the id of the connecting endpoint" in text

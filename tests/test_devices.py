@@ -32,6 +32,7 @@ from workers.detect import (
 GIB = 2**30
 try:
     import mlx.core  # noqa: F401
+
     HAVE_MLX = True
 except ImportError:  # no mlx wheel for this platform
     HAVE_MLX = False
@@ -39,6 +40,7 @@ HERE = "cpu (torch, mlx, numpy)" if HAVE_MLX else "cpu (torch, numpy)"
 
 
 # ---- hardware stand-ins ------------------------------------------------------------------------
+
 
 class FakeNVMLError(Exception):
     pass
@@ -59,20 +61,29 @@ def fake_nvml(gpus: list[dict], init_error: str | None = None) -> SimpleNamespac
         return SimpleNamespace(total=gpus[h]["total"], free=gpus[h]["free"], used=0)
 
     return SimpleNamespace(
-        NVMLError=FakeNVMLError, calls=calls, nvmlInit=init, nvmlShutdown=lambda: calls.append("shutdown"),
-        nvmlSystemGetDriverVersion=lambda: b"550.54.15", nvmlDeviceGetCount=lambda: len(gpus),
-        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetName=lambda h: gpus[h]["name"],
-        nvmlDeviceGetMemoryInfo=mem, nvmlDeviceGetCudaComputeCapability=lambda h: gpus[h]["cc"])
+        NVMLError=FakeNVMLError,
+        calls=calls,
+        nvmlInit=init,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlSystemGetDriverVersion=lambda: b"550.54.15",
+        nvmlDeviceGetCount=lambda: len(gpus),
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: gpus[h]["name"],
+        nvmlDeviceGetMemoryInfo=mem,
+        nvmlDeviceGetCudaComputeCapability=lambda h: gpus[h]["cc"],
+    )
 
 
 def infos(**devices: list[str]) -> dict[str, BackendInfo]:
     """BackendInfo for a machine where each named backend runs on these devices (others absent)."""
     detail = {"torch": "ROCm 6.1" if devices.pop("hip", None) else "CUDA 12.4"}
-    return {b: BackendInfo(b, b in devices, "1.0", devices.get(b, []), detail.get(b, ""))
-            for b in ("torch", "mlx", "numpy")}
+    return {
+        b: BackendInfo(b, b in devices, "1.0", devices.get(b, []), detail.get(b, "")) for b in ("torch", "mlx", "numpy")
+    }
 
 
 # ---- detection ---------------------------------------------------------------------------------
+
 
 def test_nvml_absent_here_is_a_note_not_an_error() -> None:
     gpus, why = detect_nvidia()  # the real nvidia-ml-py, on a machine without the NVIDIA driver
@@ -82,13 +93,18 @@ def test_nvml_absent_here_is_a_note_not_an_error() -> None:
 
 
 def test_nvidia_gpus_through_nvml() -> None:
-    nvml = fake_nvml([{"name": "NVIDIA H200", "total": 141 * GIB, "free": 140 * GIB, "cc": (9, 0)},
-                      {"name": b"NVIDIA GeForce RTX 3060", "total": 12 * GIB, "free": 11 * GIB, "cc": (8, 6),
-                       "mem_error": True}])
+    nvml = fake_nvml(
+        [
+            {"name": "NVIDIA H200", "total": 141 * GIB, "free": 140 * GIB, "cc": (9, 0)},
+            {"name": b"NVIDIA GeForce RTX 3060", "total": 12 * GIB, "free": 11 * GIB, "cc": (8, 6), "mem_error": True},
+        ]
+    )
     gpus, why = detect_nvidia(nvml)
     assert why is None and nvml.calls == ["init", "shutdown"]
     assert [(g.vendor, g.index, g.name, g.compute_capability, g.driver) for g in gpus] == [
-        ("nvidia", 0, "NVIDIA H200", "9.0", "550.54.15"), ("nvidia", 1, "NVIDIA GeForce RTX 3060", "8.6", "550.54.15")]
+        ("nvidia", 0, "NVIDIA H200", "9.0", "550.54.15"),
+        ("nvidia", 1, "NVIDIA GeForce RTX 3060", "8.6", "550.54.15"),
+    ]
     assert (gpus[0].memory_total, gpus[0].memory_free) == (141 * GIB, 140 * GIB)
     assert gpus[1].memory_total is None  # one query failing loses that field, not the GPU
 
@@ -98,6 +114,7 @@ def test_nvidia_gpus_through_nvml() -> None:
 
 def test_gpu_that_torch_cannot_use_is_shown_with_a_hint() -> None:
     from rich.console import Console
+
     nvml = fake_nvml([{"name": "NVIDIA GeForce RTX 4090", "total": 24 * GIB, "free": 23 * GIB, "cc": (8, 9)}])
     m = detect(nvml=nvml)  # the real torch here is a CPU build
     assert [g.name for g in m.gpus] == ["NVIDIA GeForce RTX 4090"]
@@ -111,15 +128,27 @@ def test_gpu_that_torch_cannot_use_is_shown_with_a_hint() -> None:
 
 def test_rocm_gpus_through_torch_hip() -> None:
     import torch
+
     assert detect_rocm(torch) == ([], None) or torch.version.hip  # this CPU build is no ROCm build
     props = SimpleNamespace(name="AMD Instinct MI250X", total_memory=64 * GIB, gcnArchName="gfx90a:sramecc+:xnack-")
-    fake = SimpleNamespace(version=SimpleNamespace(hip="6.1.40091"), cuda=SimpleNamespace(
-        is_available=lambda: True, device_count=lambda: 1, get_device_properties=lambda i: props,
-        mem_get_info=lambda i: (60 * GIB, 64 * GIB)))
+    fake = SimpleNamespace(
+        version=SimpleNamespace(hip="6.1.40091"),
+        cuda=SimpleNamespace(
+            is_available=lambda: True,
+            device_count=lambda: 1,
+            get_device_properties=lambda i: props,
+            mem_get_info=lambda i: (60 * GIB, 64 * GIB),
+        ),
+    )
     (gpu,), why = detect_rocm(fake)
     assert why is None
     assert (gpu.vendor, gpu.name, gpu.memory_total, gpu.memory_free, gpu.driver) == (
-        "amd", "AMD Instinct MI250X", 64 * GIB, 60 * GIB, "ROCm 6.1.40091")
+        "amd",
+        "AMD Instinct MI250X",
+        64 * GIB,
+        60 * GIB,
+        "ROCm 6.1.40091",
+    )
     assert gpu.compute_capability.startswith("gfx90a")
 
 
@@ -138,6 +167,7 @@ def test_apple_silicon() -> None:
 
 def test_cpu_and_the_whole_machine() -> None:
     import psutil
+
     cpu = detect_cpu()
     assert cpu.model and cpu.logical_cores == psutil.cpu_count() and cpu.ram_total > cpu.ram_available > 0
     m = detect()
@@ -150,12 +180,13 @@ def test_cpu_and_the_whole_machine() -> None:
 
 # ---- choosing a backend and device -------------------------------------------------------------
 
+
 def test_auto_choice_prefers_gpus_then_apple_then_cpu() -> None:
     cuda = infos(torch=["cuda:0", "cuda:1", "cpu"], mlx=[], numpy=["cpu"])
     assert (choose(infos=cuda).backend, choose(infos=cuda).device) == ("torch", "cuda:0")
     assert choose(device="cuda", infos=cuda).device == "cuda:0"
     assert choose(device="cuda:1", infos=cuda).device == "cuda:1"
-    with pytest.raises(BackendError, match="rocm.*available: cuda:0 \\(torch\\), cuda:1 \\(torch\\), cpu"):
+    with pytest.raises(BackendError, match=r"rocm.*available: cuda:0 \(torch\), cuda:1 \(torch\), cpu"):
         choose(device="rocm", infos=cuda)  # an NVIDIA machine is no ROCm machine
     amd = infos(torch=["cuda:0", "cpu"], numpy=["cpu"], hip=True)
     assert choose(device="rocm", infos=amd).device == "cuda:0"
@@ -176,24 +207,28 @@ def test_bad_backend_or_device_names_what_is_available() -> None:
     for device in ("cuda:3", "rocm", "mps", "metal"):
         with pytest.raises(BackendError, match=f"--device {device} is not available here; available: cpu"):
             choose(device=device)
-    with pytest.raises(BackendError, match="numpy runs on: cpu.*all devices here: cpu"):
+    with pytest.raises(BackendError, match=r"numpy runs on: cpu.*all devices here: cpu"):
         choose("numpy", "metal")
     with pytest.raises(BackendError, match="unknown backend; choose from auto, torch, mlx, numpy"):
         choose("jax")
-    with pytest.raises(BackendError, match="mlx is not installed here .*pip install"):
+    with pytest.raises(BackendError, match=r"mlx is not installed here .*pip install"):
         choose("mlx", infos=infos(torch=["cpu"], numpy=["cpu"]))
 
 
 def test_task_without_the_backend_is_refused_naming_what_it_supports() -> None:
     torch_only = SimpleNamespace(make_dataset=lambda cfg: None, make_torch_model=lambda cfg, v: None)
-    with pytest.raises(BackendError, match=r"task t\.py has no mlx implementation \(make_mlx_model\); "
-                                           r"it supports: torch$"):
+    with pytest.raises(
+        BackendError,
+        match=r"task t\.py has no mlx implementation \(make_mlx_model\); "
+        r"it supports: torch$",
+    ):
         make_worker(torch_only, {}, {}, backend="mlx", task_name="task t.py")
     with pytest.raises(BackendError, match="supports torch, and none of these is installed"):
         choose(supported=["torch"], task_name="task t.py", infos=infos(numpy=["cpu"]))
 
 
 # ---- the CLI -----------------------------------------------------------------------------------
+
 
 def _live_ticket() -> str:
     from drift.transport import Endpoint
@@ -203,6 +238,7 @@ def _live_ticket() -> str:
         t = ep.ticket()
         await ep.close()
         return t
+
     return asyncio.run(ticket())
 
 
@@ -212,8 +248,9 @@ def test_drift_status_table_and_json() -> None:
     info = json.loads(out.stdout)
     assert {"host", "cpu", "gpus", "apple", "backends", "default", "notes"} <= set(info)
     assert info["backends"]["numpy"]["devices"] == ["cpu"] and info["cpu"]["logical_cores"] >= 1
-    table = subprocess.run(drift_cmd("status"), capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "COLUMNS": "160"})
+    table = subprocess.run(
+        drift_cmd("status"), capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"}
+    )
     assert table.returncode == 0, table.stderr
     for word in ("device", "cpu", info["cpu"]["model"], "torch", "numpy", "drift join uses:"):
         assert word in table.stdout
@@ -221,11 +258,17 @@ def test_drift_status_table_and_json() -> None:
 
 def test_join_with_unavailable_device_or_backend_is_one_error_line() -> None:
     ticket = _live_ticket()
-    for args, needle in ((["--device", "cuda"], f"--device cuda is not available here; available: {HERE}"),
-                         (["--backend", "numpy", "--device", "mps"], "numpy runs on: cpu"),
-                         (["--backend", "jax"], "--backend jax: unknown backend; choose from auto, torch, mlx, numpy")):
-        out = subprocess.run(drift_cmd("join", "--repo", str(ROOT), "--ticket", ticket, *args),
-                             capture_output=True, text=True, timeout=120)
+    for args, needle in (
+        (["--device", "cuda"], f"--device cuda is not available here; available: {HERE}"),
+        (["--backend", "numpy", "--device", "mps"], "numpy runs on: cpu"),
+        (["--backend", "jax"], "--backend jax: unknown backend; choose from auto, torch, mlx, numpy"),
+    ):
+        out = subprocess.run(
+            drift_cmd("join", "--repo", str(ROOT), "--ticket", ticket, *args),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("drift: error: ") and needle in lines[0], out.stderr
@@ -245,8 +288,13 @@ w = make_worker(task, {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16
 losses = [w.train_step(np.arange(8) + 8 * i) for i in range(3)]
 print(w.backend, all(np.isfinite(losses)), "torch" in sys.modules and sys.modules["torch"] is not None)
 """
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "recipes" / "shakespeare_char.py")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "recipes" / "shakespeare_char.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["mlx" if HAVE_MLX else "numpy", "numpy", "numpy", "True", "False"]

@@ -41,9 +41,9 @@ def test_layout_round_trip_and_errors() -> None:
 
 
 def test_weighted_delta_and_checksum() -> None:
-    g, l = np.full(4, 2.0, np.float32), np.full(4, 1.5, np.float32)
-    assert weighted_delta(g, l, 0.5).tolist() == [0.25] * 4
-    assert checksum(g) == checksum(g.copy()) != checksum(l)
+    g, loc = np.full(4, 2.0, np.float32), np.full(4, 1.5, np.float32)
+    assert weighted_delta(g, loc, 0.5).tolist() == [0.25] * 4
+    assert checksum(g) == checksum(g.copy()) != checksum(loc)
 
 
 def test_units_tile_the_epoch_exactly_once() -> None:
@@ -56,10 +56,10 @@ def test_units_tile_the_epoch_exactly_once() -> None:
     epoch, units = q.take(5 * per)
     assert len(units) == 5
     cut = units[3]
-    seen += units[:3] + [WorkUnit(id=cut.id, lo=0, hi=20)]  # unit 3 stopped after 20 samples
+    seen += [*units[:3], WorkUnit(id=cut.id, lo=0, hi=20)]  # unit 3 stopped after 20 samples
     q.give_back([WorkUnit(id=cut.id, lo=20, hi=per), units[4]])
     e, units = q.take(per)
-    assert e == epoch and units[0] == WorkUnit(id=cut.id, lo=20, hi=per)   # the tail comes first
+    assert e == epoch and units[0] == WorkUnit(id=cut.id, lo=20, hi=per)  # the tail comes first
     seen += units
     while True:  # a round does not stop short at the epoch's end: its budget continues in the next
         _, units = q.take(4 * per)
@@ -69,12 +69,12 @@ def test_units_tile_the_epoch_exactly_once() -> None:
             break
     samples = np.concatenate([unit_indices(order, u, per) for u in seen])
     assert sorted({u.id for u in seen}) == list(range(q.units_per_epoch))
-    assert np.array_equal(np.sort(samples), np.arange(n))      # every sample once, none twice
+    assert np.array_equal(np.sort(samples), np.arange(n))  # every sample once, none twice
 
 
 def test_split_proportional() -> None:
     units = list(range(10))
     shares = split_proportional(units, [1.0, 0.5, 0.25, 0.25])
-    assert [len(s) for s in shares] == [5, 3, 1, 1]   # 5, 2.5, 1.25, 1.25: largest remainder wins
-    assert sum(shares, []) == units
+    assert [len(s) for s in shares] == [5, 3, 1, 1]  # 5, 2.5, 1.25, 1.25: largest remainder wins
+    assert [u for share in shares for u in share] == units
     assert [len(s) for s in split_proportional(units, [1, 1, 1])] == [4, 3, 3]

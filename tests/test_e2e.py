@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-
 from conftest import drift_cmd
 
 
@@ -17,8 +16,12 @@ def _events(run_dir: Path) -> list[dict]:
 
 def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "tiny"
-    out = subprocess.run(drift_cmd("coord", str(tiny_recipe), "--local", "3", "--run-dir", str(run_dir)),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        drift_cmd("coord", str(tiny_recipe), "--local", "3", "--run-dir", str(run_dir)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     events = _events(run_dir)
@@ -30,9 +33,9 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     # The coordinator checks per round that every node reported the same checksum; a round
     # event is only written after that check, and carries that one checksum.
     assert all(len(r["checksum"]) == 24 for r in rounds)
-    assert len({r["checksum"] for r in rounds}) == 4          # θ moved every round
+    assert len({r["checksum"] for r in rounds}) == 4  # θ moved every round
     assert rounds[-1]["val_loss"] < initial - 0.5, (initial, [r["val_loss"] for r in rounds])
-    assert all(r["bytes_sent"] > 0 for r in rounds)            # the ring really moved data
+    assert all(r["bytes_sent"] > 0 for r in rounds)  # the ring really moved data
     assert all(sum(n["samples"] for n in r["nodes"].values()) == r["samples"] for r in rounds)
     assert events[-1]["event"] == "complete"
     for i in range(3):
@@ -44,6 +47,7 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
 
     # TensorBoard event files beside metrics.jsonl: one scalar per round per metric.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     board = EventAccumulator(str(run_dir))
     board.Reload()
     vals = {s.step: s.value for s in board.Scalars("loss/val")}
@@ -52,8 +56,9 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     assert len(board.Scalars("round/samples_per_s")) == 4 and len(board.Scalars("sync/MiB_sent")) == 4
 
     # `drift report` on the real run: three PNGs and a summary quoting the run's own figures.
-    rep = subprocess.run(drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")),
-                         capture_output=True, text=True, timeout=120)
+    rep = subprocess.run(
+        drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")), capture_output=True, text=True, timeout=120
+    )
     assert rep.returncode == 0, rep.stdout + rep.stderr
     for name in ("loss.png", "nodes.png", "bytes.png"):
         png = (tmp_path / "plots" / name).read_bytes()
@@ -75,13 +80,30 @@ def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> N
 
     root = Path(__file__).resolve().parents[1]
     cfg = {"width": 8, "blocks": 1}
-    recipe = make_task_repo(tmp_path / "repo", {
-        "name": "digits", "task_config": cfg, "min_nodes": 2, "rounds": 4, "inner_steps": 10, "batch_size": 32,
-        "unit_steps": 5, "eval_batches": 4, "inner_optimizer": {"lr": 0.003}, "codec": "fp32",
-        "outer_optimizer": {"lr": 1.0, "momentum": 0.0}}, task=root / "recipes" / "digits_resnet.py")
+    recipe = make_task_repo(
+        tmp_path / "repo",
+        {
+            "name": "digits",
+            "task_config": cfg,
+            "min_nodes": 2,
+            "rounds": 4,
+            "inner_steps": 10,
+            "batch_size": 32,
+            "unit_steps": 5,
+            "eval_batches": 4,
+            "inner_optimizer": {"lr": 0.003},
+            "codec": "fp32",
+            "outer_optimizer": {"lr": 1.0, "momentum": 0.0},
+        },
+        task=root / "recipes" / "digits_resnet.py",
+    )
     run_dir = tmp_path / "run"
-    out = subprocess.run(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run_dir)),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run_dir)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     events = _events(run_dir)
     rounds = [e for e in events if e["event"] == "round"]
@@ -92,7 +114,8 @@ def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> N
     assert buffers and ckpt.manifest["buffers"] == len(buffers)
     model = load_task(root / "recipes" / "digits_resnet.py").make_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ckpt.theta.items()},
-                                                strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(v.copy()) for k, v in ckpt.theta.items()}, strict=False
+    )
     assert not unexpected and all(m.endswith("num_batches_tracked") for m in missing)
     assert any(not torch.equal(before[k], model.state_dict()[k]) for k in before)  # the statistics were learned

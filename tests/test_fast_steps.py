@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import check_exactly_once, drift_cmd
+
 from drift.simulate import make_task_repo
 
 TASK = Path(__file__).parent / "tasks" / "points_mlp.py"
@@ -16,13 +17,29 @@ BATCH, UNIT_STEPS = 16, 2
 
 
 def test_millisecond_steps_never_flag_an_honest_node(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", {
-        "name": "points", "task_config": {"hidden": 32}, "min_nodes": 2, "rounds": 25, "inner_steps": 60,
-        "batch_size": BATCH, "unit_steps": UNIT_STEPS, "eval_batches": 2, "inner_optimizer": {"lr": 0.01},
-        "codec": "fp32"}, task=TASK)
+    recipe = make_task_repo(
+        tmp_path / "repo",
+        {
+            "name": "points",
+            "task_config": {"hidden": 32},
+            "min_nodes": 2,
+            "rounds": 25,
+            "inner_steps": 60,
+            "batch_size": BATCH,
+            "unit_steps": UNIT_STEPS,
+            "eval_batches": 2,
+            "inner_optimizer": {"lr": 0.01},
+            "codec": "fp32",
+        },
+        task=TASK,
+    )
     run = tmp_path / "run"
-    out = subprocess.run(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run)),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     flagged = [e for e in events if e["event"] in ("bad_report", "deadline", "sat_out", "node_left", "diverged")]
@@ -32,6 +49,7 @@ def test_millisecond_steps_never_flag_an_honest_node(tmp_path: Path) -> None:
     for r in rounds:  # weights are exactly the shares of samples trained (a node may get none)
         assert all(abs(n["weight"] - n["samples"] / r["samples"]) < 1e-9 for n in r["nodes"].values()), r["nodes"]
     assert check_exactly_once(events, BATCH * UNIT_STEPS) == sum(r["samples"] for r in rounds) + sum(
-        hi - lo for _, _, lo, hi in next(e for e in events if e["event"] == "complete")["pending"])
+        hi - lo for _, _, lo, hi in next(e for e in events if e["event"] == "complete")["pending"]
+    )
     steps = [e["samples_per_s"] for e in events if e["event"] == "progress"]
-    assert len(steps) > 100          # units really crossed the wire many times per round
+    assert len(steps) > 100  # units really crossed the wire many times per round

@@ -52,9 +52,7 @@ class LoopErrors:
     def __init__(self) -> None:
         self.seen: list[str] = []
         asyncio.get_running_loop().set_exception_handler(
-            lambda _loop, ctx: self.seen.append(
-                f"{ctx.get('message')}: {ctx.get('exception')!r}"
-            )
+            lambda _loop, ctx: self.seen.append(f"{ctx.get('message')}: {ctx.get('exception')!r}")
         )
 
     def check(self) -> list[str]:
@@ -70,11 +68,7 @@ async def _until(pred: Callable[[], bool], what: str) -> None:
 
 def _events(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines()]
-        if path.exists()
-        else []
-    )
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 async def _admit(ticket: str, name: str) -> tuple[Endpoint, object]:
@@ -106,11 +100,7 @@ async def _admit(ticket: str, name: str) -> tuple[Endpoint, object]:
         n_train=100,
         run_id=cfg.run_id,
     )
-    await ch.send_frame(
-        P.encode(
-            P.RepoCommit.model_validate(sign_message(key, rc.model_dump(mode="json")))
-        )
-    )
+    await ch.send_frame(P.encode(P.RepoCommit.model_validate(sign_message(key, rc.model_dump(mode="json")))))
     return ep, ch
 
 
@@ -143,10 +133,7 @@ def test_coordinator_drops_each_hostile_connection_once_and_keeps_admitting(
             keep += [ep, ch]
             await _until(lambda: ep.node_id in coord.ready, "the node is admitted")
             await _until(
-                lambda: (
-                    sum(e["event"] == "connection_dropped" for e in _events(run_dir))
-                    >= tally.connections
-                ),
+                lambda: sum(e["event"] == "connection_dropped" for e in _events(run_dir)) >= tally.connections,
                 "every bad connection is dropped",
             )
             return (
@@ -190,9 +177,7 @@ def test_coordinator_drops_each_hostile_connection_once_and_keeps_admitting(
     assert "\x1b" not in out and "Traceback" not in out
 
 
-def test_a_connection_on_an_alpn_nobody_serves_does_not_stop_the_accept_loop(
-    tiny_recipe: Path, tmp_path: Path
-) -> None:
+def test_a_connection_on_an_alpn_nobody_serves_does_not_stop_the_accept_loop(tiny_recipe: Path, tmp_path: Path) -> None:
     """Such a connection fails inside the QUIC handshake; that used to end the accept loop."""
     recipe = load_recipe(tiny_recipe)
 
@@ -229,15 +214,9 @@ def test_live_table_and_log_lines_show_network_text_as_plain_text(
     monitor = Monitor(tmp_path / "run", live=False)
     try:
         monitor.nodes["a" * 64] = NodeView(name="[/x] [bold]", device="[red]cuda:0")
-        screen = Console(
-            file=io.StringIO(), width=200, force_terminal=True, color_system=None
-        )
-        screen.print(
-            monitor._table()
-        )  # rich markup in a cell used to raise MarkupError here
-        monitor.event(
-            "node_left", node_id="a" * 64, name="[/x]", reason="bye\x1b[2J\n[/red]"
-        )
+        screen = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+        screen.print(monitor._table())  # rich markup in a cell used to raise MarkupError here
+        monitor.event("node_left", node_id="a" * 64, name="[/x]", reason="bye\x1b[2J\n[/red]")
         monitor.say("[/x] :thumbs_up: [bold]said as it is[/bold]")
     finally:
         monitor.close()
@@ -282,12 +261,8 @@ def test_state_server_survives_hostile_requests_and_still_hands_over_state() -> 
                 patience=PATIENCE,
             )
             got = (np.empty_like(theta), np.empty_like(velocity))
-            await fetch_state(
-                clients[0], [server_ep.ticket()], 3, checksum(theta, velocity), into_arrays(*got)
-            )
-            await _until(
-                lambda: len(drops) >= tally.connections, "every bad request is dropped"
-            )
+            await fetch_state(clients[0], [server_ep.ticket()], 3, checksum(theta, velocity), into_arrays(*got))
+            await _until(lambda: len(drops) >= tally.connections, "every bad request is dropped")
             return tally, drops, got, serving.done(), errors.check()
         finally:
             serving.cancel()
@@ -296,14 +271,9 @@ def test_state_server_survives_hostile_requests_and_still_hands_over_state() -> 
 
     tally, drops, (got_theta, got_velocity), stopped, loop_errors = run_async(main(), 300)
     assert tally.connections >= 1000, tally
-    assert len(drops) == tally.connections and all(
-        p and why.isprintable() for p, why in drops
-    )
+    assert len(drops) == tally.connections and all(p and why.isprintable() for p, why in drops)
     reasons = "\n".join(why for _, why in drops)
-    assert (
-        'state request is not {"round": R}' in reasons
-        and "exceeds the 256-byte cap" in reasons
-    )
+    assert 'state request is not {"round": R}' in reasons and "exceeds the 256-byte cap" in reasons
     assert not stopped and loop_errors == []
     assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
 
@@ -317,10 +287,7 @@ def test_ring_bounds_what_strangers_hold_and_still_reduces(
         errors = LoopErrors()
         eps = [await Endpoint.bind("local") for _ in range(3)]
         rings = [Ring(ep, timeout=60) for ep in eps]
-        serving = [
-            asyncio.ensure_future(ep.serve({RING_ALPN: r.handle_incoming}))
-            for ep, r in zip(eps, rings)
-        ]
+        serving = [asyncio.ensure_future(ep.serve({RING_ALPN: r.handle_incoming})) for ep, r in zip(eps, rings)]
         clients = await hostile.clients(4)
         strangers = await hostile.clients(MAX_PENDING + 4)
         chans = []
@@ -337,10 +304,7 @@ def test_ring_bounds_what_strangers_hold_and_still_reduces(
             )
 
             def dropped() -> int:
-                return sum(
-                    "dropping" in r.getMessage() and "connection from" in r.getMessage()
-                    for r in caplog.records
-                )
+                return sum("dropping" in r.getMessage() and "connection from" in r.getMessage() for r in caplog.records)
 
             await _until(
                 lambda: dropped() >= tally.connections,
@@ -352,39 +316,22 @@ def test_ring_bounds_what_strangers_hold_and_still_reduces(
                 ch = await s.connect(eps[0].ticket(), RING_ALPN)
                 await ch.send_frame(b'{"generation": 0}')
                 chans.append(ch)
-                await _until(
-                    lambda s=s: s.node_id in rings[0]._pending, "the stranger waits"
-                )
+                await _until(lambda s=s: s.node_id in rings[0]._pending, "the stranger waits")
             pushed = [await asyncio.wait_for(ch.conn.closed(), 30) for ch in chans[:4]]
             waiting = [ch.conn.close_reason() for ch in chans[4:]]
             # Meanwhile a two-node all-reduce works.
-            two = [
-                P.RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5)
-                for e in eps[:2]
-            ]
+            two = [P.RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps[:2]]
             xs = [np.full(1000, 1, np.float32), np.full(1000, 2, np.float32)]
-            await asyncio.gather(
-                *(r.allreduce_sum(x, two, 0) for r, x in zip(rings, xs))
-            )
+            await asyncio.gather(*(r.allreduce_sum(x, two, 0) for r, x in zip(rings, xs)))
             # Node 2 joins the ring at the next generation and dials node 0 before node 0 knows that
             # ring (the legitimate race): it waits (pushing out the oldest stranger), and is admitted
             # once node 0 learns the ring.
-            three = [
-                P.RingMember(node_id=e.node_id, ticket=e.ticket(), weight=1 / 3)
-                for e in eps
-            ]
+            three = [P.RingMember(node_id=e.node_id, ticket=e.ticket(), weight=1 / 3) for e in eps]
             ys = [np.full(1000, k, np.float32) for k in (1, 2, 3)]
-            late = asyncio.ensure_future(
-                rings[2].allreduce_sum(ys[2], three, 1, generation=1)
-            )
-            await _until(
-                lambda: eps[2].node_id in rings[0]._pending, "node 2 waits at node 0"
-            )
+            late = asyncio.ensure_future(rings[2].allreduce_sum(ys[2], three, 1, generation=1))
+            await _until(lambda: eps[2].node_id in rings[0]._pending, "node 2 waits at node 0")
             await asyncio.gather(
-                *(
-                    r.allreduce_sum(y, three, 1, generation=1)
-                    for r, y in zip(rings[:2], ys)
-                ),
+                *(r.allreduce_sum(y, three, 1, generation=1) for r, y in zip(rings[:2], ys)),
                 late,
             )
             # The strangers still waiting are refused now that the ring has moved past their generation.
@@ -408,20 +355,14 @@ def test_ring_bounds_what_strangers_hold_and_still_reduces(
             for c in [*clients, *strangers, *eps]:
                 await c.close()
 
-    tally, junk_drops, pushed, waiting, refused, xs, ys, stopped, loop_errors = (
-        run_async(main(), 300)
-    )
+    tally, junk_drops, pushed, waiting, refused, xs, ys, stopped, loop_errors = run_async(main(), 300)
     assert tally.connections >= 800 and junk_drops == tally.connections, (
         tally,
         junk_drops,
     )
     assert all("too many connections wait for the ring" in r for r in pushed), pushed
-    assert (
-        waiting == [None] * MAX_PENDING
-    )  # the newest MAX_PENDING were still waiting, no more
-    assert (
-        "too many connections wait for the ring" in refused[0]
-    )  # the oldest, when node 2 came
+    assert waiting == [None] * MAX_PENDING  # the newest MAX_PENDING were still waiting, no more
+    assert "too many connections wait for the ring" in refused[0]  # the oldest, when node 2 came
     assert all("not in the current ring" in r for r in refused[1:]), refused
     assert all((x == 3).all() for x in xs) and all((y == 6).all() for y in ys)
     assert not any(stopped) and loop_errors == []
@@ -448,9 +389,7 @@ def test_real_swarm_trains_through_hostile_traffic_and_shows_names_literally(
         other = await Endpoint.bind("local")
         try:  # while the named nodes load and wait for the third
             return [
-                await hostile.barrage(
-                    clients, swarm.ticket, alpn, attacks, repeat=3, patience=PATIENCE
-                )
+                await hostile.barrage(clients, swarm.ticket, alpn, attacks, repeat=3, patience=PATIENCE)
                 for alpn, attacks in (
                     (RING_ALPN, {"wrong ALPN": hostile.wrong_alpn}),
                     (CONTROL_ALPN, hostile.control_attacks(other)),
@@ -481,9 +420,7 @@ def test_real_swarm_trains_through_hostile_traffic_and_shows_names_literally(
     for n in shown:
         assert f"node joined: {n} (cpu) {ids[n]}" in log
     assert "\x1b" not in log and "Traceback" not in log and "never retrieved" not in log
-    assert not any(
-        line.startswith("node joined: forged") for line in log.splitlines()
-    )  # no forged line
+    assert not any(line.startswith("node joined: forged") for line in log.splitlines())  # no forged line
     drops = [e for e in events if e["event"] == "connection_dropped"]
     assert len(drops) == sum(t.connections for t in tallies)
     assert node_rcs == [0, 0, 0]

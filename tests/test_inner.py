@@ -10,8 +10,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from conftest import run_async
+
 from drift import protocol as P
 from drift.inner import InnerLoop
 from drift.recipe import Recipe
@@ -23,7 +23,7 @@ BATCH = 16
 
 
 @pytest.fixture(scope="module")
-def worker():  # noqa: ANN201
+def worker():
     return make_worker(load_task(TASK), {"hidden": 8}, {"lr": 0.01}, backend="torch", device="cpu", threads=1)
 
 
@@ -31,7 +31,7 @@ def _unit(uid: int) -> P.WorkUnit:
     return P.WorkUnit(id=uid, lo=0, hi=2 * BATCH)
 
 
-async def _round(worker, first: list[P.WorkUnit], replies) -> tuple[list[P.WorkUnit], object]:  # noqa: ANN001
+async def _round(worker, first: list[P.WorkUnit], replies) -> tuple[list[P.WorkUnit], object]:
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each AskForMoreWork."""
     recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=2)
     inbox: asyncio.Queue = asyncio.Queue()
@@ -53,7 +53,7 @@ def _later(inbox: asyncio.Queue, msg: P._Msg, delay: float = 0.05) -> None:
     asyncio.get_running_loop().call_later(delay, inbox.put_nowait, msg)
 
 
-def test_stop_round_that_crosses_a_grant(worker) -> None:  # noqa: ANN001
+def test_stop_round_that_crosses_a_grant(worker) -> None:
     """StopRound arrives while the node waits for the answer to its ask, and the answer is one
     more unit: that unit and the ones in hand are handed back once each."""
     granted = [_unit(0), _unit(1)]
@@ -68,7 +68,7 @@ def test_stop_round_that_crosses_a_grant(worker) -> None:  # noqa: ANN001
     assert report.trained and report.samples == sum(u.hi - u.lo for u in report.trained)
 
 
-def test_stop_round_that_crosses_no_more_work(worker) -> None:  # noqa: ANN001
+def test_stop_round_that_crosses_no_more_work(worker) -> None:
     granted = [_unit(0), _unit(1)]
 
     def replies(n: int, inbox: asyncio.Queue) -> None:
@@ -79,7 +79,7 @@ def test_stop_round_that_crosses_no_more_work(worker) -> None:  # noqa: ANN001
     assert check_accounting(granted, report.trained, report.returned) is None, (report.trained, report.returned)
 
 
-def test_grants_until_no_more_work_train_everything(worker) -> None:  # noqa: ANN001
+def test_grants_until_no_more_work_train_everything(worker) -> None:
     """No StopRound: every unit granted, in hand or in flight, is trained, none twice."""
     granted = [_unit(0)]
 

@@ -5,17 +5,25 @@ trained exactly once, and retries, late joins, evaluators and checkpoints keep w
 
 from __future__ import annotations
 
-import numpy as np
 from pathlib import Path
 
+import numpy as np
 from conftest import check_exactly_once, make_task_repo
+
 from drift.diloco import OverlappedDiLoCo, ParamLayout, SyncRule
 from drift.simulate import Swarm
 
 WRAPPERS = Path(__file__).parent / "wrappers"
 BATCH = 8
-SIM = dict(task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}, batch_size=BATCH,
-           unit_steps=2, eval_batches=2, stale_after_s=4.0, heartbeat_s=0.5, sync="overlapped")
+SIM = dict(
+    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    batch_size=BATCH,
+    unit_steps=2,
+    eval_batches=2,
+    stale_after_s=4.0,
+    heartbeat_s=0.5,
+    sync="overlapped",
+)
 
 
 def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
@@ -28,12 +36,12 @@ def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
     progress = np.float32(0.001) * rng.standard_normal(1000).astype(np.float32)
     blocking, overlapped = SyncRule(layout, 0.7, 0.9), OverlappedDiLoCo(layout, 0.7, 0.9)
     t_block, t_over = theta.copy(), theta.copy()
-    blocking.apply(t_block, theta - local_at_barrier)       # the same reduced Δ on both
+    blocking.apply(t_block, theta - local_at_barrier)  # the same reduced Δ on both
     overlapped.apply(t_over, theta - local_at_barrier)
-    assert np.array_equal(t_block, t_over)                  # the outer step itself is DiLoCo's
+    assert np.array_equal(t_block, t_over)  # the outer step itself is DiLoCo's
     snap = local_at_barrier.copy()
     overlapped.catch_up(t_over, snap)
-    local_now = local_at_barrier + progress                 # trained on while the reduce ran
+    local_now = local_at_barrier + progress  # trained on while the reduce ran
     local_now += snap
     np.testing.assert_allclose(t_over - local_now, -progress, atol=1e-6)  # next Δ: the progress only
 
@@ -50,6 +58,7 @@ def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp
     go = tmp_path / "go"
     late = swarm.join("0.05", name="late", script=WRAPPERS / "held_node.py", env={"DRIFT_TEST_GO": str(go)})
     from test_swarm_sim import _wait_stopped
+
     _wait_stopped(victim)
     swarm.kill(victim)
     swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 3)
@@ -58,12 +67,12 @@ def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert [r["round"] for r in rounds] == list(range(14))
-    assert len({r["checksum"] for r in rounds}) == 14       # θ moved every round, agreed every round
+    assert len({r["checksum"] for r in rounds}) == 14  # θ moved every round, agreed every round
     retry = [e for e in events if e["event"] == "ring_retry"]
     assert retry and retry[0]["round"] == 2
     entered = next(e for e in events if e["event"] == "node_entered")
     assert entered["name"] == "late"
-    assert any(r["nodes"].get("late", {"samples": 0})["samples"] > 0 for r in rounds[entered["round"] + 1:])
+    assert any(r["nodes"].get("late", {"samples": 0})["samples"] > 0 for r in rounds[entered["round"] + 1 :])
     assert [e["round"] for e in events if e["event"] == "checkpoint"] == [2, 5, 8, 11, 13]
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     assert rounds[-1]["val_loss"] < initial
@@ -75,7 +84,7 @@ def test_overlapped_evaluator_and_slow_node(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, inner_steps=20, **SIM)
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02")
-    swarm.join("2", name="slow")        # 100x slower: it evaluates instead of training
+    swarm.join("2", name="slow")  # 100x slower: it evaluates instead of training
     assert swarm.finish() == 0, swarm.log()
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]

@@ -13,18 +13,36 @@ A, B = "a" * 64, "b" * 64
 SAMPLES = [
     P.NodeInfo(node_id=A, name="n", backend="torch", device="cpu", ring_ticket="t"),
     P.TrainConfig(run_id="r", recipe={"name": "x"}, commit=None),
-    P.RepoCommit(repo="r", commit="c", tree="t", node_id=A, timestamp=1.5, nonce="ab",
-                 param_checksum="cs", n_train=10),
-    P.TrainingReady(nodes=[A]), P.TrainingCancel(reason="why"), P.Ping(nonce=3), P.Pong(nonce=3),
-    P.Heartbeat(round=1), P.ShardAssignment(round=1, epoch=0, units=[P.WorkUnit(id=1, lo=0, hi=64)], planned=3, report_val=True),
+    P.RepoCommit(repo="r", commit="c", tree="t", node_id=A, timestamp=1.5, nonce="ab", param_checksum="cs", n_train=10),
+    P.TrainingReady(nodes=[A]),
+    P.TrainingCancel(reason="why"),
+    P.Ping(nonce=3),
+    P.Pong(nonce=3),
+    P.Heartbeat(round=1),
+    P.ShardAssignment(round=1, epoch=0, units=[P.WorkUnit(id=1, lo=0, hi=64)], planned=3, report_val=True),
     P.TrainProgress(round=1, unit=P.WorkUnit(id=2, lo=0, hi=64), steps=2, loss=3.2, samples_per_s=100.0),
-    P.AskForMoreWork(round=1), P.AssignNext(round=1, unit=P.WorkUnit(id=9, lo=32, hi=64)), P.NoMoreWork(round=1), P.StopRound(round=1),
-    P.BarrierSync(round=1, samples=64, steps=2, loss=None, trained=[P.WorkUnit(id=1, lo=0, hi=64)],
-                  returned=[P.WorkUnit(id=9, lo=32, hi=64)], val_loss=2.5, val_samples=8),
+    P.AskForMoreWork(round=1),
+    P.AssignNext(round=1, unit=P.WorkUnit(id=9, lo=32, hi=64)),
+    P.NoMoreWork(round=1),
+    P.StopRound(round=1),
+    P.BarrierSync(
+        round=1,
+        samples=64,
+        steps=2,
+        loss=None,
+        trained=[P.WorkUnit(id=1, lo=0, hi=64)],
+        returned=[P.WorkUnit(id=9, lo=32, hi=64)],
+        val_loss=2.5,
+        val_samples=8,
+    ),
     P.BarrierReady(round=1, ring=[P.RingMember(node_id=A, ticket="t", weight=1.0)]),
-    P.RoundDone(round=1, checksum="c"), P.RingFailed(round=1, ring_epoch=2, reason="gone"), P.EvalResult(after_round=1, val_loss=2.0, val_samples=8),
-    P.ShardAssignment(round=2, epoch=0, units=[], role="evaluate",
-                      state=P.StateSource(round=1, checksum="c", tickets=["t"])), P.CheckpointInfo(round=1, path="p", checksum="c"),
+    P.RoundDone(round=1, checksum="c"),
+    P.RingFailed(round=1, ring_epoch=2, reason="gone"),
+    P.EvalResult(after_round=1, val_loss=2.0, val_samples=8),
+    P.ShardAssignment(
+        round=2, epoch=0, units=[], role="evaluate", state=P.StateSource(round=1, checksum="c", tickets=["t"])
+    ),
+    P.CheckpointInfo(round=1, path="p", checksum="c"),
     P.TrainComplete(rounds=3, final_val_loss=1.0),
 ]
 
@@ -34,17 +52,20 @@ def test_round_trip(msg) -> None:
     assert P.decode(P.encode(msg)) == msg
 
 
-@pytest.mark.parametrize("frame,needle", [
-    (b"\xff\xfe", "not JSON"),
-    (b"{\"v\": 1, \"type\": \"Ping\"", "not JSON"),            # truncated
-    (b"[1,2]", "not a JSON object"),
-    (b"{\"v\": 99, \"type\": \"Ping\"}", "schema version 99"),
-    (b"{\"v\": 1, \"type\": \"Launch\"}", "type"),
-    (b"{\"v\": 1, \"type\": \"AssignNext\", \"round\": 1}", "unit"),
-    (b"{\"v\": 1, \"type\": \"AssignNext\", \"round\": 1, \"unit\": {\"id\": -1, \"lo\": 0, \"hi\": 1}}", "unit.id"),
-    (b"{\"v\": 1, \"type\": \"AssignNext\", \"round\": \"x\", \"unit\": 1}", "round"),
-    (b"{\"v\": 1, \"type\": \"Ping\", \"evil\": 1}", "evil"),
-])
+@pytest.mark.parametrize(
+    "frame,needle",
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b'{"v": 1, "type": "Ping"', "not JSON"),  # truncated
+        (b"[1,2]", "not a JSON object"),
+        (b'{"v": 99, "type": "Ping"}', "schema version 99"),
+        (b'{"v": 1, "type": "Launch"}', "type"),
+        (b'{"v": 1, "type": "AssignNext", "round": 1}', "unit"),
+        (b'{"v": 1, "type": "AssignNext", "round": 1, "unit": {"id": -1, "lo": 0, "hi": 1}}', "unit.id"),
+        (b'{"v": 1, "type": "AssignNext", "round": "x", "unit": 1}', "round"),
+        (b'{"v": 1, "type": "Ping", "evil": 1}', "evil"),
+    ],
+)
 def test_malformed_frames_raise_protocol_error(frame: bytes, needle: str) -> None:
     with pytest.raises(P.ProtocolError) as e:
         P.decode(frame)
@@ -57,6 +78,7 @@ def test_frames_carry_the_schema_version() -> None:
 
 # --- everything from the network is bounded -----------------------------------------------------
 
+
 def _frame(**fields) -> bytes:
     return json.dumps({"v": 1, **fields}).encode()
 
@@ -64,47 +86,71 @@ def _frame(**fields) -> bytes:
 UNIT = {"id": 1, "lo": 0, "hi": 8}
 
 
-@pytest.mark.parametrize("frame,needle", [
-    # deep JSON: used to raise RecursionError out of decode
-    (b'{"v":1,"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than"),
-    (b"[" * 50 + b"]" * 50, "not a JSON object"),
-    (_frame(type="TrainConfig", run_id="r", recipe={"a": json.loads("[" * 40 + "1" + "]" * 40)}), "nested more than"),
-    (_frame(type="TrainingReady", nodes=[], signatures=[{}] * 100_001), "more than 100000 values"),
-    (b'{"v":1,"type":"Ping","nonce":' + b"9" * 5000 + b"}", "not JSON"),       # an int of 5000 digits
-    ((b'{"v":1,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
-      b'"samples_per_s":1}'), "NaN"),
-    (b'{"v":1,"type":"EvalResult","after_round":0,"val_loss":1e999,"val_samples":1}', "too large"),
-    (b'{"v":1,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}', "-Infinity"),
-    (b'{"v":1,"type":"TrainingCancel","reason":"\xff"}', "not JSON"),
-    # WorkUnit: lo <= hi, both bounded (a negative size used to skew every node's weight)
-    (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 50, "hi": 3}), "lo 50 > hi 3"),
-    (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 0, "hi": 2**40}), "unit.hi"),
-    (_frame(type="BarrierSync", round=0, samples=-5, steps=1, loss=1.0), "samples"),
-    (_frame(type="BarrierSync", round=0, samples=0, steps=1, loss=1.0, trained=[UNIT]), "samples 0 is not the 8"),
-    (_frame(type="BarrierSync", round=0, samples=8, steps=1, loss=1.0, trained=[0] * 70_000), "trained"),
-    # ranges
-    (_frame(type="Heartbeat", round=-2), "round"),
-    (_frame(type="AskForMoreWork", round=2**40), "round"),
-    (_frame(type="ShardAssignment", round=0, epoch=-1, units=[]), "epoch"),
-    (_frame(type="RingFailed", round=0, ring_epoch=-1, reason="x"), "ring_epoch"),
-    (_frame(type="TrainProgress", round=0, unit=UNIT, steps=1, loss=1.0, samples_per_s=-1.0), "samples_per_s"),
-    (_frame(type="RoundDone", round=0, checksum="c", bytes_sent=-1), "bytes_sent"),
-    (_frame(type="BarrierReady", round=0, ring=[{"node_id": A, "ticket": "t", "weight": 2.0}]), "weight"),
-    (_frame(type="BarrierReady", round=0, ring=[{"node_id": A, "ticket": "t", "weight": 0.5}] * 2), "twice"),
-    (_frame(type="BarrierReady", round=0, ring=[]), "ring"),
-    # strings: ids, tickets, tokens
-    (_frame(type="NodeInfo", node_id="A" * 64, name="n", backend="b", device="d", ring_ticket="t"), "node_id"),
-    (_frame(type="NodeInfo", node_id=A, name="n", backend="b", device="d", ring_ticket="t" * 5000), "ring_ticket"),
-    (_frame(type="NodeInfo", node_id=A, name="n", backend="b", device="d", ring_ticket="two words"), "ring_ticket"),
-    (_frame(type="NodeInfo", node_id=A, name=7, backend="b", device="d", ring_ticket="t"), "name"),
-    (_frame(type="TrainingReady", nodes=["x"]), "nodes"),
-    (_frame(type="TrainingReady", nodes=[A] * 1025), "nodes"),
-    (_frame(type="TrainingReady", nodes=[A], signatures=[{"node_id": {"nested": 1}}]), "signatures"),
-    (_frame(type="RoundDone", round=0, checksum="c" * 300), "checksum"),
-    (_frame(type="RoundDone", round=0, checksum="\u001b[31m"), "checksum"),
-    (_frame(type="RepoCommit", repo="r\nfake", commit="c", tree="t", node_id=A, timestamp=1.0, nonce="n",
-            param_checksum="p", n_train=1), "repo"),
-], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "frame,needle",
+    [
+        # deep JSON: used to raise RecursionError out of decode
+        (b'{"v":1,"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than"),
+        (b"[" * 50 + b"]" * 50, "not a JSON object"),
+        (
+            _frame(type="TrainConfig", run_id="r", recipe={"a": json.loads("[" * 40 + "1" + "]" * 40)}),
+            "nested more than",
+        ),
+        (_frame(type="TrainingReady", nodes=[], signatures=[{}] * 100_001), "more than 100000 values"),
+        (b'{"v":1,"type":"Ping","nonce":' + b"9" * 5000 + b"}", "not JSON"),  # an int of 5000 digits
+        (
+            (
+                b'{"v":1,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
+                b'"samples_per_s":1}'
+            ),
+            "NaN",
+        ),
+        (b'{"v":1,"type":"EvalResult","after_round":0,"val_loss":1e999,"val_samples":1}', "too large"),
+        (b'{"v":1,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}', "-Infinity"),
+        (b'{"v":1,"type":"TrainingCancel","reason":"\xff"}', "not JSON"),
+        # WorkUnit: lo <= hi, both bounded (a negative size used to skew every node's weight)
+        (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 50, "hi": 3}), "lo 50 > hi 3"),
+        (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 0, "hi": 2**40}), "unit.hi"),
+        (_frame(type="BarrierSync", round=0, samples=-5, steps=1, loss=1.0), "samples"),
+        (_frame(type="BarrierSync", round=0, samples=0, steps=1, loss=1.0, trained=[UNIT]), "samples 0 is not the 8"),
+        (_frame(type="BarrierSync", round=0, samples=8, steps=1, loss=1.0, trained=[0] * 70_000), "trained"),
+        # ranges
+        (_frame(type="Heartbeat", round=-2), "round"),
+        (_frame(type="AskForMoreWork", round=2**40), "round"),
+        (_frame(type="ShardAssignment", round=0, epoch=-1, units=[]), "epoch"),
+        (_frame(type="RingFailed", round=0, ring_epoch=-1, reason="x"), "ring_epoch"),
+        (_frame(type="TrainProgress", round=0, unit=UNIT, steps=1, loss=1.0, samples_per_s=-1.0), "samples_per_s"),
+        (_frame(type="RoundDone", round=0, checksum="c", bytes_sent=-1), "bytes_sent"),
+        (_frame(type="BarrierReady", round=0, ring=[{"node_id": A, "ticket": "t", "weight": 2.0}]), "weight"),
+        (_frame(type="BarrierReady", round=0, ring=[{"node_id": A, "ticket": "t", "weight": 0.5}] * 2), "twice"),
+        (_frame(type="BarrierReady", round=0, ring=[]), "ring"),
+        # strings: ids, tickets, tokens
+        (_frame(type="NodeInfo", node_id="A" * 64, name="n", backend="b", device="d", ring_ticket="t"), "node_id"),
+        (_frame(type="NodeInfo", node_id=A, name="n", backend="b", device="d", ring_ticket="t" * 5000), "ring_ticket"),
+        (_frame(type="NodeInfo", node_id=A, name="n", backend="b", device="d", ring_ticket="two words"), "ring_ticket"),
+        (_frame(type="NodeInfo", node_id=A, name=7, backend="b", device="d", ring_ticket="t"), "name"),
+        (_frame(type="TrainingReady", nodes=["x"]), "nodes"),
+        (_frame(type="TrainingReady", nodes=[A] * 1025), "nodes"),
+        (_frame(type="TrainingReady", nodes=[A], signatures=[{"node_id": {"nested": 1}}]), "signatures"),
+        (_frame(type="RoundDone", round=0, checksum="c" * 300), "checksum"),
+        (_frame(type="RoundDone", round=0, checksum="\u001b[31m"), "checksum"),
+        (
+            _frame(
+                type="RepoCommit",
+                repo="r\nfake",
+                commit="c",
+                tree="t",
+                node_id=A,
+                timestamp=1.0,
+                nonce="n",
+                param_checksum="p",
+                n_train=1,
+            ),
+            "repo",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
 def test_hostile_frames_raise_short_protocol_errors(frame: bytes, needle: str) -> None:
     with pytest.raises(P.ProtocolError) as e:
         P.decode(frame)
@@ -120,8 +166,16 @@ def test_errors_quote_hostile_input_as_plain_text() -> None:
 
 
 def test_text_for_people_is_made_plain_and_capped() -> None:
-    info = P.decode(_frame(type="NodeInfo", node_id=A, name="[/x] \x1b[31mred\x1b[0m\nnext\u202e", backend="b" * 500,
-                           device="[bold]cpu[/bold]", ring_ticket="t"))
+    info = P.decode(
+        _frame(
+            type="NodeInfo",
+            node_id=A,
+            name="[/x] \x1b[31mred\x1b[0m\nnext\u202e",
+            backend="b" * 500,
+            device="[bold]cpu[/bold]",
+            ring_ticket="t",
+        )
+    )
     assert info.name == "[/x] \\x1b[31mred\\x1b[0m\\nnext\\u202e"  # markup kept literally, controls escaped
     assert len(info.backend) == P.MAX_NAME and info.backend.endswith("…")
     assert info.device == "[bold]cpu[/bold]"
@@ -129,17 +183,20 @@ def test_text_for_people_is_made_plain_and_capped() -> None:
     assert cancel.reason.startswith("line one\\nline two") and len(cancel.reason) == P.MAX_TEXT
 
 
-@pytest.mark.parametrize("text,cap,want", [
-    ("plain", 10, "plain"),
-    ("[/x]", 10, "[/x]"),
-    ("\x1b[31mred", 20, "\\x1b[31mred"),
-    ("a\nb\rc\td", 20, "a\\nb\\rc\\td"),
-    ("\ud800", 20, "\\ud800"),
-    ("x" * 50, 10, "x" * 9 + "…"),
-    ("\x00" * 50, 10, "\\x00\\x00…"),
-    ("ab\x1b", 5, "ab…"),  # never half an escape
-    (ValueError("bad\nthing"), 20, "bad\\nthing"),
-])
+@pytest.mark.parametrize(
+    "text,cap,want",
+    [
+        ("plain", 10, "plain"),
+        ("[/x]", 10, "[/x]"),
+        ("\x1b[31mred", 20, "\\x1b[31mred"),
+        ("a\nb\rc\td", 20, "a\\nb\\rc\\td"),
+        ("\ud800", 20, "\\ud800"),
+        ("x" * 50, 10, "x" * 9 + "…"),
+        ("\x00" * 50, 10, "\\x00\\x00…"),
+        ("ab\x1b", 5, "ab…"),  # never half an escape
+        (ValueError("bad\nthing"), 20, "bad\\nthing"),
+    ],
+)
 def test_printable(text: object, cap: int, want: str) -> None:
     assert P.printable(text, cap) == want
 
@@ -149,8 +206,24 @@ def test_random_and_mutated_frames_only_ever_raise_protocol_error() -> None:
     real frames. decode returns a valid message or raises ProtocolError, nothing else."""
     rng = random.Random(13)
     valid = [P.encode(m) for m in SAMPLES]
-    junk = [b"[", b"{", b"]", b"}", b'"', b"\\", b"\xff", b"\x00", b"NaN", b"1e999", b"-", b"null", b"\\ud800",
-            b'{"v":1}', b'"type":"Ping"', b"9" * 30]
+    junk = [
+        b"[",
+        b"{",
+        b"]",
+        b"}",
+        b'"',
+        b"\\",
+        b"\xff",
+        b"\x00",
+        b"NaN",
+        b"1e999",
+        b"-",
+        b"null",
+        b"\\ud800",
+        b'{"v":1}',
+        b'"type":"Ping"',
+        b"9" * 30,
+    ]
     decoded = 0
     for i in range(6000):
         base = bytearray(rng.choice(valid))
@@ -158,7 +231,7 @@ def test_random_and_mutated_frames_only_ever_raise_protocol_error() -> None:
         if kind == 0:
             frame = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 64)))
         elif kind == 1:
-            frame = bytes(base[:rng.randrange(0, len(base))])
+            frame = bytes(base[: rng.randrange(0, len(base))])
         elif kind == 2:
             for _ in range(rng.randrange(1, 4)):
                 base[rng.randrange(len(base))] = rng.getrandbits(8)

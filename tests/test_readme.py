@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -38,8 +37,12 @@ def test_readme_first_command_in_a_fresh_clone(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv),
-               DRIFT_HOME=str(tmp_path / "home"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.update(
+        PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}",
+        VIRTUAL_ENV=str(venv),
+        DRIFT_HOME=str(tmp_path / "home"),
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+    )
     out = subprocess.run(["bash", "-c", cmd], cwd=clone, env=env, capture_output=True, text=True, timeout=1100)
     assert out.returncode == 0, f"$ {cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -74,11 +77,22 @@ def test_the_readme_task_trains_as_the_readme_says(tmp_path: Path) -> None:
     (repo / "mytask.py").write_text(_fenced(readme, "# mytask.py"))
     (repo / "mytask.yaml").write_text(_fenced(readme, "# mytask.yaml"))
     cmd = re.search(r"`(git add -A && git commit -m task && drift coord mytask.yaml --local 2)`", readme).group(1)
-    env = {**os.environ, "GIT_AUTHOR_NAME": "me", "GIT_AUTHOR_EMAIL": "me@localhost", "GIT_COMMITTER_NAME": "me",
-           "GIT_COMMITTER_EMAIL": "me@localhost"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "me",
+        "GIT_AUTHOR_EMAIL": "me@localhost",
+        "GIT_COMMITTER_NAME": "me",
+        "GIT_COMMITTER_EMAIL": "me@localhost",
+    }
     subprocess.run(["git", "init", "-q", "-b", "main"], cwd=repo, check=True)
-    out = subprocess.run(["bash", "-c", cmd.replace("drift coord", f"{sys.executable} -m drift coord")],
-                         cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        ["bash", "-c", cmd.replace("drift coord", f"{sys.executable} -m drift coord")],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     run = next((repo / "runs").glob("points-*"))
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

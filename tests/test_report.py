@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import drift_cmd
+
 from drift.report import ReportError, load_run, write_report
 
 
@@ -23,18 +23,35 @@ def _write(run_dir: Path, events: list[dict], tail: str = "") -> Path:
 
 
 def _round(rnd: int, t: float, val: float, samples: int = 100, **nodes: int) -> dict:
-    return {"t": t, "event": "round", "round": rnd, "val_loss": val, "samples": samples, "seconds": 1.0,
-            "nodes": {name: {"samples": samples // max(1, len(nodes)), "busy_s": 0.8, "idle_s": 0.1,
-                             "sync_s": 0.1, "bytes_sent": b} for name, b in nodes.items()}}
+    return {
+        "t": t,
+        "event": "round",
+        "round": rnd,
+        "val_loss": val,
+        "samples": samples,
+        "seconds": 1.0,
+        "nodes": {
+            name: {
+                "samples": samples // max(1, len(nodes)),
+                "busy_s": 0.8,
+                "idle_s": 0.1,
+                "sync_s": 0.1,
+                "bytes_sent": b,
+            }
+            for name, b in nodes.items()
+        },
+    }
 
 
 # As drift writes them: θ0's val loss comes in with round 0, after training started.
-EVENTS = [{"t": 0.5, "event": "node_joined", "name": "a"},
-          {"t": 10.0, "event": "training_started", "nodes": 2},
-          {"t": 11.9, "event": "initial", "val_loss": 4.0},
-          _round(0, 12.0, 3.0, a=1000, b=3000),
-          _round(1, 14.0, 2.0, a=1000, b=3000),
-          {"t": 15.0, "event": "complete", "rounds": 2}]
+EVENTS = [
+    {"t": 0.5, "event": "node_joined", "name": "a"},
+    {"t": 10.0, "event": "training_started", "nodes": 2},
+    {"t": 11.9, "event": "initial", "val_loss": 4.0},
+    _round(0, 12.0, 3.0, a=1000, b=3000),
+    _round(1, 14.0, 2.0, a=1000, b=3000),
+    {"t": 15.0, "event": "complete", "rounds": 2},
+]
 
 
 def test_curve_starts_at_training_and_counts_samples(tmp_path: Path) -> None:
@@ -54,10 +71,10 @@ def test_runs_from_before_training_started_start_at_the_last_join(tmp_path: Path
 
 def test_time_to_target_interpolates_between_evaluations(tmp_path: Path) -> None:
     run = load_run(_write(tmp_path / "r", EVENTS))
-    assert run.time_to(3.5) == pytest.approx(1.0)   # halfway from 4.0 (t=0) to 3.0 (t=2)
+    assert run.time_to(3.5) == pytest.approx(1.0)  # halfway from 4.0 (t=0) to 3.0 (t=2)
     assert run.time_to(2.0) == pytest.approx(4.0)
-    assert run.time_to(4.0) == 0.0                  # θ0 is already there
-    assert run.time_to(1.9) is None                 # never reached
+    assert run.time_to(4.0) == 0.0  # θ0 is already there
+    assert run.time_to(1.9) is None  # never reached
 
 
 def test_a_torn_last_line_is_a_run_still_writing(tmp_path: Path) -> None:
@@ -68,18 +85,21 @@ def test_a_torn_last_line_is_a_run_still_writing(tmp_path: Path) -> None:
 def test_a_resumed_run_keeps_time_running_and_the_redone_round(tmp_path: Path) -> None:
     # The coordinator died after round 1 and resumed from the checkpoint of round 0: its clock
     # restarts at 0 and round 1 is trained again. The report keeps the second round 1.
-    events = EVENTS[:5] + [{"t": 1.0, "event": "resumed", "round": 0}, _round(1, 5.0, 1.5, a=1000, b=3000)]
+    events = [*EVENTS[:5], {"t": 1.0, "event": "resumed", "round": 0}, _round(1, 5.0, 1.5, a=1000, b=3000)]
     run = load_run(_write(tmp_path / "r", events))
     assert [r["val_loss"] for r in run.rounds] == [3.0, 1.5]
     assert run.rounds[-1]["t"] == pytest.approx(14.0 + 5.0 - 10.0)
 
 
-@pytest.mark.parametrize("content,needle", [
-    (None, "no metrics.jsonl here"),
-    ('{"t": 1, "event": "initial", "val_loss": 4}\n', "no finished round yet"),
-    ('{"t": 1, "event": "initial"}\nnot json\n{"t": 2, "event": "x"}\n', "metrics.jsonl:2: not a metrics event"),
-    ('{"t": 1, "event": "round", "round": 0}\n{"t": 2, "event": "x"}\n', "metrics.jsonl:1: round event without"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (None, "no metrics.jsonl here"),
+        ('{"t": 1, "event": "initial", "val_loss": 4}\n', "no finished round yet"),
+        ('{"t": 1, "event": "initial"}\nnot json\n{"t": 2, "event": "x"}\n', "metrics.jsonl:2: not a metrics event"),
+        ('{"t": 1, "event": "round", "round": 0}\n{"t": 2, "event": "x"}\n', "metrics.jsonl:1: round event without"),
+    ],
+)
 def test_bad_run_dirs_are_one_line_errors(tmp_path: Path, content: str | None, needle: str) -> None:
     run_dir = tmp_path / "r"
     run_dir.mkdir()
@@ -110,17 +130,28 @@ def test_utilization_is_time_in_inner_steps_over_wall_clock(tmp_path: Path) -> N
         e["nodes"]["b"].update(step_s=b, steps=10)
         e["nodes"]["c"] = {"samples": 0, "busy_s": 0.0, "idle_s": 0.0, "sync_s": 0.0, "bytes_sent": 0}
         return e
-    events = EVENTS[:3] + [rnd(0, 3.0, 2.7, 1.5), rnd(1, 9.0, 5.4, 3.0),
-                           {"t": 19.5, "event": "complete", "rounds": 2, "pure_compute_s": 0.09}]
+
+    events = [
+        *EVENTS[:3],
+        rnd(0, 3.0, 2.7, 1.5),
+        rnd(1, 9.0, 5.4, 3.0),
+        {"t": 19.5, "event": "complete", "rounds": 2, "pure_compute_s": 0.09},
+    ]
     run = load_run(_write(tmp_path / "r", events))
     assert run.utilization() == pytest.approx({"a": 8.1 / 9.0, "b": 4.5 / 9.0})
-    assert [(k, pytest.approx(u)) for k, u in run.round_utilization()] == \
-        [(0, {"a": 0.9, "b": 0.5}), (1, {"a": 0.9, "b": 0.5})]
+    assert [(k, pytest.approx(u)) for k, u in run.round_utilization()] == [
+        (0, {"a": 0.9, "b": 0.5}),
+        (1, {"a": 0.9, "b": 0.5}),
+    ]
     assert run.steps_per_node() == {"a": 90, "b": 20, "c": 0}
     assert run.complete == {"rounds": 2, "pure_compute_s": 0.09}
     # the summary shows the least and the most of the nodes' utilization; the plot is drawn
-    out = subprocess.run(drift_cmd("report", str(tmp_path / "r"), "--out", str(tmp_path / "out")),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        drift_cmd("report", str(tmp_path / "r"), "--out", str(tmp_path / "out")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     row = next(line for line in out.stdout.splitlines() if line.startswith("r "))
     assert out.returncode == 0 and row.split()[-1] == "50-90"
     assert (tmp_path / "out" / "utilization.png").read_bytes()[:4] == b"\x89PNG"

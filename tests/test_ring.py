@@ -6,11 +6,11 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from conftest import run_async
-from drift.protocol import RingMember
+
 from drift.compress import CODECS, make_codec, relative_error
 from drift.diloco import NesterovOuter, checksum
+from drift.protocol import RingMember
 from drift.ring import Ring, RingError, segment_bounds
 from drift.transport import RING_ALPN, Endpoint
 
@@ -19,13 +19,7 @@ async def _ring_of(n: int, **kw) -> tuple[list[Endpoint], list[Ring], list[async
     eps = [await Endpoint.bind("local") for _ in range(n)]
     rings = [Ring(ep, **kw) for ep in eps]
 
-    async def accept(ep: Endpoint, ring: Ring) -> None:
-        while True:
-            alpn, conn = await ep.accept()
-            assert alpn == RING_ALPN
-            asyncio.ensure_future(ring.handle_incoming(conn))
-
-    tasks = [asyncio.ensure_future(accept(e, r)) for e, r in zip(eps, rings)]
+    tasks = [asyncio.ensure_future(e.serve({RING_ALPN: r.handle_incoming})) for e, r in zip(eps, rings)]
     return eps, rings, tasks
 
 
@@ -79,8 +73,9 @@ def test_wrong_round_header_fails_loudly() -> None:
         members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
         a, b = np.ones(1000, np.float32), np.ones(1000, np.float32)
         try:
-            results = await asyncio.gather(rings[0].allreduce_sum(a, members, 3),
-                                           rings[1].allreduce_sum(b, members, 4), return_exceptions=True)
+            results = await asyncio.gather(
+                rings[0].allreduce_sum(a, members, 3), rings[1].allreduce_sum(b, members, 4), return_exceptions=True
+            )
         finally:
             await _close(eps, rings, tasks)
         errors = [str(r) for r in results if isinstance(r, RingError)]
@@ -173,9 +168,11 @@ def test_codec_mismatch_fails_loudly() -> None:
         members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
         a, b = np.ones(1000, np.float32), np.ones(1000, np.float32)
         try:
-            results = await asyncio.gather(rings[0].allreduce_sum(a, members, 0, codec="int8"),
-                                           rings[1].allreduce_sum(b, members, 0, codec="fp32"),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                rings[0].allreduce_sum(a, members, 0, codec="int8"),
+                rings[1].allreduce_sum(b, members, 0, codec="fp32"),
+                return_exceptions=True,
+            )
         finally:
             await _close(eps, rings, tasks)
         errors = [str(r) for r in results if isinstance(r, RingError)]
@@ -191,9 +188,11 @@ def test_size_mismatch_fails_loudly() -> None:
         eps, rings, tasks = await _ring_of(2, timeout=10)
         members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
         try:
-            results = await asyncio.gather(rings[0].allreduce_sum(np.ones(1000, np.float32), members, 0),
-                                           rings[1].allreduce_sum(np.ones(1200, np.float32), members, 0),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                rings[0].allreduce_sum(np.ones(1000, np.float32), members, 0),
+                rings[1].allreduce_sum(np.ones(1200, np.float32), members, 0),
+                return_exceptions=True,
+            )
         finally:
             await _close(eps, rings, tasks)
         errors = [str(r) for r in results if isinstance(r, RingError)]
@@ -216,8 +215,11 @@ def test_failed_round_leaves_the_residual_untouched() -> None:
         try:
             await asyncio.gather(*(r.allreduce_sum(x.copy(), members, 0) for r, x in zip(rings, xs)))
             before = [r.residual.copy() for r in rings]
-            bad = await asyncio.gather(rings[0].allreduce_sum(xs[0].copy(), members, 1),
-                                       rings[1].allreduce_sum(xs[1].copy(), members, 2), return_exceptions=True)
+            bad = await asyncio.gather(
+                rings[0].allreduce_sum(xs[0].copy(), members, 1),
+                rings[1].allreduce_sum(xs[1].copy(), members, 2),
+                return_exceptions=True,
+            )
             assert all(isinstance(b, RingError) for b in bad), bad
             after = [r.residual.copy() for r in rings]
         finally:
@@ -232,9 +234,10 @@ def test_failed_round_leaves_the_residual_untouched() -> None:
 def test_ring_refuses_peers_this_node_has_not_verified() -> None:
     """A BarrierReady (from the coordinator) cannot make a node open a ring connection to, or
     accept one from, a peer that it did not verify itself."""
+
     async def main() -> tuple[str, bool]:
         eps, rings, tasks = await _ring_of(2, timeout=5.0)
-        rings[0].trusted = lambda peer: False       # node 0 verified nobody
+        rings[0].trusted = lambda peer: False  # node 0 verified nobody
         members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
         try:
             x = np.ones(16, np.float32)

@@ -8,8 +8,8 @@ import asyncio
 
 import numpy as np
 import pytest
-
 from conftest import run_async
+
 from drift.diloco import ParamLayout, checksum
 from drift.state import StateError, StateServer, fetch_state, into_arrays
 from drift.transport import STATE_ALPN, Endpoint
@@ -22,16 +22,18 @@ def _state(seed: int, layout: ParamLayout = LAYOUT) -> tuple[np.ndarray, np.ndar
     return rng.standard_normal(layout.size).astype(np.float32), rng.standard_normal(layout.size).astype(np.float32)
 
 
-def _serving(rnd: int, theta: np.ndarray, velocity: np.ndarray, layout: ParamLayout = LAYOUT,
-             announced: str | None = None) -> StateServer:
+def _serving(
+    rnd: int, theta: np.ndarray, velocity: np.ndarray, layout: ParamLayout = LAYOUT, announced: str | None = None
+) -> StateServer:
     server = StateServer()
     server.publish(rnd, theta, velocity, announced or checksum(theta, velocity), layout)
     return server
 
 
-def _fetch(server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOUT, member: bool = True):  # noqa: ANN202
+def _fetch(server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOUT, member: bool = True):
     """(layout, θ, velocity) as a peer receives them, into arrays of its own."""
-    async def main():  # noqa: ANN202
+
+    async def main():
         ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
         serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
         client = await Endpoint.bind("local")
@@ -39,13 +41,15 @@ def _fetch(server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOU
             server.allowed = lambda peer: peer == client.node_id
         theta, velocity = np.empty(layout.size, np.float32), np.empty(layout.size, np.float32)
         try:
-            got = await fetch_state(client, [ep.ticket()], rnd, want, into_arrays(theta, velocity),
-                                    size=layout.size, timeout=10)
+            got = await fetch_state(
+                client, [ep.ticket()], rnd, want, into_arrays(theta, velocity), size=layout.size, timeout=10
+            )
             return got, theta, velocity
         finally:
             serving.cancel()
             await client.close()
             await ep.close()
+
     return run_async(main())
 
 
@@ -59,6 +63,7 @@ def test_a_member_gets_exactly_the_agreed_state() -> None:
 def test_a_state_larger_than_one_frame_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """No frame holds a whole θ: with 4 KiB chunks a 40 KiB θ takes 10 of them, and arrives exact."""
     import drift.state
+
     monkeypatch.setattr(drift.state, "CHUNK_BYTES", 4096)
     big = ParamLayout(("w",), ((10_000,),))
     theta, velocity = _state(5, big)
@@ -89,17 +94,18 @@ def test_a_donor_of_another_size_is_refused() -> None:
         _fetch(_serving(1, theta[:4].copy(), velocity[:4].copy(), small), 1, checksum(theta, velocity))
 
 
-def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator's checkpoint: θ and the velocity stream from a donor, chunk by chunk, into
     the checkpoint's files (never whole in memory), and load back exact, buffers named as such."""
     import drift.state
     from drift.checkpoint import CheckpointWriter, load_checkpoint
+
     monkeypatch.setattr(drift.state, "CHUNK_BYTES", 4096)
     big = ParamLayout(("w", "b", "bn.running_var"), ((100, 50), (50,), (50,)), n_buffers=1)
     theta, velocity = _state(7, big)
     writers: list[CheckpointWriter] = []
 
-    def sink(layout: ParamLayout):  # noqa: ANN202
+    def sink(layout: ParamLayout):
         writers.append(CheckpointWriter(tmp_path / "ck", 9, layout.names, layout.shapes))
         return writers[-1].write
 

@@ -12,16 +12,22 @@ import time
 from pathlib import Path
 
 import psutil
-
 from conftest import check_exactly_once, make_task_repo
+
 from drift.recipe import load_recipe
 from drift.simulate import Swarm
 
 WRAPPERS = Path(__file__).parent / "wrappers"
 
 BATCH = 8
-SIM = dict(task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}, batch_size=BATCH,
-           unit_steps=2, eval_batches=2, stale_after_s=4.0, heartbeat_s=0.5)
+SIM = dict(
+    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    batch_size=BATCH,
+    unit_steps=2,
+    eval_batches=2,
+    stale_after_s=4.0,
+    heartbeat_s=0.5,
+)
 
 
 def _step_s(events: list[dict], node_id: str) -> float:
@@ -58,7 +64,7 @@ def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, inner_steps=10, **SIM)
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02")
-    swarm.join("0.02,0.02,0.2")         # 10x slower from round 2 on (a laptop that got hot)
+    swarm.join("0.02,0.02,0.2")  # 10x slower from round 2 on (a laptop that got hot)
     assert swarm.finish() == 0, swarm.log()
     events = swarm.events()
     check_exactly_once(events, 2 * BATCH)
@@ -84,7 +90,7 @@ def test_node_dies_mid_round(tmp_path: Path) -> None:
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 4 and rounds[0]["nodes"]["n0"]["weight"] > 0
     assert all(r["nodes"].get("n0", {"weight": 0})["weight"] == 0 for r in rounds[1:])
-    check_exactly_once(events, 2 * BATCH)             # its units of round 1 were redone, none twice
+    check_exactly_once(events, 2 * BATCH)  # its units of round 1 were redone, none twice
 
 
 def test_node_that_suddenly_becomes_very_slow_sits_out_then_evaluates(tmp_path: Path) -> None:
@@ -128,18 +134,18 @@ def test_late_joiner_fetches_state_and_trains(tmp_path: Path) -> None:
     assert entered["name"] == "late" and entered["round"] >= 2
     rounds = [e for e in events if e["event"] == "round"]
     # It trained from the round it entered, and the checksums kept agreeing (else no round event).
-    assert all(r["nodes"]["late"]["samples"] > 0 for r in rounds[entered["round"]:])
+    assert all(r["nodes"]["late"]["samples"] > 0 for r in rounds[entered["round"] :])
     check_exactly_once(events, 2 * BATCH)
     assert late.wait(timeout=60) == 0, (tmp_path / "late.log").read_text()
     lrs = [{n["lr"] for n in r["nodes"].values()} for r in rounds]
-    assert all(len(x) == 1 for x in lrs), lrs                  # one rate per round, the late node's too
+    assert all(len(x) == 1 for x in lrs), lrs  # one rate per round, the late node's too
     lrs = [x.pop() for x in lrs]
     r = load_recipe(recipe)
     done = 0
-    for rnd, lr in zip(rounds, lrs):                              # the schedule of the swarm's samples
+    for rnd, lr in zip(rounds, lrs):  # the schedule of the swarm's samples
         assert lr == r.inner_lr(done + r.round_samples // 2), (rnd["round"], lr)
         done += rnd["samples"]
-    assert lrs[0] < lrs[2] and lrs[-1] < max(lrs)                 # warmup, then decay
+    assert lrs[0] < lrs[2] and lrs[-1] < max(lrs)  # warmup, then decay
 
 
 def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
@@ -148,14 +154,14 @@ def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, inner_steps=30, **SIM)
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02")
-    swarm.join("2", name="slow")        # 100x slower
+    swarm.join("2", name="slow")  # 100x slower
     assert swarm.finish() == 0, swarm.log()
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert all(r["evaluators"] == ["slow"] and list(r["nodes"]) == ["n0"] for r in rounds), rounds
     vals = [e for e in events if e["event"] in ("initial", "val")]
-    assert vals and vals[0]["event"] == "initial"          # the evaluator's first job: θ0
-    assert any(e["event"] == "val" for e in vals)           # then the newest θ, fetched from n0
+    assert vals and vals[0]["event"] == "initial"  # the evaluator's first job: θ0
+    assert any(e["event"] == "val" for e in vals)  # then the newest θ, fetched from n0
     check_exactly_once(events, 2 * BATCH)
 
 
@@ -180,7 +186,7 @@ def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
     check_exactly_once(events, 2 * BATCH)
 
 
-def _wait_stopped(p, timeout: float = 300) -> None:  # noqa: ANN001 - a Popen
+def _wait_stopped(p, timeout: float = 300) -> None:
     """Until process p is stopped (SIGSTOP): a state to wait for, polled, so no moment is missed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -202,7 +208,7 @@ def test_node_admitted_in_the_last_round_leaves_with_the_run_complete(tmp_path: 
     go = tmp_path / "go"
     late = swarm.join("0.02", name="late", script=WRAPPERS / "held_node.py", env={"DRIFT_TEST_GO": str(go)})
     swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 1)
-    go.touch()                               # the last round (2) has just started
+    go.touch()  # the last round (2) has just started
     assert swarm.finish() == 0, swarm.log()
     assert late.wait(timeout=60) == 0, (tmp_path / "late.log").read_text()
     assert "run complete: 3 rounds" in (tmp_path / "late.log").read_text()
@@ -221,7 +227,7 @@ def test_node_that_sleeps_and_wakes_rejoins_by_itself(tmp_path: Path) -> None:
     _wait_stopped(sleeper)
     left = swarm.wait_event(lambda e: e["event"] == "node_left" and e["name"] == "n1")
     assert "silent" in left["reason"]
-    sleeper.send_signal(signal.SIGCONT)      # it wakes up
+    sleeper.send_signal(signal.SIGCONT)  # it wakes up
     back = swarm.wait_event(lambda e: e["event"] == "node_entered" and e["name"] == "n1")
     assert swarm.finish() == 0, swarm.log()
     assert sleeper.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()
@@ -229,5 +235,5 @@ def test_node_that_sleeps_and_wakes_rejoins_by_itself(tmp_path: Path) -> None:
     assert "rejoining" in log and "run complete" in log, log
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
-    assert any(r["nodes"].get("n1", {"samples": 0})["samples"] > 0 for r in rounds[back["round"]:])
+    assert any(r["nodes"].get("n1", {"samples": 0})["samples"] > 0 for r in rounds[back["round"] :])
     check_exactly_once(events, 2 * BATCH)

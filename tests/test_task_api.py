@@ -94,7 +94,7 @@ def test_digits_split_is_fixed_and_held_out(digits: ModuleType) -> None:
     assert a.n_train + a.n_val == 1797 and a.n_val == 359
     tr, va = a.batch("train", np.arange(a.n_train)), a.batch("val", np.arange(a.n_val))
     assert tr["x"].shape == (a.n_train, 1, 8, 8) and tr["x"].dtype == np.float32 and tr["y"].dtype == np.int64
-    assert 0.0 <= tr["x"].min() and tr["x"].max() <= 1.0 and set(tr["y"]) == set(range(10))
+    assert tr["x"].min() >= 0.0 and tr["x"].max() <= 1.0 and set(tr["y"]) == set(range(10))
     np.testing.assert_array_equal(b.batch("val", np.arange(a.n_val))["x"], va["x"])  # same split on every node
     train_rows = {r.tobytes() for r in tr["x"]}
     assert sum(r.tobytes() in train_rows for r in va["x"]) < 10  # the digits set has a few duplicate images
@@ -231,7 +231,7 @@ def test_unsupported_precision_is_a_one_line_error(digits: ModuleType, char: Sim
         with pytest.raises(BackendError, match=f"^precision bf16 is not supported by the {backend} backend on cpu"):
             make_worker(char, CHAR_CFG, {}, backend=backend, device="cpu", precision="bf16")
     no_torch = SimpleNamespace(make_dataset=char.make_dataset, make_numpy_model=char.make_numpy_model)
-    with pytest.raises(BackendError, match="^precision bf16 needs the torch backend, and task x has no make_model"):
+    with pytest.raises(BackendError, match=r"^precision bf16 needs the torch backend, and task x has no make_model"):
         make_worker(no_torch, CHAR_CFG, {}, precision="bf16", task_name="task x")
 
 
@@ -360,7 +360,7 @@ def test_backends_without_buffers_accept_only_none(char: SimpleNamespace, backen
     w = make_worker(char, CHAR_CFG, {}, backend=backend, device="cpu")
     assert w.get_buffers() == {}
     w.set_buffers({})
-    with pytest.raises(ValueError, match="unexpected buffer.*running_mean"):
+    with pytest.raises(ValueError, match=r"unexpected buffer.*running_mean"):
         w.set_buffers({"running_mean": np.zeros(3, np.float32)})
     w.close()
     w.close()  # idempotent

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_async
 from iroh import iroh_ffi
 
-from conftest import run_async
 from drift import transport
 from drift.transport import CONTROL_ALPN, Endpoint, TransportError, parse_ticket
 
@@ -35,6 +35,7 @@ def test_bytes_round_trip_exactly(fixed: bool) -> None:
             transport.uninstall_copy_fix()
         a, b = await _pair()
         try:
+
             async def server() -> list[bytes]:
                 _alpn, conn = await b.accept(timeout=10)
                 ch = await Endpoint.accept_channel(conn)
@@ -61,6 +62,7 @@ def test_oversized_frame_refused_before_body() -> None:
     async def main() -> str:
         a, b = await _pair()
         try:
+
             async def server() -> str:
                 _alpn, conn = await b.accept(timeout=10)
                 ch = await Endpoint.accept_channel(conn)

@@ -13,8 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from auth import NodeKey, load_or_create_key, sign_message
 from conftest import drift_cmd, git, make_task_repo, run_async
+
+from auth import NodeKey, load_or_create_key, sign_message
 from drift import protocol as P
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.recipe import load_recipe
@@ -35,8 +36,13 @@ class RawNode:
     async def hello(self, ticket: str) -> P.Message:
         self.ep = await Endpoint.bind("local", secret_key=self.key.seed)
         self.ch = await self.ep.connect(ticket, CONTROL_ALPN, timeout=60)
-        await self.ch.send_frame(P.encode(P.NodeInfo(node_id=self.key.node_id, name="raw", backend="torch",
-                                                     device="cpu", ring_ticket=self.ep.ticket())))
+        await self.ch.send_frame(
+            P.encode(
+                P.NodeInfo(
+                    node_id=self.key.node_id, name="raw", backend="torch", device="cpu", ring_ticket=self.ep.ticket()
+                )
+            )
+        )
         return await self.reply()
 
     async def reply(self) -> P.Message:
@@ -51,8 +57,17 @@ class RawNode:
 
 
 def _repo_commit(signer: NodeKey, cfg: P.TrainConfig, **over) -> bytes:
-    body = P.RepoCommit(repo="x", commit=cfg.commit, tree=None, node_id=signer.node_id, timestamp=time.time(),
-                        nonce=os.urandom(16).hex(), param_checksum="p", n_train=100, run_id=cfg.run_id)
+    body = P.RepoCommit(
+        repo="x",
+        commit=cfg.commit,
+        tree=None,
+        node_id=signer.node_id,
+        timestamp=time.time(),
+        nonce=os.urandom(16).hex(),
+        param_checksum="p",
+        n_train=100,
+        run_id=cfg.run_id,
+    )
     signed = sign_message(signer, {**body.model_dump(mode="json"), **over})
     return P.encode(P.RepoCommit.model_validate(signed))
 
@@ -75,9 +90,26 @@ async def _refused(node: RawNode, ticket: str, make_frame, replay: bytes | None 
 
 def _join(repo: Path, ticket: str, key: Path, cache: Path, name: str) -> subprocess.Popen:
     err = open(cache.parent / f"{name}.err", "w+")  # a file, not a pipe: nobody has to drain it
-    proc = subprocess.Popen(drift_cmd("join", "--repo", str(repo), "--ticket", ticket, "--key", str(key),
-                                      "--cache-dir", str(cache), "--name", name, "--threads", "1"),
-                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc = subprocess.Popen(
+        drift_cmd(
+            "join",
+            "--repo",
+            str(repo),
+            "--ticket",
+            ticket,
+            "--key",
+            str(key),
+            "--cache-dir",
+            str(cache),
+            "--name",
+            name,
+            "--threads",
+            "1",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        text=True,
+    )
     proc.err_file = err  # type: ignore[attr-defined]
     return proc
 
@@ -96,8 +128,10 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
     recipe_path = make_task_repo(tmp_path / "repo", **FAST)
     repo = recipe_path.parents[1]
     head = git(repo, "rev-parse", "HEAD")
-    keys = {n: load_or_create_key(tmp_path / "keys" / f"{n}.key")
-            for n in ("good0", "good1", "dirty", "forger", "impostor", "victim", "stale", "wrong", "loose")}
+    keys = {
+        n: load_or_create_key(tmp_path / "keys" / f"{n}.key")
+        for n in ("good0", "good1", "dirty", "forger", "impostor", "victim", "stale", "wrong", "loose")
+    }
     stranger = NodeKey.generate()
     recipe = load_recipe(recipe_path)
     recipe.allowlist = sorted(k.node_id for k in keys.values())
@@ -117,15 +151,20 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
             procs += [dirty, loose]
             k = keys
             reasons = {}
-            reasons["forged"], _ = await _refused(RawNode(k["forger"]), ticket,
-                                                  lambda cfg: _repo_commit(k["forger"], cfg)
-                                                  .replace(b'"n_train":100', b'"n_train":101'))
-            reasons["impostor"], _ = await _refused(RawNode(k["impostor"]), ticket,
-                                                    lambda cfg: _repo_commit(k["victim"], cfg))
-            reasons["stale"], _ = await _refused(RawNode(k["stale"]), ticket,
-                                                 lambda cfg: _repo_commit(k["stale"], cfg, timestamp=time.time() - 3600))
-            reasons["wrong"], frame = await _refused(RawNode(k["wrong"]), ticket,
-                                                     lambda cfg: _repo_commit(k["wrong"], cfg, commit="0" * 40))
+            reasons["forged"], _ = await _refused(
+                RawNode(k["forger"]),
+                ticket,
+                lambda cfg: _repo_commit(k["forger"], cfg).replace(b'"n_train":100', b'"n_train":101'),
+            )
+            reasons["impostor"], _ = await _refused(
+                RawNode(k["impostor"]), ticket, lambda cfg: _repo_commit(k["victim"], cfg)
+            )
+            reasons["stale"], _ = await _refused(
+                RawNode(k["stale"]), ticket, lambda cfg: _repo_commit(k["stale"], cfg, timestamp=time.time() - 3600)
+            )
+            reasons["wrong"], frame = await _refused(
+                RawNode(k["wrong"]), ticket, lambda cfg: _repo_commit(k["wrong"], cfg, commit="0" * 40)
+            )
             reasons["replay"], _ = await _refused(RawNode(k["wrong"]), ticket, None, replay=frame)
             reasons["stranger"], _ = await _refused(RawNode(stranger), ticket, None)
             dirty_rc, dirty_err = await asyncio.to_thread(_wait, dirty)
@@ -156,10 +195,14 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
     reasons, (dirty_rc, dirty_err), (loose_rc, loose_err), results, good_out, rejected = run_async(main(), 600)
     k = keys
     assert "bad signature (forged" in reasons["forged"]
-    assert (f"wrong signer: RepoCommit is signed as node {k['victim'].node_id[:10]} but the connection is from "
-            f"node {k['impostor'].node_id[:10]}") in reasons["impostor"]
+    assert (
+        f"wrong signer: RepoCommit is signed as node {k['victim'].node_id[:10]} but the connection is from "
+        f"node {k['impostor'].node_id[:10]}"
+    ) in reasons["impostor"]
     assert "stale RepoCommit" in reasons["stale"] and "signed 3600 s ago" in reasons["stale"]
-    assert f"wrong commit: node {k['wrong'].node_id[:10]} runs 0000000000, this run needs {head[:10]}" in reasons["wrong"]
+    assert (
+        f"wrong commit: node {k['wrong'].node_id[:10]} runs 0000000000, this run needs {head[:10]}" in reasons["wrong"]
+    )
     assert "replayed RepoCommit" in reasons["replay"]
     for r in ("stranger", "stranger_late"):
         assert f"node {stranger.node_id} is not on this swarm's allowlist" in reasons[r]
@@ -175,7 +218,8 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
     # A key file others can read stops the node before it connects.
     assert loose_rc != 0 and loose_err.strip().splitlines() == [
         f"drift: error: key file {k['loose'].path} is readable by other users (mode 0644); "
-        f"fix with: chmod 600 {k['loose'].path}"]
+        f"fix with: chmod 600 {k['loose'].path}"
+    ]
     # ...and the honest nodes trained the whole run.
     assert [r.round for r in results] == [0, 1]
     for rc, err in good_out:
@@ -197,13 +241,13 @@ def test_swarm_is_cancelled_when_auth_threshold_cannot_be_met(tmp_path: Path) ->
         good = RawNode(keys[0])
         try:
             cfg = await good.hello(ticket)
-            await good.send(_repo_commit(keys[0], cfg))        # verified: waits for TrainingReady
+            await good.send(_repo_commit(keys[0], cfg))  # verified: waits for TrainingReady
             while keys[0].node_id not in coord.ready:
                 await asyncio.sleep(0.05)
             first, _ = await _refused(RawNode(keys[1]), ticket, lambda c: _repo_commit(keys[1], c, commit="1" * 40))
-            assert not run.done()                             # 2 of 3 can still verify
+            assert not run.done()  # 2 of 3 can still verify
             await _refused(RawNode(keys[2]), ticket, lambda c: _repo_commit(keys[2], c, commit="2" * 40))
-            cancel = await good.reply()                       # now only 1 can: everyone is told
+            cancel = await good.reply()  # now only 1 can: everyone is told
             try:
                 await run
             except CoordinatorError as e:
@@ -226,15 +270,10 @@ def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
     from drift.ring import Ring
     from drift.transport import RING_ALPN, TransportError
 
-    async def serve(ep: Endpoint, ring: Ring) -> None:
-        while True:
-            _alpn, conn = await ep.accept()
-            asyncio.ensure_future(ring.handle_incoming(conn))
-
     async def main():
         eps = [await Endpoint.bind("local") for _ in range(3)]
         rings = [Ring(ep, timeout=20) for ep in eps[:2]]
-        tasks = [asyncio.ensure_future(serve(ep, ring)) for ep, ring in zip(eps, rings)]
+        tasks = [asyncio.ensure_future(ep.serve({RING_ALPN: ring.handle_incoming})) for ep, ring in zip(eps, rings)]
         try:
             members = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=0.5) for ep in eps[:2]]
             xs = [np.ones(8, np.float32), np.full(8, 2, np.float32)]
@@ -265,9 +304,17 @@ def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
 def test_task_code_imports_from_its_checkout_only(tmp_path: Path) -> None:
     """A task's `import helpers` finds the helpers.py committed next to it, never one in the
     directory `drift coord --local` (and so its nodes) was started from."""
-    recipe = make_task_repo(tmp_path / "repo", name="helped", min_nodes=2, rounds=2, inner_steps=4, batch_size=8,
-                            unit_steps=2, eval_batches=1,
-                            task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32})
+    recipe = make_task_repo(
+        tmp_path / "repo",
+        name="helped",
+        min_nodes=2,
+        rounds=2,
+        inner_steps=4,
+        batch_size=8,
+        unit_steps=2,
+        eval_batches=1,
+        task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    )
     repo = recipe.parents[1]
     task = repo / "recipes" / "shakespeare_char.py"
     task.write_text(task.read_text() + "\nimport helpers  # noqa: E402\nassert helpers.ORIGIN == 'checkout'\n")
@@ -277,6 +324,11 @@ def test_task_code_imports_from_its_checkout_only(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "helpers.py").write_text("raise SystemExit('imported helpers.py from the working directory')\n")
-    out = subprocess.run(drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(tmp_path / "run")),
-                         cwd=elsewhere, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(tmp_path / "run")),
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -36,6 +36,7 @@ def make_worker(task_module, seed: int = 0, **optim) -> TorchWorker:
 
 # ---- dataset -----------------------------------------------------------------------------------
 
+
 def test_dataset_windows_and_split(task: ModuleType) -> None:
     bs = CFG["block_size"]
     ds = task.make_dataset(CFG)
@@ -51,14 +52,14 @@ def test_dataset_windows_and_split(task: ModuleType) -> None:
     assert x.shape == y.shape == (4, bs) and x.dtype == y.dtype == np.int64
     assert x.flags.c_contiguous and y.flags.c_contiguous
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
-    np.testing.assert_array_equal(y[0, -1], x[1, 0])    # window i+1 starts where window i's target ends
+    np.testing.assert_array_equal(y[0, -1], x[1, 0])  # window i+1 starts where window i's target ends
     for row, i in enumerate(idx):
-        assert ds.decode(x[row]) + ds.decode(y[row, -1:]) == text[i * bs: i * bs + bs + 1]
+        assert ds.decode(x[row]) + ds.decode(y[row, -1:]) == text[i * bs : i * bs + bs + 1]
     assert ds.n_train * bs < n  # the last train target lies before the val split
 
     xv, yv = ds.batch("val", np.array([0, ds.n_val - 1]))
-    assert ds.decode(xv[0]) == text[n: n + bs]
-    assert ds.decode(yv[1]) == text[n + (ds.n_val - 1) * bs + 1: n + ds.n_val * bs + 1]
+    assert ds.decode(xv[0]) == text[n : n + bs]
+    assert ds.decode(yv[1]) == text[n + (ds.n_val - 1) * bs + 1 : n + ds.n_val * bs + 1]
 
     again = task.make_dataset(CFG)
     np.testing.assert_array_equal(again.batch("train", idx)[0], x)
@@ -87,6 +88,7 @@ def test_model_ties_lm_head_and_lists_each_tensor_once(cached_task: SimpleNamesp
 
 
 # ---- worker ------------------------------------------------------------------------------------
+
 
 def test_worker_satisfies_protocol(cached_task: SimpleNamespace) -> None:
     w = make_worker(cached_task)
@@ -178,7 +180,7 @@ def test_bad_device_and_config_are_clear_errors(cached_task: SimpleNamespace) ->
 
 
 def test_load_task_errors_name_the_path(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.py"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.py"):
         load_task(tmp_path / "nope.py")
     broken = tmp_path / "broken_task.py"
     broken.write_text("raise RuntimeError('boom')\n")
@@ -204,7 +206,7 @@ def test_dataset_tokens_view(cached_task: SimpleNamespace) -> None:
     ds = cached_task.make_dataset(CFG)
     tokens = ds.tokens("train")
     x, _ = ds.batch("train", np.array([3]))
-    np.testing.assert_array_equal(tokens[3 * CFG["block_size"]: 4 * CFG["block_size"]], x[0])
+    np.testing.assert_array_equal(tokens[3 * CFG["block_size"] : 4 * CFG["block_size"]], x[0])
     with pytest.raises(ValueError):
         tokens[0] = 1  # read-only
     with pytest.raises(ValueError, match="split"):

@@ -13,9 +13,10 @@ import platform
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import psutil
 
@@ -26,20 +27,20 @@ from .base import BACKENDS
 
 @dataclass
 class GpuInfo:
-    vendor: str                        # "nvidia", "amd"
+    vendor: str  # "nvidia", "amd"
     index: int
     name: str
-    memory_total: int | None = None    # bytes
-    memory_free: int | None = None     # bytes
+    memory_total: int | None = None  # bytes
+    memory_free: int | None = None  # bytes
     compute_capability: str | None = None  # NVIDIA "9.0"; AMD: the gfx arch, e.g. "gfx90a"
     driver: str | None = None
 
 
 @dataclass
 class AppleInfo:
-    chip: str                          # "Apple M2 Pro"
-    unified_memory: int                # bytes, shared by CPU and GPU
-    metal: bool                        # a Metal GPU usable by mlx or torch MPS
+    chip: str  # "Apple M2 Pro"
+    unified_memory: int  # bytes, shared by CPU and GPU
+    metal: bool  # a Metal GPU usable by mlx or torch MPS
     metal_via: list[str] = field(default_factory=list)  # "mlx", "torch-mps"
 
 
@@ -55,11 +56,11 @@ class CpuInfo:
 
 @dataclass
 class BackendInfo:
-    name: str                          # "torch", "mlx", "numpy"
+    name: str  # "torch", "mlx", "numpy"
     installed: bool
     version: str | None = None
     devices: list[str] = field(default_factory=list)  # usable devices, best first
-    detail: str = ""                   # "CUDA 12.4", "ROCm 6.1", "Metal", "not installed", ...
+    detail: str = ""  # "CUDA 12.4", "ROCm 6.1", "Metal", "not installed", ...
 
 
 @dataclass
@@ -71,7 +72,7 @@ class MachineInfo:
     gpus: list[GpuInfo]
     apple: AppleInfo | None
     backends: dict[str, BackendInfo]
-    default: dict[str, str] | None     # what `drift join` picks with no --backend/--device
+    default: dict[str, str] | None  # what `drift join` picks with no --backend/--device
     notes: list[str]
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +80,7 @@ class MachineInfo:
 
 
 # --- probes -------------------------------------------------------------------------------------
+
 
 def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
@@ -131,16 +133,22 @@ def detect_rocm(torch: ModuleType | None) -> tuple[list[GpuInfo], str | None]:
         return [], None
     try:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception as e:  # noqa: BLE001 - a broken driver must not break `drift status`
+    except Exception as e:
         return [], f"amd: ROCm torch cannot see a GPU: {e}"
     gpus = []
     for i in range(n):
         props = torch.cuda.get_device_properties(i)
-        gpu = GpuInfo("amd", i, props.name, memory_total=int(props.total_memory),
-                      compute_capability=getattr(props, "gcnArchName", None) or None, driver=f"ROCm {hip}")
+        gpu = GpuInfo(
+            "amd",
+            i,
+            props.name,
+            memory_total=int(props.total_memory),
+            compute_capability=getattr(props, "gcnArchName", None) or None,
+            driver=f"ROCm {hip}",
+        )
         try:
             gpu.memory_free = int(torch.cuda.mem_get_info(i)[0])
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         gpus.append(gpu)
     return gpus, (None if gpus else "amd: ROCm torch is installed but sees no GPU")
@@ -154,8 +162,12 @@ def _sysctl(key: str, run: Callable[..., Any] = subprocess.run) -> str | None:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
-def detect_apple(system: str | None = None, machine: str | None = None, metal_via: list[str] | None = None,
-                 run: Callable[..., Any] = subprocess.run) -> AppleInfo | None:
+def detect_apple(
+    system: str | None = None,
+    machine: str | None = None,
+    metal_via: list[str] | None = None,
+    run: Callable[..., Any] = subprocess.run,
+) -> AppleInfo | None:
     """Apple Silicon: chip name, unified memory, and whether Metal is usable (by mlx / torch MPS)."""
     system = system or platform.system()
     machine = machine or platform.machine()
@@ -186,21 +198,27 @@ def _cpu_model() -> str:
 
 def detect_cpu() -> CpuInfo:
     vm = psutil.virtual_memory()
-    return CpuInfo(_cpu_model(), psutil.cpu_count(logical=False), psutil.cpu_count(logical=True),
-                   int(vm.total), int(vm.available), platform.machine())
+    return CpuInfo(
+        _cpu_model(),
+        psutil.cpu_count(logical=False),
+        psutil.cpu_count(logical=True),
+        int(vm.total),
+        int(vm.available),
+        platform.machine(),
+    )
 
 
 def import_torch() -> ModuleType | None:
     try:
         return importlib.import_module("torch")
-    except Exception:  # noqa: BLE001 - missing, or broken (a wrong CUDA wheel): either way no torch
+    except Exception:
         return None
 
 
 def import_mlx() -> ModuleType | None:
     try:
         return importlib.import_module("mlx.core")
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -211,21 +229,26 @@ def backend_info(name: str) -> BackendInfo:
         if torch is None:
             return BackendInfo("torch", False, detail="not installed")
         from .torch_worker import available_devices
+
         hip, cuda = getattr(torch.version, "hip", None), getattr(torch.version, "cuda", None)
         devices = available_devices()
-        detail = f"ROCm {hip}" if hip else f"CUDA {cuda}" if cuda else "MPS (Metal)" if "mps" in devices \
-            else "CPU build"
+        detail = (
+            f"ROCm {hip}" if hip else f"CUDA {cuda}" if cuda else "MPS (Metal)" if "mps" in devices else "CPU build"
+        )
         return BackendInfo("torch", True, torch.__version__, devices, detail)
     if name == "mlx":
         mx = import_mlx()
         if mx is None:
             return BackendInfo("mlx", False, detail="not installed")
         from .mlx_worker import available_devices as mlx_devices
+
         devices = mlx_devices()
-        return BackendInfo("mlx", True, getattr(mx, "__version__", None), devices,
-                           "Metal" if "metal" in devices else "CPU only")
+        return BackendInfo(
+            "mlx", True, getattr(mx, "__version__", None), devices, "Metal" if "metal" in devices else "CPU only"
+        )
     if name == "numpy":
         import numpy
+
         return BackendInfo("numpy", True, numpy.__version__, ["cpu"], "hand-written models")
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
 
@@ -235,11 +258,12 @@ def device_name(backend: str, device: str) -> str:
     try:
         if device.startswith("cuda"):
             import torch
+
             return str(torch.cuda.get_device_name(int(device.partition(":")[2] or 0)))
         if device in ("mps", "metal"):
             apple = detect_apple(metal_via=[device])
             return apple.chip if apple else device
-    except Exception:  # noqa: BLE001
+    except Exception:
         return device
     return _cpu_model()
 
@@ -255,26 +279,40 @@ def detect(backends: tuple[str, ...] = BACKENDS, nvml: ModuleType | None = None)
     amd, why = detect_rocm(torch)
     if why:
         notes.append(why)
-    via = (["mlx"] if "metal" in infos.get("mlx", BackendInfo("mlx", False)).devices else []) + \
-          (["torch-mps"] if "mps" in infos.get("torch", BackendInfo("torch", False)).devices else [])
+    via = (["mlx"] if "metal" in infos.get("mlx", BackendInfo("mlx", False)).devices else []) + (
+        ["torch-mps"] if "mps" in infos.get("torch", BackendInfo("torch", False)).devices else []
+    )
     apple = detect_apple(metal_via=via)
     torch_info = infos.get("torch")
     if nvidia and torch_info is not None and not any(d.startswith("cuda") for d in torch_info.devices):
-        notes.append(f"nvidia: {len(nvidia)} GPU(s) found, but torch here cannot use them "
-                     f"({torch_info.detail if torch_info.installed else 'torch not installed'}): "
-                     "install a CUDA build of torch (https://pytorch.org/get-started/locally/)")
+        notes.append(
+            f"nvidia: {len(nvidia)} GPU(s) found, but torch here cannot use them "
+            f"({torch_info.detail if torch_info.installed else 'torch not installed'}): "
+            "install a CUDA build of torch (https://pytorch.org/get-started/locally/)"
+        )
     from . import choose  # late: workers/__init__ imports this module
+
     default: dict[str, str] | None = None
     try:
         c = choose("auto", "auto", infos=infos)
         default = {"backend": c.backend, "device": c.device}
     except ValueError as e:
         notes.append(str(e))
-    return MachineInfo(socket.gethostname(), f"{platform.system()} {platform.release()}",
-                       platform.python_version(), detect_cpu(), nvidia + amd, apple, infos, default, notes)
+    return MachineInfo(
+        socket.gethostname(),
+        f"{platform.system()} {platform.release()}",
+        platform.python_version(),
+        detect_cpu(),
+        nvidia + amd,
+        apple,
+        infos,
+        default,
+        notes,
+    )
 
 
 # --- presentation (`drift status`) --------------------------------------------------------------
+
 
 def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
@@ -297,18 +335,31 @@ def status_renderables(info: MachineInfo) -> list[Any]:
         mem = _gib(g.memory_total) + (f" ({_gib(g.memory_free)} free)" if g.memory_free is not None else "")
         cc = ("compute " if g.vendor == "nvidia" else "arch ") + g.compute_capability if g.compute_capability else ""
         details = ", ".join(x for x in (cc, f"driver {g.driver}" if g.driver else "") if x)
-        devices.add_row(dev, f"{g.vendor.upper()} {g.name}" if g.vendor == "amd" else g.name, mem, details,
-                        ", ".join(users.get(dev, [])) or "-")
+        devices.add_row(
+            dev,
+            f"{g.vendor.upper()} {g.name}" if g.vendor == "amd" else g.name,
+            mem,
+            details,
+            ", ".join(users.get(dev, [])) or "-",
+        )
     if info.apple:
         a = info.apple
         apple_devs = [d for d in ("metal", "mps") if d in users]
-        devices.add_row(" / ".join(apple_devs) or "-", a.chip, f"{_gib(a.unified_memory)} unified",
-                        f"Metal via {', '.join(a.metal_via)}" if a.metal else "Metal not usable (install mlx)",
-                        ", ".join(b for d in apple_devs for b in users[d]) or "-")
+        devices.add_row(
+            " / ".join(apple_devs) or "-",
+            a.chip,
+            f"{_gib(a.unified_memory)} unified",
+            f"Metal via {', '.join(a.metal_via)}" if a.metal else "Metal not usable (install mlx)",
+            ", ".join(b for d in apple_devs for b in users[d]) or "-",
+        )
     c = info.cpu
-    devices.add_row("cpu", c.model, f"{_gib(c.ram_total)} ({_gib(c.ram_available)} free)",
-                    f"{c.physical_cores} cores, {c.logical_cores} threads, {c.arch}",
-                    ", ".join(users.get("cpu", [])) or "-")
+    devices.add_row(
+        "cpu",
+        c.model,
+        f"{_gib(c.ram_total)} ({_gib(c.ram_available)} free)",
+        f"{c.physical_cores} cores, {c.logical_cores} threads, {c.arch}",
+        ", ".join(users.get("cpu", [])) or "-",
+    )
 
     backends = Table(title="backends", title_justify="left")
     for col in ("backend", "version", "devices", "details"):
@@ -318,7 +369,8 @@ def status_renderables(info: MachineInfo) -> list[Any]:
 
     out: list[Any] = [devices, backends]
     if info.default:
-        out.append(f"drift join uses: {info.default['backend']} on {info.default['device']} "
-                   "(force with --backend / --device)")
+        out.append(
+            f"drift join uses: {info.default['backend']} on {info.default['device']} (force with --backend / --device)"
+        )
     out += [f"note: {n}" for n in info.notes]
     return out

@@ -17,7 +17,7 @@ class Points:
     def __init__(self, n: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.x = rng.uniform(-1, 1, size=(n, 2)).astype(np.float32)
-        r = np.sqrt((self.x ** 2).sum(1))
+        r = np.sqrt((self.x**2).sum(1))
         self.y = np.minimum((r * CLASSES / 1.42).astype(np.int64), CLASSES - 1)
         self.n_train = int(n * 0.9)
         self.n_val = n - self.n_train

@@ -35,32 +35,37 @@ def stop() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def patch(cls, name: str):  # noqa: ANN001, ANN201 - decorator: wrap cls.name with fn(original, ...)
+def patch(cls, name: str):
     original = getattr(cls, name)
 
-    def wrap(fn):  # noqa: ANN001, ANN202
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def wrap(fn):
+        def wrapper(*args, **kwargs):
             return fn(original, *args, **kwargs)
+
         setattr(cls, name, wrapper)
         return fn
+
     return wrap
 
 
 if kind == "stop-in-allreduce":
+
     @patch(Ring, "_send_chunk")
-    async def _(orig, self, ch, payload, codec, round_, *rest):  # noqa: ANN001, ANN202
+    async def _(orig, self, ch, payload, codec, round_, *rest):
         await orig(self, ch, payload, codec, round_, *rest)
         if round_ == at:
             stop()
 elif kind == "stop-after-progress":
+
     @patch(Session, "send")
-    async def _(orig, self, msg):  # noqa: ANN001, ANN202
+    async def _(orig, self, msg):
         await orig(self, msg)
         if isinstance(msg, P.TrainProgress) and msg.round == at:
             stop()
 elif kind == "nan-params":
+
     @patch(InnerLoop, "run_round")
-    async def _(orig, self, a):  # noqa: ANN001, ANN202
+    async def _(orig, self, a):
         report = await orig(self, a)
         if a.round == at:
             params = self.worker.get_params()
@@ -69,8 +74,9 @@ elif kind == "nan-params":
             self.worker.set_params(params)
         return report
 elif kind == "nan-ring":
+
     @patch(Session, "_allreduce")
-    async def _(orig, self, t, ready):  # noqa: ANN001, ANN202
+    async def _(orig, self, t, ready):
         if ready.round != at:
             return await orig(self, t, ready)
         honest = t.rule.contribute
@@ -80,28 +86,32 @@ elif kind == "nan-ring":
         finally:
             del t.rule.contribute  # back to the class's
 elif kind == "short-chunks":
+
     @patch(Ring, "_send_chunk")
-    async def _(orig, self, ch, payload, codec, round_, *rest):  # noqa: ANN001, ANN202
+    async def _(orig, self, ch, payload, codec, round_, *rest):
         if round_ == at:
             payload = memoryview(payload).cast("B")[:-1]
         await orig(self, ch, payload, codec, round_, *rest)
 elif kind == "lie-report":
+
     @patch(Session, "send")
-    async def _(orig, self, msg):  # noqa: ANN001, ANN202
+    async def _(orig, self, msg):
         if isinstance(msg, P.BarrierSync) and msg.round == at and msg.trained:
             extra = msg.trained[0]  # a well-formed message that lies (samples match the units listed)
-            msg = msg.model_copy(update={"trained": [*msg.trained, extra],
-                                         "samples": msg.samples + extra.hi - extra.lo})
+            msg = msg.model_copy(
+                update={"trained": [*msg.trained, extra], "samples": msg.samples + extra.hi - extra.lo}
+            )
         await orig(self, msg)
 elif kind == "diverge":
+
     @patch(diloco.NesterovOuter, "step")
-    def _(orig, self, theta, grad):  # noqa: ANN001, ANN202
+    def _(orig, self, theta, grad):
         orig(self, theta, grad)
         if Session.current_round == at:
             theta[0] += 1.0
 
     @patch(Session, "_round")
-    async def _(orig, self, a):  # noqa: ANN001, ANN202
+    async def _(orig, self, a):
         Session.current_round = a.round
         return await orig(self, a)
 else:
