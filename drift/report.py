@@ -83,27 +83,12 @@ class Run:
         since the previous round event (since training start for the first)."""
         out, prev = [], 0.0
         for r in self.rounds:
-            span = r["t"] - prev
-            prev = r["t"]
+            span, prev = r["t"] - prev, r["t"]
             if span > 0:
+                nodes = r.get("nodes", {}).items()
                 out.append(
-                    (
-                        r["round"],
-                        {
-                            name: float(n["step_s"]) / span
-                            for name, n in r.get("nodes", {}).items()
-                            if n.get("step_s") is not None
-                        },
-                    )
+                    (r["round"], {k: float(n["step_s"]) / span for k, n in nodes if n.get("step_s") is not None})
                 )
-        return out
-
-    def steps_per_node(self) -> dict[str, int]:
-        """Inner steps each node trained over the run."""
-        out: dict[str, int] = {}
-        for r in self.rounds:
-            for name, n in r.get("nodes", {}).items():
-                out[name] = out.get(name, 0) + int(n.get("steps", 0))
         return out
 
     def time_to(self, target: float) -> float | None:
