@@ -61,6 +61,7 @@ log = logging.getLogger("drift.node")
 HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silence before a recipe names one
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
+JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, hangs up without a word
 SYNC_MESSAGES = (P.BarrierReady, P.Agreed)  # handled by the sync of a round, not by the round loop
 
 
@@ -187,12 +188,22 @@ class Node:
         """Sessions until the run completes; after a loss, reconnect with backoff."""
         lost_since: float | None = None
         delay = REJOIN_BACKOFF_S[0]
+        tries = 0
         while True:
+            session = Session(self)
             try:
-                return await Session(self).run()
+                return await session.run()
             except Lost as e:
-                if not self.admitted:  # never got in: nothing to come back to
-                    raise NodeError(str(e)) from None
+                if not self.admitted:
+                    # Never got in. A coordinator we cannot reach is a mistake to report now; one we
+                    # reached that hung up mid-handshake without a word (a refusal always comes with
+                    # TrainingCancel) met a transient fault, such as a frame garbled on the way.
+                    tries += 1
+                    if session.ctl is None or tries >= JOIN_TRIES:
+                        raise NodeError(str(e)) from None
+                    self.opts.say(f"the coordinator hung up during the handshake ({e}); trying again in {delay:.0f}s")
+                    await asyncio.sleep(delay)
+                    continue
                 now = time.monotonic()
                 lost_since = lost_since or now
                 if now - lost_since > REJOIN_PATIENCE_S:
