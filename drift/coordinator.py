@@ -425,6 +425,13 @@ class Coordinator:
             peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
         except asyncio.TimeoutError:
             peer, msg = None, None
+        if self.stopping:
+            # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
+            # before Python 3.12 wait_for returns an event that arrived with the cancel instead of
+            # raising it; settling a round here would race interrupt()'s choice of checkpoint.
+            if peer is not None:
+                self.events.put_nowait((peer, msg))
+            raise asyncio.CancelledError
         if peer is not None and peer.id in self.members:  # else: a node already dropped
             if msg is None:
                 self.drop(peer.id, peer.gone, (cur or prev).rnd)
