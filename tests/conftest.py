@@ -13,6 +13,18 @@ from drift import simulate
 from drift.simulate import git  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parents[1]
+WRAPPERS = ROOT / "tests" / "wrappers"  # `drift join` with one injected fault, or held back
+
+# The simulated swarms' task: a tiny model, fast liveness, `--sim-step` sets each node's pace.
+SIM_BATCH = 8
+SIM = dict(
+    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    batch_size=SIM_BATCH,
+    unit_steps=2,
+    eval_batches=2,
+    stale_after_s=4.0,
+    heartbeat_s=0.5,
+)
 
 # Small enough that a 3-node swarm finishes a few rounds in seconds on 2 cores.
 TINY_RECIPE = {

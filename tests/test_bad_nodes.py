@@ -8,22 +8,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from conftest import check_exactly_once, make_task_repo
+from conftest import SIM as CONF_SIM
+from conftest import SIM_BATCH as BATCH
+from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
 from drift.simulate import Swarm
 
-WRAPPERS = Path(__file__).parent / "wrappers"
-BATCH = 8
-SIM = dict(
-    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
-    batch_size=BATCH,
-    unit_steps=2,
-    eval_batches=2,
-    stale_after_s=4.0,
-    heartbeat_s=0.5,
-    inner_steps=6,
-    codec="fp32",
-)
+SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 
 
 def _run(tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4) -> tuple[Swarm, list[dict]]:

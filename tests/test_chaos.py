@@ -11,20 +11,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import SIM as CONF_SIM
+from conftest import SIM_BATCH as BATCH
 from conftest import check_exactly_once, drift_cmd, make_task_repo
 
 from drift.simulate import Swarm
 
-BATCH = 8
-SIM = dict(
-    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
-    batch_size=BATCH,
-    unit_steps=2,
-    eval_batches=2,
-    stale_after_s=4.0,
-    heartbeat_s=0.5,
-    inner_steps=6,
-)
+SIM = {**CONF_SIM, "inner_steps": 6}
 
 
 def _after_resume(events: list[dict]) -> list[dict]:

@@ -8,22 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from conftest import check_exactly_once, make_task_repo
+from conftest import SIM as CONF_SIM
+from conftest import SIM_BATCH as BATCH
+from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
 from drift.diloco import OverlappedDiLoCo, ParamLayout, SyncRule
 from drift.simulate import Swarm
 
-WRAPPERS = Path(__file__).parent / "wrappers"
-BATCH = 8
-SIM = dict(
-    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
-    batch_size=BATCH,
-    unit_steps=2,
-    eval_batches=2,
-    stale_after_s=4.0,
-    heartbeat_s=0.5,
-    sync="overlapped",
-)
+SIM = {**CONF_SIM, "sync": "overlapped"}
 
 
 def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:

@@ -12,22 +12,11 @@ import time
 from pathlib import Path
 
 import psutil
-from conftest import check_exactly_once, make_task_repo
+from conftest import SIM, WRAPPERS, check_exactly_once, make_task_repo
+from conftest import SIM_BATCH as BATCH
 
 from drift.recipe import load_recipe
 from drift.simulate import Swarm
-
-WRAPPERS = Path(__file__).parent / "wrappers"
-
-BATCH = 8
-SIM = dict(
-    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
-    batch_size=BATCH,
-    unit_steps=2,
-    eval_batches=2,
-    stale_after_s=4.0,
-    heartbeat_s=0.5,
-)
 
 
 def _step_s(events: list[dict], node_id: str) -> float:
