@@ -218,6 +218,21 @@ def read_json(p: subprocess.Popen, timeout: float) -> dict:
     return box[0]
 
 
+def plain_adamw(params: list, lr: float):
+    """The plain loops' AdamW: decay on matrices only, as drift's TorchWorker groups it."""
+    import torch
+
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
 def kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -645,15 +660,7 @@ def _plain_loop(a: argparse.Namespace) -> None:
     torch.manual_seed(1)
     model = task.make_model(cfg)
     params = [p for _, p in sorted(model.named_parameters())]
-    opt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=3e-3,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    opt = plain_adamw(params, lr=3e-3)
     rng = np.random.default_rng(0)
     for _ in range(a.steps):
         (ids,) = ds.batch("train", rng.integers(0, ds.n_train, a.batch))
@@ -882,15 +889,7 @@ def part_worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = task.make_model(cfg)
     params = [p for _, p in sorted(model.named_parameters())]
-    popt = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        lr=6e-4,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
+    popt = plain_adamw(params, lr=6e-4)
     block = cfg["block_size"]
     data = np.frombuffer(load_text().encode("utf-8"), np.uint8)
     tokens = torch.from_numpy(data[: ds.n_train * block].astype(np.int64))
