@@ -1,4 +1,4 @@
-"""Codecs for the ring's tensor chunks: pure numpy, no networking.
+"""Codecs for the ring's tensor chunks: numpy, no networking.
 
 A codec turns a flat float32 chunk into a payload of bytes and back. The ring relies on three
 properties, which the tests check:
@@ -19,12 +19,16 @@ Payload layouts (n values in, k = max(1, ceil(fraction * n)) kept by top-k, B = 
 
 Top-k keeps the k largest magnitudes; what it drops (and the int8 rounding of what it keeps) is
 meant to be kept by the caller and added back next round (``error_feedback`` is True).
+
+int8 and top-k can hand their arithmetic to `Kernels` (a worker on a GPU offers them:
+workers/torch_codec.py): the same operations on the worker's device, numpy arrays in and out.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import numpy as np
 
@@ -34,6 +38,17 @@ _U16 = np.dtype("<u2")
 _U32 = np.dtype("<u4")
 _I8 = np.dtype("i1")
 _FP16_MAX = np.float32(65504.0)
+
+
+class Kernels(Protocol):
+    """int8 and top-k arithmetic done elsewhere (on the worker's device), numpy in and out; the
+    same results as _quantize_blocks, _dequantize_blocks and top-k's selection here."""
+
+    def quantize(self, x: np.ndarray, block: int, scales: np.ndarray, q: np.ndarray) -> None: ...
+
+    def dequantize(self, q: np.ndarray, scales: np.ndarray, block: int, out: np.ndarray) -> None: ...
+
+    def top_k(self, x: np.ndarray, k: int, idx: np.ndarray) -> None: ...
 
 
 class CodecError(ValueError):
@@ -196,10 +211,10 @@ def _dequantize_blocks(q: np.ndarray, scales: np.ndarray, block: int, out: np.nd
 class Int8Block(Codec):
     name, id = "int8", 3
 
-    def __init__(self, block: int = 256):
+    def __init__(self, block: int = 256, kernels: Kernels | None = None):
         if block < 1:
             raise CodecError(f"int8 block size must be >= 1, got {block}")
-        self.block = block
+        self.block, self.kernels = block, kernels
 
     def encoded_nbytes(self, n: int) -> int:
         return 4 * math.ceil(n / self.block) + n
@@ -208,26 +223,33 @@ class Int8Block(Codec):
         n = x.size
         o = self._out(out, n)
         nb = math.ceil(n / self.block)
-        scales = o[: 4 * nb].view(_F32)
-        _quantize_blocks(x, self.block, scales, o[4 * nb :].view(_I8), self._scratch(n, 1))
+        scales, q = o[: 4 * nb].view(_F32), o[4 * nb :].view(_I8)
+        if self.kernels is not None:
+            self.kernels.quantize(x, self.block, scales, q)
+        else:
+            _quantize_blocks(x, self.block, scales, q, self._scratch(n, 1))
         return o
 
     def decode(self, payload, out: np.ndarray) -> np.ndarray:
         n = out.size
         p = self._payload(payload, n)
         nb = math.ceil(n / self.block)
-        _dequantize_blocks(p[4 * nb :].view(_I8), p[: 4 * nb].view(_F32), self.block, out)
+        q, scales = p[4 * nb :].view(_I8), p[: 4 * nb].view(_F32)
+        if self.kernels is not None:
+            self.kernels.dequantize(q, scales, self.block, out)
+        else:
+            _dequantize_blocks(q, scales, self.block, out)
         return out
 
 
 class TopK(Codec):
     name, id, error_feedback = "topk", 4, True
 
-    def __init__(self, fraction: float = 0.01, block: int = 256):
+    def __init__(self, fraction: float = 0.01, block: int = 256, kernels: Kernels | None = None):
         if not 0 < fraction <= 1:
             raise CodecError(f"topk_fraction must be in (0, 1], got {fraction}")
-        self.fraction = fraction
-        self.values = Int8Block(block)
+        self.fraction, self.kernels = fraction, kernels
+        self.values = Int8Block(block, kernels)
 
     def k(self, n: int) -> int:
         return min(n, max(1, math.ceil(self.fraction * n))) if n else 0
@@ -243,7 +265,9 @@ class TopK(Codec):
         if k == 0:
             return o
         idx = o[: 4 * k].view(_U32)
-        if k < n:
+        if k < n and self.kernels is not None:
+            self.kernels.top_k(x, k, idx)
+        elif k < n:
             mag = np.abs(x, out=self._scratch(n, 1))
             sel = np.argpartition(mag, n - k)[n - k :]
             sel.sort()
@@ -279,15 +303,15 @@ CODECS: dict[str, type[Codec]] = {"fp32": Fp32, "fp16": Fp16, "bf16": Bf16, "int
 CODEC_IDS: dict[int, str] = {c.id: name for name, c in CODECS.items()}
 
 
-def make_codec(name: str, *, topk_fraction: float = 0.01, block: int = 256) -> Codec:
+def make_codec(name: str, *, topk_fraction: float = 0.01, block: int = 256, kernels: Kernels | None = None) -> Codec:
     """The codec called `name`; options that do not apply to it are ignored."""
     cls = CODECS.get(name)
     if cls is None:
         raise CodecError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}")
     if cls is TopK:
-        return TopK(topk_fraction, block)
+        return TopK(topk_fraction, block, kernels)
     if cls is Int8Block:
-        return Int8Block(block)
+        return Int8Block(block, kernels)
     return cls()
 
 

@@ -615,18 +615,20 @@ class Session:
         all-reduce of the pending round; Agreed says what θ became for a node that did not reduce
         it. A failure here ends the session like any other (the round loop sees the end)."""
         reduce: asyncio.Task | None = None
+        # One getter lives until its message is handled: it may take a message from the queue
+        # while _reduced awaits, and a getter cancelled then would drop that message (seen in CI:
+        # a retry's BarrierReady lost, the ring stalled for its timeout).
+        getter: asyncio.Task | None = None
         try:
             while True:
-                getter = asyncio.ensure_future(self.sync_q.get())
+                getter = getter or asyncio.ensure_future(self.sync_q.get())
                 waiting = {getter} | ({reduce} if reduce is not None else set())
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if reduce is not None and reduce in done:
                     finished, reduce = reduce, None
                     await self._reduced(t, finished)
-                if getter not in done:
-                    getter.cancel()
-                    continue
-                msg = getter.result()
+                    continue  # (the getter, done or not, is looked at next time round)
+                msg, getter = getter.result(), None
                 if msg is None or isinstance(msg, (P.TrainComplete, P.TrainingCancel)):
                     return
                 p = t.pending
@@ -668,8 +670,9 @@ class Session:
             self.inbox.put_nowait(None)
             self.ended.set()
         finally:
-            if reduce is not None:
-                reduce.cancel()
+            for task in (reduce, getter):
+                if task is not None:
+                    task.cancel()
 
     async def _allreduce(self, t: Trainer, ready: P.BarrierReady):
         """One attempt at the round's all-reduce: Δ (recomputed: an earlier attempt left the buffer
@@ -687,6 +690,7 @@ class Session:
                 ready.round,
                 codec=ready.codec,
                 topk_fraction=t.recipe.topk_fraction,
+                kernels=t.worker.codec_kernels,
                 generation=ready.ring_epoch,
             )
         except RingError as e:

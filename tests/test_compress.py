@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from drift.compress import CODECS, CodecError, Int8Block, TopK, make_codec, relative_error
+from workers.torch_codec import TorchCodecKernels
 
 ALL = list(CODECS)
 
@@ -38,6 +39,25 @@ def test_encode_into_preallocated_buffer(name: str) -> None:
     p = c.encode(x, out=buf)
     assert np.shares_memory(p, buf)
     assert p.tobytes() == make_codec(name).encode(x).tobytes()
+
+
+@pytest.mark.parametrize("name", ["int8", "topk"])
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 100_003])
+def test_device_kernels_give_the_same_payload_and_values(name: str, n: int) -> None:
+    """The arithmetic a GPU worker runs on its device (workers/torch_codec.py, here on torch's
+    CPU) encodes to the same bytes as numpy and decodes to the same float32 values."""
+    x = _x(n, seed=n)
+    x[n // 2] = 0.0  # (and an all-zero block's scale is 0, not NaN)
+    if n > 512:
+        x[256:512] = 0.0
+    host, dev = (
+        make_codec(name, topk_fraction=0.05),
+        make_codec(name, topk_fraction=0.05, kernels=TorchCodecKernels("cpu")),
+    )
+    p = dev.encode(x)
+    assert p.tobytes() == host.encode(x).tobytes()
+    a, b = np.empty(n, np.float32), np.empty(n, np.float32)
+    assert dev.decode(p.tobytes(), a).tobytes() == host.decode(p.tobytes(), b).tobytes()
 
 
 def test_bf16_rounds_to_nearest_even_like_torch() -> None:

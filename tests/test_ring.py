@@ -13,6 +13,7 @@ from drift.diloco import NesterovOuter, checksum
 from drift.protocol import RingMember
 from drift.ring import Ring, RingError, segment_bounds
 from drift.transport import RING_ALPN, Endpoint
+from workers.torch_codec import TorchCodecKernels
 
 
 async def _ring_of(n: int, **kw) -> tuple[list[Endpoint], list[Ring], list[asyncio.Task]]:
@@ -99,10 +100,13 @@ def test_rejects_non_float32() -> None:
     run_async(main())
 
 
-async def _reduce(n: int, inputs_per_round: list[list[np.ndarray]], codec: str, **kw):
+async def _reduce(n: int, inputs_per_round: list[list[np.ndarray]], codec: str, on_device: tuple[int, ...] = (), **kw):
     """Run one all-reduce per entry of inputs_per_round on a fresh n-node ring; returns
-    (outputs per round, the rings' residuals after each round)."""
+    (outputs per round, the rings' residuals after each round). Nodes in `on_device` run the
+    codec's arithmetic through torch (as a GPU worker does; here on torch's CPU device)."""
     eps, rings, tasks = await _ring_of(n, chunk_bytes=32 * 1024, codec=make_codec(codec, **kw))  # many chunks
+    for i in on_device:
+        rings[i].codec = make_codec(codec, kernels=TorchCodecKernels("cpu"), **kw)
     members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=1 / n) for e in eps]
     outs, residuals = [], []
     try:
@@ -139,6 +143,17 @@ def test_compressed_round_leaves_replicas_byte_identical(codec: str, n: int) -> 
         thetas.append(checksum(theta))
     assert len(set(thetas)) == 1
     assert len({o.tobytes() for o in outs[0]}) == 1
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_a_node_encoding_on_its_device_gets_the_same_bytes_as_the_others(codec: str) -> None:
+    """One node of three runs the codec through torch (a GPU worker's path, on torch's CPU here):
+    every node ends with the same bytes, and the same bytes as a ring encoding all in numpy."""
+    xs = _pseudo_grads(3, 300_007, seed=3)
+    mixed, _ = run_async(_reduce(3, [xs], codec, on_device=(1,), topk_fraction=0.05))
+    plain, _ = run_async(_reduce(3, [xs], codec, topk_fraction=0.05))
+    assert len({o.tobytes() for o in mixed[0]}) == 1
+    assert mixed[0][0].tobytes() == plain[0][0].tobytes()
 
 
 def test_topk_error_feedback_carries_the_residual_into_the_next_round() -> None:

@@ -63,6 +63,7 @@ class Worker(Protocol):
     precision: str  # "fp32", "bf16", "fp16"
     n_train: int  # training samples available (valid indices: 0 .. n_train-1)
     n_val: int  # validation samples available
+    codec_kernels: Any  # the ring codecs' arithmetic on this worker's GPU (torch_codec.py), or None
 
     def param_names(self) -> list[str]:
         """Parameter names, sorted: the order every node uses to lay out θ."""
@@ -134,6 +135,8 @@ class Worker(Protocol):
 class ParamsOnly:
     """The state methods of a backend whose models keep nothing besides their parameters (mlx,
     numpy): no buffers, and a model small enough to copy whole."""
+
+    codec_kernels = None  # the ring's codecs run in numpy on the host
 
     def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every parameter (no buffers here), as float32 copies."""

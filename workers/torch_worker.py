@@ -33,6 +33,7 @@ from .base import (
     task_label,
     vocab_size,
 )
+from .torch_codec import codec_kernels
 
 __all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device"]
 
@@ -112,6 +113,7 @@ class TorchWorker:
         check_torch_precision(precision, self.device)
         self.precision: str = precision
         self._device_type = torch.device(self.device).type
+        self.codec_kernels = codec_kernels(self.device)  # on a GPU the ring encodes there
         if threads is not None:
             torch.set_num_threads(threads)
         opt = optim_config(optim_cfg)

@@ -8,12 +8,16 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   nan-ring             send NaN as this node's contribution to that round's all-reduce, past its
                        own check (a broken or hostile node)
   short-chunks         send every ring chunk of that round one byte short
+  blip-in-allreduce    the ring connections break at the first chunk of that round's first
+                       all-reduce attempt (a network blip), and the report of it takes 4 s to
+                       reach the coordinator (a congested link): its retry arrives meanwhile
   lie-report           report, at that round's barrier, one of its units twice
   diverge              apply a different outer step in that round (θ no longer matches the swarm's)
 
 The test then kills, continues or watches the node. Everything else is the real `drift join`.
 """
 
+import asyncio
 import os
 import signal
 import sys
@@ -26,6 +30,7 @@ from drift.cli import main
 from drift.inner import InnerLoop
 from drift.node import Session
 from drift.ring import Ring
+from drift.transport import TransportError
 
 kind, _, arg = os.environ["DRIFT_TEST_FAULT"].partition(":")
 at = int(arg)
@@ -92,6 +97,22 @@ elif kind == "short-chunks":
         if round_ == at:
             payload = memoryview(payload).cast("B")[:-1]
         await orig(self, ch, payload, codec, round_, *rest)
+elif kind == "blip-in-allreduce":
+    blipped = False
+
+    @patch(Ring, "_send_chunk")
+    async def _(orig, self, ch, payload, codec, round_, *rest):
+        global blipped
+        if round_ == at and not blipped:
+            blipped = True
+            raise TransportError("injected network blip")
+        await orig(self, ch, payload, codec, round_, *rest)
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.RingFailed) and msg.round == at:
+            await asyncio.sleep(4.0)
+        await orig(self, msg)
 elif kind == "lie-report":
 
     @patch(Session, "send")
