@@ -25,7 +25,8 @@ Parts (--parts, default all):
           (exactly N parameters: one embedding table of 1000-wide rows, dense gradients, AdamW),
           against a plain torch loop in a fresh process with the same model, AdamW, grad clip,
           batch and steps. Figure: (node − plain) / θ bytes (issue target ≤ 3). codec fp32 and
-          int8 with the blocking rule; the overlapped rule at one size.
+          int8 with the blocking rule (outer momentum 0.9); the overlapped rule at one size; int8
+          with outer momentum 0 (no velocity held: diloco.NesterovOuter) at one size.
   worker  the 124M-class recipe (recipes/gpt2_shakespeare.py, GPT-2 small shape, byte vocabulary)
           shrunk to batch 1 x block 256 (12 layers, 768 wide, 12 heads: 85.5M parameters):
           samples/s of `workers.make_worker(...).train_step` against a hand-written torch loop
@@ -626,9 +627,10 @@ def part_state(sizes: list[int], args: argparse.Namespace, budget: Budget) -> di
 RSS_ROUNDS, RSS_INNER, RSS_BATCH = 2, 2, 4
 
 
-def rss_recipe(n: int, codec: str, sync: str, n_tensors: int) -> dict:
+def rss_recipe(n: int, codec: str, sync: str, n_tensors: int, momentum: float = 0.9) -> dict:
     return {
         "name": f"scale-{fmt_size(n)}-{codec}-{sync}",
+        "outer_optimizer": {"lr": 0.7, "momentum": momentum},
         "task_config": {"n_params": n, "n_tensors": n_tensors},
         "min_nodes": 2,
         "rounds": RSS_ROUNDS,
@@ -702,12 +704,14 @@ def plain_rss(n: int, n_tensors: int, steps: int) -> int:
     return max(r["hwm"], s.peak["plain"])
 
 
-def node_rss(n: int, codec: str, sync: str, n_tensors: int, tmp: str) -> dict:
+def node_rss(n: int, codec: str, sync: str, n_tensors: int, tmp: str, momentum: float = 0.9) -> dict:
     from drift.simulate import Swarm, make_task_repo
 
     work = Path(tempfile.mkdtemp(prefix="bench-scale-rss-", dir=tmp))
     try:
-        recipe = make_task_repo(work / "repo", rss_recipe(n, codec, sync, n_tensors), task=HERE / "bigtask.py")
+        recipe = make_task_repo(
+            work / "repo", rss_recipe(n, codec, sync, n_tensors, momentum), task=HERE / "bigtask.py"
+        )
         t0 = time.monotonic()
         sw = Swarm(recipe, work)
         sampler = Sampler({"coord": sw.coord.pid})
@@ -739,33 +743,38 @@ def node_rss(n: int, codec: str, sync: str, n_tensors: int, tmp: str) -> dict:
 
 
 def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict:
-    runs = [(n, codec, "blocking", 1) for n in sizes for codec in ("fp32", "int8")]
+    runs = [(n, codec, "blocking", 1, 0.9) for n in sizes for codec in ("fp32", "int8")]
     if args.rss_overlapped:
         n_ov = min(sizes, key=lambda n: abs(n - parse_size(args.rss_overlapped)))
-        runs.append((n_ov, "int8", "overlapped", 1))
-        runs.append((n_ov, "fp32", "overlapped", 1))
+        runs.append((n_ov, "int8", "overlapped", 1, 0.9))
+        runs.append((n_ov, "fp32", "overlapped", 1, 0.9))
+    if args.rss_no_momentum:  # outer momentum 0 (the Shakespeare recipe's): no velocity held
+        n_nm = min(sizes, key=lambda n: abs(n - parse_size(args.rss_no_momentum)))
+        runs += [(n_nm, "int8", sync, 1, 0.0) for sync in ("blocking", "overlapped")]
     if args.rss_tensors > 1:
         n_tt = min(sizes, key=lambda n: abs(n - parse_size(args.rss_overlapped or "124M")))
-        runs.append((n_tt, "fp32", "blocking", args.rss_tensors))
+        runs.append((n_tt, "fp32", "blocking", args.rss_tensors, 0.9))
     rows, skipped, plains, detail = [], [], {}, []
     # node: θ, grad, AdamW's 2 moments, AdamW's update temporary (5θ, as the plain loop) + θ_global,
     # velocity, all-reduce buffer (+ the snapshot when overlapped) + the worker's per-tensor copy
     plain_steps = 4 + RSS_ROUNDS * RSS_INNER  # calibration (1 + 3 steps) and about a node's share of the rounds
-    for n, codec, sync, nt in runs:
+    for n, codec, sync, nt, mu in runs:
         theta = 4 * n
         need = 2 * (10 * theta + 400 * MiB) + 300 * MiB
         if why := budget.why_not(need):
-            skipped.append(f"θ {fmt_size(n)} {codec} {sync}: 2 nodes at ~{10 * theta / GiB:.1f} GiB each: {why}")
+            skipped.append(
+                f"θ {fmt_size(n)} {codec} {sync} μ={mu:g}: 2 nodes at ~{10 * theta / GiB:.1f} GiB each: {why}"
+            )
             print(f"  [rss] skip {fmt_size(n)} {codec} {sync}: {why}", file=sys.stderr, flush=True)
             continue
         key = (n, nt)
         if key not in plains:
             plains[key] = plain_rss(n, nt, plain_steps)
         plain = plains[key]
-        r = node_rss(n, codec, sync, nt, args.tmp)
+        r = node_rss(n, codec, sync, nt, args.tmp, mu)
         node = max(r["peak"]["n0"], r["peak"]["n1"])
         print(
-            f"  [rss] {fmt_size(n)} {codec} {sync} x{nt}: node {gib(node)} GiB, plain {gib(plain)} GiB "
+            f"  [rss] {fmt_size(n)} {codec} {sync} μ={mu:g} x{nt}: node {gib(node)} GiB, plain {gib(plain)} GiB "
             f"({r['wall']:.0f} s)",
             file=sys.stderr,
             flush=True,
@@ -776,6 +785,7 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
                 nt,
                 codec,
                 sync,
+                f"{mu:g}",
                 f"{theta / MiB:,.0f}",
                 f"{node / MiB:,.0f}",
                 f"{min(r['peak']['n0'], r['peak']['n1']) / MiB:,.0f}",
@@ -792,6 +802,7 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
                 "n": n,
                 "codec": codec,
                 "sync": sync,
+                "momentum": mu,
                 "tensors": nt,
                 "node": node,
                 "plain": plain,
@@ -806,6 +817,7 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
             "tensors",
             "codec",
             "sync",
+            "outer momentum",
             "θ MiB",
             "node peak MiB",
             "other node MiB",
@@ -825,7 +837,7 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
     # the same peaks fitted across sizes: the fixed part (imports, iroh) drops out of the slope
     by = {}
     for d in detail:
-        if d["tensors"] == 1 and d["sync"] == "blocking":
+        if d["tensors"] == 1 and d["sync"] == "blocking" and d["momentum"]:
             by.setdefault(d["codec"], []).append(d)
     slope_rows = []
     for codec, ds in by.items():
@@ -854,7 +866,7 @@ def part_rss(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dict
             tl = max((d["timeline"][k] for k in ("n0", "n1")), key=lambda v: max((x for _, x in v), default=0))
             pts = tl[:: max(1, len(tl) // 24)]
             print(
-                f"* {fmt_size(d['n'])} {d['codec']} {d['sync']} x{d['tensors']}: "
+                f"* {fmt_size(d['n'])} {d['codec']} {d['sync']} μ={d['momentum']:g} x{d['tensors']}: "
                 + " ".join(f"{t:.0f}s:{x / MiB:.0f}" for t, x in pts)
             )
     if skipped:
@@ -971,6 +983,7 @@ def main() -> int:
     ap.add_argument("--no-netns", action="store_true")
     ap.add_argument("--rss-sizes", default=None, help="sizes for the rss part [default: --sizes]")
     ap.add_argument("--rss-overlapped", default="124M", help="size for the overlapped-rule runs ('' = none)")
+    ap.add_argument("--rss-no-momentum", default="124M", help="size for the outer-momentum-0 runs ('' = none)")
     ap.add_argument("--rss-tensors", type=int, default=1, help="also one fp32 run with θ split into this many tensors")
     ap.add_argument("--worker-pairs", type=int, default=6)
     ap.add_argument("--worker-steps", type=int, default=3)
@@ -1010,6 +1023,7 @@ def main() -> int:
         args.reps, args.worker_pairs, args.worker_steps = 1, 2, 2
         args.netns_max_s = min(args.netns_max_s, 20.0)
         args.rss_overlapped = args.rss_overlapped if args.rss_overlapped != "124M" else "10M"
+        args.rss_no_momentum = args.rss_no_momentum if args.rss_no_momentum != "124M" else "10M"
     sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
     args.codecs = [c for c in args.codecs.split(",") if c]
     parts = [p for p in args.parts.split(",") if p]

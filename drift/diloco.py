@@ -92,6 +92,10 @@ class NesterovOuter:
 
     Same update as torch.optim.SGD(nesterov=True): v = mu*v + g; theta -= lr*(g + mu*v).
     Only θ[:params]: the buffers that follow are plain averages (θ_buf -= avg Δ_buf).
+
+    With momentum 0 the step is theta -= lr*g and the velocity is never written: it stays the
+    zeros np.zeros gave it, pages the OS does not back until written, so a node without outer
+    momentum holds one copy of θ less (and state transfer keeps it so: state.into_arrays).
     """
 
     def __init__(
@@ -109,6 +113,10 @@ class NesterovOuter:
         for a in range(0, self.params, CHUNK):
             b = min(a + CHUNK, self.params)
             vc, gc = v[a:b], grad[a:b]
+            if mu == 0:  # (v would be g itself, and nothing reads it)
+                gc *= self.lr
+                theta[a:b] -= gc
+                continue
             vc *= mu
             vc += gc
             if self.nesterov:

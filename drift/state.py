@@ -247,7 +247,10 @@ def into_arrays(theta: np.ndarray, velocity: np.ndarray) -> Callable[[ParamLayou
         views = (memoryview(theta).cast("B"), memoryview(velocity).cast("B"))
 
         def write(which: int, offset: int, data: memoryview) -> None:
-            views[which][offset : offset + len(data)] = data
+            dst = views[which][offset : offset + len(data)]
+            if which == 1 and not np.frombuffer(data, np.uint8).any() and not np.frombuffer(dst, np.uint8).any():
+                return  # zeros over zeros (no outer momentum): pages never written stay unbacked
+            dst[:] = data
 
         return write
 

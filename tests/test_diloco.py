@@ -24,6 +24,25 @@ def test_outer_step_matches_torch_nesterov_sgd() -> None:
     np.testing.assert_allclose(theta, ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_outer_step_without_momentum_is_sgd_and_leaves_the_velocity_zero() -> None:
+    """Momentum 0 (the Shakespeare recipe's outer step): θ -= lr·Δ as torch's SGD does, and the
+    velocity is never written (zeros, so a node does not pay memory for it)."""
+    rng = np.random.default_rng(1)
+    theta = rng.standard_normal(3000).astype(np.float32)
+    ref = torch.nn.Parameter(torch.from_numpy(theta.copy()))
+    opt = torch.optim.SGD([ref], lr=1.3, momentum=0.0)
+    outer = NesterovOuter(theta.size, lr=1.3, momentum=0.0, params=2000)
+    for _ in range(3):
+        g = rng.standard_normal(3000).astype(np.float32)
+        ref.grad = torch.from_numpy(np.concatenate([g[:2000], np.zeros(1000, np.float32)]))
+        before = theta[2000:].copy()
+        opt.step()
+        outer.step(theta, g.copy())
+        np.testing.assert_array_equal(theta[2000:], before - g[2000:])  # buffers: the plain average
+    np.testing.assert_allclose(theta[:2000], ref.detach().numpy()[:2000], rtol=1e-5, atol=1e-6)
+    assert not outer.velocity.any()
+
+
 def test_layout_round_trip_and_errors() -> None:
     params = {"b": np.ones((2, 3), np.float32), "a": np.arange(4, dtype=np.float32)}
     layout = ParamLayout.of(params)

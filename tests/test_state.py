@@ -30,8 +30,10 @@ def _serving(
     return server
 
 
-def _fetch(server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOUT, member: bool = True):
-    """(layout, θ, velocity) as a peer receives them, into arrays of its own."""
+def _fetch(
+    server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOUT, member: bool = True, held: float = np.nan
+):
+    """(layout, θ, velocity) as a peer receives them, into arrays of its own (holding `held`)."""
 
     async def main():
         ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
@@ -39,7 +41,7 @@ def _fetch(server: StateServer, rnd: int, want: str, layout: ParamLayout = LAYOU
         client = await Endpoint.bind("local")
         if member:
             server.allowed = lambda peer: peer == client.node_id
-        theta, velocity = np.empty(layout.size, np.float32), np.empty(layout.size, np.float32)
+        theta, velocity = np.full(layout.size, held, np.float32), np.full(layout.size, held, np.float32)
         try:
             got = await fetch_state(
                 client, [ep.ticket()], rnd, want, into_arrays(theta, velocity), size=layout.size, timeout=10
@@ -58,6 +60,16 @@ def test_a_member_gets_exactly_the_agreed_state() -> None:
     layout, got_theta, got_velocity = _fetch(_serving(4, theta, velocity), 4, checksum(theta, velocity))
     assert layout == LAYOUT
     assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
+
+
+def test_a_zero_velocity_arrives_as_zeros_whatever_was_there() -> None:
+    """No outer momentum: the donor's velocity is zeros. A node holding zeros keeps its own (their
+    pages untouched); one holding anything else gets them overwritten."""
+    theta, _ = _state(8)
+    zeros = np.zeros_like(theta)
+    for held in (0.0, 3.0, np.nan):
+        _, got_theta, got_velocity = _fetch(_serving(2, theta, zeros), 2, checksum(theta, zeros), held=held)
+        assert np.array_equal(got_theta, theta) and got_velocity.tobytes() == zeros.tobytes()
 
 
 def test_a_state_larger_than_one_frame_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
