@@ -14,8 +14,9 @@ fetches θ from a peer and trains from the next round. One `Session` is one conn
 coordinator; the `Node` keeps the model, the endpoint and the ring across sessions.
 
 Memory: besides the framework's own model and optimizer, a node holds θ_global, the outer
-optimizer's velocity and one all-reduce buffer (three copies of θ), plus the local snapshot with
-the overlapped rule (four). Nothing else is a copy of θ: transfers stream from and into these.
+optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
+whose velocity stays untouched zeros), plus the local snapshot with the overlapped rule. Nothing
+else is a copy of θ: transfers stream from and into these.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from drift.compress import CODECS, CodecError, Int8Block, TopK, make_codec, relative_error
-from workers.torch_codec import TorchCodecKernels
+from workers.torch_codec import TorchCodecKernels, codec_kernels
 
 ALL = list(CODECS)
 
@@ -58,6 +58,13 @@ def test_device_kernels_give_the_same_payload_and_values(name: str, n: int) -> N
     assert p.tobytes() == host.encode(x).tobytes()
     a, b = np.empty(n, np.float32), np.empty(n, np.float32)
     assert dev.decode(p.tobytes(), a).tobytes() == host.decode(p.tobytes(), b).tobytes()
+
+
+def test_only_a_cuda_worker_hands_the_codec_to_its_device() -> None:
+    """ROCm builds call AMD GPUs "cuda" too; on the CPU numpy is the faster path (bench_codec.py)."""
+    assert codec_kernels("cpu") is None and codec_kernels("mps") is None
+    k = codec_kernels("cuda:1")
+    assert isinstance(k, TorchCodecKernels) and str(k.device) == "cuda:1"
 
 
 def test_bf16_rounds_to_nearest_even_like_torch() -> None:

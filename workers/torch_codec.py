@@ -1,5 +1,5 @@
 """The ring codecs' arithmetic on a torch device: int8 block quantization and top-k selection run
-where the worker's tensors live (a CUDA/ROCm or MPS GPU), so the host only copies a chunk there
+where the worker's tensors live (a CUDA or ROCm GPU), so the host only copies a chunk there
 and its payload back, instead of spending its CPU on every value.
 
 numpy arrays in and out, like the rest of the worker boundary. The operations are the ones
@@ -65,6 +65,7 @@ class TorchCodecKernels:
 
 
 def codec_kernels(device: str) -> TorchCodecKernels | None:
-    """Kernels for a worker on `device`: on a GPU; None on the CPU, where numpy is as fast
-    (measured: 1.3 ms vs 4.4 ms to encode 1 Mi values on 2 cores)."""
-    return None if torch.device(device).type == "cpu" else TorchCodecKernels(device)
+    """Kernels for a worker on a CUDA (or ROCm) GPU; None elsewhere. On the CPU numpy is as fast
+    or faster (benchmarks/bench_codec.py); on Apple's MPS the host and the GPU share memory, and
+    this path is unmeasured there (older torch also limits top-k's k on MPS)."""
+    return TorchCodecKernels(device) if torch.device(device).type == "cuda" else None
