@@ -297,9 +297,9 @@ async def _ring_worker(a: argparse.Namespace) -> None:
 
 
 def ring_need(n: int, codec: str) -> int:
-    """Peak of both ring processes: x, plus int8's payload arena (θ/4 + scales) or top-k's two
-    error-feedback residuals (2θ), plus ~150 MiB of interpreter and iroh each."""
-    per = 4 * n + {"fp32": 0, "int8": n + n // 64, "topk": 8 * n}[codec] + 150 * MiB
+    """Peak of both ring processes: x, plus top-k's two error-feedback residuals (2θ), plus ~150
+    MiB of interpreter, iroh and pooled payload buffers each."""
+    per = 4 * n + {"fp32": 0, "int8": 0, "topk": 8 * n}[codec] + 150 * MiB
     return 2 * per
 
 
@@ -442,7 +442,7 @@ def part_ring(sizes: list[int], args: argparse.Namespace, budget: Budget) -> dic
         rows,
         "time: the slower node, median over reps; algbw = θ bytes / time; MiB sent/node: frames incl. headers; "
         "CPU s/MiB: CPU seconds of both processes per MiB sent by both; peak RSS/θ: VmHWM of the larger "
-        "ring process over θ bytes (x, plus int8's arena or top-k's two residuals).",
+        "ring process over θ bytes (x, plus top-k's two residuals).",
     )
     if skipped:
         print("\nSkipped (nothing extrapolated):\n" + "\n".join(f"* {s}" for s in skipped))
