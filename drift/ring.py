@@ -331,9 +331,14 @@ class Ring:
 
         def encode(a: int, b: int, owner: bool):
             """Encode x[a:b] (our partial or full sum) once; owners keep decode(payload).
-            (payload, the pooled buffer it lives in, to give back once sent; None for fp32)"""
+            (payload, the pooled buffer it lives in or None, whether it is parked in x[a:b])
+
+            An owner's payloads wait for the sender, busy with its own first segment meanwhile:
+            all of them at once with 2 nodes. So they wait in x[a:b] itself (its 4 bytes per
+            value hold int8's ~1), and x[a:b] becomes decode(payload) once the chunk is sent
+            (`unpark`): no buffer holds the owner's segment."""
             if lossless:
-                return x[a:b], None
+                return x[a:b], None, False
             v = x[a:b]
             if residual is not None:
                 v += residual[a:b]
@@ -341,9 +346,21 @@ class Ring:
             payload = codec.encode(v, out=buf)
             if residual is not None:
                 np.subtract(v, codec.decode(payload, new_residual[a:b]), out=new_residual[a:b])
+            if owner and residual is None and payload.size <= v.nbytes:
+                home = v.view(np.uint8)[: payload.size]
+                home[...] = payload
+                sent(buf)
+                return home, None, True
             if owner:
                 codec.decode(payload, v)
-            return payload, buf
+            return payload, buf, False
+
+        def unpark(a: int, b: int, home: np.ndarray) -> None:
+            """x[a:b] <- decode(the payload parked in it), through a buffer (they overlap)."""
+            buf = pool.pop() if pool else np.empty(slot_bytes, np.uint8)
+            buf[: home.size] = home
+            codec.decode(buf[: home.size], x[a:b])
+            sent(buf)
 
         def sent(buf: np.ndarray | None) -> None:
             """A payload's buffer back to the pool once its chunk is sent (the binding copied it)."""
@@ -358,14 +375,18 @@ class Ring:
             nonlocal codec_s
             for c, (a, b) in enumerate(seg_chunks[send_seg[0]]):
                 t = time.perf_counter()
-                payload, buf = encode(a, b, owner=False)
+                payload, buf, _ = encode(a, b, owner=False)
                 codec_s += time.perf_counter() - t
                 await self._send_chunk(right, payload, codec, round_, 0, c, b - a, x.size)
                 sent(buf)
             for _ in range(sum(len(seg_chunks[send_seg[g]]) for g in range(1, steps))):
-                g, c, n, payload, buf = await forward.get()
-                await self._send_chunk(right, payload, codec, round_, g, c, n, x.size)
+                g, c, (a, b), payload, buf, parked = await forward.get()
+                await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size)
                 sent(buf)
+                if parked:
+                    t = time.perf_counter()
+                    unpark(a, b, payload)
+                    codec_s += time.perf_counter() - t
 
         async def receiver() -> None:
             nonlocal codec_s
@@ -376,17 +397,19 @@ class Ring:
                     try:
                         if g < n_nodes - 1:
                             codec.decode_add(payload, x[a:b])  # reduce-scatter: fp32 accumulation
-                            out, buf = encode(a, b, owner=g == owner_step)
                         else:
                             codec.decode(payload, x[a:b])  # all-gather: the owner's bytes
-                            out, buf = payload, None  # forwarded verbatim
                     except CodecError as e:
                         raise RingError(f"bad chunk from left neighbour: {e}", suspect=left.peer_id) from None
                     if not np.isfinite(x[a:b]).all():  # our own part was checked (DeltaCheck)
                         raise RingError("non-finite values from left neighbour", suspect=left.peer_id)
+                    if g < n_nodes - 1:
+                        out, buf, parked = encode(a, b, owner=g == owner_step)
+                    else:
+                        out, buf, parked = payload, None, False  # forwarded verbatim
                     codec_s += time.perf_counter() - t
                     if g + 1 < steps:
-                        forward.put_nowait((g + 1, c, b - a, out, buf))
+                        forward.put_nowait((g + 1, c, (a, b), out, buf, parked))
 
         async def side(coro, peer: str) -> None:
             """Which neighbour a failure points at: one that sent bad bytes (RingError) or went

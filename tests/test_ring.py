@@ -145,6 +145,16 @@ def test_compressed_round_leaves_replicas_byte_identical(codec: str, n: int) -> 
     assert len({o.tobytes() for o in outs[0]}) == 1
 
 
+@pytest.mark.parametrize("size", [3, 5, 1030])
+def test_int8_ring_of_tiny_segments_agrees(size: int) -> None:
+    """Segments of 0 or 1 values (where an int8 payload outgrows its chunk's own memory) and
+    chunks of a few values: replicas still end with the same bytes, near the exact sum."""
+    xs = _pseudo_grads(4, size, seed=4)
+    outs, _ = run_async(_reduce(4, [xs], "int8"))
+    assert len({o.tobytes() for o in outs[0]}) == 1
+    assert relative_error(outs[0][0], np.sum(np.stack(xs).astype(np.float64), axis=0)) < 3e-2
+
+
 @pytest.mark.parametrize("codec", ["int8", "topk"])
 def test_a_node_encoding_on_its_device_gets_the_same_bytes_as_the_others(codec: str) -> None:
     """One node of three runs the codec through torch (a GPU worker's path, on torch's CPU here):
