@@ -210,6 +210,22 @@ async def _coord(
         resume=checkpoint,
     )
     children: list[tuple[subprocess.Popen, Path]] = []
+    # Ctrl-C is ours from before the first line the user can react to (a signal that came before
+    # the handler once hung the process: asyncio.run's own handler cancelled mid-startup).
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second Ctrl-C: leave now, without waiting for anything
+            click.echo("drift: interrupted again; exiting without a checkpoint", err=True)
+            for proc, _ in children:
+                proc.kill()
+            os._exit(130)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C: checkpoint, tell the nodes, exit
+        loop.add_signal_handler(sig, on_signal)
+    run: asyncio.Task | None = None
     try:
         ticket = await coordinator.start()
         join = f"drift join --repo {root} --ticket {ticket}"
@@ -228,7 +244,7 @@ async def _coord(
                 f"the run waits for {needed - local} more; start each with the join command above "
                 f"(or use --local {needed})"
             )
-        if local:
+        if local and not stop.is_set():
             per_node = threads or max(1, (os.cpu_count() or 1) // local)
             for i in range(local):
                 logf = run_dir / f"node-{i}.log"
@@ -268,19 +284,6 @@ async def _coord(
                     )
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            if stop.is_set():  # a second Ctrl-C: leave now, without waiting for anything
-                click.echo("drift: interrupted again; exiting without a checkpoint", err=True)
-                for proc, _ in children:
-                    proc.kill()
-                os._exit(130)
-            stop.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C: checkpoint, tell the nodes, exit
-            loop.add_signal_handler(sig, on_signal)
         stopper = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({run, watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stopper in done:
@@ -309,6 +312,8 @@ async def _coord(
         )
         return 0
     finally:
+        if run is not None:
+            run.cancel()
         for proc, _ in children:
             if proc.poll() is None:
                 proc.terminate()

@@ -211,6 +211,9 @@ class Coordinator:
         self._joining_conns += 1
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
+            if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
+                await self._refuse(ch, conn, "the run has ended")
+                return
             try:
                 self.admission.check_allowed(ch.peer_id)
             except AuthError as e:

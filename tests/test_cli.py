@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,16 +102,19 @@ def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: P
         stderr=subprocess.STDOUT,
         text=True,
     )
+    watchdog = threading.Timer(60, proc.kill)  # (a hang then fails below, instead of waiting)
+    watchdog.start()
     try:
-        seen = ""
-        for line in proc.stdout:
-            seen += line
-            if line.startswith("note: ") and "needs 3 nodes" in line:
-                break
+        first = proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C as soon as anything shows (once, this hung)
+        seen = first + proc.stdout.read()
+        assert proc.wait() == 130, seen
         assert "the run waits for 2 more" in seen and "drift join --repo" in seen, seen
+        assert "interrupted: no round had finished" in seen, seen
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_relative_paths_from_another_directory(tiny_recipe: Path, tmp_path: Path) -> None:
