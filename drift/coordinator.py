@@ -211,13 +211,13 @@ class Coordinator:
         self._joining_conns += 1
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
-            if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
-                await self._refuse(ch, conn, "the run has ended")
-                return
             try:
                 self.admission.check_allowed(ch.peer_id)
             except AuthError as e:
                 await self._auth_failed(ch, conn, ch.peer_id, str(e))
+                return
+            if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
+                await self._refuse(ch, conn, "the run has ended")
                 return
             if ch.peer_id in self.ready or ch.peer_id in self._handshaking:
                 # One identity, one node. A node that rejoins before we noticed its old connection
