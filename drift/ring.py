@@ -342,7 +342,7 @@ class Ring:
             v = x[a:b]
             if residual is not None:
                 v += residual[a:b]
-            buf = pool.pop() if pool else np.empty(slot_bytes, np.uint8)
+            buf = take()
             payload = codec.encode(v, out=buf)
             if residual is not None:
                 np.subtract(v, codec.decode(payload, new_residual[a:b]), out=new_residual[a:b])
@@ -357,10 +357,13 @@ class Ring:
 
         def unpark(a: int, b: int, home: np.ndarray) -> None:
             """x[a:b] <- decode(the payload parked in it), through a buffer (they overlap)."""
-            buf = pool.pop() if pool else np.empty(slot_bytes, np.uint8)
+            buf = take()
             buf[: home.size] = home
             codec.decode(buf[: home.size], x[a:b])
             sent(buf)
+
+        def take() -> np.ndarray:
+            return pool.pop() if pool else np.empty(slot_bytes, np.uint8)
 
         def sent(buf: np.ndarray | None) -> None:
             """A payload's buffer back to the pool once its chunk is sent (the binding copied it)."""

@@ -95,9 +95,10 @@ def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
     assert sorted(ln.split(": ")[3] for ln in lines) == ["inner_steps", "min_nodes", "name"], out.stderr
 
 
-def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        drift_cmd("coord", str(tiny_recipe), "--local", "1", "--run-dir", str(tmp_path / "run")),
+def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: Path) -> None:
+    proc = subprocess.Popen(  # paths as typed from the clone's root
+        drift_cmd("coord", "recipes/tiny.yaml", "--local", "1", "--run-dir", "run"),
+        cwd=tiny_recipe.parents[1],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

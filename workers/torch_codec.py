@@ -42,7 +42,7 @@ class TorchCodecKernels:
             inv = torch.where(s > 0, torch.tensor(127.0, device=self.device) / s, torch.zeros_like(s))
             q_parts.append(torch.round(b * inv[:, None]).to(torch.int8).reshape(-1))
             s_parts.append(s / 127.0)
-        # (through numpy: a payload's scales need not be 4-byte aligned in the ring's arena)
+        # (through numpy: a payload's scales may sit at any byte offset of the caller's buffer)
         scales[:] = torch.cat(s_parts).cpu().numpy()
         q[:] = torch.cat(q_parts).cpu().numpy()
 
