@@ -485,6 +485,8 @@ def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
 
     try:
         runs = [load_run(d) for d in run_dirs]
+        for line in (x for r in runs for x in r.skipped):
+            click.echo(f"drift: warning: {line}", err=True)
         paths = write_report(runs, out or run_dirs[0])
     except ReportError as e:
         _fail(str(e))

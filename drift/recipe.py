@@ -7,12 +7,13 @@ A mistake in a recipe is reported as one line naming the file and the field
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class RecipeError(Exception):
@@ -54,7 +55,7 @@ class OuterOptimizer(_Strict):
 
 
 class Recipe(_Strict):
-    name: str
+    name: str = Field(description="names the run directory, runs/NAME-TIME")
     task: str = Field(description="task file, relative to the repo root")
     task_config: dict[str, Any] = Field(default_factory=dict)
     min_nodes: int = Field(1, ge=1)
@@ -110,6 +111,17 @@ class Recipe(_Strict):
         ge=1,
         description="verified nodes the run needs; the swarm is cancelled once it cannot be met (default: min_nodes)",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # It becomes a directory name under runs/: no path separators, no `..`, nothing hidden.
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}", v):
+            raise ValueError(
+                f"{v[:40]!r} is not a plain name (letters, digits, '_', '.', '-', not starting with "
+                f"'.' or '-'): it names the run directory runs/NAME-TIME"
+            )
+        return v
 
     @model_validator(mode="after")
     def _budget(self) -> Recipe:

@@ -23,10 +23,19 @@ from pathlib import Path
 import git
 
 from auth import drift_home
+from drift.protocol import printable
 
 FETCH_TIMEOUT = 600  # seconds a clone or fetch may take before it is killed
 _COMMIT_RE = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
-_GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "", "SSH_ASKPASS": "", "GIT_LFS_SKIP_SMUDGE": "1"}
+SAFE_SCHEMES = ("https", "http", "ssh", "git", "file")  # ext:: and fd:: (remote helpers) run commands
+_GIT_ENV = {
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_ASKPASS": "",
+    "SSH_ASKPASS": "",
+    "GIT_LFS_SKIP_SMUDGE": "1",
+    "GIT_ALLOW_PROTOCOL": ":".join(SAFE_SCHEMES),  # git itself refuses the others, submodules too
+}
+_TRANSPORT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(::|://)")
 
 
 class RepoError(Exception):
@@ -78,11 +87,27 @@ def tree_of(root: Path, commit: str) -> str | None:
         return None
 
 
+def check_source(src: str) -> None:
+    """RepoError unless `src` is a path or a URL git fetches without running anything: no
+    `transport::address` remote helper (``ext::sh -c ...`` runs a command), no scheme but
+    SAFE_SCHEMES, nothing git could read as an option."""
+    shown = printable(src, 60)
+    if src.startswith("-"):
+        raise RepoError(f"--repo {shown}: a repo cannot start with '-' (git would read it as an option)")
+    m = _TRANSPORT.match(src)
+    if m and (m.group(2) == "::" or m.group(1).lower() not in SAFE_SCHEMES):
+        raise RepoError(
+            f"--repo {shown}: the {m.group(1)}{m.group(2)} transport is refused "
+            f"(drift fetches only over {', '.join(SAFE_SCHEMES)}, or from a local path)"
+        )
+
+
 class RepoCache:
     """Bare clone + per-commit checkouts of one repo, under `cache_dir`."""
 
     def __init__(self, source: str | Path, cache_dir: str | Path | None = None):
         src = str(source)
+        check_source(src)
         local = Path(src).expanduser()
         if "://" not in src and not re.match(r"^[\w.-]+@[\w.-]+:", src):  # a path, not a URL
             if not local.is_dir():

@@ -39,6 +39,7 @@ class Run:
     rounds: list[dict] = field(default_factory=list)  # `round` events by round number, the last of each kept
     wall_s: float | None = None  # to the `complete` event, when there is one
     complete: dict = field(default_factory=dict)  # the `complete` event's own fields
+    skipped: list[str] = field(default_factory=list)  # lines that are not events (a torn write, say)
 
     def val_curve(self) -> list[tuple[int, float, float]]:
         """(samples trained, seconds since training started, val loss) at θ0 and after each round."""
@@ -104,7 +105,9 @@ class Run:
 
 
 def load_run(run_dir: Path, label: str | None = None) -> Run:
-    """Read RUN_DIR/metrics.jsonl. A torn last line (a run still writing) is ignored."""
+    """Read RUN_DIR/metrics.jsonl. A torn last line (a run still writing) is ignored; any other
+    line that is not an event (a write torn by kill -9 before a --resume) is skipped and named in
+    `Run.skipped`."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ReportError(f"{run_dir}: no metrics.jsonl here (give the run directory `drift coord` printed)")
@@ -119,10 +122,10 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
         try:
             e = json.loads(line)
             kind, t = e["event"], float(e["t"])
-        except (ValueError, KeyError, TypeError):
-            if no == len(lines):
-                break
-            raise ReportError(f"{path}:{no}: not a metrics event: {line[:60]!r}") from None
+        except (ValueError, KeyError, TypeError, RecursionError):
+            if no != len(lines):
+                run.skipped.append(f"{path}:{no}: not a metrics event, skipped: {line[:60]!r}")
+            continue
         if t < last_t:  # a resumed coordinator starts its clock again: keep time running on
             offset += last_t
         last_t = t
@@ -175,6 +178,9 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    # Node names and run labels come from the network and the command line: plain text, never
+    # mathtext (a name like `$\\evil$` is otherwise parsed as math, and fails the plot).
+    matplotlib.rcParams["text.parse_math"] = False
     out.mkdir(parents=True, exist_ok=True)
     written = []
 

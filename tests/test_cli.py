@@ -75,6 +75,34 @@ def test_unreachable_ticket_says_what_was_tried(repo_root: Path) -> None:
     assert "connecting to" in line and "127.0.0.1" in line
 
 
+def test_a_recipe_name_cannot_put_the_run_dir_outside_runs(tiny_recipe: Path, tmp_path: Path) -> None:
+    data = yaml.safe_load(tiny_recipe.read_text())
+    data["name"] = "../../escaped"
+    tiny_recipe.write_text(yaml.safe_dump(data))
+    line = _one_line_error(_drift("coord", str(tiny_recipe)))
+    assert str(tiny_recipe) in line and "name:" in line and "not a plain name" in line
+    assert not (tmp_path / "escaped").exists() and not list(tmp_path.glob("escaped*"))
+
+
+@pytest.mark.parametrize("repo", ["ext::sh -c touch% {marker}", "ext://sh -c touch% {marker}", "fd::3", "-uinstall"])
+def test_repo_transports_that_run_commands_are_refused(repo: str, tmp_path: Path) -> None:
+    import asyncio
+
+    from drift.transport import Endpoint
+
+    async def dead_ticket() -> str:
+        ep = await Endpoint.bind("local")
+        t = ep.ticket()
+        await ep.close()
+        return t
+
+    marker = tmp_path / "pwned"
+    repo = repo.format(marker=marker)
+    line = _one_line_error(_drift("join", "--repo", repo, "--ticket", asyncio.run(dead_ticket())))
+    assert "--repo" in line and ("transport is refused" in line or "cannot start with '-'" in line), line
+    assert not marker.exists()
+
+
 def test_recipe_used_by_default_is_valid(repo_root: Path) -> None:
     from drift.recipe import load_recipe
 
