@@ -20,14 +20,14 @@ import click
 from auth import AuthError, KeyLock, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.inner import SimDevice
-from drift.monitor import Monitor
+from drift.monitor import Monitor, RunDirError
 from drift.node import NodeError, NodeOptions, run_node
 from drift.recipe import RecipeError, load_recipe, repo_root
 from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError, parse_ticket
 
-USER_ERRORS = (RecipeError, TransportError, CoordinatorError, NodeError, RingError, AuthError, RepoError)
+USER_ERRORS = (RecipeError, TransportError, CoordinatorError, NodeError, RingError, AuthError, RepoError, RunDirError)
 
 
 def _fail(msg: str, code: int = 1) -> None:
@@ -285,7 +285,15 @@ async def _coord(
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children))
         stopper = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({run, watch, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        failed = asyncio.ensure_future(monitor.failed.wait())
+        done, _ = await asyncio.wait({run, watch, stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        if failed in done and stopper not in done:  # a full disk, a read-only mount: stop as on Ctrl-C
+            run.cancel()
+            watch.cancel()
+            kept = await coordinator.interrupt(f"the coordinator stopped: {monitor.error}")
+            await _wait_children(children, 10.0)
+            raise CoordinatorError(f"{monitor.error}; stopped the run ({kept})")
         if stopper in done:
             monitor.say("stopping: keeping the newest finished round and telling the nodes (Ctrl-C again: quit now)")
             run.cancel()

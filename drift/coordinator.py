@@ -32,6 +32,7 @@ from drift.transport import (
     Channel,
     Endpoint,
     NetworkMode,
+    Throttle,
     TransportError,
     TransportTimeout,
     parse_ticket,
@@ -45,11 +46,33 @@ MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a 
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
+MAX_JOINING_PER_PEER = 2  # of those, from one node id (a node that rejoins may overlap its old try)
+MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
+TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
 MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
 
 
 class CoordinatorError(Exception):
     """The run cannot go on; str() is the one line shown to the user."""
+
+
+async def _tell(ch: Channel, why: str, retry: bool = False) -> None:
+    """Send a refused node why (TrainingCancel) and give it a moment to read it; never raises."""
+    try:
+        await ch.send_frame(P.encode(P.TrainingCancel(reason=why, retry=retry)), timeout=5.0)
+        await ch.finish()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:  # ends when the node hangs up, having read it
+            await ch.recv_frame(MAX_CONTROL_FRAME, timeout=max(0.1, deadline - time.monotonic()))
+    except Exception:
+        pass
+
+
+def _close(conn, why: str) -> None:
+    try:
+        conn.close(1, why.encode()[:100])
+    except Exception:
+        pass
 
 
 def _why(e: Exception) -> str:
@@ -131,7 +154,11 @@ class Coordinator:
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
+        self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
+        self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
+        self._refusals = Throttle(self._dropped)  # strangers, full slots: a flood stays a few lines
         self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
+        self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
 
     # --- serving connections -------------------------------------------------------------------
 
@@ -154,7 +181,10 @@ class Coordinator:
         closes. A connection that fails, whatever its bytes, ends in one connection_dropped line."""
         assert self.endpoint is not None
         await self.endpoint.serve(
-            {CONTROL_ALPN: self._serve, STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped)},
+            {
+                CONTROL_ALPN: self._serve,
+                STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped, on_stranger=self._refusals),
+            },
             on_drop=self._dropped,
         )
 
@@ -176,15 +206,25 @@ class Coordinator:
 
     async def _refuse(self, ch: Channel, conn, why: str, retry: bool = False) -> None:
         """Tell a node why it is refused (TrainingCancel), let it read that, then drop it."""
+        await _tell(ch, why, retry)
+        self._drop(ch, conn, why)
+
+    async def _stranger(self, conn, peer_id: str, why: str) -> None:
+        """A node not on the allowlist. It holds no joining slot and costs one (throttled) line;
+        while few are being told, it is told why (TrainingCancel: its operator learns what to
+        do); any more are closed at once with the reason."""
+        self._refusals(peer_id, why)
+        if len(self._telling) >= MAX_TELLING or peer_id in self._telling:
+            _close(conn, why)
+            return
+        self._telling.add(peer_id)
         try:
-            await ch.send_frame(P.encode(P.TrainingCancel(reason=why, retry=retry)), timeout=5.0)
-            await ch.finish()
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline:  # ends when the node hangs up, having read it
-                await ch.recv_frame(MAX_CONTROL_FRAME, timeout=max(0.1, deadline - time.monotonic()))
+            await _tell(await Endpoint.accept_channel(conn, timeout=TELL_TIMEOUT), why)
         except Exception:
             pass
-        self._drop(ch, conn, why)
+        finally:
+            self._telling.discard(peer_id)
+            _close(conn, why)
 
     async def _auth_failed(self, ch: Channel, conn, node_id: str, why: str, tell: bool = True) -> None:
         """A node failed a trust check: refuse it, and cancel the swarm if auth_threshold is now out of reach."""
@@ -205,17 +245,25 @@ class Coordinator:
         """One node's connection: the handshake, then every frame feeds the round loop. Whatever
         the peer sends ends, at worst, its own connection with one connection_dropped line."""
         ch: Channel | None = None
-        if self._joining_conns >= MAX_JOINING:
-            self._drop(None, conn, f"refused: {MAX_JOINING} connections are already joining")
+        peer_id = peer_of(conn)  # known from the QUIC handshake: the allowlist needs no stream
+        try:
+            self.admission.check_allowed(peer_id)
+        except AuthError as e:
+            await self._stranger(conn, peer_id, str(e))
+            return
+        if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER or self._joining_conns >= MAX_JOINING:
+            why = (
+                f"refused: {MAX_JOINING_PER_PEER} connections from this node are already joining"
+                if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER
+                else f"refused: {MAX_JOINING} connections are already joining"
+            )
+            self._refusals(peer_id, why)
+            _close(conn, why)
             return
         self._joining_conns += 1
+        self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
-            try:
-                self.admission.check_allowed(ch.peer_id)
-            except AuthError as e:
-                await self._auth_failed(ch, conn, ch.peer_id, str(e))
-                return
             if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
                 await self._refuse(ch, conn, "the run has ended")
                 return
@@ -284,6 +332,8 @@ class Coordinator:
             return
         finally:
             self._joining_conns -= 1
+            if (left := self._joining_by_peer.pop(peer_id) - 1) > 0:
+                self._joining_by_peer[peer_id] = left
             if ch is not None and self._handshaking.get(ch.peer_id) is ch:
                 del self._handshaking[ch.peer_id]
         # From here on every frame of this node feeds the round loop. Liveness is stamped here, as
@@ -352,7 +402,7 @@ class Coordinator:
     async def run(self) -> list[RoundResult]:
         """Wait for min_nodes, then run every round; returns one result per round."""
         peers = await self.wait_for_nodes()
-        for what in ("param_checksum", "n_train", "n_params"):
+        for what in ("param_checksum", "n_train", "n_params", "layout"):
             seen = {getattr(p.commit, what) for p in peers}
             if len(seen) != 1:
                 await self._broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
@@ -364,6 +414,7 @@ class Coordinator:
         r = self.recipe
         self.checksums[-1] = peers[0].commit.param_checksum
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
+        self.layout = peers[0].commit.layout  # ParamLayout.digest(): checkpoints are checked against it
         self._note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
         for p in peers:
             self._enter(p, -1)
@@ -499,6 +550,8 @@ class Coordinator:
         if theta.size != self.n_params:
             raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
         layout = ParamLayout(ck.names, ck.shapes, int(ck.manifest.get("buffers", 0)))
+        if self.layout and layout.digest() != self.layout:
+            raise CoordinatorError(f"{ck.path}: its tensor names, shapes or order are not those of the nodes' model")
         self.state.publish(ck.round, theta, velocity, got, layout)
         self.checksums[ck.round] = got
         queue.restore(ck.manifest["queue"])
@@ -542,6 +595,8 @@ class Coordinator:
         writers: list[CheckpointWriter] = []
 
         def sink(layout: ParamLayout):
+            if self.layout and layout.digest() != self.layout:  # the names, shapes, order the nodes built
+                raise StateError("the peer's tensor names, shapes or order are not the model's")
             for w in writers:
                 w.abort()
             writers.append(CheckpointWriter(self.run_dir / "checkpoints", rnd, layout.names, layout.shapes))
@@ -588,6 +643,8 @@ class Coordinator:
                 self.checkpoint_error = f"timed out after {2 * INTERRUPT_FETCH_S:g}s"
         self._finished = True
         await self._last_word(list(self.ready.values()), P.TrainingCancel(reason=reason), timeout=5.0)
+        if newest is None and self.resume is not None:
+            return f"no round finished since the resume; --resume continues from round {self.resume.round} ({self.resume.path})"
         if newest is None:
             return "no round had finished, so there is no checkpoint"
         if path is not None:
@@ -691,10 +748,11 @@ class Coordinator:
         async with self._joined:
             joining, self.joining = self.joining, []
         for p in joining:
-            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params) != (
+            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params, p.commit.layout) != (
                 self.checksums[-1],
                 self.n_train,
                 self.n_params,
+                self.layout,
             ):
                 why = "this node loaded a different task (initial θ or dataset differs)"
                 await self._send(p, P.TrainingCancel(reason=why))

@@ -16,6 +16,7 @@ temporaries) changes no bit.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,6 +47,11 @@ class ParamLayout:
     @property
     def size(self) -> int:
         return sum(int(np.prod(s)) for s in self.shapes)
+
+    def digest(self) -> str:
+        """A short hash of the names, shapes and order (what a donor's layout must match)."""
+        text = json.dumps([list(self.names), [list(x) for x in self.shapes], self.n_buffers])
+        return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
     @property
     def params_size(self) -> int:

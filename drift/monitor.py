@@ -7,6 +7,7 @@ markup, highlighting or emoji codes), one line each (protocol.printable)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -42,8 +43,17 @@ class Monitor:
     val_loss: float | None = None
 
     def __post_init__(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _cut_torn_line(path)
+            self._metrics = open(path, "a", buffering=1)
+        except OSError as e:
+            raise RunDirError(f"cannot write {path}: {e.strerror or e}") from None
+        # Why metrics.jsonl could not be written (a full disk, a read-only mount), once it could
+        # not: events are dropped from then on and `failed` is set, for the run to end cleanly.
+        self.error: str | None = None
+        self.failed = asyncio.Event()
         self._t0 = time.time()
         self.console = Console(stderr=False)
         self._live: Live | None = None
@@ -55,7 +65,12 @@ class Monitor:
     def event(self, kind: str, **fields: Any) -> None:
         """Record one event (a line of metrics.jsonl) and refresh the view."""
         rec = {"t": round(time.time() - self._t0, 3), "event": kind, **fields}
-        self._metrics.write(json.dumps(rec) + "\n")
+        if self.error is None:
+            try:
+                self._metrics.write(json.dumps(rec) + "\n")
+            except OSError as e:
+                self.error = f"cannot write {self.run_dir / 'metrics.jsonl'}: {e.strerror or e}"
+                self.failed.set()
         if self._board is not None:
             self._board.event(rec)
         if self._live:
@@ -86,9 +101,41 @@ class Monitor:
     def close(self) -> None:
         if self._live:
             self._live.stop()
-        self._metrics.close()
+        try:
+            self._metrics.close()
+        except OSError:  # the line buffer could not be flushed: `error` says so already
+            pass
         if self._board is not None:
             self._board.close()
+
+
+class RunDirError(Exception):
+    """The run directory cannot be written; str() is the one line shown to the user."""
+
+
+def _cut_torn_line(path: Path) -> None:
+    """A process killed mid-write (kill -9) leaves a last line without its newline: cut it, so
+    the next run's first event (after --resume) does not become part of a broken line."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as fh:
+        size = fh.seek(0, 2)
+        if size == 0:
+            return
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return
+        pos = size
+        while pos > 0:  # back to the last newline, a block at a time
+            step = min(pos, 1 << 16)
+            fh.seek(pos - step)
+            block = fh.read(step)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                fh.truncate(pos - step + nl + 1)
+                return
+            pos -= step
+        fh.truncate(0)
 
 
 class Board:

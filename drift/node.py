@@ -50,6 +50,7 @@ from drift.transport import (
     STATE_ALPN,
     Channel,
     Endpoint,
+    Throttle,
     TransportError,
     TransportTimeout,
     mode_for_ticket,
@@ -220,7 +221,13 @@ class Node:
     async def _accept(self) -> None:
         """Serve drift-ring/0 (neighbours) and drift-state/0 (θ for peers); a connection that
         fails, whatever its bytes, is closed with one log line."""
-        await self.endpoint.serve({RING_ALPN: self.ring.handle_incoming, STATE_ALPN: self.state.handle})
+        refusals = Throttle(lambda peer, why: log.warning("refusing a state request from %s: %s", peer[:10], why))
+        await self.endpoint.serve(
+            {
+                RING_ALPN: self.ring.handle_incoming,
+                STATE_ALPN: lambda conn: self.state.handle(conn, on_stranger=refusals),
+            }
+        )
 
 
 class Session:
@@ -508,6 +515,7 @@ class Session:
             param_checksum=t.initial_checksum,
             n_train=t.worker.n_train,
             n_params=t.layout.size,
+            layout=t.layout.digest(),
             run_id=t.run_id,
             samples_per_s=t.calibration.samples_per_s,
         )
@@ -764,6 +772,7 @@ class Session:
                     src.checksum,
                     into_arrays(t.theta, t.rule.velocity),
                     size=t.layout.size,
+                    layout=t.layout,
                 )
                 t.publish(self.node.state, src.round)
         except StateError as e:

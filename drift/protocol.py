@@ -153,6 +153,7 @@ class RepoCommit(_Msg):
     param_checksum: Token  # checksum of the initial θ this node built
     n_train: Count  # training samples in the task this node loaded
     n_params: Count = 0  # values in θ: bounds what a state transfer may send
+    layout: Token = ""  # ParamLayout.digest() of θ: a donor's tensor names, shapes and order must match
     run_id: Token = ""  # TrainConfig.run_id: binds the signature to this run
     samples_per_s: Rate | None = None  # calibrated on the loaded task (a few timed inner steps)
 

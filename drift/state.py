@@ -5,7 +5,9 @@ ALPN ``drift-state/0``, peer to peer.
 Every training node serves its own live θ and velocity (no copies: a node keeps nothing twice)
 to the members of the run. A transfer streams them in bounded chunks, so there is no size cap and
 neither side ever holds a second copy; the node's outer step waits while a transfer is reading
-(`StateServer.updating`). The receiver checks the checksum the coordinator agreed on for that
+(`StateServer.updating`). Either side gives a transfer up once it falls behind MIN_RATE (after
+SLACK_S), so a slow or stalling donor cannot hold a fetch, and a slow reader cannot hold a
+donor's outer step, for longer than SLACK_S + size / MIN_RATE. The receiver checks the checksum the coordinator agreed on for that
 round, over θ and the velocity, before it uses any of it: a peer cannot slip in another state.
 """
 
@@ -16,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -24,7 +27,7 @@ import numpy as np
 
 from drift.diloco import ParamLayout
 from drift.protocol import MAX_ROUND, printable
-from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, peer_of
+from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, TransportTimeout, peer_of
 
 log = logging.getLogger("drift.state")
 
@@ -33,6 +36,9 @@ DONE_TIMEOUT = 60.0  # for the peer's "ok" once the state is sent
 MAX_REQUEST = 256  # bytes: a request is {"round": N}
 MAX_HEADER = 1 << 24  # bytes: the header names every tensor of the model (16 MiB: ~100k tensors)
 MAX_CLIENTS = 64  # connections served at once; more are refused at once
+MAX_CLIENTS_PER_PEER = 2  # of those, from one peer
+MIN_RATE = 1 << 20  # bytes/s: a transfer slower than this overall (after SLACK_S) is given up, both sides
+SLACK_S = 10.0  # on top of size / MIN_RATE: connecting, the header, a slow start
 CHUNK_BYTES = 4 << 20  # one frame of a transfer
 MAX_TENSORS = 1 << 20
 MAX_VALUES = 1 << 40  # values in θ a receiver will accept at all (it also checks the size it expects)
@@ -55,10 +61,14 @@ class StateServer:
     """Serves this node's published state to peers that ask (one request per connection), if
     `allowed(peer id)`: θ goes only to members of the run (a private model stays private)."""
 
-    def __init__(self, allowed: Callable[[str], bool] = lambda peer: False) -> None:
+    def __init__(
+        self, allowed: Callable[[str], bool] = lambda peer: False, min_rate: float = MIN_RATE, slack: float = SLACK_S
+    ) -> None:
         self.current: Published | None = None
         self.allowed = allowed
+        self.min_rate, self.slack = min_rate, slack  # a reader slower than this is dropped
         self._clients = 0  # requests being served now (MAX_CLIENTS)
+        self._by_peer: dict[str, int] = {}  # the same per peer (MAX_CLIENTS_PER_PEER)
         self._reading = 0  # transfers streaming the arrays right now
         self._writing = False
         self._cond = asyncio.Condition()
@@ -81,25 +91,45 @@ class StateServer:
                 self._writing = False
                 self._cond.notify_all()
 
-    async def handle(self, conn: iroh.Connection, on_drop: DropFn | None = None) -> None:
+    async def handle(
+        self, conn: iroh.Connection, on_drop: DropFn | None = None, on_stranger: DropFn | None = None
+    ) -> None:
         """Serve one request: ``{"round": r}`` in, the state after round r (or an error) out.
 
         Whatever the peer sends or fails to send, this returns normally: a request that is not
-        valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line)."""
+        valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line).
+        A peer that is not `allowed` is closed at once, before anything is read and without
+        holding a slot; so is a peer with MAX_CLIENTS_PER_PEER requests in progress (or any, at
+        MAX_CLIENTS). Those refusals go to on_stranger (default: on_drop; pass a Throttle)."""
+        drop = on_drop or (lambda peer, why: log.warning("dropping state request from %s: %s", peer[:10], why))
+        peer = peer_of(conn)
         try:
-            if self._clients >= MAX_CLIENTS:
-                raise StateError(f"refused: {MAX_CLIENTS} state requests already in progress")
+            if not self.allowed(peer):
+                (on_stranger or drop)(peer, "state request refused: not a member of this run")
+                conn.close(1, b"not a member of this run")
+                return
+            if self._clients >= MAX_CLIENTS or self._by_peer.get(peer, 0) >= MAX_CLIENTS_PER_PEER:
+                (on_stranger or drop)(peer, "state request refused: too many in progress")
+                conn.close(1, b"too many state requests in progress")
+                return
             self._clients += 1
+            self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
             try:
-                await self._serve(await Endpoint.accept_channel(conn, timeout=REQUEST_TIMEOUT))
+                ch = await Endpoint.accept_channel(conn, timeout=REQUEST_TIMEOUT)
+                await self._serve(ch)
             finally:
                 self._clients -= 1
+                if (left := self._by_peer.pop(peer) - 1) > 0:
+                    self._by_peer[peer] = left
+            try:  # the peer says when it has everything (its slot is free already); hanging up is fine too
+                await ch.recv_frame(16, timeout=DONE_TIMEOUT)
+            except TransportError:
+                pass
         except Exception as e:
-            why = printable(e if isinstance(e, (StateError, TransportError)) else f"{e.__class__.__name__}: {e}", 300)
-            if on_drop is not None:
-                on_drop(peer_of(conn), why)
-            else:
-                log.warning("dropping state request from %s: %s", peer_of(conn)[:10], why)
+            drop(
+                peer,
+                printable(e if isinstance(e, (StateError, TransportError)) else f"{e.__class__.__name__}: {e}", 300),
+            )
         finally:
             try:
                 conn.close(0, b"done")
@@ -108,43 +138,47 @@ class StateServer:
 
     async def _serve(self, ch: Channel) -> None:
         rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
-        if not self.allowed(ch.peer_id):
-            await ch.send_frame(json.dumps({"error": "not a member of this run"}).encode())
-        else:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing)
+            cur = self.current
+            if cur is not None and cur.round == rnd:
+                self._reading += 1
+        if cur is None or cur.round != rnd:
+            have = None if cur is None else cur.round
+            await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
+            return
+        try:
+            size = 2 * cur.theta.nbytes
+            end = time.monotonic() + self.slack + size / self.min_rate
+            await ch.send_frame(
+                json.dumps(
+                    {
+                        "round": cur.round,
+                        "checksum": cur.checksum,
+                        "n": int(cur.theta.size),
+                        "names": list(cur.layout.names),
+                        "shapes": [list(x) for x in cur.layout.shapes],
+                        "buffers": cur.layout.n_buffers,
+                    }
+                ).encode(),
+                timeout=self.slack,
+            )
+            for a in (cur.theta, cur.velocity):
+                view = memoryview(a).cast("B")
+                for i in range(0, len(view), CHUNK_BYTES):
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise TransportTimeout("")
+                    await ch.send_frame(view[i : i + CHUNK_BYTES], timeout=left)
+        except TransportTimeout:
+            raise StateError(
+                f"reader too slow: {size / 2**20:.1f} MiB not taken within {self.slack:g} s + "
+                f"{self.min_rate / 2**20:g} MiB/s; dropped so the outer step can go on"
+            ) from None
+        finally:
             async with self._cond:
-                await self._cond.wait_for(lambda: not self._writing)
-                cur = self.current
-                if cur is not None and cur.round == rnd:
-                    self._reading += 1
-            if cur is None or cur.round != rnd:
-                have = None if cur is None else cur.round
-                await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
-            else:
-                try:
-                    await ch.send_frame(
-                        json.dumps(
-                            {
-                                "round": cur.round,
-                                "checksum": cur.checksum,
-                                "n": int(cur.theta.size),
-                                "names": list(cur.layout.names),
-                                "shapes": [list(x) for x in cur.layout.shapes],
-                                "buffers": cur.layout.n_buffers,
-                            }
-                        ).encode()
-                    )
-                    for a in (cur.theta, cur.velocity):
-                        view = memoryview(a).cast("B")
-                        for i in range(0, len(view), CHUNK_BYTES):
-                            await ch.send_frame(view[i : i + CHUNK_BYTES])
-                finally:
-                    async with self._cond:
-                        self._reading -= 1
-                        self._cond.notify_all()
-        try:  # the peer says when it has everything; hanging up instead is fine too
-            await ch.recv_frame(16, timeout=DONE_TIMEOUT)
-        except TransportError:
-            pass
+                self._reading -= 1
+                self._cond.notify_all()
 
 
 def _parse_request(frame: bytes) -> int:
@@ -186,6 +220,18 @@ def _parse_header(head: dict, size: int | None) -> ParamLayout:
     return layout
 
 
+def _first_difference(got: ParamLayout, want: ParamLayout) -> str:
+    for i, (a, b) in enumerate(zip(got.names, want.names)):
+        if a != b:
+            return f"tensor {i} is {printable(a, 80)!r}, here {printable(b, 80)!r}"
+    for i, (a, b) in enumerate(zip(got.shapes, want.shapes)):
+        if a != b:
+            return f"{printable(want.names[i], 80)!r} has shape {list(a)}, here {list(b)}"
+    if len(got.names) != len(want.names):
+        return f"{len(got.names)} tensors, here {len(want.names)}"
+    return f"{got.n_buffers} buffers, here {want.n_buffers}"
+
+
 Sink = Callable[[int, int, memoryview], None]  # (which: 0 θ / 1 velocity, byte offset, bytes)
 
 
@@ -197,11 +243,18 @@ async def fetch_state(
     sink: Callable[[ParamLayout], Sink],
     size: int | None = None,
     timeout: float = 120.0,
+    min_rate: float = MIN_RATE,
+    layout: ParamLayout | None = None,
 ) -> ParamLayout:
     """The state after round `rnd`, streamed from the first peer in `tickets` that has it, into
     `sink(layout)` (which returns where the bytes go: arrays, or files); returns the layout once
     the bytes match `want_checksum` (and `size` values, when given). A sink written by a peer that
-    then failed holds garbage: the next peer overwrites it, and StateError means none could."""
+    then failed holds garbage: the next peer overwrites it, and StateError means none could.
+
+    `timeout` bounds each step (connecting, each frame); the whole transfer from one peer must
+    also keep up `min_rate` bytes/s after `timeout` s, or that peer is given up. With `layout`
+    (the model this node built itself), the donor's tensor names, shapes and order must be
+    exactly those: same-sized tensors in another order would otherwise load mislabeled."""
     errors = []
     for ticket in tickets:
         try:
@@ -214,13 +267,29 @@ async def fetch_state(
                     raise StateError("the peer's state header is not JSON") from None
                 if not isinstance(head, dict):
                     raise StateError("the peer's state header is malformed")
-                layout = _parse_header(head, size)
-                write = sink(layout)
+                got_layout = _parse_header(head, size)
+                if layout is not None and got_layout != layout:
+                    raise StateError(
+                        f"the peer's tensors are not this model's: {_first_difference(got_layout, layout)}"
+                    )
+                write = sink(got_layout)
+                end = time.monotonic() + timeout + 8 * got_layout.size / min_rate
                 h = hashlib.blake2b(digest_size=12)  # as diloco.checksum: θ's bytes, then the velocity's
                 for which in (0, 1):
-                    got, total = 0, 4 * layout.size
+                    got, total = 0, 4 * got_layout.size
                     while got < total:
-                        frame = await ch.recv_frame(min(CHUNK_BYTES, total - got), timeout=timeout)
+                        left = end - time.monotonic()
+                        try:
+                            if left <= 0:
+                                raise TransportTimeout("")
+                            frame = await ch.recv_frame(min(CHUNK_BYTES, total - got), timeout=min(timeout, left))
+                        except TransportTimeout:
+                            if left >= timeout:
+                                raise
+                            raise StateError(
+                                f"transfer too slow: {8 * got_layout.size / 2**20:.1f} MiB not received within "
+                                f"{timeout:g} s + {min_rate / 2**20:g} MiB/s"
+                            ) from None
                         if not frame:
                             raise StateError("the peer sent an empty chunk")
                         view = memoryview(frame)
@@ -232,7 +301,7 @@ async def fetch_state(
                 ch.close("state received")
             if h.hexdigest() != want_checksum:
                 raise StateError(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
-            return layout
+            return got_layout
         except (StateError, TransportError) as e:
             errors.append(f"{ticket[:20]}...: {e}")
     raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors or ["no peer to ask"]))

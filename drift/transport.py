@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import re
 import struct
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -202,6 +203,43 @@ class Channel:
             self.conn.close(0, reason.encode()[:100])
         except Exception:
             pass
+
+
+class Throttle:
+    """Refusals of strangers (who may knock thousands of times a second, from as many ids as they
+    care to make), reported within bounds: per peer at most one line every `window` s, and at
+    most `burst` lines per `window` s overall. A line shown after some were held back says how
+    many (``(+N more ...)``), so the count is never lost and the log and metrics.jsonl stay small."""
+
+    def __init__(self, report: DropFn, window: float = 60.0, burst: int = 20, max_peers: int = 4096):
+        self.report, self.window, self.burst, self.max_peers = report, window, burst, max_peers
+        self._last: dict[str, float] = {}  # peer -> when its last line was shown
+        self._held: dict[str, int] = {}  # peer -> refusals not shown since
+        self._window_start = -1e18
+        self._shown = 0  # lines shown in the current window (all peers)
+        self._held_all = 0  # refusals held back by the overall limit since the last line shown
+
+    def __call__(self, peer: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.window:
+            self._window_start, self._shown = now, 0
+        if now - self._last.get(peer, -1e18) < self.window or self._shown >= self.burst:
+            self._held[peer] = self._held.get(peer, 0) + 1
+            if len(self._held) > self.max_peers:  # ids are free to make: forget the oldest, count it
+                self._held_all += self._held.pop(next(iter(self._held)))
+            return
+        if len(self._last) >= self.max_peers:
+            self._last = {k: t for k, t in self._last.items() if now - t < self.window}
+            if len(self._last) >= self.max_peers:
+                self._held_all += 1
+                return
+        more = self._held.pop(peer, 0)
+        others, self._held_all = self._held_all, 0
+        self._last[peer] = now
+        self._shown += 1
+        if more or others:
+            why += f" (+{more} more from this peer" + (f", {others} from others" if others else "") + " not shown)"
+        _safe(self.report, peer, why)
 
 
 def _reason(e: BaseException) -> str:
