@@ -46,7 +46,7 @@ MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a 
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
-MAX_JOINING_PER_PEER = 2  # of those, from one node id (a node that rejoins may overlap its old try)
+MAX_JOINING_PER_PEER = 4  # of those, from one node id (a node that rejoins may overlap its old try)
 MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
 TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
 MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
@@ -156,7 +156,7 @@ class Coordinator:
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
-        self._refusals = Throttle(self._dropped)  # strangers, full slots: a flood stays a few lines
+        self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
         self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
 
@@ -257,8 +257,7 @@ class Coordinator:
                 if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER
                 else f"refused: {MAX_JOINING} connections are already joining"
             )
-            self._refusals(peer_id, why)
-            _close(conn, why)
+            self._drop(None, conn, why)
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1

@@ -36,7 +36,7 @@ DONE_TIMEOUT = 60.0  # for the peer's "ok" once the state is sent
 MAX_REQUEST = 256  # bytes: a request is {"round": N}
 MAX_HEADER = 1 << 24  # bytes: the header names every tensor of the model (16 MiB: ~100k tensors)
 MAX_CLIENTS = 64  # connections served at once; more are refused at once
-MAX_CLIENTS_PER_PEER = 2  # of those, from one peer
+MAX_CLIENTS_PER_PEER = 4  # of those, from one peer
 MIN_RATE = 1 << 20  # bytes/s: a transfer slower than this overall (after SLACK_S) is given up, both sides
 SLACK_S = 10.0  # on top of size / MIN_RATE: connecting, the header, a slow start
 CHUNK_BYTES = 4 << 20  # one frame of a transfer
@@ -99,8 +99,8 @@ class StateServer:
         Whatever the peer sends or fails to send, this returns normally: a request that is not
         valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line).
         A peer that is not `allowed` is closed at once, before anything is read and without
-        holding a slot; so is a peer with MAX_CLIENTS_PER_PEER requests in progress (or any, at
-        MAX_CLIENTS). Those refusals go to on_stranger (default: on_drop; pass a Throttle)."""
+        holding a slot, and reported to on_stranger (default: on_drop; pass a Throttle). A peer
+        with MAX_CLIENTS_PER_PEER requests in progress (or any, at MAX_CLIENTS) is refused too."""
         drop = on_drop or (lambda peer, why: log.warning("dropping state request from %s: %s", peer[:10], why))
         peer = peer_of(conn)
         try:
@@ -109,9 +109,7 @@ class StateServer:
                 conn.close(1, b"not a member of this run")
                 return
             if self._clients >= MAX_CLIENTS or self._by_peer.get(peer, 0) >= MAX_CLIENTS_PER_PEER:
-                (on_stranger or drop)(peer, "state request refused: too many in progress")
-                conn.close(1, b"too many state requests in progress")
-                return
+                raise StateError("refused: too many state requests in progress")
             self._clients += 1
             self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
             try:

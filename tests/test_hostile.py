@@ -422,5 +422,8 @@ def test_real_swarm_trains_through_hostile_traffic_and_shows_names_literally(
     assert "\x1b" not in log and "Traceback" not in log and "never retrieved" not in log
     assert not any(line.startswith("node joined: forged") for line in log.splitlines())  # no forged line
     drops = [e for e in events if e["event"] == "connection_dropped"]
-    assert len(drops) == sum(t.connections for t in tallies)
+    # drift-state/0 closes non-members before reading a byte, in a line per peer a minute at most.
+    strangers = [e for e in drops if "not a member of this run" in e["reason"]]
+    assert 1 <= len(strangers) <= 2
+    assert len(drops) - len(strangers) == sum(t.connections for t in tallies[:2])
     assert node_rcs == [0, 0, 0]
