@@ -38,7 +38,8 @@ def main() -> None:
             b = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox", "--disable-gpu"])
             page = b.new_page(viewport={"width": 1200, "height": 900}, device_scale_factor=1)
             page.goto(url)
-            page.wait_for_function("Number(document.body.dataset.round) >= 4", timeout=300_000)
+            while not page.evaluate("Number(document.body.dataset.round) >= 4"):  # (the page's CSP refuses
+                page.wait_for_timeout(200)  # wait_for_function's string eval)
             page.wait_for_timeout(600)
             page.screenshot(path=str(OUT), full_page=True)
             b.close()
