@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import socket
@@ -107,9 +108,27 @@ def write_static(events: list[dict], path: Path) -> Path:
     return path
 
 
+def _json(obj: Any) -> str:
+    """Strict JSON (what a browser's JSON.parse takes): NaN and infinities become null."""
+    try:
+        return json.dumps(obj, allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, default=str)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _script_json(obj: Any) -> str:
     """JSON that is safe inside a <script> element: no `</script>`, no `<!--` can end it."""
-    return json.dumps(obj, allow_nan=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return _json(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _csp(html: str, static: bool) -> str:
@@ -176,7 +195,7 @@ class Dashboard:
             self._loop.call_soon_threadsafe(self.event, rec)
             return
         rec = slim(rec)
-        data = json.dumps(rec, allow_nan=False, default=str)
+        data = _json(rec)
         if rec.get("event") == "progress":
             msg = f"data: {data}\n\n".encode()
             self._progress[str(rec.get("node_id"))] = msg

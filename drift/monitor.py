@@ -8,6 +8,7 @@ markup, highlighting or emoji codes), one line each (protocol.printable)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from rich.table import Table
 from rich.text import Text
 
 from drift.protocol import MAX_NAME, printable
+
+log = logging.getLogger("drift.monitor")
 
 
 @dataclass
@@ -64,7 +67,10 @@ class Monitor:
             self._board.event(rec)
         self._eta.event(rec)
         for sub in self.subscribers:
-            sub(rec)
+            try:
+                sub(rec)
+            except Exception:  # a page or a tracker must never end the run
+                log.exception("monitor: a subscriber failed on a %s event", kind)
         if self._live:
             self._live.update(self._table())
         elif kind in ("node_joined", "initial", "round", "complete", "error", "node_left"):

@@ -234,6 +234,7 @@ def test_only_fixed_routes_with_the_token() -> None:
         port = int(d.url.split(":")[2].split("/")[0])
         tok = d.token
         d.event({"t": 0.0, "event": "run", "recipe": "x"})
+        d.event({"t": 1.0, "event": "val", "val_loss": float("nan")})  # a diverged loss: JSON has no NaN
 
         async def status(raw: bytes) -> int:
             return int((await _request(port, raw)).split(b" ", 2)[1])
@@ -241,7 +242,10 @@ def test_only_fixed_routes_with_the_token() -> None:
         page = await _request(port, f"GET /?token={tok} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         assert page.startswith(b"HTTP/1.1 200") and b"Content-Security-Policy: default-src 'none'" in page
         snap = await _request(port, f"GET /snapshot.json?token={tok} HTTP/1.1\r\n\r\n".encode())
-        assert json.loads(snap.split(b"\r\n\r\n", 1)[1])["events"] == [{"t": 0.0, "event": "run", "recipe": "x"}]
+        assert json.loads(snap.split(b"\r\n\r\n", 1)[1])["events"] == [
+            {"t": 0.0, "event": "run", "recipe": "x"},
+            {"t": 1.0, "event": "val", "val_loss": None},
+        ]
         assert await status(b"GET / HTTP/1.1\r\n\r\n") == 403  # no token
         assert await status(b"GET /?token=guess HTTP/1.1\r\n\r\n") == 403
         for path in ("/metrics.jsonl", "/../../etc/passwd", "/dashboard.html", "/%2e%2e/pyproject.toml", "//etc"):
