@@ -174,7 +174,7 @@ class Dashboard:
         except OSError as e:
             raise DashboardError(f"--dashboard {host}:{port}: cannot listen there: {e.strerror or e}") from None
         bound = self._server.sockets[0].getsockname()
-        shown = host if host not in ("0.0.0.0", "::", "") else "THIS-MACHINE"
+        shown = host if host not in ("0.0.0.0", "::", "") else socket.gethostname()  # (listening on every address)
         shown = f"[{shown}]" if ":" in shown else shown
         self.url = f"http://{shown}:{bound[1]}/?token={self.token}"
         return self.url
