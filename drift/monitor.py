@@ -74,7 +74,8 @@ class Monitor:
         if self._live:
             self._live.update(self._table())
         elif kind in ("node_joined", "initial", "round", "complete", "error", "node_left"):
-            self.say(_line(rec))
+            eta = f"  ETA {_duration(self._eta.seconds_left(self.rounds, rec['t']))}" if kind == "round" else ""
+            self.say(_line(rec) + eta)
 
     def say(self, text: str) -> None:
         """Print one line as it is: no markup, no highlighting, no emoji codes."""
