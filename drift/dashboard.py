@@ -179,13 +179,23 @@ class Dashboard:
         self.url = f"http://{shown}:{bound[1]}/?token={self.token}"
         return self.url
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for c in list(self._clients):
-                self._drop(c)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Stop listening; clients get what is queued for them (the run's last events) first."""
+        if self._server is None:
+            return
+        self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + flush_s
+        while any(not c.queue.empty() for c in self._clients) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for c in list(self._clients):
+            c.dropped = True
+            self._clients.discard(c)
+            c.writer.close()
+            with contextlib.suppress(asyncio.QueueFull):
+                c.queue.put_nowait(b"")
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), flush_s)
 
     # --- events --------------------------------------------------------------------------------
 
