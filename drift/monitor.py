@@ -53,11 +53,11 @@ class Monitor:
         self._t0 = time.time()
         self.console = Console(stderr=False)
         self._live: Live | None = None
+        self._eta = Eta()
         if self.live:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4)
             self._live.start()
         self._board = Board.open(self.run_dir)
-        self._eta = Eta()
 
     def event(self, kind: str, **fields: Any) -> None:
         """Record one event (a line of metrics.jsonl) and refresh the view."""
