@@ -84,7 +84,10 @@ class Monitor:
     def _table(self) -> Table:
         vl = f"{self.val_loss:.3f}" if self.val_loss is not None else "-"
         t = Table(
-            title=f"drift  round {self.round}/{self.rounds} {self._eta.bar(self.round_samples, self.rounds, time.time() - self._t0)}  val loss {vl}"
+            title=Text(  # as text: the bar's brackets are no markup
+                f"drift  round {self.round}/{self.rounds} "
+                f"{self._eta.bar(self.round_samples, self.rounds, time.time() - self._t0)}  val loss {vl}"
+            )
         )
         for col in ("node", "device", "samples/s", "loss", "samples", "MiB sent"):
             t.add_column(col, justify="right" if col not in ("node", "device") else "left")
