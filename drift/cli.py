@@ -19,6 +19,7 @@ import click
 
 from auth import AuthError, KeyLock, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
+from drift.dashboard import Dashboard, DashboardError, parse_addr
 from drift.inner import SimDevice
 from drift.monitor import Monitor, RunDirError
 from drift.node import NodeError, NodeOptions, run_node
@@ -26,8 +27,20 @@ from drift.recipe import RecipeError, load_recipe, repo_root
 from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError, parse_ticket
+from drift.wandb_log import WandbError, WandbLog
 
-USER_ERRORS = (RecipeError, TransportError, CoordinatorError, NodeError, RingError, AuthError, RepoError, RunDirError)
+USER_ERRORS = (
+    RecipeError,
+    TransportError,
+    CoordinatorError,
+    NodeError,
+    RingError,
+    AuthError,
+    RepoError,
+    DashboardError,
+    WandbError,
+    RunDirError,
+)
 
 
 def _fail(msg: str, code: int = 1) -> None:
@@ -130,6 +143,15 @@ def id_(key: Path | None, coord: bool, device: str | None) -> None:
     is_flag=True,
     help="Continue from the newest checkpoint that verifies (in --run-dir, else the newest runs/NAME-*).",
 )
+@click.option(
+    "--dashboard",
+    "dashboard",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="HOST[:PORT]|off",
+    help="Serve the run's live page there (read-only; the printed URL carries its token; no PORT: a free one). "
+    "off: no page.",
+)
 def coord(
     recipe: Path,
     local: int,
@@ -138,8 +160,13 @@ def coord(
     threads: int | None,
     key: Path | None,
     resume: bool,
+    dashboard: str,
 ) -> None:
     """Coordinate a run: print a join ticket, admit nodes, run the rounds."""
+    try:
+        page_addr = parse_addr(dashboard)
+    except DashboardError as e:
+        _fail(str(e))
     recipe, run_dir = _absolute(recipe), _absolute(run_dir)
     try:
         r = load_recipe(recipe)
@@ -164,7 +191,7 @@ def coord(
             f"{recipe}: {root} is not a git repository and the recipe pins no commit: nodes run only "
             f"committed code (git init && git commit there, or set commit:)"
         )
-    sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint)))
+    sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint, page_addr)))
 
 
 def _find_checkpoint(name: str, run_dir: Path | None):
@@ -195,8 +222,11 @@ async def _coord(
     coord_key,
     commit: str,
     checkpoint=None,
+    page_addr: tuple[str, int] | None = None,
 ) -> int:
-    monitor = Monitor(run_dir)
+    monitor = Monitor(run_dir, round_samples=r.round_samples or 0)
+    page = Dashboard() if page_addr else None
+    board: WandbLog | None = None
     node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
     coordinator = Coordinator(
         r,
@@ -229,9 +259,31 @@ async def _coord(
     try:
         ticket = await coordinator.start()
         join = f"drift join --repo {root} --ticket {ticket}"
+        if page is not None:
+            url = await page.start(*page_addr)
+            monitor.subscribers.append(page.event)
+        if r.wandb is not None:
+            board = WandbLog.open(r, coordinator.run_id, run_dir)
+            monitor.subscribers.append(board.event)
+        monitor.event(
+            "run",
+            run_id=coordinator.run_id,
+            recipe=r.name,
+            rounds=r.rounds,
+            round_samples=r.round_samples,
+            min_nodes=r.min_nodes,
+            sync=r.sync,
+            codec=r.codec,
+            commit=commit,
+            coordinator=coordinator.endpoint.node_id,
+            join=join,
+            resumed_after=checkpoint.round if checkpoint is not None else None,
+        )
         monitor.say(f"run {coordinator.run_id}: {r.name}, {r.rounds} rounds, waiting for {r.min_nodes} node(s)")
         monitor.say(f"join with:  {join}")
         monitor.say(f"run dir:    {run_dir}")
+        if page is not None:
+            monitor.say(f"dashboard:  {url}")
         if checkpoint is not None:
             monitor.say(f"resuming:   after round {checkpoint.round} ({checkpoint.path})")
         monitor.say(f"commit:     {commit} (coordinator {coordinator.endpoint.node_id[:10]})")
@@ -326,7 +378,11 @@ async def _coord(
             if proc.poll() is None:
                 proc.terminate()
         await coordinator.close()
+        if page is not None:
+            await page.close()
         monitor.close()
+        if board is not None:
+            board.close()
 
 
 async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout: float) -> bool:
@@ -488,7 +544,9 @@ def status(as_json: bool) -> None:
     "-o", "--out", type=click.Path(path_type=Path), default=None, help="Where the PNGs go (default: the first RUN_DIR)."
 )
 def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
-    """Plot RUN_DIR/metrics.jsonl: loss.png, nodes.png, bytes.png (several runs overlay)."""
+    """Plot RUN_DIR/metrics.jsonl: loss.png, nodes.png, bytes.png (several runs overlay), and the
+    run's page as one static file (dashboard.html; dashboard-RUN.html for each of several runs)."""
+    from drift.dashboard import read_events, write_static
     from drift.report import ReportError, load_run, summary, write_report
 
     try:
@@ -496,6 +554,9 @@ def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
         for line in (x for r in runs for x in r.skipped):
             click.echo(f"drift: warning: {line}", err=True)
         paths = write_report(runs, out or run_dirs[0])
+        for d, run in zip(run_dirs, runs):
+            name = "dashboard.html" if len(runs) == 1 else f"dashboard-{run.label}.html"
+            paths.append(write_static(read_events(d), (out or run_dirs[0]) / name))
     except ReportError as e:
         _fail(str(e))
     except OSError as e:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from drift.protocol import MAX_NAME, printable
+
+log = logging.getLogger("drift.monitor")
 
 
 @dataclass
@@ -41,6 +45,8 @@ class Monitor:
     round: int = 0
     rounds: int = 0
     val_loss: float | None = None
+    round_samples: int = 0  # the round's budget: the live table's progress bar
+    subscribers: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)  # each event, as written
 
     def __post_init__(self) -> None:
         path = self.run_dir / "metrics.jsonl"
@@ -57,6 +63,7 @@ class Monitor:
         self._t0 = time.time()
         self.console = Console(stderr=False)
         self._live: Live | None = None
+        self._eta = Eta()
         if self.live:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4)
             self._live.start()
@@ -73,10 +80,17 @@ class Monitor:
                 self.failed.set()
         if self._board is not None:
             self._board.event(rec)
+        self._eta.event(rec)
+        for sub in self.subscribers:
+            try:
+                sub(rec)
+            except Exception:  # a page or a tracker must never end the run
+                log.exception("monitor: a subscriber failed on a %s event", kind)
         if self._live:
             self._live.update(self._table())
         elif kind in ("node_joined", "initial", "round", "complete", "error", "node_left"):
-            self.say(_line(rec))
+            eta = f"  ETA {_duration(self._eta.seconds_left(self.rounds, rec['t']))}" if kind == "round" else ""
+            self.say(_line(rec) + eta)
 
     def say(self, text: str) -> None:
         """Print one line as it is: no markup, no highlighting, no emoji codes."""
@@ -84,7 +98,12 @@ class Monitor:
 
     def _table(self) -> Table:
         vl = f"{self.val_loss:.3f}" if self.val_loss is not None else "-"
-        t = Table(title=f"drift  round {self.round}/{self.rounds}  val loss {vl}")
+        t = Table(
+            title=Text(  # as text: the bar's brackets are no markup
+                f"drift  round {self.round}/{self.rounds} "
+                f"{self._eta.bar(self.round_samples, self.rounds, time.time() - self._t0)}  val loss {vl}"
+            )
+        )
         for col in ("node", "device", "samples/s", "loss", "samples", "MiB sent"):
             t.add_column(col, justify="right" if col not in ("node", "device") else "left")
         for n in self.nodes.values():
@@ -162,37 +181,94 @@ class Board:
             self._w.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=value)))
 
     def event(self, rec: dict[str, Any]) -> None:
-        kind = rec["event"]
-        if kind == "round":
-            step = rec["round"]
-            self.scalars(
-                step,
-                {
-                    "loss/val": rec.get("val_loss"),
-                    "loss/train": rec.get("train_loss"),
-                    "round/seconds": rec.get("seconds"),
-                    "round/samples": rec.get("samples"),
-                    "round/samples_per_s": rec["samples"] / rec["seconds"] if rec.get("seconds") else None,
-                    "sync/reduce_s": rec.get("reduce_s"),
-                    "sync/MiB_sent": rec.get("bytes_sent", 0) / 2**20,
-                },
-            )
-            self.scalars(
-                step,
-                {
-                    f"utilization/{printable(name, MAX_NAME)}": n["step_s"] / rec["seconds"]
-                    for name, n in rec.get("nodes", {}).items()
-                    if rec.get("seconds") and "step_s" in n
-                },
-            )
+        for step, values in scalars(rec):
+            self.scalars(step, values)
+        if rec["event"] == "round":
             self._w.flush()
-        elif kind == "initial":
-            self.scalars(-1, {"loss/val": rec["val_loss"]})
-        elif kind == "val":
-            self.scalars(rec["after_round"], {"loss/val_evaluator": rec["val_loss"]})
 
     def close(self) -> None:
         self._w.close()
+
+
+class Eta:
+    """The round in progress (samples trained so far, from progress events) and the run's ETA
+    (the mean round so far times the rounds left), for the live table's title."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # time of training_started (run clock)
+        self.first: int | None = None  # the first round this coordinator ran (a resumed run starts later)
+        self.done = 0  # rounds finished, counting from round 0
+        self.last_t = 0.0
+        self.units: dict[int, dict[tuple, int]] = {}  # per unfinished round: the units reported, samples each
+
+    def event(self, rec: dict[str, Any]) -> None:
+        kind, t = rec["event"], rec["t"]
+        if kind == "training_started" and self.started is None:
+            self.started = t
+        elif kind == "round":
+            rnd = int(rec["round"])
+            self.first = rnd if self.first is None else self.first
+            self.done, self.last_t = rnd + 1, t
+            self.units = {k: v for k, v in self.units.items() if k > rnd}
+        elif kind == "progress" and isinstance(rec.get("round"), int) and rec["round"] >= self.done:
+            u = rec["unit"]
+            self.units.setdefault(rec["round"], {})[tuple(u)] = int(u[3]) - int(u[2])
+
+    def seconds_left(self, rounds: int, now: float) -> float | None:
+        """Seconds until round `rounds` ends, at the pace of the rounds so far; None before one ended."""
+        if self.started is None or self.first is None:
+            return None
+        per_round = (self.last_t - self.started) / (self.done - self.first)
+        return max(0.0, per_round * (rounds - self.done) - (now - self.last_t))
+
+    def bar(self, budget: int, rounds: int, now: float, width: int = 20) -> str:
+        """`[#######.............] 35%  ETA 1m20s` for the round in progress."""
+        current = self.units.get(max(self.units, default=self.done), {})  # (overlapped: the newer round)
+        frac = min(1.0, sum(current.values()) / budget) if budget else 0.0
+        fill = round(frac * width)
+        left = self.seconds_left(rounds, now)
+        return f"[{'#' * fill}{'.' * (width - fill)}] {100 * frac:.0f}%  ETA {_duration(left)}"
+
+
+def scalars(rec: dict[str, Any]) -> list[tuple[int, dict[str, float | None]]]:
+    """The scalars an event makes, as (round, {name: value}): per round the losses, throughput,
+    sync time and bytes, per node its utilization; evaluators' val losses. TensorBoard and
+    Weights & Biases log the same ones."""
+    kind = rec["event"]
+    if kind == "round":
+        secs = rec.get("seconds")
+        return [
+            (
+                rec["round"],
+                {
+                    "loss/val": rec.get("val_loss"),
+                    "loss/train": rec.get("train_loss"),
+                    "round/seconds": secs,
+                    "round/samples": rec.get("samples"),
+                    "round/samples_per_s": rec["samples"] / secs if secs else None,
+                    "sync/reduce_s": rec.get("reduce_s"),
+                    "sync/MiB_sent": rec.get("bytes_sent", 0) / 2**20,
+                    **{
+                        f"utilization/{printable(name, MAX_NAME)}": n["step_s"] / secs
+                        for name, n in rec.get("nodes", {}).items()
+                        if secs and "step_s" in n
+                    },
+                },
+            )
+        ]
+    if kind == "initial":
+        return [(-1, {"loss/val": rec["val_loss"]})]
+    if kind == "val":
+        return [(rec["after_round"], {"loss/val_evaluator": rec["val_loss"]})]
+    return []
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = round(s)
+    h, m, x = s // 3600, s % 3600 // 60, s % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{x:02d}s" if m else f"{x}s"
 
 
 def _line(rec: dict[str, Any]) -> str:

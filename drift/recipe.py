@@ -54,6 +54,15 @@ class OuterOptimizer(_Strict):
     nesterov: bool = True
 
 
+class Wandb(_Strict):
+    """Weights & Biases: the coordinator logs the run's scalars there (the `wandb` extra)."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = Field(None, description="the W&B run's name (default: RECIPE-RUNID)")
+    tags: list[str] = Field(default_factory=list)
+
+
 class Recipe(_Strict):
     name: str = Field(description="names the run directory, runs/NAME-TIME")
     task: str = Field(description="task file, relative to the repo root")
@@ -106,6 +115,7 @@ class Recipe(_Strict):
     allowlist: list[str] | str | None = Field(
         None, description="node ids admitted (a list, or a file of ids relative to the recipe); default: anyone"
     )
+    wandb: Wandb | None = Field(None, description="log the run's scalars to Weights & Biases (coordinator only)")
     auth_threshold: int | None = Field(
         None,
         ge=1,

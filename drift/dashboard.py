@@ -1,0 +1,337 @@
+"""The run's live web page: `drift coord` serves it (127.0.0.1 by default, `--dashboard ADDR`),
+`drift report RUN_DIR` writes it as one static file.
+
+The page (drift/dashboard.html: inline JS and CSS, SVG charts drawn by its own code, nothing
+fetched from elsewhere) is a pure function of the run's events, the same dicts that become the
+lines of metrics.jsonl: the server hands it the history, then each event as it happens
+(server-sent events). Read-only: three fixed routes, GET only, nothing a request names reaches
+the filesystem, and every route wants the URL's random token.
+
+Whatever a peer sent (names, devices, reasons) is data: the page puts it in the DOM with
+textContent only, and the Content-Security-Policy runs no script but the page's own.
+
+The coordinator never waits for a browser: each client has a bounded queue, a client that falls
+behind is disconnected (its EventSource reconnects and resumes from the last event it got), and
+requests and clients are capped in number, size and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import secrets
+import socket
+import struct
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+log = logging.getLogger("drift.dashboard")
+
+PAGE = Path(__file__).with_name("dashboard.html")
+MAX_CLIENTS = 32  # open connections at once; more get 503 and are closed
+MAX_REQUEST = 8192  # bytes of request line and headers
+REQUEST_TIMEOUT = 5.0  # to send the request line and headers (a client that trickles is closed)
+CLIENT_QUEUE = 512  # events waiting for one event-stream client; one that falls further behind is dropped
+WRITE_TIMEOUT = 10.0  # a client that does not read for this long is dropped
+KEEPALIVE_S = 15.0  # an event-stream comment this often: dead connections are noticed
+MAX_HISTORY = 50_000  # events kept for clients that connect later (progress: the newest per node)
+ROUTES = ("/", "/events", "/snapshot.json")
+
+
+class DashboardError(ValueError):
+    """A --dashboard address that cannot be used; str() is the one line shown to the user."""
+
+
+def parse_addr(addr: str) -> tuple[str, int] | None:
+    """`--dashboard` values: off (None), HOST:PORT, :PORT (on 127.0.0.1), HOST (any free port)."""
+    addr = addr.strip()
+    if addr.lower() in ("off", "none", "no", "false"):
+        return None
+    if addr.startswith("["):  # [IPv6]:PORT
+        host, _, port = addr[1:].partition("]")
+        port = port.removeprefix(":")
+    elif addr.count(":") == 1:
+        host, _, port = addr.partition(":")
+    else:  # a host without a port (a bare IPv6 address too)
+        host, port = addr, ""
+    if port and (not port.isdigit() or int(port) > 65535):
+        raise DashboardError(f"--dashboard {addr!r}: expected HOST:PORT, :PORT, HOST or off")
+    return host or "127.0.0.1", int(port or 0)
+
+
+def slim(rec: dict[str, Any]) -> dict[str, Any]:
+    """An event as the page needs it: a round's per-node unit lists (exactly-once bookkeeping,
+    the bulk of a round event) left out."""
+    nodes = rec.get("nodes")
+    if rec.get("event") != "round" or not isinstance(nodes, dict):
+        return rec
+    return {**rec, "nodes": {k: {f: v for f, v in n.items() if f != "trained"} for k, n in nodes.items()}}
+
+
+def page(events: list[dict] | None = None) -> str:
+    """The page's HTML. With `events`, a static page of those events (a finished run); without,
+    the live page, which asks its server for them."""
+    html = PAGE.read_text()
+    data = "null" if events is None else _script_json({"events": [slim(e) for e in events]})
+    return html.replace("/*DRIFT_DATA*/null", data, 1).replace("DRIFT_CSP", _csp(html, static=events is not None), 1)
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """RUN_DIR/metrics.jsonl as event dicts; a line that is not one (torn by a full disk, or
+    being written right now) is left out."""
+    events = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and "event" in e:
+            events.append(e)
+    return events
+
+
+def write_static(events: list[dict], path: Path) -> Path:
+    """The page of a finished (or running) run with its events inside, written atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(page(events))
+    tmp.replace(path)
+    return path
+
+
+def _json(obj: Any) -> str:
+    """Strict JSON (what a browser's JSON.parse takes): NaN and infinities become null."""
+    try:
+        return json.dumps(obj, allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_finite(obj), allow_nan=False, default=str)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _script_json(obj: Any) -> str:
+    """JSON that is safe inside a <script> element: no `</script>`, no `<!--` can end it."""
+    return _json(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _csp(html: str, static: bool) -> str:
+    """Only the page's own script runs (by its hash); it may talk to its own server only."""
+    scripts = re.findall(r"<script>(.*?)</script>", html, re.S)
+    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in scripts)
+    connect = "'none'" if static else "'self'"
+    return (
+        f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; img-src data:; "
+        f"connect-src {connect}; base-uri 'none'; form-action 'none'"
+    )
+
+
+class _Client:
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue(CLIENT_QUEUE)
+        self.dropped = False
+
+
+class Dashboard:
+    """One run's page, served live. `event` is a Monitor subscriber: call it with each event."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token or secrets.token_urlsafe(16)
+        self._history: deque[tuple[int, bytes]] = deque(maxlen=MAX_HISTORY)  # (id, SSE message)
+        self._progress: dict[str, bytes] = {}  # node id -> its newest progress event (SSE message)
+        self._next_id = 0
+        self._clients: set[_Client] = set()
+        self._open = 0  # connections being served
+        self._server: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+        self._page = page().encode()
+        self._csp = _csp(PAGE.read_text(), static=False)
+        self.url = ""
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen; returns the page's URL (with its token)."""
+        self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
+        try:
+            self._server = await asyncio.start_server(self._serve, host, port, limit=MAX_REQUEST)
+        except OSError as e:
+            raise DashboardError(f"--dashboard {host}:{port}: cannot listen there: {e.strerror or e}") from None
+        bound = self._server.sockets[0].getsockname()
+        shown = host if host not in ("0.0.0.0", "::", "") else socket.gethostname()  # (listening on every address)
+        shown = f"[{shown}]" if ":" in shown else shown
+        self.url = f"http://{shown}:{bound[1]}/?token={self.token}"
+        return self.url
+
+    async def close(self, flush_s: float = 2.0) -> None:
+        """Stop listening; clients get what is queued for them (the run's last events) first."""
+        if self._server is None:
+            return
+        self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + flush_s
+        while any(not c.queue.empty() for c in self._clients) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for c in list(self._clients):
+            c.dropped = True
+            self._clients.discard(c)
+            c.writer.close()
+            with contextlib.suppress(asyncio.QueueFull):
+                c.queue.put_nowait(b"")
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), flush_s)
+
+    # --- events --------------------------------------------------------------------------------
+
+    def event(self, rec: dict[str, Any]) -> None:
+        """Take one event (Monitor subscriber). Never blocks: slow clients are dropped instead."""
+        if self._loop is not None and threading.get_ident() != self._thread:
+            self._loop.call_soon_threadsafe(self.event, rec)
+            return
+        rec = slim(rec)
+        data = _json(rec)
+        if rec.get("event") == "progress":
+            msg = f"data: {data}\n\n".encode()
+            self._progress[str(rec.get("node_id"))] = msg
+        else:
+            msg = f"id: {self._next_id}\ndata: {data}\n\n".encode()
+            self._history.append((self._next_id, msg))
+            self._next_id += 1
+        for c in list(self._clients):
+            try:
+                c.queue.put_nowait(msg)
+            except asyncio.QueueFull:
+                log.info("dashboard: dropping a client that fell %d events behind", CLIENT_QUEUE)
+                self._drop(c)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a client that connects now is sent: the events so far, the newest progress per node."""
+        events = [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
+        progress = [json.loads(m.split(b"data: ", 1)[1]) for m in self._progress.values()]
+        return {"events": events, "progress": progress}
+
+    # --- HTTP ----------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open += 1
+        try:
+            if self._open > MAX_CLIENTS:
+                await self._respond(writer, 503, "text/plain", b"too many clients\n")
+                return
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            except (asyncio.LimitOverrunError, ValueError):
+                await self._respond(writer, 431, "text/plain", b"request too large\n")
+                return
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ")
+            if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+                await self._respond(writer, 400, "text/plain", b"bad request\n")
+                return
+            method, target = parts[0], urlsplit(parts[1])
+            if method not in ("GET", "HEAD"):
+                await self._respond(writer, 405, "text/plain", b"read-only\n", extra={"Allow": "GET, HEAD"})
+                return
+            if target.path not in ROUTES:
+                await self._respond(writer, 404, "text/plain", b"not found\n")
+                return
+            token = parse_qs(target.query).get("token", [""])[0]
+            if not hmac.compare_digest(token.encode(), self.token.encode()):
+                await self._respond(writer, 403, "text/plain", b"this page needs the token in the URL drift printed\n")
+                return
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+            body = method == "GET"
+            if target.path == "/":
+                await self._respond(writer, 200, "text/html; charset=utf-8", self._page, body, csp=True)
+            elif target.path == "/snapshot.json":
+                await self._respond(writer, 200, "application/json", json.dumps(self.snapshot()).encode(), body)
+            elif body:
+                await self._stream(writer, headers.get("last-event-id", ""))
+            else:
+                await self._respond(writer, 200, "text/event-stream", b"", False)
+        except (ConnectionError, asyncio.TimeoutError):
+            pass
+        finally:
+            self._open -= 1
+            writer.close()
+
+    async def _respond(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        ctype: str,
+        data: bytes,
+        body: bool = True,
+        csp: bool = False,
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        reason = {200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
+        reason |= {431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+        head = {
+            "Content-Type": ctype,
+            "Content-Length": str(len(data)),
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "X-Frame-Options": "DENY",
+            "Connection": "close",
+            **({"Content-Security-Policy": self._csp} if csp else {}),
+            **(extra or {}),
+        }
+        text = f"HTTP/1.1 {status} {reason[status]}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        writer.write(text.encode() + b"\r\n" + (data if body else b""))
+        await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+
+    async def _stream(self, writer: asyncio.StreamWriter, last_id: str) -> None:
+        """The event stream: the history after Last-Event-ID (all of it for a new client), each
+        node's newest progress, then every event as it comes."""
+        client = _Client(writer)
+        self._clients.add(client)  # from here on no event is missed: they queue while the history goes out
+        try:
+            after = int(last_id) if last_id.isdigit() else -1
+            backlog = [m for i, m in self._history if i > after] + list(self._progress.values())
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
+                b"X-Content-Type-Options: nosniff\r\nConnection: close\r\n\r\nretry: 2000\n\n"
+            )
+            for k in range(0, len(backlog), 256):
+                writer.write(b"".join(backlog[k : k + 256]))
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+            while not client.dropped:
+                try:
+                    msg = await asyncio.wait_for(client.queue.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    msg = b": keepalive\n\n"
+                writer.write(msg)
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+        finally:
+            self._clients.discard(client)
+
+    def _drop(self, c: _Client) -> None:
+        c.dropped = True
+        self._clients.discard(c)
+        sock = c.writer.transport.get_extra_info("socket")
+        if sock is not None:  # reset, not close: the kernel would keep what it never reads, and try to send it
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.writer.transport.abort()
+        with contextlib.suppress(asyncio.QueueFull):
+            c.queue.put_nowait(b"")  # wakes its task, which sees `dropped`

@@ -1,0 +1,348 @@
+"""The run's web page in a real browser (headless Chromium, driven by playwright), on a real
+2-node swarm; the server's limits against hostile and slow clients; the static page of
+`drift report`; Weights & Biases in offline mode; the terminal's progress bar and ETA."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import drift_cmd, make_task_repo, run_async
+
+from drift.dashboard import CLIENT_QUEUE, MAX_CLIENTS, MAX_REQUEST, Dashboard, parse_addr, read_events, write_static
+from drift.monitor import Eta
+from drift.simulate import Swarm
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+TEX = "$\\evil$ &amp; <b>x</b>"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium (`.ci/run` installs it), driven by playwright; no browser download."""
+    from playwright.sync_api import sync_playwright
+
+    exe = shutil.which("chromium")
+    assert exe, "the dashboard's browser test needs chromium: apt-get install -y chromium"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def _open(browser, url: str):
+    """A page at `url` that records dialogs (an alert() would be script a peer injected) and errors."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.dialogs, page.errors = [], []
+    page.on("dialog", lambda d: (page.dialogs.append(d.message), d.dismiss()))
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.goto(url)
+    return page
+
+
+def _wait(page, expr: str, timeout: float) -> None:
+    """Poll a JS expression until it is true (page.wait_for_function evaluates strings, which the
+    page's Content-Security-Policy refuses, as it should)."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expr):
+        assert time.monotonic() < deadline, f"never true: {expr}"
+        page.wait_for_timeout(100)
+
+
+def _names(page) -> list[str]:
+    return page.eval_on_selector_all("#nodes tbody td.name", "tds => tds.map(td => td.textContent)")
+
+
+def _points(page, chart: str, series: str) -> int:
+    return page.eval_on_selector_all(f"#{chart} circle[data-series={series}]", "cs => cs.length")
+
+
+def _val_points(events: list[dict]) -> int:
+    """The val-loss points the page draws: θ0's, each round's, each evaluator's."""
+    rounds = [e for e in events if e["event"] == "round"]
+    done = {e["round"] for e in rounds}
+    return (
+        sum(e["event"] == "initial" for e in events)
+        + sum(e.get("val_loss") is not None for e in rounds)
+        + sum(e["event"] == "val" and e["after_round"] in done for e in events)
+    )
+
+
+def test_live_page_of_a_real_swarm(browser, tmp_path: Path) -> None:
+    """A 2-node run, one node named to inject markup: the page shows both nodes (names as
+    typed, no element or script of theirs), a loss curve point per finished round, updated live
+    and complete at the end; the coordinator logs the same run to W&B (offline mode) once."""
+    rounds = 4
+    recipe = make_task_repo(
+        tmp_path / "repo", min_nodes=2, rounds=rounds, wandb={"project": "drift-test", "tags": ["ci"]}
+    )
+    sw = Swarm(recipe, tmp_path, wrap=["env", "WANDB_MODE=offline", "WANDB_SILENT=true"])
+    try:
+        url = sw._wait_for(r"dashboard:\s+(\S+)", 30)
+        assert url.startswith("http://127.0.0.1:") and "token=" in url
+        sw.join(name=HOSTILE, sim_step="0.1")
+        sw.join(name="alice", sim_step="0.1")  # (TeX in names: the static page test below)
+        page = _open(browser, url)
+        _wait(page, "Number(document.body.dataset.round) >= 2", 120)
+        # mid-run: both nodes, names as typed, nothing of theirs became markup
+        assert sorted(_names(page)) == sorted([HOSTILE, "alice"])
+        assert page.eval_on_selector_all("main img, main b", "xs => xs.length") == 0
+        assert "drift join --repo" in page.text_content("#join")
+        states = page.eval_on_selector_all("#nodes .state", "xs => xs.map(x => x.textContent)")
+        assert set(states) <= {"training", "evaluating"}, states
+        assert sw.finish() == 0, sw.log()
+        _wait(page, "document.getElementById('eta').textContent === 'done'", 30)
+        events = read_events(sw.run_dir)
+        n_rounds = sum(e["event"] == "round" for e in events)
+        assert n_rounds == rounds
+        assert page.text_content("#round") == f"{rounds} of {rounds}"
+        for chart in ("loss-samples", "loss-time"):
+            assert _points(page, chart, "train") == n_rounds
+            assert _points(page, chart, "val") == _val_points(events)
+        assert page.eval_on_selector_all("#times svg", "xs => xs.length") == 2  # time per round, per node
+        assert page.eval_on_selector_all("#times svg rect", "xs => xs.length") >= 2 * n_rounds
+        assert page.dialogs == [] and page.errors == []
+        page.close()
+
+        # `drift report` writes the same page, static, with the events inside
+        rep = subprocess.run(
+            drift_cmd("report", str(sw.run_dir), "--out", str(tmp_path / "report")),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert rep.returncode == 0, rep.stdout + rep.stderr
+        static = _open(browser, (tmp_path / "report" / "dashboard.html").as_uri())
+        _wait(static, "document.getElementById('eta').textContent === 'done'", 30)
+        assert sorted(_names(static)) == sorted([HOSTILE, "alice"])
+        assert _points(static, "loss-samples", "train") == n_rounds
+        assert static.dialogs == [] and static.errors == []
+        static.close()
+    finally:
+        sw.finish(timeout=10)
+
+    # W&B: one offline run (the coordinator's, beside metrics.jsonl), with TensorBoard's scalars
+    runs = list((sw.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    records = _wandb_records(runs[0])
+    run_event = next(e for e in events if e["event"] == "run")
+    assert [r.run.run_id for r in records if r.WhichOneof("record_type") == "run"] == [run_event["run_id"]]
+    rows = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    per_round = {row["round"]: row for row in rows if "loss/train" in row}
+    for e in (e for e in events if e["event"] == "round"):
+        row = per_round[e["round"]]
+        assert row["loss/train"] == pytest.approx(e["train_loss"]) and row["loss/val"] == pytest.approx(e["val_loss"])
+        assert row["sync/MiB_sent"] == pytest.approx(e["bytes_sent"] / 2**20) and "round/samples_per_s" in row
+    initial = next(e for e in events if e["event"] == "initial")
+    assert any(row["round"] == -1 and row["loss/val"] == pytest.approx(initial["val_loss"]) for row in rows)
+
+
+def _wandb_records(path: Path) -> list:
+    """The records of a W&B run file (its LevelDB-style log of protobuf Records: 32 KiB blocks,
+    7-byte headers of crc, length, type)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, out, part = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        part += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, or the LAST piece of a record
+            rec = pb.Record()
+            rec.ParseFromString(part)
+            out.append(rec)
+            part = b""
+    return out
+
+
+def test_static_page_shows_hostile_text_as_typed(browser, tmp_path: Path) -> None:
+    """Names, devices and reasons made to break out of the page (a </script>, markup, TeX) are
+    shown as typed in the node table and the event log."""
+    evil = "</script><script>alert(2)</script>"
+    events = [
+        {"t": 0.0, "event": "run", "recipe": evil, "rounds": 2, "round_samples": 64, "join": f"drift join {HOSTILE}"},
+        {"t": 1.0, "event": "node_joined", "node_id": "a" * 64, "name": HOSTILE, "device": evil, "backend": TEX},
+        {"t": 1.1, "event": "node_joined", "node_id": "b" * 64, "name": TEX, "device": "cpu", "backend": "torch"},
+        {"t": 1.2, "event": "training_started", "nodes": 2},
+        {"t": 2.0, "event": "node_left", "node_id": "b" * 64, "name": TEX, "reason": HOSTILE, "round": 0},
+    ]
+    write_static(events, tmp_path / "page.html")
+    page = _open(browser, (tmp_path / "page.html").as_uri())
+    page.wait_for_selector("#nodes tbody tr")
+    assert _names(page) == [HOSTILE, TEX]
+    assert page.text_content("#subtitle") == evil
+    assert page.text_content("#join") == f"drift join {HOSTILE}"
+    row = page.eval_on_selector_all("#nodes tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    assert row[0][2:4] == [evil, TEX] and row[1][8] == "excluded"
+    assert page.get_attribute("#nodes tbody tr:nth-child(2) .state", "title") == HOSTILE
+    log = page.eval_on_selector_all("#log tr", "rs => rs.map(r => r.textContent)")
+    assert any(f"reason={HOSTILE}" in line for line in log)
+    assert page.eval_on_selector_all("img, main b, main script", "xs => xs.length") == 0
+    assert page.eval_on_selector_all("script", "xs => xs.length") == 2  # the page's data and its own code
+    assert page.dialogs == [] and page.errors == []
+    page.close()
+
+
+# --- the server's limits (real sockets, in process) -------------------------------------------
+
+
+def _run_in_thread(coro, timeout: float) -> None:
+    """run_async, on a thread of its own: playwright's sync API keeps an event loop running here."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(run_async, coro, timeout).result()
+
+
+async def _request(port: int, raw: bytes) -> bytes:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(raw)
+    await w.drain()
+    out = await asyncio.wait_for(r.read(), 10)
+    w.close()
+    return out
+
+
+def test_only_fixed_routes_with_the_token() -> None:
+    async def main() -> None:
+        d = Dashboard()
+        await d.start("127.0.0.1", 0)
+        port = int(d.url.split(":")[2].split("/")[0])
+        tok = d.token
+        d.event({"t": 0.0, "event": "run", "recipe": "x"})
+        d.event({"t": 1.0, "event": "val", "val_loss": float("nan")})  # a diverged loss: JSON has no NaN
+
+        async def status(raw: bytes) -> int:
+            return int((await _request(port, raw)).split(b" ", 2)[1])
+
+        page = await _request(port, f"GET /?token={tok} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert page.startswith(b"HTTP/1.1 200") and b"Content-Security-Policy: default-src 'none'" in page
+        snap = await _request(port, f"GET /snapshot.json?token={tok} HTTP/1.1\r\n\r\n".encode())
+        assert json.loads(snap.split(b"\r\n\r\n", 1)[1])["events"] == [
+            {"t": 0.0, "event": "run", "recipe": "x"},
+            {"t": 1.0, "event": "val", "val_loss": None},
+        ]
+        assert await status(b"GET / HTTP/1.1\r\n\r\n") == 403  # no token
+        assert await status(b"GET /?token=guess HTTP/1.1\r\n\r\n") == 403
+        for path in ("/metrics.jsonl", "/../../etc/passwd", "/dashboard.html", "/%2e%2e/pyproject.toml", "//etc"):
+            assert await status(f"GET {path}?token={tok} HTTP/1.1\r\n\r\n".encode()) == 404, path
+        for method in ("POST", "PUT", "DELETE"):
+            assert await status(f"{method} /?token={tok} HTTP/1.1\r\n\r\n".encode()) == 405
+        assert await status(b"GARBAGE\r\n\r\n") == 400
+        big = f"GET /?token={tok} HTTP/1.1\r\nX: {'a' * MAX_REQUEST}\r\n\r\n".encode()
+        assert await status(big) == 431
+        await d.close()
+
+    _run_in_thread(main(), timeout=60)
+
+
+def test_slow_and_surplus_clients_cannot_hold_the_coordinator() -> None:
+    """A client that never reads is dropped once CLIENT_QUEUE events wait for it, while a reading
+    client gets every event in order; connections beyond MAX_CLIENTS are refused."""
+
+    async def main() -> None:
+        d = Dashboard()
+        await d.start("127.0.0.1", 0)
+        port = int(d.url.split(":")[2].split("/")[0])
+        get = f"GET /events?token={d.token} HTTP/1.1\r\n\r\n".encode()
+        slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
+        slow_w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow_w.write(get)
+        fast_r, fast_w = await asyncio.open_connection("127.0.0.1", port)
+        fast_w.write(get)
+        while len(d._clients) < 2:
+            await asyncio.sleep(0.01)
+        got: list[int] = []
+        n = 4 * CLIENT_QUEUE
+
+        async def read_fast() -> None:
+            buf = b""
+            while len(got) < n:
+                chunk = await fast_r.read(1 << 16)
+                assert chunk, f"the reading client was dropped after {len(got)} events"
+                buf += chunk
+                *msgs, buf = buf.split(b"\n\n")
+                got.extend(json.loads(m.split(b"data: ", 1)[1])["i"] for m in msgs if b"data: " in m)
+
+        reader = asyncio.ensure_future(read_fast())
+        pad = "x" * 20_000
+        for i in range(n):
+            d.event({"t": float(i), "event": "note", "i": i, "pad": pad})  # returns at once, whoever lags
+            await asyncio.sleep(0.001)  # (the coordinator's loop goes on with other work meanwhile)
+        await asyncio.wait_for(reader, 60)
+        assert got == list(range(n))
+        assert len(d._clients) == 1  # the one that never read is gone
+        with pytest.raises(ConnectionResetError):  # reset: neither side keeps what it never read
+            while await slow_r.read(1 << 16):
+                pass
+        # surplus connections: the first MAX_CLIENTS are served, the next is refused at once
+        conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_CLIENTS)]
+        for _, w in conns:
+            w.write(get)
+        while len(d._clients) < MAX_CLIENTS:
+            await asyncio.sleep(0.01)
+        refused = await _request(port, get)
+        assert refused.startswith(b"HTTP/1.1 503")
+        for _, w in [*conns, (fast_r, fast_w), (slow_r, slow_w)]:
+            w.close()
+        await d.close()
+
+    _run_in_thread(main(), timeout=120)
+
+
+def test_dashboard_addresses() -> None:
+    assert parse_addr("127.0.0.1") == ("127.0.0.1", 0)
+    assert parse_addr("0.0.0.0:8470") == ("0.0.0.0", 8470)
+    assert parse_addr(":8470") == ("127.0.0.1", 8470)
+    assert parse_addr("[::1]:8470") == ("::1", 8470)
+    assert parse_addr("off") is None
+
+
+def test_bad_dashboard_address_is_one_line(tiny_recipe: Path) -> None:
+    out = subprocess.run(
+        drift_cmd("coord", str(tiny_recipe), "--dashboard", "host:port"), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "drift: error: --dashboard 'host:port': expected HOST:PORT, :PORT, HOST or off"
+    ]
+
+
+def test_terminal_progress_bar_and_eta() -> None:
+    """The live table's title: the round's samples so far as a bar, and the rounds left at the
+    pace of those done."""
+    eta = Eta()
+    assert eta.bar(100, 4, 0.0) == f"[{'.' * 20}] 0%  ETA -"
+    for rec in (
+        {"t": 10.0, "event": "training_started"},
+        {"t": 12.0, "event": "progress", "round": 0, "unit": [0, 0, 0, 50]},
+        {"t": 14.0, "event": "round", "round": 0},  # 4 s a round
+        {"t": 15.0, "event": "progress", "round": 1, "unit": [0, 1, 0, 25]},
+        {"t": 15.5, "event": "progress", "round": 1, "unit": [0, 1, 0, 25]},  # the same unit reported again
+    ):
+        eta.event(rec)
+    assert eta.bar(100, 4, 15.0) == f"[{'#' * 5}{'.' * 15}] 25%  ETA 11s"  # 3 rounds x 4 s, 1 s of them gone
