@@ -19,15 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-from drift import hostile
-from drift.simulate import Swarm, make_task_repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
+
 from drift.transport import CONTROL_ALPN, RING_ALPN, STATE_ALPN, Endpoint
+from harness import hostile
+from harness.simulate import Swarm, make_task_repo
 
 TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 MODES = ("clean", "after", "during")

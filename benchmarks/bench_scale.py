@@ -60,6 +60,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))  # the harness
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_SIZES = "10M,124M,500M,1B"
@@ -705,7 +706,7 @@ def plain_rss(n: int, n_tensors: int, steps: int) -> int:
 
 
 def node_rss(n: int, codec: str, sync: str, n_tensors: int, tmp: str, momentum: float = 0.9) -> dict:
-    from drift.simulate import Swarm, make_task_repo
+    from harness.simulate import Swarm, make_task_repo
 
     work = Path(tempfile.mkdtemp(prefix="bench-scale-rss-", dir=tmp))
     try:

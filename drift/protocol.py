@@ -182,11 +182,6 @@ class Ping(_Msg):
     nonce: Count = 0
 
 
-class Pong(_Msg):
-    type: Literal["Pong"] = "Pong"
-    nonce: Count = 0
-
-
 class Heartbeat(_Msg):
     type: Literal["Heartbeat"] = "Heartbeat"
     round: RoundOrInitial
@@ -373,13 +368,6 @@ class Agreed(_Msg):
     state: StateSource
 
 
-class CheckpointInfo(_Msg):
-    type: Literal["CheckpointInfo"] = "CheckpointInfo"
-    round: Round
-    path: Annotated[StrictStr, _plain(MAX_PATH)]
-    checksum: Token
-
-
 class TrainComplete(_Msg):
     type: Literal["TrainComplete"] = "TrainComplete"
     rounds: Round
@@ -393,7 +381,6 @@ Message = Annotated[
     | TrainingReady
     | TrainingCancel
     | Ping
-    | Pong
     | Heartbeat
     | ShardAssignment
     | TrainProgress
@@ -407,7 +394,6 @@ Message = Annotated[
     | RoundDone
     | EvalResult
     | Agreed
-    | CheckpointInfo
     | TrainComplete,
     Field(discriminator="type"),
 ]

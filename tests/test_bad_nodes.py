@@ -12,7 +12,7 @@ from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 

@@ -1,0 +1,151 @@
+"""The round's rules as pure decisions over one record per node: who is in the ring, when the
+barrier opens, who is overdue, who stops early, who disagrees with the majority, whom both ring
+neighbours caught. No clocks, no I/O: the caller (drift.round) passes times in and acts on the
+answer, and tests/test_rules.py checks each rule in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from drift import protocol as P
+
+Role = Literal["train", "evaluate", "wait", "late"]
+# train: in this round's barrier and ring (unless it sits out); evaluate: too slow to train, it
+# evaluates θ; wait: needs θ first while the round before is still reduced (overlapped sync);
+# late: entered after the round started, only told how the round ended (catching up).
+
+
+@dataclass
+class NodeRound:
+    """What one node did in one round, as the coordinator saw it."""
+
+    role: Role
+    last_progress: float = 0.0  # when it last showed progress (a grant, a finished unit)
+    trained: int = 0  # samples of its granted units it reported trained so far (TrainProgress)
+    synced: P.BarrierSync | None = None  # its report at the barrier
+    t_sync: float = 0.0
+    done: P.RoundDone | None = None  # its θ after the outer step (this ring epoch)
+    excluded: bool = False  # weight 0 this round: its work is redone by others
+    sitting_out: bool = False  # not in the ring: it gets θ from a peer when the round settles
+    early: bool = False  # told to stop ahead of the others (tail)
+    catching_up: bool = False  # not in this round's ring: told what θ became when it settles
+
+    @property
+    def counted(self) -> bool:
+        """Its barrier report counts (synced, not excluded)."""
+        return self.synced is not None and not self.excluded
+
+
+Records = Mapping[str, NodeRound]
+
+
+def samples(units: list[P.WorkUnit]) -> int:
+    return sum(u.hi - u.lo for u in units)
+
+
+def part(recs: Records) -> list[str]:
+    """The nodes in this round's barrier and ring, in the records' order."""
+    return [i for i, r in recs.items() if r.role == "train" and not r.sitting_out]
+
+
+def weights(recs: Records, ring: list[str]) -> dict[str, float]:
+    """Each ring member's weight: its counted samples over all counted samples (0 when excluded)."""
+    n = {i: samples(recs[i].synced.trained) if recs[i].counted else 0 for i in ring}
+    total = sum(n.values())
+    return {i: (n[i] / total if total else 0.0) for i in ring}
+
+
+@dataclass(frozen=True)
+class BarrierDecision:
+    action: Literal["wait", "abandon", "ring"]
+    stragglers: tuple[str, ...] = ()  # excluded and never synced: they sit this round out
+
+
+def barrier(recs: Records) -> BarrierDecision:
+    """The barrier opens once every node in it synced or was excluded (a missed deadline); with
+    no usable work at all the round is abandoned. Raises RoundError-worthy ValueError when empty."""
+    members = part(recs)
+    if not members:
+        raise ValueError("every training node has left")
+    unsynced = [i for i in members if recs[i].synced is None]
+    if any(not recs[i].excluded for i in unsynced):
+        return BarrierDecision("wait")
+    if not any(recs[i].counted for i in members):
+        return BarrierDecision("abandon")
+    return BarrierDecision("ring", tuple(unsynced))
+
+
+def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, others: int) -> bool:
+    """A node past its deadline: it waited more than `factor` times what its speed predicts, plus
+    heartbeat slack; never the last node standing (someone must finish the round)."""
+    return others > 0 and waited > factor * expected + 2 * heartbeat_s
+
+
+def tail_stops(
+    active: list[str], in_hand: Mapping[str, int], remaining: int, speed: Mapping[str, float], batch_size: int
+) -> list[str]:
+    """Nodes whose next inner step would end after everyone else ran out of work: they stop now,
+    so nobody waits at the barrier for most of a slow step. Slowest first; one always goes on."""
+    active = list(active)
+    stops: list[str] = []
+    for i in sorted(active, key=lambda i: speed[i]):
+        others = [j for j in active if j != i]
+        if not others:
+            break
+        left_s = (remaining + sum(in_hand[j] for j in others)) / sum(speed[j] for j in others)
+        if batch_size / speed[i] > left_s:
+            stops.append(i)
+            active.remove(i)
+    return stops
+
+
+class NoMajority(Exception):
+    """No checksum of θ is held by more than half of the ring."""
+
+
+def minority(checksums: Mapping[str, str]) -> list[str]:
+    """The nodes whose θ checksum disagrees with the majority's; NoMajority when no checksum has
+    more than half."""
+    counts = Counter(checksums.values())
+    if len(counts) <= 1:
+        return []
+    top, n = counts.most_common(1)[0]
+    if 2 * n <= len(checksums):
+        raise NoMajority()
+    return [i for i, c in checksums.items() if c != top]
+
+
+def finished_by_majority(ring: list[str], done: set[str]) -> bool:
+    """A ring that a majority of its members finished (and whose finishers agree, checked by the
+    caller) counts even though the others report it failed: the ring is all or nothing."""
+    failed = [i for i in ring if i not in done]
+    return bool(failed) and 2 * (len(ring) - len(failed)) > len(ring)
+
+
+def caught(suspects: Mapping[str, set[str]], ring: list[str]) -> list[str]:
+    """Ring members caught breaking the all-reduce by both their neighbours (the ring reverses on
+    every retry, so each node's output reaches two neighbours; one node alone cannot frame another)."""
+    return [i for i, by in suspects.items() if len(by) >= 2 and i in ring]
+
+
+def evaluators(speeds: Mapping[str, float], budget: int, batch_size: int, slow_fraction: float) -> set[str]:
+    """Nodes so slow that one inner step would hold the swarm back: they evaluate instead.
+
+    A node evaluates when it is more than 1/slow_fraction times slower than the fastest node AND
+    a single inner step of it takes longer than slow_fraction of the round's expected length (the
+    round budget over the trainers' summed speed). The fastest trains."""
+    if not speeds:
+        return set()
+    fastest = max(speeds, key=speeds.get)
+    out: set[str] = set()
+    for i in sorted(speeds, key=speeds.get):  # slowest first
+        if i == fastest:
+            break
+        round_s = budget / sum(v for k, v in speeds.items() if k not in out)
+        if speeds[i] < slow_fraction * speeds[fastest] and batch_size / speeds[i] > slow_fraction * round_s:
+            out.add(i)
+    return out

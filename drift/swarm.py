@@ -1,0 +1,131 @@
+"""The swarm's state, with one owner: who is in the run, how fast each node is, which θ each
+holds, its strikes, the agreed checksum of θ after each round and the ring epoch. The
+Coordinator serves connections and the rounds decide; both change this state only through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from drift import protocol as P
+from drift import rules
+from drift.inner import finite_positive
+from drift.recipe import Recipe
+from drift.transport import Channel
+
+log = logging.getLogger("drift.coord")
+
+MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
+
+
+@dataclass
+class Peer:
+    """An admitted node's connection."""
+
+    info: P.NodeInfo
+    ch: Channel
+    commit: P.RepoCommit | None = None
+    gone: str = "connection closed"  # why its connection ended (for the log), once it has
+
+    @property
+    def id(self) -> str:
+        return self.info.node_id
+
+
+Note = Callable[..., None]  # note(kind, **fields): one metrics event
+
+
+class Swarm:
+    """Members and what the coordinator knows of each."""
+
+    def __init__(self, recipe: Recipe, note: Note = lambda kind, **fields: None):
+        self.recipe = recipe
+        self.note = note
+        self.members: dict[str, Peer] = {}  # nodes in the run now
+        self.speed: dict[str, float] = {}  # samples/s: calibrated at join, then measured
+        self.last_seen: dict[str, float] = {}  # monotonic time of each node's last message
+        self.state_round: dict[str, int] = {}  # the round whose θ each node holds (-1: initial θ)
+        self.checksums: dict[int, str] = {}  # the agreed checksum of θ after each round
+        self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
+        self.strikes: dict[str, int] = {}  # misbehaviours per node (strike)
+        self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
+
+    def name(self, i: str) -> str:
+        return self.members[i].info.name if i in self.members else i[:10]
+
+    def newest(self) -> int:
+        """The newest round with an agreed θ (-1: the initial θ)."""
+        return max(self.checksums)
+
+    def seen(self, i: str, now: float | None = None) -> None:
+        self.last_seen[i] = time.monotonic() if now is None else now
+
+    def holds(self, i: str, rnd: int) -> None:
+        """Node i says it holds θ of round rnd (believed only for a θ that was agreed)."""
+        if rnd in self.checksums:
+            self.state_round[i] = rnd
+
+    def enter(self, p: Peer, state_round: int) -> None:
+        self.members[p.id] = p
+        self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
+        self.seen(p.id)
+        self.state_round[p.id] = state_round
+
+    def leave(self, i: str) -> Peer | None:
+        """Remove node i from the run; returns its connection (None if it was not a member)."""
+        self.evaluating.discard(i)
+        return self.members.pop(i, None)
+
+    def checked_speed(self, peer: Peer, sps: float | None) -> float:
+        """A node's claimed speed, unless it is absurd (then: the slowest speed we trust)."""
+        if finite_positive(sps):
+            return float(sps)
+        trusted = [v for k, v in self.speed.items() if k != peer.id]
+        fallback = min(trusted) if trusted else 1.0
+        log.warning(
+            "node %s reported an absurd speed (%r); planning with %.3g samples/s until measured",
+            peer.info.name,
+            sps,
+            fallback,
+        )
+        self.note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
+        return fallback
+
+    def measured_speed(self, i: str, sps: float | None) -> None:
+        """A node's speed as measured on a finished unit (or an evaluation), averaged in: one unit
+        of a fast device is a few milliseconds, and one hiccup must not make it look 20x slower.
+        A node that really became far slower is caught by its deadline instead (slowed)."""
+        if i in self.speed and finite_positive(sps):
+            self.speed[i] = 0.5 * self.speed[i] + 0.5 * sps
+
+    def slowed(self, i: str, at_most: float) -> None:
+        """What a missed deadline tells: node i is at least this slow."""
+        self.speed[i] = min(self.speed[i], at_most)
+
+    def strike(self, i: str) -> bool:
+        """Count one misbehaviour of node i (θ that disagrees, a ring it keeps breaking); True once
+        it has had MAX_STRIKES and should be dropped."""
+        self.strikes[i] = self.strikes.get(i, 0) + 1
+        return self.strikes[i] >= MAX_STRIKES
+
+    def evaluators(self, budget: int) -> set[str]:
+        """The members too slow to train this round (rules.evaluators)."""
+        r = self.recipe
+        return rules.evaluators({i: self.speed[i] for i in self.members}, budget, r.batch_size, r.slow_node_fraction)
+
+    def state_source(self, node: str, force: bool = False, own: str | None = None) -> P.StateSource | None:
+        """Where `node` gets the swarm's newest agreed θ, or None when it already holds it. `own`:
+        the coordinator's ticket, when it serves that θ itself (a resumed checkpoint)."""
+        last = self.newest()
+        if self.state_round.get(node) == last and not force:
+            return None
+        donors = sorted(
+            (i for i in self.members if self.state_round.get(i) == last and i != node), key=lambda i: -self.speed[i]
+        )
+        tickets = [self.members[i].info.ring_ticket for i in donors]
+        if own is not None:
+            tickets.append(own)
+        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[: P.MAX_NODES])

@@ -1,0 +1,110 @@
+"""The round's rules (drift.rules) as pure decisions over one record per node: no processes, no
+network, milliseconds. The swarm tests show the same rules acting on real nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from drift import protocol as P
+from drift import rules
+from drift.rules import NodeRound
+
+
+def _sync(n: int, rnd: int = 0) -> P.BarrierSync:
+    units = [P.WorkUnit(epoch=0, id=0, lo=0, hi=n)] if n else []
+    return P.BarrierSync(round=rnd, samples=n, steps=1, loss=None, trained=units)
+
+
+def _recs(**kw: NodeRound) -> dict[str, NodeRound]:
+    return dict(kw)
+
+
+def test_part_is_the_trainers_not_sitting_out_in_order() -> None:
+    recs = _recs(
+        a=NodeRound("train"),
+        b=NodeRound("evaluate"),
+        c=NodeRound("train", sitting_out=True),
+        d=NodeRound("wait"),
+        e=NodeRound("train"),
+        f=NodeRound("late", catching_up=True),
+    )
+    assert rules.part(recs) == ["a", "e"]
+
+
+def test_barrier_waits_for_every_trainer_not_excluded() -> None:
+    recs = _recs(a=NodeRound("train", synced=_sync(64)), b=NodeRound("train"))
+    assert rules.barrier(recs).action == "wait"
+
+
+def test_barrier_goes_on_without_stragglers_past_their_deadline() -> None:
+    recs = _recs(a=NodeRound("train", synced=_sync(64)), b=NodeRound("train", excluded=True))
+    d = rules.barrier(recs)
+    assert d.action == "ring" and d.stragglers == ("b",)
+
+
+def test_barrier_abandons_a_round_whose_work_is_all_void() -> None:
+    recs = _recs(
+        a=NodeRound("train", synced=_sync(64), excluded=True),  # a bad report
+        b=NodeRound("train", excluded=True),  # a deadline
+    )
+    assert rules.barrier(recs).action == "abandon"
+
+
+def test_barrier_with_nobody_left_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        rules.barrier(_recs(a=NodeRound("evaluate")))
+
+
+def test_weights_follow_counted_samples_and_sum_to_one() -> None:
+    recs = _recs(
+        a=NodeRound("train", synced=_sync(96)),
+        b=NodeRound("train", synced=_sync(32)),
+        c=NodeRound("train", synced=_sync(64), excluded=True),
+    )
+    w = rules.weights(recs, ["a", "b", "c"])
+    assert w == {"a": 0.75, "b": 0.25, "c": 0.0}
+
+
+def test_overdue_needs_factor_times_expected_plus_slack_and_someone_else() -> None:
+    assert not rules.overdue(waited=4.99, expected=1.0, factor=4.0, heartbeat_s=0.5, others=1)
+    assert rules.overdue(waited=5.01, expected=1.0, factor=4.0, heartbeat_s=0.5, others=1)
+    assert not rules.overdue(waited=1e9, expected=1.0, factor=4.0, heartbeat_s=0.5, others=0)  # the last one finishes
+
+
+def test_tail_stops_the_slow_node_whose_next_step_outlasts_the_rest() -> None:
+    speed = {"fast": 1000.0, "slow": 10.0}
+    # 64 samples left in all: fast needs 0.064 s for them, one step of slow takes 6.4 s.
+    assert rules.tail_stops(["fast", "slow"], {"fast": 64, "slow": 0}, 0, speed, 64) == ["slow"]
+    # Plenty left: nobody stops.
+    assert rules.tail_stops(["fast", "slow"], {"fast": 64, "slow": 0}, 100_000, speed, 64) == []
+    # Never the last one.
+    assert rules.tail_stops(["slow"], {"slow": 0}, 0, speed, 64) == []
+
+
+def test_minority_and_no_majority() -> None:
+    assert rules.minority({"a": "x", "b": "x", "c": "y"}) == ["c"]
+    assert rules.minority({"a": "x", "b": "x"}) == []
+    with pytest.raises(rules.NoMajority):
+        rules.minority({"a": "x", "b": "y"})
+    with pytest.raises(rules.NoMajority):
+        rules.minority({"a": "x", "b": "x", "c": "y", "d": "y"})
+
+
+def test_a_ring_finished_by_a_majority_counts() -> None:
+    assert rules.finished_by_majority(["a", "b", "c"], {"a", "b"})
+    assert not rules.finished_by_majority(["a", "b"], {"a"})  # one of two is no majority
+    assert not rules.finished_by_majority(["a", "b", "c"], {"a", "b", "c"})  # nobody failed
+
+
+def test_only_a_node_caught_by_both_neighbours_sits_out() -> None:
+    suspects = {"a": {"b", "c"}, "b": {"a"}, "gone": {"a", "b"}}
+    assert rules.caught(suspects, ["a", "b", "c"]) == ["a"]
+
+
+def test_evaluators_are_the_nodes_too_slow_to_train() -> None:
+    speeds = {"gpu": 6000.0, "cpu": 10.0, "mid": 3000.0}
+    # A round of 6400 samples is ~0.7 s on the trainers; one step of the CPU takes 6.4 s.
+    assert rules.evaluators(speeds, 6400, 64, 0.1) == {"cpu"}
+    # With a round long enough that one CPU step is a small part of it, the CPU trains too.
+    assert rules.evaluators(speeds, 10_000_000, 64, 0.1) == set()
+    assert rules.evaluators({"only": 1.0}, 64, 64, 0.1) == set()  # the fastest always trains
