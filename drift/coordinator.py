@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +94,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task] = set()
         self.results: list[RoundResult] = []
         self.initial_val_loss: float | None = None
+        self.vals: dict[int, float] = {}  # the val loss of θ after each round (-1: the initial θ)
         self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
         self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
@@ -276,7 +277,9 @@ class Coordinator:
                 self.events.put_nowait((peer, msg))
         except Exception as e:
             silent = isinstance(e, TransportTimeout)
-            peer.gone = f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
+            peer.gone = peer.broken or (
+                f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
+            )
             if not self._finished:
                 self._drop(ch, conn, _why(e))
             if self.ready.get(peer.id) is peer:
@@ -308,7 +311,8 @@ class Coordinator:
     # --- the run -------------------------------------------------------------------------------
 
     async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None:
-        await asyncio.gather(*(p.ch.send_frame(P.encode(msg)) for p in peers))
+        """The same message to every peer at once; a failed send only ever costs its own node."""
+        await asyncio.gather(*(self.send(p, msg) for p in peers))
 
     async def _next_event(self, timeout: float) -> tuple[Peer, P.Message | None] | None:
         """The next message of an admitted node (None: its connection ended), or None after
@@ -337,12 +341,7 @@ class Coordinator:
 
     async def run(self) -> list[RoundResult]:
         """Wait for min_nodes, then run every round; returns one result per round."""
-        peers = await self.wait_for_nodes()
-        for what in ("param_checksum", "n_train", "n_params"):
-            seen = {getattr(p.commit, what) for p in peers}
-            if len(seen) != 1:
-                await self.broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
-                raise CoordinatorError(f"nodes loaded different tasks: {what} differs {sorted(map(str, seen))}")
+        peers = await self._same_task(await self.wait_for_nodes())
         await self.broadcast(
             peers,
             P.TrainingReady(nodes=[p.id for p in peers], signatures=self.admission.signatures(p.id for p in peers)),
@@ -373,6 +372,34 @@ class Coordinator:
         if self.monitor:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
+
+    async def _same_task(self, peers: list[Peer]) -> list[Peer]:
+        """The first nodes must have loaded the same task (initial θ, dataset, model size). Nodes
+        outside a strict majority are refused and the run goes on with the others; with no
+        majority nobody can tell which task is the run's, and everyone is cancelled."""
+
+        def task(p: Peer) -> tuple:
+            return (p.commit.param_checksum, p.commit.n_train, p.commit.n_params)
+
+        counts = Counter(task(p) for p in peers)
+        top, n = counts.most_common(1)[0]
+        if 2 * n <= len(peers):
+            what = next(
+                w
+                for k, w in enumerate(("param_checksum", "n_train", "n_params"))
+                if len({task(p)[k] for p in peers}) > 1
+            )
+            seen = sorted({str(getattr(p.commit, what)) for p in peers})
+            await self.broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
+            raise CoordinatorError(f"nodes loaded different tasks: {what} differs {seen}")
+        for p in peers:
+            if task(p) != top:
+                why = "this node loaded a different task than the others (initial θ, dataset or model size differs)"
+                log.warning("node %s (%s) refused: %s", p.info.name, p.id[:10], why)
+                await self.send(p, P.TrainingCancel(reason=why))
+                self.note("node_refused", node_id=p.id, reason=why)
+                self.ready.pop(p.id, None)
+        return [p for p in peers if task(p) == top]
 
     async def _rounds(self, first: int, queue: UnitQueue) -> None:
         """Every round. Blocking sync: one at a time. Overlapped: round r+1 starts as soon as the
@@ -444,6 +471,8 @@ class Coordinator:
         nxt = self.current if self.current is not None and self.current.rnd > rd.rnd else None
         self._record(await rd.finish(nxt))
         rd.settled = True
+        for i, why in rd.drops:  # (after it settled: dropping a ring member mid-round redoes the ring)
+            self.drop(i, why, rd.rnd)
         self.positions[rd.rnd] = (
             self.queue.position() if nxt is None else UnitQueue.with_pending(nxt.queue_before, rd.given_back)
         )
@@ -646,12 +675,15 @@ class Coordinator:
             return False  # not a job we gave (or for a θ that never was): counts for nothing
         self.swarm.evaluating.discard(i)
         if i in self.swarm.members:
-            self.swarm.measured_speed(i, msg.samples_per_s)
+            self.swarm.claimed_speed(i, msg.samples_per_s)
         self.record_val(msg.after_round, msg.val_loss, msg.val_samples)
         return True
 
     def record_val(self, after_round: int, val_loss: float, val_samples: int) -> None:
         """The val loss of θ after round `after_round` (-1: the initial θ)."""
+        if after_round in self.vals:  # the first answer stands: a second one cannot overwrite it
+            return
+        self.vals[after_round] = val_loss
         if after_round < 0:
             self.initial_val_loss = val_loss
             self.note("initial", val_loss=val_loss, val_samples=val_samples)
@@ -719,16 +751,25 @@ class Coordinator:
             P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self.state_source(peer.id)),
         )
 
-    async def send(self, peer: Peer, msg: P._Msg) -> None:
+    async def send(self, peer: Peer, msg: P._Msg) -> bool:
+        """Send one message; never raises. A node whose stream fails (it stopped reading, a write
+        timed out) is dropped: its connection is closed here, and the end of it drops the node
+        with one line, in the round loop like any connection that ends."""
         try:
             await peer.ch.send_frame(P.encode(msg))
-        except TransportError as e:
-            log.warning("could not send %s to %s: %s", msg.type, peer.info.name, e)
+            return True
+        except Exception as e:
+            why = f"sending {msg.type} to it failed ({_why(e)})"
+            if peer.broken is None:
+                peer.broken = why
+                log.warning("node %s (%s): %s; dropping it", peer.info.name, peer.id[:10], why)
+                peer.ch.close(why)
+            return False
 
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
-        for p in self.ready.values():
+        for p in list(self.ready.values()):  # (connections end meanwhile)
             await p.ch.finish()
         if self.endpoint:
             await self.endpoint.close()

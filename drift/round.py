@@ -95,7 +95,7 @@ class Round:
 
         now = time.monotonic()
         # Nodes that join later enter the next round: the records are this round's participants.
-        self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now) for i in members}
+        self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now, t_unit=now) for i in members}
         self.trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
         self.queue_before = queue.position()  # the data position before this round took its units
         self.epoch, units = queue.take(self.budget)
@@ -106,6 +106,10 @@ class Round:
         self.fastest = max(self.trainers, key=self.trainers.get)
         self.give_back: list[P.WorkUnit] = []
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
+        self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
+        self.first_done_s: float | None = None  # how long its first member took to report θ
+        self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why)
+        self.val_reporter: str | None = None  # the node asked for the val loss (report_val)
         self.ring: list[P.RingMember] | None = None
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
@@ -158,6 +162,9 @@ class Round:
                 continue
             last_round = self.rnd == self.r.rounds - 1
             has_evaluators = any(x.role == "evaluate" for x in self.nodes.values())
+            report_val = i == self.fastest and (not has_evaluators or last_round)
+            if report_val:
+                self.val_reporter = i
             await host.send(
                 peer,
                 P.ShardAssignment(
@@ -165,7 +172,7 @@ class Round:
                     epoch=self.epoch,
                     units=self.plan.grant_first(i),
                     planned=len(self.plan.planned[i]),
-                    report_val=i == self.fastest and (not has_evaluators or last_round),
+                    report_val=report_val,
                     state=host.state_source(i),
                     progress=progress,
                     catch_up=catch_up,
@@ -202,6 +209,8 @@ class Round:
             case P.RoundDone():
                 if msg.round == self.rnd and msg.ring_epoch == self.s.ring_epoch and i in self.part():
                     self.nodes[i].done = msg
+                    if self.first_done_s is None:
+                        self.first_done_s = time.monotonic() - self.t_ring
             case P.RingFailed():
                 self.on_ring_failed(i, msg)
             case P.EvalResult():
@@ -220,10 +229,12 @@ class Round:
         ):
             return  # a late report, or samples it was never granted: counts for nothing
         n = self.nodes[i]
-        n.last_progress = time.monotonic()
+        now = time.monotonic()
         k = u.hi - u.lo
         n.trained += k
-        self.s.measured_speed(i, msg.samples_per_s)
+        # Its speed by our clock, not its word: the unit's samples over the time since the last one.
+        self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
+        n.last_progress = n.t_unit = now
         mon = self.host.monitor
         if mon and i in mon.nodes:
             v = mon.nodes[i]
@@ -350,7 +361,11 @@ class Round:
                 expected += r.eval_batches * r.batch_size / s.speed[i]
             waited = now - since
             others = [j for j in self.part() if j != i and not self.nodes[j].excluded]
-            if rules.overdue(waited, expected, r.unit_deadline_factor, r.heartbeat_s, len(others)):
+            # The only trainer has a deadline too when anyone else could take over (evaluators):
+            # it holds the whole swarm up, so missing it counts as a strike.
+            alone = not others
+            spare = len(others) or len([j for j in s.members if j != i])
+            if rules.overdue(waited, expected, r.unit_deadline_factor, r.heartbeat_s, spare):
                 name = self.name(i)
                 log.warning(
                     "node %s has not finished its work in %.1fs (expected %.2fs): its units are "
@@ -365,6 +380,8 @@ class Round:
                 # from the next round on use that.
                 s.slowed(i, r.batch_size / waited)
                 await self.host.send(self.peer(i), P.StopRound(round=self.rnd))
+                if alone and s.strike(i, self.rnd):
+                    self.drops.append((i, "it held the whole swarm up, again"))
 
     async def barrier(self, now: float) -> bool:
         """Once every trainer synced (or sits out past its deadline), send the ring."""
@@ -391,6 +408,7 @@ class Round:
         w = rules.weights(self.nodes, part)
         order = part if s.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
         self.ring = [P.RingMember(node_id=i, ticket=s.members[i].info.ring_ticket, weight=w[i]) for i in order]
+        self.t_ring, self.first_done_s = time.monotonic(), None
         self.host.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
         await self.host.broadcast(
             [s.members[i] for i in part],
@@ -423,7 +441,9 @@ class Round:
                 )
                 return True
             self.retry_reason = "a node reported a broken all-reduce and nobody left"
-        if self.retry_reason is None and part and all(i in done for i in part):
+        if self.retry_reason is None:
+            self.behind(now)
+        if self.retry_reason is None and part and all(i in done or self.nodes[i].behind for i in part) and done:
             diverged = self.minority()
             if not diverged:
                 return True
@@ -448,18 +468,49 @@ class Round:
         self.host.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
         for n in self.nodes.values():
-            n.done = None
+            n.done, n.behind = None, False
         self.s.ring_epoch += 1
         await self.send_ring()
         return False
 
+    def behind(self, now: float) -> None:
+        """Members that did not report θ long after the first one did (rules.reduce_overdue) are
+        behind: the round settles without them and they get θ with Agreed (their Δ is in it: the
+        ring finished). Holding the swarm up is a strike; twice, and the node is dropped."""
+        r = self.r
+        extra = {}
+        if self.val_reporter is not None:  # it evaluates θ before it reports
+            extra[self.val_reporter] = r.eval_batches * r.batch_size / self.s.speed[self.val_reporter]
+        late = rules.reduce_overdue(
+            self.part(),
+            self.nodes,
+            now - self.t_ring,
+            self.first_done_s,
+            r.unit_deadline_factor,
+            r.stale_after_s,
+            extra,
+        )
+        for i in late:
+            name = self.name(i)
+            log.warning(
+                "round %d: node %s did not report θ within %.1fs of the all-reduce; the round goes on "
+                "without it and it gets θ from a peer",
+                self.rnd,
+                name,
+                now - self.t_ring,
+            )
+            self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
+            self.nodes[i].behind = True
+            if self.s.strike(i, self.rnd):
+                self.drops.append((i, "it did not report θ after the all-reduce, again"))
+
     def agreed(self) -> bool:
-        """Every ring member reported θ after the outer step, and all the same θ."""
+        """Every ring member reported θ after the outer step (or is behind), and all the same θ."""
         part, done = self.part(), self.done()
         return (
-            bool(part)
-            and all(i in done for i in part)
-            and len({done[i].checksum for i in part}) == 1
+            bool(done)
+            and all(i in done or self.nodes[i].behind for i in part)
+            and len({d.checksum for d in done.values()}) == 1
             and self.retry_reason is None
         )
 
@@ -489,7 +540,7 @@ class Round:
             self.give_back.extend(n.synced.trained)
         n.excluded = n.sitting_out = True
         n.done = None
-        if strike and self.s.strike(i):
+        if strike and self.s.strike(i, self.rnd):
             self.drop(i, f"{why}, again")
 
     def abandon(self, why: str) -> None:
@@ -546,7 +597,8 @@ class Round:
         self.queue.give_back(self.given_back)
         losses = [(b.loss, b.samples) for b in counted.values() if b.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
-        val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
+        # Only the node asked for it reports the round's val loss (any other member's is ignored).
+        val = done[self.val_reporter].val_loss if self.val_reporter in done else None
         n_samples = sum(samples(b.trained) for b in counted.values())
         res = RoundResult(
             rnd,

@@ -25,6 +25,7 @@ class NodeRound:
 
     role: Role
     last_progress: float = 0.0  # when it last showed progress (a grant, a finished unit)
+    t_unit: float = 0.0  # since when its current unit has been in the works (start, last finished unit)
     trained: int = 0  # samples of its granted units it reported trained so far (TrainProgress)
     synced: P.BarrierSync | None = None  # its report at the barrier
     t_sync: float = 0.0
@@ -33,6 +34,7 @@ class NodeRound:
     sitting_out: bool = False  # not in the ring: it gets θ from a peer when the round settles
     early: bool = False  # told to stop ahead of the others (tail)
     catching_up: bool = False  # not in this round's ring: told what θ became when it settles
+    behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
 
     @property
     def counted(self) -> bool:
@@ -81,8 +83,33 @@ def barrier(recs: Records) -> BarrierDecision:
 
 def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, others: int) -> bool:
     """A node past its deadline: it waited more than `factor` times what its speed predicts, plus
-    heartbeat slack; never the last node standing (someone must finish the round)."""
+    heartbeat slack. `others`: the members that could take its work over (anyone else in the
+    swarm); the last one standing has no deadline (its silence ends it instead)."""
     return others > 0 and waited > factor * expected + 2 * heartbeat_s
+
+
+def reduce_overdue(
+    ring: list[str],
+    recs: Records,
+    waited: float,
+    first_done_s: float | None,
+    factor: float,
+    slack: float,
+    extra: Mapping[str, float] | None = None,
+) -> list[str]:
+    """Ring members that have not reported θ long after the first member did: `waited` seconds
+    since BarrierReady, `first_done_s` what the first reporter took for the same all-reduce and
+    outer step. The ring is all or nothing, so a member that finished proves the others' part is
+    done: past `factor` times its time plus `slack` (plus `extra[i]`: work only node i does, an
+    evaluation) a member that is still silent is behind."""
+    if first_done_s is None:
+        return []
+    extra = extra or {}
+    return [
+        i
+        for i in ring
+        if recs[i].done is None and not recs[i].behind and waited > factor * first_done_s + slack + extra.get(i, 0.0)
+    ]
 
 
 def tail_stops(
@@ -149,3 +176,10 @@ def evaluators(speeds: Mapping[str, float], budget: int, batch_size: int, slow_f
         if speeds[i] < slow_fraction * speeds[fastest] and batch_size / speeds[i] > slow_fraction * round_s:
             out.add(i)
     return out
+
+
+def clock_speed(samples: int, since: float, now: float) -> float | None:
+    """A node's speed by the coordinator's own clock: the samples of a finished unit over the time
+    since its previous one finished (or the round began). None when no time passed."""
+    dt = now - since
+    return samples / dt if dt > 0 and samples > 0 else None

@@ -19,6 +19,7 @@ from drift.transport import Channel
 log = logging.getLogger("drift.coord")
 
 MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
+STRIKE_ROUNDS = 10  # ... within this many rounds: older strikes expire (an honest node's bad luck decays)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Peer:
     ch: Channel
     commit: P.RepoCommit | None = None
     gone: str = "connection closed"  # why its connection ended (for the log), once it has
+    broken: str | None = None  # why we closed it ourselves (a send to it failed)
 
     @property
     def id(self) -> str:
@@ -50,8 +52,9 @@ class Swarm:
         self.state_round: dict[str, int] = {}  # the round whose θ each node holds (-1: initial θ)
         self.checksums: dict[int, str] = {}  # the agreed checksum of θ after each round
         self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
-        self.strikes: dict[str, int] = {}  # misbehaviours per node (strike)
+        self.strikes: dict[str, list[int]] = {}  # the rounds of each node's recent misbehaviours (strike)
         self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
+        self.measured: set[str] = set()  # nodes whose speed our own clock has measured
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]
@@ -70,13 +73,14 @@ class Swarm:
 
     def enter(self, p: Peer, state_round: int) -> None:
         self.members[p.id] = p
-        self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
+        self.speed[p.id] = self.bounded(p.id, self.checked_speed(p, p.commit.samples_per_s if p.commit else None))
         self.seen(p.id)
         self.state_round[p.id] = state_round
 
     def leave(self, i: str) -> Peer | None:
         """Remove node i from the run; returns its connection (None if it was not a member)."""
         self.evaluating.discard(i)
+        self.measured.discard(i)
         return self.members.pop(i, None)
 
     def checked_speed(self, peer: Peer, sps: float | None) -> float:
@@ -94,22 +98,39 @@ class Swarm:
         self.note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
         return fallback
 
+    def bounded(self, i: str, claim: float) -> float:
+        """A speed node i claims (calibration, an evaluation's timing): never above the fastest
+        node our clock has measured. (Before anyone is measured, at the first round, claims
+        decide who evaluates.)"""
+        fastest = max((self.speed[j] for j in self.measured if j != i and j in self.members), default=None)
+        return claim if fastest is None else min(claim, fastest)
+
     def measured_speed(self, i: str, sps: float | None) -> None:
-        """A node's speed as measured on a finished unit (or an evaluation), averaged in: one unit
-        of a fast device is a few milliseconds, and one hiccup must not make it look 20x slower.
-        A node that really became far slower is caught by its deadline instead (slowed)."""
+        """A node's speed as our clock measured it on a finished unit, averaged in: one unit of a
+        fast device is a few milliseconds, and one hiccup must not make it look 20x slower. A
+        node that really became far slower is caught by its deadline instead (slowed)."""
         if i in self.speed and finite_positive(sps):
-            self.speed[i] = 0.5 * self.speed[i] + 0.5 * sps
+            first = i not in self.measured  # a claim above what we measured goes at once
+            self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps
+            self.measured.add(i)
+
+    def claimed_speed(self, i: str, sps: float | None) -> None:
+        """An evaluator's own estimate of its training speed (from its evaluation's timing):
+        averaged in like a measurement, but never above the fastest measured node."""
+        if i in self.speed and finite_positive(sps):
+            self.speed[i] = 0.5 * self.speed[i] + 0.5 * self.bounded(i, sps)
 
     def slowed(self, i: str, at_most: float) -> None:
         """What a missed deadline tells: node i is at least this slow."""
         self.speed[i] = min(self.speed[i], at_most)
 
-    def strike(self, i: str) -> bool:
-        """Count one misbehaviour of node i (θ that disagrees, a ring it keeps breaking); True once
-        it has had MAX_STRIKES and should be dropped."""
-        self.strikes[i] = self.strikes.get(i, 0) + 1
-        return self.strikes[i] >= MAX_STRIKES
+    def strike(self, i: str, rnd: int) -> bool:
+        """Count one misbehaviour of node i in round rnd (θ that disagrees, a ring it breaks, a
+        round it held up); True once it has had MAX_STRIKES within STRIKE_ROUNDS rounds and should
+        be dropped."""
+        recent = [r for r in self.strikes.get(i, []) if r > rnd - STRIKE_ROUNDS]
+        self.strikes[i] = [*recent, rnd]
+        return len(self.strikes[i]) >= MAX_STRIKES
 
     def evaluators(self, budget: int) -> set[str]:
         """The members too slow to train this round (rules.evaluators)."""

@@ -108,3 +108,31 @@ def test_evaluators_are_the_nodes_too_slow_to_train() -> None:
     # With a round long enough that one CPU step is a small part of it, the CPU trains too.
     assert rules.evaluators(speeds, 10_000_000, 64, 0.1) == set()
     assert rules.evaluators({"only": 1.0}, 64, 64, 0.1) == set()  # the fastest always trains
+
+
+def test_a_ring_member_silent_long_after_the_first_reported_is_behind() -> None:
+    done = P.RoundDone(round=0, checksum="x")
+    recs = _recs(a=NodeRound("train", done=done), b=NodeRound("train"), c=NodeRound("train", done=done))
+    # The first reporter took 1 s: b gets 4 x 1 s + 4 s of slack, and 2 s more when it evaluates.
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 7.9, 1.0, 4.0, 4.0) == []
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, 1.0, 4.0, 4.0) == ["b"]
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, 1.0, 4.0, 4.0, {"b": 2.0}) == []
+    # Nobody reported yet: no deadline here (the ring's own timeouts end a ring that hangs).
+    assert rules.reduce_overdue(["b"], recs, 1e9, None, 4.0, 4.0) == []
+    recs["b"].behind = True  # counted once
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 1e9, 1.0, 4.0, 4.0) == []
+
+
+def test_speed_is_measured_by_our_clock() -> None:
+    assert rules.clock_speed(64, since=10.0, now=10.5) == 128.0
+    assert rules.clock_speed(64, since=10.0, now=10.0) is None
+
+
+def test_strikes_decay() -> None:
+    from drift.recipe import Recipe
+    from drift.swarm import STRIKE_ROUNDS, Swarm
+
+    s = Swarm(Recipe(name="t", task="x.py", rounds=1, inner_steps=1, batch_size=1))
+    assert not s.strike("a", 3)
+    assert not s.strike("a", 3 + STRIKE_ROUNDS)  # the first one expired
+    assert s.strike("a", 4 + STRIKE_ROUNDS)  # two within the window: dropped

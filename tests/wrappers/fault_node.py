@@ -13,11 +13,25 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        reach the coordinator (a congested link): its retry arrives meanwhile
   lie-report           report, at that round's barrier, one of its units twice
   diverge              apply a different outer step in that round (θ no longer matches the swarm's)
+  withhold-done        from that round on, never send RoundDone (θ after the outer step), heartbeating
+                       on as if busy: the coordinator must not wait for it forever
+  other-task           claim another initial θ in its RepoCommit (it loaded a different task); ROUND
+                       is ignored
+  claim-fast           claim 1e9 samples/s (calibration and every TrainProgress) while training at
+                       its real pace; ROUND is ignored
+  eval-initial         answer every evaluation job as if it were of the initial θ (after_round -1);
+                       ROUND is ignored
+  val-every-round      report a val loss of 1e6 in every RoundDone it was not asked for one; ROUND
+                       is ignored
+  stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
+                       STOP_SENDING) and hang in that read, heartbeating on: every later send of the
+                       coordinator to it fails
 
 The test then kills, continues or watches the node. Everything else is the real `drift join`.
 """
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -30,7 +44,7 @@ from drift.cli import main
 from drift.inner import InnerLoop
 from drift.node import Session
 from drift.ring import Ring
-from drift.transport import TransportError
+from drift.transport import Channel, TransportError
 
 kind, _, arg = os.environ["DRIFT_TEST_FAULT"].partition(":")
 at = int(arg)
@@ -135,6 +149,54 @@ elif kind == "diverge":
     async def _(orig, self, a):
         Session.current_round = a.round
         return await orig(self, a)
+elif kind == "stop-reading":
+    stopped: list[Channel] = []
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.BarrierSync) and msg.round == at and not stopped:
+            stopped.append(self.ctl)
+            await self.ctl._recv.stop(0)  # (after the read in flight: the next Ping ends it)
+        await orig(self, msg)
+
+    @patch(Channel, "recv_frame")
+    async def _(orig, self, max_size, timeout=30.0):
+        if self in stopped:
+            await asyncio.Event().wait()
+        return await orig(self, max_size, timeout)
+elif kind == "withhold-done":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if not (isinstance(msg, P.RoundDone) and msg.round >= at):
+            await orig(self, msg)
+elif kind == "other-task":
+
+    @patch(Session, "_repo_commit")
+    def _(orig, self, t):
+        t.initial_checksum = "0" * 64
+        return orig(self, t)
+elif kind == "claim-fast":
+
+    @patch(Session, "_repo_commit")
+    def _(orig, self, t):
+        t.calibration = dataclasses.replace(t.calibration, samples_per_s=1e9)
+        return orig(self, t)
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, (P.TrainProgress, P.EvalResult)):
+            msg = msg.model_copy(update={"samples_per_s": 1e9})
+        await orig(self, msg)
+elif kind in ("eval-initial", "val-every-round"):
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if kind == "eval-initial" and isinstance(msg, P.EvalResult):
+            msg = msg.model_copy(update={"after_round": -1, "val_loss": 1e6})
+        if kind == "val-every-round" and isinstance(msg, P.RoundDone) and msg.val_loss is None:
+            msg = msg.model_copy(update={"val_loss": 1e6})
+        await orig(self, msg)
 else:
     raise SystemExit(f"unknown DRIFT_TEST_FAULT {kind!r}")
 
