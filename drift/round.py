@@ -110,6 +110,8 @@ class Round:
         self.first_done_s: float | None = None  # how long its first member took to report θ
         self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why)
         self.val_reporter: str | None = None  # the node asked for the val loss (report_val)
+        self.poisoned: set[str] = set()  # members that refused this attempt's sum (larger than the norms allow)
+        self.bisect_out: list[str] = []  # sat out of this attempt to find who poisons the sum
         self.ring: list[P.RingMember] | None = None
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
@@ -271,6 +273,8 @@ class Round:
         n.synced, n.t_sync = msg, time.monotonic()
         if not n.excluded and n.role != "evaluate":
             wrong = check_accounting(self.plan.granted.get(i, []), msg.trained, msg.returned)
+            if not wrong and msg.trained and msg.delta_norm is None and not msg.delta_error:
+                wrong = "it reported no norm of its Δ"  # without it, nobody can bound the ring's sum
             if msg.delta_error and not wrong:
                 log.warning("node %s: %s; its work this round is redone", self.name(i), msg.delta_error)
                 self.host.note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
@@ -292,6 +296,8 @@ class Round:
             self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
             self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
             return
+        if msg.poisoned:
+            self.poisoned.add(i)
         if msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
         if self.ring_failed_at is None:
@@ -398,6 +404,14 @@ class Round:
         for i in d.stragglers:  # stragglers past their deadline: the swarm goes on without them
             self.nodes[i].sitting_out = True
             self.host.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
+        counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
+        for i in rules.norm_outliers({i: (b.delta_norm or 0.0, b.steps) for i, b in counted.items()}):
+            why = "the norm of its Δ is far outside the others'"
+            log.warning("node %s: %s; its work this round is redone", self.name(i), why)
+            self.host.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
+            self.exclude(i)
+            if self.s.strike(i, self.rnd):
+                self.drops.append((i, f"{why}, again"))
         self.t_ready = now
         await self.send_ring()
         return False
@@ -407,7 +421,15 @@ class Round:
         s, part = self.s, self.part()
         w = rules.weights(self.nodes, part)
         order = part if s.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
-        self.ring = [P.RingMember(node_id=i, ticket=s.members[i].info.ring_ticket, weight=w[i]) for i in order]
+        self.ring = [
+            P.RingMember(
+                node_id=i,
+                ticket=s.members[i].info.ring_ticket,
+                weight=w[i],
+                norm=self.nodes[i].synced.delta_norm if w[i] > 0 else 0.0,  # bounds the sum (diloco.reduced_problem)
+            )
+            for i in order
+        ]
         self.t_ring, self.first_done_s = time.monotonic(), None
         self.host.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
         await self.host.broadcast(
@@ -427,6 +449,8 @@ class Round:
             and self.ring_failed_at is not None
             and now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1
         ):
+            if self.poisoned:
+                return await self.redo_poisoned(now)
             # The ring is all or nothing: if every other member finished it, they agree on θ and
             # the reporters' word against them changes nothing (a node repeating RingFailed cannot
             # hold every round hostage); the reporters get θ with Agreed.
@@ -441,17 +465,29 @@ class Round:
                 )
                 return True
             self.retry_reason = "a node reported a broken all-reduce and nobody left"
-        if self.retry_reason is None:
+        if self.retry_reason is None and not self.poisoned:
             self.behind(now)
-        if self.retry_reason is None and part and all(i in done or self.nodes[i].behind for i in part) and done:
+        if (
+            self.retry_reason is None
+            and not self.poisoned
+            and part
+            and all(i in done or self.nodes[i].behind for i in part)
+            and done
+        ):
             diverged = self.minority()
             if not diverged:
+                self.cleared()
                 return True
             for i in diverged:
                 self.sit_out_diverged(i)
             self.retry_reason = f"{len(diverged)} node(s) disagreed with the majority on θ"
         if self.retry_reason is None:
             return False
+        return await self.retry(now)
+
+    async def retry(self, now: float) -> bool:
+        """Redo the all-reduce (retry_reason says why) without the members that sit out; give the
+        round up after MAX_RING_RETRIES. True once the round is settled (given up)."""
         # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
         # bad node cannot hold the all-reduce hostage.
         for i in rules.caught(self.suspects, self.part()):
@@ -467,11 +503,59 @@ class Round:
         )
         self.host.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
+        self.poisoned = set()
         for n in self.nodes.values():
             n.done, n.behind = None, False
         self.s.ring_epoch += 1
         await self.send_ring()
         return False
+
+    async def redo_poisoned(self, now: float) -> bool:
+        """The ring finished but members refused its sum: someone sent more than it reported (θ
+        did not move on any honest node). A member that applied that sum anyway is the culprit;
+        else the culprit is found by halves: half of the candidates sit the retry out; if the
+        retry passes the culprit was among them, else among the rest (log2 N retries; the
+        candidates carry over to the next round)."""
+        part, s = self.part(), self.s
+        applied = [i for i in part if self.nodes[i].done is not None]
+        if applied and len(applied) < len(part):
+            for i in applied:
+                self.poisoner(i, "it applied an all-reduced Δ that the others refused")
+        else:
+            cands = [i for i in part if i in s.poison_suspects] or part
+            if self.bisect_out:  # the last retry sat these out and still failed: the culprit is in the ring
+                cands = [i for i in cands if i not in self.bisect_out]
+            s.poison_suspects = set(cands)
+            if len(cands) == 1 and len(part) > 1:
+                self.poisoner(cands[0], "every all-reduce with it was refused")
+                self.bisect_out = []
+            else:
+                self.bisect_out = cands[len(cands) // 2 :] if len(part) > 1 else []
+                for i in self.bisect_out:
+                    self.sit_out(i, "bisect", "finding who poisons the all-reduce", strike=False)
+        self.retry_reason = (
+            f"{len(self.poisoned)} node(s) refused the all-reduced Δ (larger than the reported norms allow)"
+        )
+        self.host.note("poisoned", round=self.rnd, ring_epoch=s.ring_epoch, refused_by=len(self.poisoned))
+        return await self.retry(now)
+
+    def poisoner(self, i: str, why: str) -> None:
+        """Node i sent more into the all-reduce than it reported: out of the round, struck."""
+        self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=why)
+        self.s.poison_suspects.discard(i)
+        self.sit_out(i, "poisoned", why)
+
+    def cleared(self) -> None:
+        """An attempt passed: if the one before (with bisect_out in it) was refused, the culprit
+        is among bisect_out; one node alone is the culprit."""
+        if self.bisect_out:
+            self.s.poison_suspects = set(self.bisect_out)
+            if len(self.bisect_out) == 1 and self.bisect_out[0] in self.s.members:
+                i = self.bisect_out[0]
+                self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="bisected")
+                self.s.poison_suspects.clear()
+                if self.s.strike(i, self.rnd):
+                    self.drops.append((i, "it poisoned the all-reduce, again"))
 
     def behind(self, now: float) -> None:
         """Members that did not report θ long after the first one did (rules.reduce_overdue) are

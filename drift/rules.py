@@ -130,6 +130,20 @@ def tail_stops(
     return stops
 
 
+NORM_OUTLIER = 10.0  # a Δ this many times the median size per inner step is no honest one
+
+
+def norm_outliers(norms: Mapping[str, tuple[float, int]], factor: float = NORM_OUTLIER) -> list[str]:
+    """Nodes whose reported Δ norm per inner step is more than `factor` times the median of all
+    (norm, steps) reports: with three or more reports a single outlier cannot move the median.
+    With fewer, nobody can tell which one is off: none is."""
+    if len(norms) < 3:
+        return []
+    per_step = {i: n / max(steps, 1) for i, (n, steps) in norms.items()}
+    median = sorted(per_step.values())[len(per_step) // 2]
+    return [i for i, v in per_step.items() if median > 0 and v > factor * median]
+
+
 class NoMajority(Exception):
     """No checksum of θ is held by more than half of the ring."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
@@ -128,3 +129,17 @@ def test_an_evaluation_answered_as_of_the_initial_theta_does_not_overwrite_it(tm
     events = swarm.events()
     assert any(r["evaluators"] == ["slow"] for r in events if r["event"] == "round")
     assert len([e for e in events if e["event"] == "initial"]) == 1, [e for e in events if e["event"] == "initial"]
+
+
+@pytest.mark.parametrize("attack", ["scale-ring", "flip-ring", "noise-ring"])
+def test_poisoned_contribution_is_refused_before_theta_moves_and_its_sender_found(tmp_path: Path, attack: str) -> None:
+    # 3 honest nodes + 1 that sends 1000 x (or -10 x, or noise of 10 x) its Δ while reporting its
+    # true norm. Before, the run ended "fine" with val loss ~51,795 (x1000) and nobody noticed.
+    _, events = _run(tmp_path, f"{attack}:1", nodes=4, rounds=4)
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    final = next(e for e in events if e["event"] == "complete")["final_val_loss"]
+    assert final < initial, (initial, final)  # θ was never poisoned
+    assert any(e["event"] == "poisoned" for e in events)
+    found = {e["name"] for e in events if e["event"] == "poisoner"}
+    assert found == {"bad"}, found  # and no honest node was ever blamed
+    assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")

@@ -136,3 +136,33 @@ def test_strikes_decay() -> None:
     assert not s.strike("a", 3)
     assert not s.strike("a", 3 + STRIKE_ROUNDS)  # the first one expired
     assert s.strike("a", 4 + STRIKE_ROUNDS)  # two within the window: dropped
+
+
+def test_a_reported_norm_far_outside_the_others_is_an_outlier() -> None:
+    norms = {"a": (1.0, 10), "b": (1.2, 10), "c": (0.5, 5), "x": (500.0, 10)}
+    assert rules.norm_outliers(norms) == ["x"]
+    assert rules.norm_outliers({"a": (1.0, 1), "x": (1e6, 1)}) == []  # two: nobody can tell which
+
+
+def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
+    import numpy as np
+
+    from drift.diloco import reduced_problem
+
+    rng = np.random.default_rng(0)
+    deltas = [rng.standard_normal(1000).astype(np.float32) for _ in range(4)]
+    ring = [
+        P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.25, norm=float(np.linalg.norm(d)))
+        for k, d in enumerate(deltas)
+    ]
+    honest = sum(0.25 * d for d in deltas)
+    assert reduced_problem(honest, ring) is None
+    for bad in (
+        1000 * deltas[3],
+        -10 * deltas[3],
+        10 * float(np.linalg.norm(deltas[3])) * deltas[0] / np.linalg.norm(deltas[0]),
+    ):
+        poisoned = sum(0.25 * d for d in deltas[:3]) + 0.25 * bad
+        assert "more than" in reduced_problem(poisoned, ring)
+    assert reduced_problem(np.full(1000, np.nan, np.float32), ring) is not None
+    assert reduced_problem(np.full(1000, 1e30, np.float32), ring) is not None

@@ -23,6 +23,9 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        ROUND is ignored
   val-every-round      report a val loss of 1e6 in every RoundDone it was not asked for one; ROUND
                        is ignored
+  scale-ring           from that round on, send 1000 x its weighted Δ into the all-reduce while
+                       reporting its true norm (a hostile node); flip-ring: -10 x; noise-ring:
+                       Gaussian noise of 10 x its Δ's norm
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
@@ -197,6 +200,25 @@ elif kind in ("eval-initial", "val-every-round"):
         if kind == "val-every-round" and isinstance(msg, P.RoundDone) and msg.val_loss is None:
             msg = msg.model_copy(update={"val_loss": 1e6})
         await orig(self, msg)
+elif kind in ("scale-ring", "flip-ring", "noise-ring"):
+
+    @patch(diloco.SyncRule, "contribute")
+    def _(orig, self, delta, weight):
+        orig(self, delta, weight)
+        if Session.current_round >= at and weight > 0:
+            if kind == "scale-ring":
+                delta *= np.float32(1000)
+            elif kind == "flip-ring":
+                delta *= np.float32(-10)
+            else:
+                norm = float(np.linalg.norm(delta))
+                noise = np.random.default_rng().standard_normal(delta.size).astype(np.float32)
+                delta += noise * np.float32(10 * norm / float(np.linalg.norm(noise)))
+
+    @patch(Session, "_round")
+    async def _(orig, self, a):
+        Session.current_round = a.round
+        return await orig(self, a)
 else:
     raise SystemExit(f"unknown DRIFT_TEST_FAULT {kind!r}")
 
