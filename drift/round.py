@@ -515,24 +515,20 @@ class Round:
         did not move on any honest node). A member that applied that sum anyway is the culprit;
         else the culprit is found by halves: half of the candidates sit the retry out; if the
         retry passes the culprit was among them, else among the rest (log2 N retries; the
-        candidates carry over to the next round)."""
+        candidates carry over to the next round). A ring without X that passes, after one
+        with X was refused, names X."""
         part, s = self.part(), self.s
         applied = [i for i in part if self.nodes[i].done is not None]
         if applied and len(applied) < len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
         else:
+            # (whoever sat the last retry out is not in part: the culprit was in that ring)
             cands = [i for i in part if i in s.poison_suspects] or part
-            if self.bisect_out:  # the last retry sat these out and still failed: the culprit is in the ring
-                cands = [i for i in cands if i not in self.bisect_out]
             s.poison_suspects = set(cands)
-            if len(cands) == 1 and len(part) > 1:
-                self.poisoner(cands[0], "every all-reduce with it was refused")
-                self.bisect_out = []
-            else:
-                self.bisect_out = cands[len(cands) // 2 :] if len(part) > 1 else []
-                for i in self.bisect_out:
-                    self.sit_out(i, "bisect", "finding who poisons the all-reduce", strike=False)
+            self.bisect_out = cands[len(cands) // 2 :] if len(part) > 1 else []
+            for i in self.bisect_out:
+                self.sit_out(i, "bisect", "finding who poisons the all-reduce", strike=False)
         self.retry_reason = (
             f"{len(self.poisoned)} node(s) refused the all-reduced Δ (larger than the reported norms allow)"
         )
@@ -542,7 +538,7 @@ class Round:
     def poisoner(self, i: str, why: str) -> None:
         """Node i sent more into the all-reduce than it reported: out of the round, struck."""
         self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=why)
-        self.s.poison_suspects.discard(i)
+        self.s.poison_suspects = {i}  # the first one sat out next time
         self.sit_out(i, "poisoned", why)
 
     def cleared(self) -> None:
@@ -553,7 +549,6 @@ class Round:
             if len(self.bisect_out) == 1 and self.bisect_out[0] in self.s.members:
                 i = self.bisect_out[0]
                 self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="bisected")
-                self.s.poison_suspects.clear()
                 if self.s.strike(i, self.rnd):
                     self.drops.append((i, "it poisoned the all-reduce, again"))
 
