@@ -233,9 +233,11 @@ class Round:
         n = self.nodes[i]
         now = time.monotonic()
         k = u.hi - u.lo
+        # Its speed by our clock, not its word: the unit's samples over the time since the last one
+        # (not the first unit of the node asked for the val loss: it evaluated θ before it).
+        if not (n.trained == 0 and i == self.val_reporter):
+            self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
         n.trained += k
-        # Its speed by our clock, not its word: the unit's samples over the time since the last one.
-        self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
         n.last_progress = n.t_unit = now
         mon = self.host.monitor
         if mon and i in mon.nodes:
