@@ -234,8 +234,8 @@ class Round:
         now = time.monotonic()
         k = u.hi - u.lo
         # Its speed by our clock, not its word: the unit's samples over the time since the last one
-        # (not the first unit of the node asked for the val loss: it evaluated θ before it).
-        if not (n.trained == 0 and i == self.val_reporter):
+        # (not round 0's first unit of the node asked for the val loss: it evaluated θ0 before it).
+        if not (n.trained == 0 and i == self.val_reporter and self.rnd == 0):
             self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
         n.trained += k
         n.last_progress = n.t_unit = now
