@@ -164,9 +164,13 @@ elif kind == "stop-reading":
 
     @patch(Channel, "recv_frame")
     async def _(orig, self, max_size, timeout=30.0):
-        if self in stopped:
-            await asyncio.Event().wait()
-        return await orig(self, max_size, timeout)
+        if self not in stopped:
+            try:
+                return await orig(self, max_size, timeout)
+            except Exception:
+                if self not in stopped:  # (the read in flight fails when the stream is stopped)
+                    raise
+        await asyncio.Event().wait()
 elif kind == "withhold-done":
 
     @patch(Session, "send")
