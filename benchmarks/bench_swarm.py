@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-from drift.simulate import Swarm, make_task_repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
+
+from harness.simulate import Swarm, make_task_repo
 
 TASK = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 BATCH, UNIT_STEPS = 8, 2

@@ -46,10 +46,11 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 import itertools
 
 from drift.report import Run, load_run
-from drift.simulate import Swarm, make_task_repo
+from harness.simulate import Swarm, make_task_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,12 +19,12 @@ from auth import Admission, AuthError
 from drift import protocol as P
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
 from drift.diloco import ParamLayout, checksum
-from drift.inner import finite_positive
 from drift.monitor import Monitor, NodeView
 from drift.recipe import Recipe
 from drift.round import Round, RoundError, RoundResult
 from drift.scheduler import Ledger, UnitQueue
 from drift.state import StateError, StateServer, fetch_state
+from drift.swarm import Peer, Swarm
 from drift.transport import (
     CONTROL_ALPN,
     MAX_CONTROL_FRAME,
@@ -42,7 +42,6 @@ from drift.transport import (
 log = logging.getLogger("drift.coord")
 
 HANDSHAKE_TIMEOUT = 30.0
-MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
@@ -83,18 +82,6 @@ def _why(e: Exception) -> str:
 
 
 @dataclass
-class Peer:
-    info: P.NodeInfo
-    ch: Channel
-    commit: P.RepoCommit | None = None
-    gone: str = "connection closed"  # why its connection ended (for the log), once it has
-
-    @property
-    def id(self) -> str:
-        return self.info.node_id
-
-
-@dataclass
 class Coordinator:
     recipe: Recipe
     run_dir: Path
@@ -130,15 +117,10 @@ class Coordinator:
         self._tasks: set[asyncio.Task] = set()
         self.results: list[RoundResult] = []
         self.initial_val_loss: float | None = None
-        self.members: dict[str, Peer] = {}  # nodes in the run now
-        self.speed: dict[str, float] = {}  # samples/s: calibrated at join, then measured
-        self.last_seen: dict[str, float] = {}  # monotonic time of each node's last message
+        self.vals: dict[int, float] = {}  # the val loss of θ after each round (-1: the initial θ)
+        self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
         self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
-        self.state_round: dict[str, int] = {}  # the round whose θ each node holds (-1: initial θ)
-        self.checksums: dict[int, str] = {}  # the agreed checksum of θ after each round
-        self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
-        self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
         self.state = StateServer(allowed=lambda peer: peer in self.ready)  # a resumed checkpoint's θ, to members
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
@@ -157,7 +139,6 @@ class Coordinator:
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
-        self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
 
     # --- serving connections -------------------------------------------------------------------
@@ -317,7 +298,7 @@ class Coordinator:
                     backend=info.backend,
                     commit=rc.commit,
                 )
-            self.last_seen[peer.id] = time.monotonic()
+            self.swarm.last_seen[peer.id] = time.monotonic()
             async with self._joined:  # last: nothing below can fail once the round loop may count on it
                 self._handshaking.pop(peer.id, None)
                 self.ready[peer.id] = peer
@@ -341,11 +322,13 @@ class Coordinator:
         try:
             while True:
                 msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
-                self.last_seen[peer.id] = time.monotonic()
+                self.swarm.last_seen[peer.id] = time.monotonic()
                 self.events.put_nowait((peer, msg))
         except Exception as e:
             silent = isinstance(e, TransportTimeout)
-            peer.gone = f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
+            peer.gone = peer.broken or (
+                f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
+            )
             if not self._finished:
                 self._drop(ch, conn, _why(e))
             if self.ready.get(peer.id) is peer:
@@ -376,8 +359,17 @@ class Coordinator:
 
     # --- the run -------------------------------------------------------------------------------
 
-    async def _broadcast(self, peers: list[Peer], msg: P._Msg) -> None:
-        await asyncio.gather(*(p.ch.send_frame(P.encode(msg)) for p in peers))
+    async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None:
+        """The same message to every peer at once; a failed send only ever costs its own node."""
+        await asyncio.gather(*(self.send(p, msg) for p in peers))
+
+    async def _next_event(self, timeout: float) -> tuple[Peer, P.Message | None] | None:
+        """The next message of an admitted node (None: its connection ended), or None after
+        `timeout` seconds of none. Every phase of the run reads the nodes' messages through here."""
+        try:
+            return await asyncio.wait_for(self.events.get(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return None
 
     async def wait_for_nodes(self) -> list[Peer]:
         n = max(self.recipe.min_nodes, self.admission.threshold)
@@ -386,37 +378,30 @@ class Coordinator:
             self._started = True
         if self._auth_abort is not None:
             peers = list(self.ready.values())
-            await self._broadcast(peers, P.TrainingCancel(reason=self._auth_abort))
+            await self.broadcast(peers, P.TrainingCancel(reason=self._auth_abort))
             left: set[str] = set()
-            try:  # give every node the time to read why before the endpoint closes
-                while len(left) < len(peers):
-                    peer, msg = await asyncio.wait_for(self.events.get(), 5.0)
-                    if msg is None:
-                        left.add(peer.id)
-            except asyncio.TimeoutError:
-                pass
+            while len(left) < len(peers):  # give every node the time to read why before the endpoint closes
+                if (ev := await self._next_event(5.0)) is None:
+                    break
+                if ev[1] is None:
+                    left.add(ev[0].id)
             raise CoordinatorError(self._auth_abort)
         return list(self.ready.values())
 
     async def run(self) -> list[RoundResult]:
         """Wait for min_nodes, then run every round; returns one result per round."""
-        peers = await self.wait_for_nodes()
-        for what in ("param_checksum", "n_train", "n_params", "layout"):
-            seen = {getattr(p.commit, what) for p in peers}
-            if len(seen) != 1:
-                await self._broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
-                raise CoordinatorError(f"nodes loaded different tasks: {what} differs {sorted(map(str, seen))}")
-        await self._broadcast(
+        peers = await self._same_task(await self.wait_for_nodes())
+        await self.broadcast(
             peers,
             P.TrainingReady(nodes=[p.id for p in peers], signatures=self.admission.signatures(p.id for p in peers)),
         )
         r = self.recipe
-        self.checksums[-1] = peers[0].commit.param_checksum
+        self.swarm.checksums[-1] = peers[0].commit.param_checksum
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
         self.layout = peers[0].commit.layout  # ParamLayout.digest(): checkpoints are checked against it
-        self._note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
+        self.note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
         for p in peers:
-            self._enter(p, -1)
+            self.swarm.enter(p, -1)
         queue = UnitQueue(self.n_train, r.unit_samples)
         first = 0
         if self.resume is not None:
@@ -438,6 +423,34 @@ class Coordinator:
             self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
         return self.results
 
+    async def _same_task(self, peers: list[Peer]) -> list[Peer]:
+        """The first nodes must have loaded the same task (initial θ, dataset, model size). Nodes
+        outside a strict majority are refused and the run goes on with the others; with no
+        majority nobody can tell which task is the run's, and everyone is cancelled."""
+
+        def task(p: Peer) -> tuple:
+            return (p.commit.param_checksum, p.commit.n_train, p.commit.n_params, p.commit.layout)
+
+        counts = Counter(task(p) for p in peers)
+        top, n = counts.most_common(1)[0]
+        if 2 * n <= len(peers):
+            what = next(
+                w
+                for k, w in enumerate(("param_checksum", "n_train", "n_params", "layout"))
+                if len({task(p)[k] for p in peers}) > 1
+            )
+            seen = sorted({str(getattr(p.commit, what)) for p in peers})
+            await self.broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
+            raise CoordinatorError(f"nodes loaded different tasks: {what} differs {seen}")
+        for p in peers:
+            if task(p) != top:
+                why = "this node loaded a different task than the others (initial θ, dataset or model size differs)"
+                log.warning("node %s (%s) refused: %s", p.info.name, p.id[:10], why)
+                await self.send(p, P.TrainingCancel(reason=why))
+                self.note("node_refused", node_id=p.id, reason=why)
+                self.ready.pop(p.id, None)
+        return [p for p in peers if task(p) == top]
+
     async def _rounds(self, first: int, queue: UnitQueue) -> None:
         """Every round. Blocking sync: one at a time. Overlapped: round r+1 starts as soon as the
         ring of round r is out, and r is settled while r+1 trains (its ring waits for that)."""
@@ -450,11 +463,11 @@ class Coordinator:
             if self.monitor:
                 self.monitor.round, self.monitor.rounds = rnd + 1, r.rounds
             await self._admit_late_joiners(rnd)
-            if not self.members:
+            if not self.swarm.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
-            cur = self.current = Round(self, rnd, queue, prev)
+            cur = self.current = Round(self.swarm, self, rnd, queue, prev)
             self.live = [x for x in (prev, cur) if x is not None]
-            await cur.start()
+            await cur.start(self.samples_seen)
             while True:
                 if await self._step(prev, cur):
                     break
@@ -474,10 +487,7 @@ class Coordinator:
     async def _step(self, prev: Round | None, cur: Round | None) -> bool:
         """Handle one event (or half a second of none), run the clocks; True once `cur` (or, with
         no cur, prev) settled. A round that settles is recorded and checkpointed as due."""
-        try:
-            peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
-        except asyncio.TimeoutError:
-            peer, msg = None, None
+        peer, msg = await self._next_event(0.5) or (None, None)
         if self.stopping:
             # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
             # before Python 3.12 wait_for returns an event that arrived with the cancel instead of
@@ -485,22 +495,18 @@ class Coordinator:
             if peer is not None:
                 self.events.put_nowait((peer, msg))
             raise asyncio.CancelledError
-        if peer is not None and peer.id in self.members:  # else: a node already dropped
-            if msg is None:
-                self.drop(peer.id, peer.gone, (cur or prev).rnd)
-            elif isinstance(msg, P.Heartbeat):
-                if msg.held is not None and msg.held in self.checksums:
-                    self.state_round[peer.id] = msg.held
-            else:
-                rnd = getattr(msg, "round", None)
-                target = (
-                    prev
-                    if prev is not None
-                    and rnd == prev.rnd
-                    and isinstance(msg, (P.RoundDone, P.RingFailed, P.BarrierSync))
-                    else (cur or prev)
-                )
-                await target.on_message(peer, msg)
+        if peer is not None and peer.id in self.swarm.members:  # else: a node already dropped
+            match msg:
+                case None:
+                    self.drop(peer.id, peer.gone, (cur or prev).rnd)
+                case P.Heartbeat(held=held) if held is not None:
+                    self.swarm.holds(peer.id, held)
+                case P.Heartbeat():
+                    pass
+                case P.RoundDone() | P.RingFailed() | P.BarrierSync() if prev is not None and msg.round == prev.rnd:
+                    await prev.on_message(peer, msg)  # overlapped: the round still being reduced
+                case _:
+                    await (cur or prev).on_message(peer, msg)
         now = time.monotonic()
         self._check_silence(now, (cur or prev).rnd)
         for rd in (prev, cur):
@@ -511,10 +517,12 @@ class Coordinator:
         return (cur or prev).settled
 
     async def _settle(self, rd: Round, checkpoint: bool = True) -> None:
-        self._record(await rd.finish())
-        rd.settled = True
         # The data position of θ after this round: a next round may have taken units already.
         nxt = self.current if self.current is not None and self.current.rnd > rd.rnd else None
+        self._record(await rd.finish(nxt))
+        rd.settled = True
+        for i, why in rd.drops:  # (after it settled: dropping a ring member mid-round redoes the ring)
+            self.drop(i, why, rd.rnd)
         self.positions[rd.rnd] = (
             self.queue.position() if nxt is None else UnitQueue.with_pending(nxt.queue_before, rd.given_back)
         )
@@ -525,8 +533,8 @@ class Coordinator:
     def _check_silence(self, now: float, rnd: int) -> None:
         """Drop every node silent for stale_after_s (its connection may look open: a sleeping
         laptop does not say goodbye)."""
-        for i in list(self.members):
-            silent = now - self.last_seen.get(i, now)
+        for i in list(self.swarm.members):
+            silent = now - self.swarm.last_seen.get(i, now)
             if silent > self.recipe.stale_after_s:
                 self.drop(i, f"silent for {silent:.0f}s", rnd)
 
@@ -552,12 +560,12 @@ class Coordinator:
         if self.layout and layout.digest() != self.layout:
             raise CoordinatorError(f"{ck.path}: its tensor names, shapes or order are not those of the nodes' model")
         self.state.publish(ck.round, theta, velocity, got, layout)
-        self.checksums[ck.round] = got
+        self.swarm.checksums[ck.round] = got
         queue.restore(ck.manifest["queue"])
         self.samples_seen = self.samples_at[ck.round] = ck.manifest.get("samples_seen", 0)
         self.positions[ck.round] = ck.manifest["queue"]
         self.last_checkpoint, self.last_checkpoint_path = ck.round, ck.path
-        self._note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
+        self.note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
         return ck.round + 1
 
     def _start_checkpoint(self, rnd: int) -> None:
@@ -567,7 +575,7 @@ class Coordinator:
             log.warning("the checkpoint of an earlier round is still being written: none for round %d", rnd)
             return
         meta = {
-            "checksum": self.checksums[rnd],
+            "checksum": self.swarm.checksums[rnd],
             "samples_seen": self.samples_at[rnd],
             "commit": self.commit,
             "recipe_hash": recipe_hash(self._model_fields()),
@@ -586,9 +594,9 @@ class Coordinator:
         `checkpoint_error` says why) when no node could hand it over."""
         if self.last_checkpoint == rnd:
             return self.last_checkpoint_path
-        if rnd not in self.checksums or self.endpoint is None:
+        if rnd not in self.swarm.checksums or self.endpoint is None:
             return None
-        donors = [p.info.ring_ticket for i, p in self.ready.items() if self.state_round.get(i) == rnd]
+        donors = [p.info.ring_ticket for i, p in self.ready.items() if self.swarm.state_round.get(i) == rnd]
         if self.state.current is not None and self.state.current.round == rnd:
             donors.append(self.endpoint.ticket())  # a resumed checkpoint we serve ourselves
         writers: list[CheckpointWriter] = []
@@ -606,7 +614,7 @@ class Coordinator:
             if not donors:
                 raise StateError("no connected node holds it")
             await fetch_state(
-                self.endpoint, donors, rnd, self.checksums[rnd], sink, size=self.n_params, timeout=timeout
+                self.endpoint, donors, rnd, self.swarm.checksums[rnd], sink, size=self.n_params, timeout=timeout
             )
             writer = writers[-1]
             # Shielded: a cancelled run (Ctrl-C) cannot stop the thread, so the commit stays
@@ -623,7 +631,7 @@ class Coordinator:
             log.warning("no checkpoint for round %d: %s", rnd, e)
             return None
         self.last_checkpoint, self.last_checkpoint_path = rnd, path
-        self._note("checkpoint", round=rnd, path=str(path))
+        self.note("checkpoint", round=rnd, path=str(path))
         return path
 
     async def interrupt(self, reason: str) -> str:
@@ -632,7 +640,7 @@ class Coordinator:
         self.stopping = True
         await self._wait_checkpoint()  # a save in flight ends first
         await self._finish_reduce()
-        newest = max((r for r in self.checksums if r >= 0), default=None)
+        newest = max((r for r in self.swarm.checksums if r >= 0), default=None)
         path = None
         if newest is not None:
             self._start_checkpoint(newest)
@@ -664,17 +672,17 @@ class Coordinator:
         for cur in [rd for rd in self.live if rd.ring is not None and not rd.settled]:
             deadline = time.monotonic() + INTERRUPT_FETCH_S
             while not cur.agreed() and time.monotonic() < deadline:
-                try:
-                    peer, msg = await asyncio.wait_for(self.events.get(), deadline - time.monotonic())
-                except asyncio.TimeoutError:
+                if (ev := await self._next_event(deadline - time.monotonic())) is None:
                     break
-                if peer.id in self.members and isinstance(msg, P.RoundDone) and msg.round == cur.rnd:
+                peer, msg = ev
+                if peer.id in self.swarm.members and isinstance(msg, P.RoundDone) and msg.round == cur.rnd:
                     await cur.on_message(peer, msg)
             if cur.agreed():
                 await self._settle(cur, checkpoint=False)
 
     def _record(self, result: RoundResult) -> None:
         self.results.append(result)
+        self.ledger.add(result.trained)
         self.samples_seen += result.samples
         self.samples_at[result.round] = self.samples_seen
 
@@ -685,62 +693,60 @@ class Coordinator:
         self._finished = True
         loading = list(self._handshaking.values())
         await asyncio.gather(
-            *(self._send(p, msg) for p in peers),
+            *(self.send(p, msg) for p in peers),
             *(ch.send_frame(P.encode(msg), timeout=5.0) for ch in loading),
             return_exceptions=True,
         )
         left: set[str] = set()
         deadline = time.monotonic() + timeout
         while len(left) < len(peers) and time.monotonic() < deadline:
-            try:
-                peer, m = await asyncio.wait_for(self.events.get(), max(0.05, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            if (ev := await self._next_event(max(0.05, deadline - time.monotonic()))) is None:
                 break
-            if m is None:
-                left.add(peer.id)
+            if ev[1] is None:
+                left.add(ev[0].id)
         while any(ch in self._handshaking.values() for ch in loading) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def _finish_evaluations(self, timeout: float) -> None:
         """Give evaluations still in flight a chance to land before the run ends."""
         deadline = time.monotonic() + timeout
-        while self.evaluating and time.monotonic() < deadline:
-            try:
-                peer, msg = await asyncio.wait_for(self.events.get(), 0.5)
-            except asyncio.TimeoutError:
+        while self.swarm.evaluating and time.monotonic() < deadline:
+            if (ev := await self._next_event(0.5)) is None:
                 continue
-            if msg is None or peer.id not in self.members:
-                self.evaluating.discard(peer.id)
+            peer, msg = ev
+            if msg is None or peer.id not in self.swarm.members:
+                self.swarm.evaluating.discard(peer.id)
             elif isinstance(msg, P.EvalResult):
-                self._on_eval(peer.id, msg)
-            elif isinstance(msg, P.AskForMoreWork) and peer.id in self.evaluating:
+                self.record_eval(peer.id, msg)
+            elif isinstance(msg, P.AskForMoreWork) and peer.id in self.swarm.evaluating:
                 # its job named a θ no donor holds any more: the final one, then
                 last = self.results[-1].round if self.results else 0
-                await self._assign_evaluation(peer, last, self.queue.epoch)
-        if self.evaluating:
-            log.warning("ending without %d evaluation(s) still running", len(self.evaluating))
+                await self.assign_evaluation(peer, last, self.queue.epoch)
+        if self.swarm.evaluating:
+            log.warning("ending without %d evaluation(s) still running", len(self.swarm.evaluating))
 
-    def _on_eval(self, i: str, msg: P.EvalResult) -> bool:
+    def record_eval(self, i: str, msg: P.EvalResult) -> bool:
         """Record an evaluator's result; False if it is not the answer to a job we gave."""
-        if i not in self.evaluating or msg.after_round not in self.checksums:
+        if i not in self.swarm.evaluating or msg.after_round not in self.swarm.checksums:
             return False  # not a job we gave (or for a θ that never was): counts for nothing
-        self.evaluating.discard(i)
-        if i in self.members:
-            self._measured_speed(i, msg.samples_per_s)
-        if msg.after_round < 0:
-            self.initial_val_loss = msg.val_loss
-            self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
-        else:
-            self._note("val", after_round=msg.after_round, val_loss=msg.val_loss, val_samples=msg.val_samples)
+        self.swarm.evaluating.discard(i)
+        if i in self.swarm.members:
+            self.swarm.claimed_speed(i, msg.samples_per_s)
+        self.record_val(msg.after_round, msg.val_loss, msg.val_samples)
         return True
 
-    # --- membership ----------------------------------------------------------------------------
+    def record_val(self, after_round: int, val_loss: float, val_samples: int) -> None:
+        """The val loss of θ after round `after_round` (-1: the initial θ)."""
+        if after_round in self.vals:  # the first answer stands: a second one cannot overwrite it
+            return
+        self.vals[after_round] = val_loss
+        if after_round < 0:
+            self.initial_val_loss = val_loss
+            self.note("initial", val_loss=val_loss, val_samples=val_samples)
+        else:
+            self.note("val", after_round=after_round, val_loss=val_loss, val_samples=val_samples)
 
-    def _enter(self, p: Peer, state_round: int) -> None:
-        self.members[p.id] = p
-        self.speed[p.id] = self._checked_speed(p, p.commit.samples_per_s)
-        self.last_seen[p.id] = time.monotonic()
-        self.state_round[p.id] = state_round
+    # --- membership ----------------------------------------------------------------------------
 
     async def _admit_late_joiners(self, rnd: int) -> None:
         """Nodes admitted during the last round join now; they fetch θ from a peer first."""
@@ -748,127 +754,79 @@ class Coordinator:
             joining, self.joining = self.joining, []
         for p in joining:
             if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params, p.commit.layout) != (
-                self.checksums[-1],
+                self.swarm.checksums[-1],
                 self.n_train,
                 self.n_params,
                 self.layout,
             ):
                 why = "this node loaded a different task (initial θ or dataset differs)"
-                await self._send(p, P.TrainingCancel(reason=why))
-                self._note("node_refused", node_id=p.id, reason=why)
+                await self.send(p, P.TrainingCancel(reason=why))
+                self.note("node_refused", node_id=p.id, reason=why)
                 continue
-            self._enter(p, -1)
-            self._note("node_entered", node_id=p.id, name=p.info.name, round=rnd)
+            self.swarm.enter(p, -1)
+            self.note("node_entered", node_id=p.id, name=p.info.name, round=rnd)
         if joining:
             # Everyone learns the new membership, with every member's signed RepoCommit: the nodes
             # already training check the newcomers themselves before any ring or state connection.
-            ids = list(self.members)
-            await self._broadcast(
-                list(self.members.values()), P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids))
+            ids = list(self.swarm.members)
+            await self.broadcast(
+                list(self.swarm.members.values()), P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids))
             )
 
-    def _state_source(self, node: str, force: bool = False) -> P.StateSource | None:
-        """Where `node` gets the swarm's newest agreed θ, or None when it already holds it."""
-        last = max(self.checksums)
-        if self.state_round.get(node) == last and not force:
-            return None
-        donors = sorted(
-            (i for i in self.members if self.state_round.get(i) == last and i != node), key=lambda i: -self.speed[i]
-        )
-        tickets = [self.members[i].info.ring_ticket for i in donors]
-        if self.state.current is not None and self.state.current.round == last:
-            tickets.append(self.endpoint.ticket())  # a resumed checkpoint, served by us
-        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[: P.MAX_NODES])
+    def state_source(self, node: str, force: bool = False) -> P.StateSource | None:
+        """Where `node` gets the swarm's newest agreed θ (Swarm.state_source), with us as the last
+        donor when we serve that θ ourselves (a resumed checkpoint)."""
+        own = None
+        if self.state.current is not None and self.state.current.round == self.swarm.newest():
+            own = self.endpoint.ticket()
+        return self.swarm.state_source(node, force, own)
 
     # --- one round -----------------------------------------------------------------------------
 
-    def _checked_speed(self, peer: Peer, sps: float | None) -> float:
-        """A node's claimed speed, unless it is absurd (then: the slowest speed we trust)."""
-        if finite_positive(sps):
-            return float(sps)
-        trusted = [v for k, v in self.speed.items() if k != peer.id]
-        fallback = min(trusted) if trusted else 1.0
-        log.warning(
-            "node %s reported an absurd speed (%r); planning with %.3g samples/s until measured",
-            peer.info.name,
-            sps,
-            fallback,
-        )
-        self._note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
-        return fallback
-
-    def _measured_speed(self, i: str, sps: float | None) -> None:
-        """A node's speed as measured on a finished unit (or an evaluation), averaged in: one unit
-        of a fast device is a few milliseconds, and one hiccup must not make it look 20x slower.
-        A node that really became far slower is caught by its deadline instead (Round), which
-        sets its speed from the wait it caused."""
-        if finite_positive(sps):
-            self.speed[i] = 0.5 * self.speed[i] + 0.5 * sps
-
     def drop(self, i: str, why: str, rnd: int) -> None:
         """Remove a node from the swarm; every live round redoes its work (and its ring)."""
-        if i not in self.members:
+        if i not in self.swarm.members:
             return
         for rd in self.live:
-            rd.forget(i, self.members[i].info.name)
-        peer = self.members.pop(i)
+            rd.forget(i)
+        peer = self.swarm.leave(i)
         log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
-        self._note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
-        self.evaluating.discard(i)
+        self.note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
         peer.ch.close(why)
         if self.monitor:
             self.monitor.nodes.pop(i, None)
 
-    def strike(self, i: str) -> bool:
-        """Count one misbehaviour of node i (θ that disagrees, a ring it keeps breaking); True once
-        it has had MAX_STRIKES and should be dropped."""
-        self.strikes[i] = self.strikes.get(i, 0) + 1
-        return self.strikes[i] >= MAX_STRIKES
-
-    def _note(self, kind: str, **fields) -> None:
+    def note(self, kind: str, **fields) -> None:
         if self.monitor:
             self.monitor.event(kind, **fields)
 
-    def _evaluators(self, budget: int) -> set[str]:
-        """Nodes so slow that one inner step would hold the swarm back: they evaluate instead.
-
-        A node evaluates when it is more than 1/slow_node_fraction times slower than the fastest
-        node AND a single inner step of it takes longer than slow_node_fraction of the round's
-        expected length (the round budget over the trainers' summed speed). The fastest trains."""
-        r = self.recipe
-        speeds = {i: self.speed[i] for i in self.members}
-        fastest = max(speeds, key=speeds.get)
-        evaluators: set[str] = set()
-        for i in sorted(speeds, key=speeds.get):  # slowest first
-            if i == fastest:
-                break
-            trainers = sum(v for k, v in speeds.items() if k not in evaluators)
-            round_s = budget / trainers
-            if (
-                speeds[i] < r.slow_node_fraction * speeds[fastest]
-                and r.batch_size / speeds[i] > r.slow_node_fraction * round_s
-            ):
-                evaluators.add(i)
-        return evaluators
-
-    async def _assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None:
+    async def assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None:
         """Send an evaluator its next job: the val loss of the newest agreed θ."""
-        self.evaluating.add(peer.id)
-        await self._send(
+        self.swarm.evaluating.add(peer.id)
+        await self.send(
             peer,
-            P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self._state_source(peer.id)),
+            P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self.state_source(peer.id)),
         )
 
-    async def _send(self, peer: Peer, msg: P._Msg) -> None:
+    async def send(self, peer: Peer, msg: P._Msg) -> bool:
+        """Send one message; never raises. A node whose stream fails (it stopped reading, a write
+        timed out) is dropped: its connection is closed here, and the end of it drops the node
+        with one line, in the round loop like any connection that ends."""
         try:
             await peer.ch.send_frame(P.encode(msg))
-        except TransportError as e:
-            log.warning("could not send %s to %s: %s", msg.type, peer.info.name, e)
+            return True
+        except Exception as e:
+            why = f"sending {msg.type} to it failed ({_why(e)})"
+            if peer.broken is None:
+                peer.broken = why
+                log.warning("node %s (%s): %s; dropping it", peer.info.name, peer.id[:10], why)
+                peer.ch.close(why)
+            return False
 
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
-        for p in self.ready.values():
+        for p in list(self.ready.values()):  # (connections end meanwhile)
             await p.ch.finish()
         if self.endpoint:
             await self.endpoint.close()

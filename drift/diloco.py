@@ -204,6 +204,30 @@ def weighted_delta(theta_global: np.ndarray, theta_local: np.ndarray, weight: fl
     return out
 
 
+def l2norm(x: np.ndarray) -> float:
+    """||x||, chunked (no temporary the size of θ); inf or nan when x holds them."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.sqrt(sum(float(np.dot(x[a : a + CHUNK], x[a : a + CHUNK])) for a in range(0, x.size, CHUNK))))
+
+
+NORM_SLACK = 0.25  # the reduced Δ may exceed Σ w·||Δ_i|| by this much (codec error) before it is refused
+
+
+def reduced_problem(reduced: np.ndarray, ring: list) -> str | None:
+    """A node's check of the all-reduced Δ before the outer step: the norm of a sum is at most the
+    sum of the norms, so Σ w_i·Δ_i can be no larger than Σ w_i·||Δ_i|| with the norms every member
+    reported at the barrier (plus codec error). A member that sent more than it reported (×1000,
+    sign-flipped ×10, noise, 1e30, NaN) makes the sum break that bound. None if it holds (or the
+    ring carries no norms), else what is wrong."""
+    if any(m.norm is None and m.weight > 0 for m in ring):
+        return None
+    bound = sum(m.weight * m.norm for m in ring if m.weight > 0)
+    got = l2norm(reduced)
+    if not np.isfinite(got) or got > (1 + NORM_SLACK) * bound + 1e-12:
+        return f"the all-reduced Δ has norm {got:.4g}, more than the {bound:.4g} its members' reported norms allow"
+    return None
+
+
 class DeltaCheck:
     """A node's sanity check of its own pseudo-gradient before it goes into the all-reduce: a Δ
     with NaN/Inf (an fp16 overflow on one device is enough) or one whose size per inner step is
@@ -213,12 +237,11 @@ class DeltaCheck:
     def __init__(self, factor: float = 100.0, history: int = 5):
         self.factor, self.history = factor, history
         self.recent: list[float] = []
+        self.norm: float | None = None  # of the last Δ checked (reported at the barrier)
 
     def problem(self, delta: np.ndarray, steps: int) -> str | None:
         """None if Δ is fine (and then it joins the history), else what is wrong with it."""
-        norm = float(
-            np.sqrt(sum(float(np.dot(delta[a : a + CHUNK], delta[a : a + CHUNK])) for a in range(0, delta.size, CHUNK)))
-        )
+        norm = self.norm = l2norm(delta)
         if not np.isfinite(norm):
             return "its pseudo-gradient has NaN or Inf values"
         per_step = norm / max(steps, 1)

@@ -37,7 +37,7 @@ import numpy as np
 
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
-from drift.diloco import RULES, DeltaCheck, ParamLayout, SyncRule, checksum
+from drift.diloco import RULES, DeltaCheck, ParamLayout, SyncRule, checksum, reduced_problem
 from drift.inner import Calibration, InnerLoop, SimDevice, StopTraining, calibrate
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
@@ -596,7 +596,8 @@ class Session:
             log.warning("round %d: %s; reporting it instead of sending it", a.round, problem)
             t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
         self._pend(t, Pending(a.round, a.report_val))
-        await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem}))
+        norm = t.delta_check.norm if report.steps and not problem else 0.0  # bounds the ring's sum
+        await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem, "delta_norm": norm}))
         if not t.rule.overlapped:
             await self._settled(t.pending)
 
@@ -720,6 +721,12 @@ class Session:
             )
             return
         if stats is None:
+            return
+        if ready.codec != "topk" and (bad := reduced_problem(t.delta, ready.ring)) is not None:
+            # Someone sent more than it reported: θ must not move. The coordinator redoes the
+            # round without the culprit (it recomputes Δ from the snapshot for the retry).
+            log.warning("all-reduce of round %d: %s; not applying it", p.round, bad)
+            await self.send(P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=bad[:500], poisoned=True))
             return
         async with self.node.state.updating():
             t.rule.apply(t.theta, t.delta)

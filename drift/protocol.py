@@ -183,11 +183,6 @@ class Ping(_Msg):
     nonce: Count = 0
 
 
-class Pong(_Msg):
-    type: Literal["Pong"] = "Pong"
-    nonce: Count = 0
-
-
 class Heartbeat(_Msg):
     type: Literal["Heartbeat"] = "Heartbeat"
     round: RoundOrInitial
@@ -299,6 +294,7 @@ class BarrierSync(_Msg):
     delta_error: Text | None = None  # the node's own Δ is unusable (NaN, absurd size): it sends zeros
     busy_s: Seconds = 0.0  # seconds spent in inner steps this round (utilization)
     lr: Annotated[float, Field(ge=0, le=1e6)] = 0.0  # the inner learning rate it trained with
+    delta_norm: Norm | None = None  # ||Δ|| of its own (unweighted) pseudo-gradient: bounds the ring's sum
 
     @model_validator(mode="after")
     def _samples_are_the_trained_ones(self) -> BarrierSync:
@@ -308,10 +304,14 @@ class BarrierSync(_Msg):
         return self
 
 
+Norm = Annotated[float, Field(ge=0, le=1e30)]  # the L2 norm of a pseudo-gradient (finite)
+
+
 class RingMember(_Msg):
     node_id: NodeId
     ticket: Ticket
     weight: Annotated[float, Field(ge=0, le=1)]
+    norm: Norm | None = None  # the norm of its own Δ it reported (BarrierSync.delta_norm); None: no check
 
 
 class BarrierReady(_Msg):
@@ -339,6 +339,7 @@ class RingFailed(_Msg):
     reason: Text
     suspect: NodeId | Literal[""] = ""  # the neighbour whose bytes or silence failed it, when known
     sit_out: bool = False  # this node already applied this round's outer step: it cannot redo it
+    poisoned: bool = False  # the ring finished, but its sum is larger than the reported norms allow
 
 
 class RoundDone(_Msg):
@@ -374,13 +375,6 @@ class Agreed(_Msg):
     state: StateSource
 
 
-class CheckpointInfo(_Msg):
-    type: Literal["CheckpointInfo"] = "CheckpointInfo"
-    round: Round
-    path: Annotated[StrictStr, _plain(MAX_PATH)]
-    checksum: Token
-
-
 class TrainComplete(_Msg):
     type: Literal["TrainComplete"] = "TrainComplete"
     rounds: Round
@@ -394,7 +388,6 @@ Message = Annotated[
     | TrainingReady
     | TrainingCancel
     | Ping
-    | Pong
     | Heartbeat
     | ShardAssignment
     | TrainProgress
@@ -408,7 +401,6 @@ Message = Annotated[
     | RoundDone
     | EvalResult
     | Agreed
-    | CheckpointInfo
     | TrainComplete,
     Field(discriminator="type"),
 ]

@@ -1,12 +1,15 @@
 """One outer round as the coordinator runs it: grant units, watch progress, cut the round's
 tail, enforce deadlines, run the barrier, retry a broken all-reduce, agree on θ's checksum.
 
-Every control message of the round's nodes goes to `Round.on_message`; `Round.tick` runs the
-clocks (liveness, deadlines, the barrier) after every message and twice a second. Membership
-(who is in the swarm) belongs to the Coordinator; a round reads it and drops nodes through it.
+Every control message of the round's nodes goes to `Round.on_message` (one `match`); `Round.tick`
+runs the clocks (liveness, deadlines, the barrier) after every message and twice a second. What
+the round knows of each node is one record (rules.NodeRound); the decisions over those records
+are pure functions in drift.rules. The swarm's state (members, speeds, strikes, checksums, ring
+epoch) belongs to drift.swarm.Swarm; sending, notes and dropping go through the Host (the
+Coordinator).
 
 Who takes part, in the order a round decides it:
-  * evaluators: too slow to train without holding everyone back (Coordinator._evaluators);
+  * evaluators: too slow to train without holding everyone back (rules.evaluators);
   * trainers: everyone else. A trainer that misses its deadline, or whose θ disagrees with the
     majority after the outer step, *sits out*: its units of the round are redone by others, it
     is not in the ring, and next round it fetches θ like a late joiner. It stays a member: a
@@ -18,15 +21,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from drift import protocol as P
+from drift import rules
+from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, UnitQueue, check_accounting
+from drift.swarm import Peer, Swarm
 
 if TYPE_CHECKING:
-    from drift.coordinator import Coordinator, Peer
+    from drift.monitor import Monitor
 
 log = logging.getLogger("drift.coord")
 
@@ -45,38 +50,53 @@ class RoundResult:
     checksum: str
     samples: int
     seconds: float
+    trained: list[P.WorkUnit] = field(default_factory=list)  # the units whose samples count
 
 
-def _samples(units: list[P.WorkUnit]) -> int:
-    return sum(u.hi - u.lo for u in units)
+class Host(Protocol):
+    """What a round needs from the coordinator: sending, notes, evaluations, dropping a node."""
+
+    monitor: Monitor | None
+
+    async def send(self, peer: Peer, msg: P._Msg) -> None: ...
+    async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None: ...
+    def note(self, kind: str, **fields) -> None: ...
+    def drop(self, i: str, why: str, rnd: int) -> None: ...
+    def state_source(self, node: str, force: bool = False) -> P.StateSource | None: ...
+    async def assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None: ...
+    def record_eval(self, i: str, msg: P.EvalResult) -> bool: ...
+    def record_val(self, after_round: int, val_loss: float, val_samples: int) -> None: ...
 
 
 class Round:
-    """The coordinator's side of round `rnd`; `await Round(...).run()` returns its result."""
+    """The coordinator's side of round `rnd`; driven by start(), on_message(), tick(), finish()."""
 
-    def __init__(self, coord: Coordinator, rnd: int, queue: UnitQueue, prev: Round | None = None):
+    def __init__(self, swarm: Swarm, host: Host, rnd: int, queue: UnitQueue, prev: Round | None = None):
         """`prev`: with the overlapped sync rule, the round before, still in its all-reduce."""
-        self.c, self.rnd, self.queue, self.r = coord, rnd, queue, coord.recipe
+        self.s, self.host, self.rnd, self.queue, self.r = swarm, host, rnd, queue, swarm.recipe
         self.prev = prev
         self.t0 = time.monotonic()
         self.steal = self.r.schedule == "steal"
-        members = coord.members
-        self.participants = set(members)  # nodes that joined later enter the next round
+        members = swarm.members
         self.budget = self.r.round_samples if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
-        self.evaluators = coord._evaluators(self.budget) if self.steal else set()
+        evaluators = swarm.evaluators(self.budget) if self.steal else set()
         # Overlapped: a node that needs θ first (it joined, or its θ is stale) cannot fetch the
         # agreed θ while the round before is being reduced (its donors move on to the next one):
         # it waits this round out and gets θ with that round's Agreed.
         in_flight = prev is not None and not prev.settled
-        self.waiting = {
-            i
-            for i in members
-            if in_flight
-            and i not in self.evaluators
-            and coord.state_round.get(i) != max(coord.checksums)
-            and (prev.ring is None or i not in {m.node_id for m in prev.ring})
-        }
-        self.trainers = {i: coord.speed[i] for i in members if i not in self.evaluators and i not in self.waiting}
+        prev_ring = prev.ring_ids() if prev is not None else set()
+
+        def role(i: str) -> rules.Role:
+            if i in evaluators:
+                return "evaluate"
+            if in_flight and swarm.state_round.get(i) != swarm.newest() and (prev.ring is None or i not in prev_ring):
+                return "wait"
+            return "train"
+
+        now = time.monotonic()
+        # Nodes that join later enter the next round: the records are this round's participants.
+        self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now, t_unit=now) for i in members}
+        self.trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
         self.queue_before = queue.position()  # the data position before this round took its units
         self.epoch, units = queue.take(self.budget)
         # Lockstep (for comparison) gives every node the same share, whatever its speed.
@@ -84,74 +104,78 @@ class Round:
             units, self.trainers if self.steal else dict.fromkeys(self.trainers, 1.0), self.steal
         )
         self.fastest = max(self.trainers, key=self.trainers.get)
-        now = time.monotonic()
-        self.last_progress = dict.fromkeys(members, now)
-        self.trained_so_far = dict.fromkeys(members, 0)  # from TrainProgress, this round
-        self.synced: dict[str, P.BarrierSync] = {}
-        self.t_sync: dict[str, float] = {}
-        self.done: dict[str, P.RoundDone] = {}
-        self.excluded: set[str] = set()  # weight 0 this round (bad report, deadline)
-        self.sitting_out: set[str] = set()  # not in the ring this round (never synced, or diverged)
-        self.early: set[str] = set()  # stopped ahead of the others (see tail())
         self.give_back: list[P.WorkUnit] = []
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
+        self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
+        self.first_done_s: float | None = None  # how long its first member took to report θ
+        self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why)
+        self.val_reporter: str | None = None  # the node asked for the val loss (report_val)
+        self.poisoned: set[str] = set()  # members that refused this attempt's sum (larger than the norms allow)
+        self.bisect_out: list[str] = []  # sat out of this attempt to find who poisons the sum
         self.ring: list[P.RingMember] | None = None
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
         self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
         self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
-        self.catching_up: set[str] = set()  # told to catch up on prev (not in its ring)
         self.settled = False
         self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
-        self.epoch0 = coord.ring_epoch
+        self.epoch0 = swarm.ring_epoch
 
     # --- who is where ---------------------------------------------------------------------------
 
     def part(self) -> list[str]:
         """The nodes in this round's barrier and ring."""
-        return [
-            i
-            for i in self.c.members
-            if i in self.participants
-            and i not in self.evaluators
-            and i not in self.sitting_out
-            and i not in self.waiting
-        ]
+        return rules.part(self.nodes)
+
+    def ring_ids(self) -> set[str]:
+        return {m.node_id for m in self.ring or []}
+
+    def role(self, i: str) -> rules.Role | None:
+        n = self.nodes.get(i)
+        return n.role if n is not None else None
 
     def name(self, i: str) -> str:
-        return self.c.members[i].info.name if i in self.c.members else i[:10]
+        return self.s.name(i)
+
+    def peer(self, i: str) -> Peer:
+        return self.s.members[i]
 
     # --- the round ------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        c, prev = self.c, self.prev
+    async def start(self, samples_seen: int) -> None:
+        s, host, prev = self.s, self.host, self.prev
         # The lr schedule follows the swarm's samples: those of the round still being reduced count.
-        progress = c.samples_seen + (prev.samples_synced() if prev is not None else 0)
+        progress = samples_seen + (prev.samples_synced() if prev is not None else 0)
         in_flight = prev is not None and not prev.settled
-        for i, peer in list(c.members.items()):
-            if i in self.evaluators:  # evaluators work at their own pace: a new job once the last is done
-                if i not in c.evaluating and not in_flight:  # (overlapped: once prev is agreed, see finish)
-                    await c._assign_evaluation(peer, self.rnd, self.epoch)
+        for i, peer in list(s.members.items()):
+            n = self.nodes[i]
+            if n.role == "evaluate":  # evaluators work at their own pace: a new job once the last is done
+                if i not in s.evaluating and not in_flight:  # (overlapped: once prev is agreed, see finish)
+                    await host.assign_evaluation(peer, self.rnd, self.epoch)
                 continue
             catch_up = None
-            if in_flight and (prev.ring is None or i not in {m.node_id for m in prev.ring}):
+            if in_flight and (prev.ring is None or i not in prev.ring_ids()):
                 catch_up = prev.rnd  # it does not reduce prev itself: Agreed tells it what θ became
-                prev.catching_up.add(i)
-            if i in self.waiting:
-                await c._send(
+                prev.nodes.setdefault(i, NodeRound("late")).catching_up = True
+            if n.role == "wait":
+                await host.send(
                     peer, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait", catch_up=catch_up)
                 )
                 continue
             last_round = self.rnd == self.r.rounds - 1
-            await c._send(
+            has_evaluators = any(x.role == "evaluate" for x in self.nodes.values())
+            report_val = i == self.fastest and (not has_evaluators or last_round)
+            if report_val:
+                self.val_reporter = i
+            await host.send(
                 peer,
                 P.ShardAssignment(
                     round=self.rnd,
                     epoch=self.epoch,
                     units=self.plan.grant_first(i),
                     planned=len(self.plan.planned[i]),
-                    report_val=i == self.fastest and (not self.evaluators or last_round),
-                    state=c._state_source(i),
+                    report_val=report_val,
+                    state=host.state_source(i),
                     progress=progress,
                     catch_up=catch_up,
                 ),
@@ -159,110 +183,128 @@ class Round:
 
     def samples_synced(self) -> int:
         """Samples the nodes reported at this round's barrier (counted ones)."""
-        return sum(_samples(s.trained) for i, s in self.synced.items() if i not in self.excluded)
+        return sum(samples(n.synced.trained) for n in self.nodes.values() if n.counted)
 
-    def forget(self, i: str, name: str) -> None:
+    def forget(self, i: str) -> None:
         """Node i left the swarm: its work of this round is redone; a ring it was in is redone."""
-        if i in self.synced and i not in self.excluded:
-            self.give_back.extend(self.synced[i].trained)
-        self.synced.pop(i, None)
-        self.done.pop(i, None)
+        n = self.nodes.pop(i, None)
+        if n is not None and n.counted:
+            self.give_back.extend(n.synced.trained)
         self.plan.drop(i)
-        if self.ring is not None and self.abandoned is None and i in {m.node_id for m in self.ring}:
-            self.retry_reason = f"{name} left during the all-reduce"
+        if self.ring is not None and self.abandoned is None and i in self.ring_ids():
+            self.retry_reason = f"{self.name(i)} left during the all-reduce"
 
     async def on_message(self, peer: Peer, msg: P.Message) -> None:
+        """Every message of a member about this round, in one place."""
         i = peer.id
-        handler = getattr(self, f"on_{msg.type}", None)
-        if handler is not None:
-            await handler(i, msg)
-        elif not isinstance(msg, (P.Heartbeat, P.Pong)):
-            log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, self.rnd)
+        if i not in self.nodes:  # entered after this round started: it is in the next one
+            if not isinstance(msg, P.Heartbeat):
+                log.warning("ignoring %s from %s: it is not in round %d", msg.type, peer.info.name, self.rnd)
+            return
+        match msg:
+            case P.TrainProgress():
+                self.on_progress(i, msg)
+            case P.AskForMoreWork():
+                await self.on_ask(i, msg)
+            case P.BarrierSync():
+                self.on_sync(i, msg)
+            case P.RoundDone():
+                if msg.round == self.rnd and msg.ring_epoch == self.s.ring_epoch and i in self.part():
+                    self.nodes[i].done = msg
+                    if self.first_done_s is None:
+                        self.first_done_s = time.monotonic() - self.t_ring
+            case P.RingFailed():
+                self.on_ring_failed(i, msg)
+            case P.EvalResult():
+                if self.host.record_eval(i, msg) and self.role(i) == "evaluate" and msg.after_round < self.s.newest():
+                    # A newer θ is already agreed: evaluate it now rather than at the next round.
+                    await self.host.assign_evaluation(peer, self.rnd, self.epoch)
+            case P.Heartbeat():
+                pass
+            case _:
+                log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, self.rnd)
 
-    async def on_TrainProgress(self, i: str, msg: P.TrainProgress) -> None:
+    def on_progress(self, i: str, msg: P.TrainProgress) -> None:
         u = msg.unit
         if msg.round != self.rnd or not any(
             g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
         ):
             return  # a late report, or samples it was never granted: counts for nothing
-        self.last_progress[i] = time.monotonic()
-        n = msg.unit.hi - msg.unit.lo
-        self.trained_so_far[i] += n
-        self.c._measured_speed(i, msg.samples_per_s)
-        mon = self.c.monitor
+        n = self.nodes[i]
+        now = time.monotonic()
+        k = u.hi - u.lo
+        # Its speed by our clock, not its word: the unit's samples over the time since the last one
+        # (not round 0's first unit of the node asked for the val loss: it evaluated θ0 before it).
+        if not (n.trained == 0 and i == self.val_reporter and self.rnd == 0):
+            self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
+        n.trained += k
+        n.last_progress = n.t_unit = now
+        mon = self.host.monitor
         if mon and i in mon.nodes:
             v = mon.nodes[i]
-            v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + n
+            v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + k
             mon.event(
                 "progress",
                 node_id=i,
                 round=self.rnd,
-                unit=[msg.unit.epoch, msg.unit.id, msg.unit.lo, msg.unit.hi],
+                unit=[u.epoch, u.id, u.lo, u.hi],
                 loss=msg.loss,
                 samples_per_s=msg.samples_per_s,
             )
 
-    async def on_AskForMoreWork(self, i: str, msg: P.AskForMoreWork) -> None:
-        peer = self.c.members[i]
-        if i in self.evaluators and msg.round == self.rnd:  # its job could not start (no donor had
-            await self.c._assign_evaluation(peer, self.rnd, self.epoch)  # that θ any more): a fresh one
+    async def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
+        peer, n = self.peer(i), self.nodes[i]
+        if n.role == "evaluate" and msg.round == self.rnd:  # its job could not start (no donor had
+            await self.host.assign_evaluation(peer, self.rnd, self.epoch)  # that θ any more): a fresh one
             return
         nxt = None
-        if msg.round == self.rnd and i not in self.excluded | self.early and i not in self.synced:
+        if msg.round == self.rnd and not n.excluded and not n.early and n.synced is None:
             nxt = self.plan.next_for(i)
         if nxt is not None:
-            self.last_progress[i] = time.monotonic()
-            await self.c._send(peer, P.AssignNext(round=self.rnd, unit=nxt))
+            n.last_progress = time.monotonic()
+            await self.host.send(peer, P.AssignNext(round=self.rnd, unit=nxt))
             return
-        await self.c._send(peer, P.NoMoreWork(round=msg.round))
+        await self.host.send(peer, P.NoMoreWork(round=msg.round))
         if self.steal and self.plan.remaining() == 0:
             await self.stop_all("the round's budget is handed out")
 
-    async def on_BarrierSync(self, i: str, msg: P.BarrierSync) -> None:
-        if msg.round != self.rnd or i in self.sitting_out or i in self.synced:
+    def on_sync(self, i: str, msg: P.BarrierSync) -> None:
+        n = self.nodes[i]
+        if msg.round != self.rnd or n.sitting_out or n.synced is not None:
             return  # a node that sat out a round reports it late: its work there is redone already
-        self.synced[i], self.t_sync[i] = msg, time.monotonic()
-        if i not in self.excluded and i not in self.evaluators:
+        n.synced, n.t_sync = msg, time.monotonic()
+        if not n.excluded and n.role != "evaluate":
             wrong = check_accounting(self.plan.granted.get(i, []), msg.trained, msg.returned)
+            if not wrong and msg.trained and msg.delta_norm is None and not msg.delta_error:
+                wrong = "it reported no norm of its Δ"  # without it, nobody can bound the ring's sum
             if msg.delta_error and not wrong:
                 log.warning("node %s: %s; its work this round is redone", self.name(i), msg.delta_error)
-                self.c._note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
+                self.host.note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
                 self.exclude(i)  # everything granted to it, trained or returned, is redone
             elif wrong:
                 log.warning("node %s: bad work report (%s); its work this round is redone", self.name(i), wrong)
-                self.c._note("bad_report", node_id=i, reason=wrong, round=self.rnd)
+                self.host.note("bad_report", node_id=i, reason=wrong, round=self.rnd)
                 self.exclude(i)
             else:  # accounted for: what it trained is in synced, the rest goes back
                 self.give_back.extend(msg.returned)
                 self.plan.granted[i] = []
         if msg.val_loss is not None and i == self.fastest:  # the node asked for it (report_val)
-            if self.rnd == 0:
-                self.c.initial_val_loss = msg.val_loss
-                self.c._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
-            else:
-                self.c._note("val", after_round=self.rnd - 1, val_loss=msg.val_loss, val_samples=msg.val_samples)
+            self.host.record_val(self.rnd - 1, msg.val_loss, msg.val_samples)
 
-    async def on_RoundDone(self, i: str, msg: P.RoundDone) -> None:
-        if msg.round == self.rnd and msg.ring_epoch == self.c.ring_epoch and i in self.part():
-            self.done[i] = msg
-
-    async def on_RingFailed(self, i: str, msg: P.RingFailed) -> None:
-        if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.c.ring_epoch:
+    def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
+        if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.s.ring_epoch:
             return
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
             self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
             self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
             return
+        if msg.poisoned:
+            self.poisoned.add(i)
         if msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
         if self.ring_failed_at is None:
             log.warning("round %d: %s reports the all-reduce failed: %s", self.rnd, self.name(i), msg.reason)
             self.ring_failed_at = time.monotonic()
-
-    async def on_EvalResult(self, i: str, msg: P.EvalResult) -> None:
-        if self.c._on_eval(i, msg) and i in self.evaluators and msg.after_round < max(self.c.checksums):
-            # A newer θ is already agreed: evaluate it now rather than at the next round.
-            await self.c._assign_evaluation(self.c.members[i], self.rnd, self.epoch)
 
     # --- decisions --------------------------------------------------------------------------------
 
@@ -272,20 +314,20 @@ class Round:
             log.info("round %d: %s; stopping at the next inner step", self.rnd, reason)
             await asyncio.gather(
                 *(
-                    self.c._send(self.c.members[i], P.StopRound(round=self.rnd))
+                    self.host.send(self.peer(i), P.StopRound(round=self.rnd))
                     for i in self.part()
-                    if i not in self.synced
+                    if self.nodes[i].synced is None
                 )
             )
 
     def exclude(self, i: str) -> None:
         """Weight 0 this round: everything granted to it (trained or not) is redone by others."""
-        self.excluded.add(i)
+        self.nodes[i].excluded = True
         self.plan.drop(i)
 
     def drop(self, i: str, why: str) -> None:
         """Remove a node from the swarm mid-round (every live round forgets it)."""
-        self.c.drop(i, why, self.rnd)
+        self.host.drop(i, why, self.rnd)
 
     async def tick(self, now: float, may_reduce: bool = True) -> bool:
         """Run the clocks; True once the round is settled (every ring member reported θ, or the
@@ -299,48 +341,39 @@ class Round:
         return await self.reduce_progress(now)
 
     async def tail(self) -> None:
-        """A node whose next inner step would end after everyone else ran out of work stops now,
-        so nobody waits at the barrier for most of a slow step."""
-        active = [i for i in self.part() if i not in self.synced and i not in self.excluded and i not in self.early]
-        in_hand = {i: _samples(self.plan.granted.get(i, [])) - self.trained_so_far[i] for i in active}
-        speed = self.c.speed
-        for i in sorted(active, key=lambda i: speed[i]):  # slowest first
-            others = [j for j in active if j != i]
-            if not others:
-                break
-            left_s = (self.plan.remaining() + sum(in_hand[j] for j in others)) / sum(speed[j] for j in others)
-            if self.r.batch_size / speed[i] > left_s:
-                self.early.add(i)
-                active.remove(i)
-                await self.c._send(self.c.members[i], P.StopRound(round=self.rnd))
+        """A node whose next inner step would end after everyone else ran out of work stops now
+        (rules.tail_stops)."""
+        active = [i for i in self.part() if (n := self.nodes[i]).synced is None and not n.excluded and not n.early]
+        in_hand = {i: samples(self.plan.granted.get(i, [])) - self.nodes[i].trained for i in active}
+        for i in rules.tail_stops(active, in_hand, self.plan.remaining(), self.s.speed, self.r.batch_size):
+            self.nodes[i].early = True
+            await self.host.send(self.peer(i), P.StopRound(round=self.rnd))
 
     async def deadlines(self, now: float) -> None:
-        r, c = self.r, self.c
-        if self.prev is not None and not self.prev.settled:
+        r, s = self.r, self.s
+        if (self.prev is not None and not self.prev.settled) or self.ring is not None:
             return  # overlapped: the nodes wait at this barrier for the round before to land
-        for i in list(c.members):
-            if (
-                i not in self.participants
-                or self.ring is not None
-                or i in self.synced
-                or i in self.excluded
-                or i in self.evaluators
-            ):
+        for i, n in list(self.nodes.items()):
+            if n.role in ("evaluate", "late") or n.synced is not None or n.excluded:
                 continue
             # Deadlines: a unit should take unit_samples/speed, and after StopRound a node should
             # reach the barrier within one inner step. Past unit_deadline_factor times that (plus
             # heartbeat slack), its work is reassigned and it sits this round out.
-            if self.stop_sent or i in self.early:
-                since, expected = max(self.t_stop, self.last_progress[i]), r.batch_size / c.speed[i]
-            elif i in self.trainers and self.plan.granted.get(i):
-                since, expected = self.last_progress[i], r.unit_samples / c.speed[i]
+            if self.stop_sent or n.early:
+                since, expected = max(self.t_stop, n.last_progress), r.batch_size / s.speed[i]
+            elif n.role == "train" and self.plan.granted.get(i):
+                since, expected = n.last_progress, r.unit_samples / s.speed[i]
             else:
                 continue
             if self.rnd == 0 and i == self.fastest and not self.stop_sent:  # it evaluates θ0 before training
-                expected += r.eval_batches * r.batch_size / c.speed[i]
+                expected += r.eval_batches * r.batch_size / s.speed[i]
             waited = now - since
-            others = [j for j in self.part() if j != i and j not in self.excluded]
-            if others and waited > r.unit_deadline_factor * expected + 2 * r.heartbeat_s:
+            others = [j for j in self.part() if j != i and not self.nodes[j].excluded]
+            # The only trainer has a deadline too when anyone else could take over (evaluators):
+            # it holds the whole swarm up, so missing it counts as a strike.
+            alone = not others
+            spare = len(others) or len([j for j in s.members if j != i])
+            if rules.overdue(waited, expected, r.unit_deadline_factor, r.heartbeat_s, spare):
                 name = self.name(i)
                 log.warning(
                     "node %s has not finished its work in %.1fs (expected %.2fs): its units are "
@@ -349,200 +382,315 @@ class Round:
                     waited,
                     expected,
                 )
-                c._note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
+                self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
                 self.exclude(i)
                 # What we know now: it is at least this slow. Plans (and the choice of evaluators)
                 # from the next round on use that.
-                c.speed[i] = min(c.speed[i], r.batch_size / waited)
-                await c._send(c.members[i], P.StopRound(round=self.rnd))
+                s.slowed(i, r.batch_size / waited)
+                await self.host.send(self.peer(i), P.StopRound(round=self.rnd))
+                if alone and s.strike(i, self.rnd):
+                    self.drops.append((i, "it held the whole swarm up, again"))
 
     async def barrier(self, now: float) -> bool:
         """Once every trainer synced (or sits out past its deadline), send the ring."""
-        part = self.part()
-        if not part:
-            raise RoundError(f"every training node has left (round {self.rnd})")
-        unsynced = [i for i in part if i not in self.synced]
-        if any(i not in self.excluded for i in unsynced):
+        try:
+            d = rules.barrier(self.nodes)
+        except ValueError:
+            raise RoundError(f"every training node has left (round {self.rnd})") from None
+        if d.action == "wait":
             return False
-        if not any(i in self.synced and i not in self.excluded for i in part):
+        if d.action == "abandon":
             # Every node's work of this round is void (bad reports, bad Δ, deadlines): θ stays.
             self.abandon("no node's work of this round can be used")
             return True
-        for i in unsynced:  # stragglers past their deadline: the swarm goes on without them
-            self.sitting_out.add(i)
-            self.c._note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
+        for i in d.stragglers:  # stragglers past their deadline: the swarm goes on without them
+            self.nodes[i].sitting_out = True
+            self.host.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
+        counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
+        for i in rules.norm_outliers({i: (b.delta_norm or 0.0, b.steps) for i, b in counted.items()}):
+            why = "the norm of its Δ is far outside the others'"
+            log.warning("node %s: %s; its work this round is redone", self.name(i), why)
+            self.host.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
+            self.exclude(i)
+            if self.s.strike(i, self.rnd):
+                self.drops.append((i, f"{why}, again"))
         self.t_ready = now
         await self.send_ring()
         return False
 
     async def send_ring(self) -> None:
         """BarrierReady to every node in the barrier: the ring order and each node's weight."""
-        part = self.part()
-        counted = [i for i in part if i not in self.excluded]
-        total = sum(_samples(self.synced[i].trained) for i in counted)
-
-        def weight(i: str) -> float:
-            return _samples(self.synced[i].trained) / total if i in counted and total else 0.0
-
-        c = self.c
-        order = part if c.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
-        self.ring = [P.RingMember(node_id=i, ticket=c.members[i].info.ring_ticket, weight=weight(i)) for i in order]
-        c._note("barrier", round=self.rnd, ring_epoch=c.ring_epoch, nodes=len(self.ring))
-        await c._broadcast(
-            [c.members[i] for i in part],
-            P.BarrierReady(round=self.rnd, ring=self.ring, codec=self.r.codec, ring_epoch=c.ring_epoch),
+        s, part = self.s, self.part()
+        w = rules.weights(self.nodes, part)
+        order = part if s.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
+        self.ring = [
+            P.RingMember(
+                node_id=i,
+                ticket=s.members[i].info.ring_ticket,
+                weight=w[i],
+                norm=self.nodes[i].synced.delta_norm if w[i] > 0 else 0.0,  # bounds the sum (diloco.reduced_problem)
+            )
+            for i in order
+        ]
+        self.t_ring, self.first_done_s = time.monotonic(), None
+        self.host.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
+        await self.host.broadcast(
+            [s.members[i] for i in part],
+            P.BarrierReady(round=self.rnd, ring=self.ring, codec=self.r.codec, ring_epoch=s.ring_epoch),
         )
+
+    def done(self) -> dict[str, P.RoundDone]:
+        """The ring members' reports of θ after the outer step (this ring epoch)."""
+        return {i: n.done for i, n in self.nodes.items() if n.done is not None}
 
     async def reduce_progress(self, now: float) -> bool:
         """While the ring runs: retry it when it broke; once every member reported, check θ."""
-        part = self.part()
+        part, done = self.part(), self.done()
         if (
             self.retry_reason is None
             and self.ring_failed_at is not None
             and now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1
         ):
+            if self.poisoned:
+                return await self.redo_poisoned(now)
             # The ring is all or nothing: if every other member finished it, they agree on θ and
             # the reporters' word against them changes nothing (a node repeating RingFailed cannot
             # hold every round hostage); the reporters get θ with Agreed.
-            failed = [i for i in part if i not in self.done]
-            if failed and 2 * (len(part) - len(failed)) > len(part) and self.minority() == []:
+            if rules.finished_by_majority(part, set(done)) and self.minority() == []:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
                 # counts; only their θ is behind.
                 log.warning(
                     "round %d: %d node(s) reported a failed all-reduce that the others finished; "
                     "they get θ from a peer",
                     self.rnd,
-                    len(failed),
+                    len([i for i in part if i not in done]),
                 )
                 return True
             self.retry_reason = "a node reported a broken all-reduce and nobody left"
-        if self.retry_reason is None and part and all(i in self.done for i in part):
+        if self.retry_reason is None and not self.poisoned:
+            self.behind(now)
+        if (
+            self.retry_reason is None
+            and not self.poisoned
+            and part
+            and all(i in done or self.nodes[i].behind for i in part)
+            and done
+        ):
             diverged = self.minority()
             if not diverged:
+                self.cleared()
                 return True
             for i in diverged:
                 self.sit_out_diverged(i)
             self.retry_reason = f"{len(diverged)} node(s) disagreed with the majority on θ"
         if self.retry_reason is None:
             return False
+        return await self.retry(now)
+
+    async def retry(self, now: float) -> bool:
+        """Redo the all-reduce (retry_reason says why) without the members that sit out; give the
+        round up after MAX_RING_RETRIES. True once the round is settled (given up)."""
         # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
-        # bad node cannot hold the all-reduce hostage. Both: the ring is reversed on every retry,
-        # so its other neighbour sees its output too; one node alone cannot frame another.
-        for i, reporters in self.suspects.items():
-            if len(reporters) >= 2 and i in self.part():
+        # bad node cannot hold the all-reduce hostage.
+        for i in rules.caught(self.suspects, self.part()):
+            if i in self.part():
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         if not self.part():
             raise RoundError(f"every training node has left (round {self.rnd})")
-        if self.c.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
+        if self.s.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
             self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
             return True
         log.warning(
             "round %d: %s; retrying the all-reduce with %d node(s)", self.rnd, self.retry_reason, len(self.part())
         )
-        self.c._note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
+        self.host.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
-        self.done.clear()
-        self.c.ring_epoch += 1
+        self.poisoned = set()
+        for n in self.nodes.values():
+            n.done, n.behind = None, False
+        self.s.ring_epoch += 1
         await self.send_ring()
         return False
 
+    async def redo_poisoned(self, now: float) -> bool:
+        """The ring finished but members refused its sum: someone sent more than it reported (θ
+        did not move on any honest node). A member that applied that sum anyway is the culprit;
+        else the culprit is found by halves: half of the candidates sit the retry out; if the
+        retry passes the culprit was among them, else among the rest (log2 N retries; the
+        candidates carry over to the next round). A ring without X that passes, after one
+        with X was refused, names X."""
+        part, s = self.part(), self.s
+        applied = [i for i in part if self.nodes[i].done is not None]
+        if applied and len(applied) < len(part):
+            for i in applied:
+                self.poisoner(i, "it applied an all-reduced Δ that the others refused")
+        else:
+            # (whoever sat the last retry out is not in part: the culprit was in that ring)
+            cands = [i for i in part if i in s.poison_suspects] or part
+            s.poison_suspects = set(cands)
+            self.bisect_out = cands[len(cands) // 2 :] if len(part) > 1 else []
+            for i in self.bisect_out:
+                self.sit_out(i, "bisect", "finding who poisons the all-reduce", strike=False)
+        self.retry_reason = (
+            f"{len(self.poisoned)} node(s) refused the all-reduced Δ (larger than the reported norms allow)"
+        )
+        self.host.note("poisoned", round=self.rnd, ring_epoch=s.ring_epoch, refused_by=len(self.poisoned))
+        return await self.retry(now)
+
+    def poisoner(self, i: str, why: str) -> None:
+        """Node i sent more into the all-reduce than it reported: out of the round, struck."""
+        self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=why)
+        self.s.poison_suspects = {i}  # the first one sat out next time
+        self.sit_out(i, "poisoned", why)
+
+    def cleared(self) -> None:
+        """An attempt passed: if the one before (with bisect_out in it) was refused, the culprit
+        is among bisect_out; one node alone is the culprit."""
+        if self.bisect_out:
+            self.s.poison_suspects = set(self.bisect_out)
+            if len(self.bisect_out) == 1 and self.bisect_out[0] in self.s.members:
+                i = self.bisect_out[0]
+                self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="bisected")
+                if self.s.strike(i, self.rnd):
+                    self.drops.append((i, "it poisoned the all-reduce, again"))
+
+    def behind(self, now: float) -> None:
+        """Members that did not report θ long after the first one did (rules.reduce_overdue) are
+        behind: the round settles without them and they get θ with Agreed (their Δ is in it: the
+        ring finished). Holding the swarm up is a strike; twice, and the node is dropped."""
+        r = self.r
+        extra = {}
+        if self.val_reporter is not None:  # it evaluates θ before it reports
+            extra[self.val_reporter] = r.eval_batches * r.batch_size / self.s.speed[self.val_reporter]
+        late = rules.reduce_overdue(
+            self.part(),
+            self.nodes,
+            now - self.t_ring,
+            self.first_done_s,
+            r.unit_deadline_factor,
+            r.stale_after_s,
+            extra,
+        )
+        for i in late:
+            name = self.name(i)
+            log.warning(
+                "round %d: node %s did not report θ within %.1fs of the all-reduce; the round goes on "
+                "without it and it gets θ from a peer",
+                self.rnd,
+                name,
+                now - self.t_ring,
+            )
+            self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
+            self.nodes[i].behind = True
+            if self.s.strike(i, self.rnd):
+                self.drops.append((i, "it did not report θ after the all-reduce, again"))
+
     def agreed(self) -> bool:
-        """Every ring member reported θ after the outer step, and all the same θ."""
-        part = self.part()
+        """Every ring member reported θ after the outer step (or is behind), and all the same θ."""
+        part, done = self.part(), self.done()
         return (
-            bool(part)
-            and all(i in self.done for i in part)
-            and len({self.done[i].checksum for i in part}) == 1
+            bool(done)
+            and all(i in done or self.nodes[i].behind for i in part)
+            and len({d.checksum for d in done.values()}) == 1
             and self.retry_reason is None
         )
 
     def minority(self) -> list[str]:
         """Ring members whose θ checksum disagrees with the majority's (RoundError if none has one)."""
-        counts = Counter(d.checksum for d in self.done.values())
-        if len(counts) == 1:
-            return []
-        top, n = counts.most_common(1)[0]
-        if 2 * n <= len(self.done):
-            detail = ", ".join(f"{self.name(i)}={d.checksum[:12]}" for i, d in self.done.items())
-            raise RoundError(f"replicas diverged after round {self.rnd} and no majority agrees on θ: {detail}")
-        return [i for i, d in self.done.items() if d.checksum != top]
+        done = self.done()
+        try:
+            return rules.minority({i: d.checksum for i, d in done.items()})
+        except rules.NoMajority:
+            detail = ", ".join(f"{self.name(i)}={d.checksum[:12]}" for i, d in done.items())
+            raise RoundError(
+                f"replicas diverged after round {self.rnd} and no majority agrees on θ: {detail}"
+            ) from None
 
     def sit_out_diverged(self, i: str) -> None:
         """A node whose θ disagrees with the majority's: out of the ring, its work redone."""
-        self.c._note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.done[i].checksum)
+        self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.nodes[i].done.checksum)
         self.sit_out(i, "diverged", f"its θ after round {self.rnd} disagrees with the majority's")
 
     def sit_out(self, i: str, kind: str, why: str, strike: bool = True) -> None:
         """Out of this round's ring, its work redone; Agreed gives it θ when the round settles. A
-        node that keeps misbehaving is dropped (Coordinator.strike)."""
+        node that keeps misbehaving is dropped (Swarm.strike)."""
         log.warning("node %s: %s; it sits out this round and its work is redone", self.name(i), why)
-        self.c._note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
-        if i not in self.excluded and i in self.synced:
-            self.give_back.extend(self.synced[i].trained)
-        self.excluded.add(i)
-        self.sitting_out.add(i)
-        self.done.pop(i, None)
-        if strike and self.c.strike(i):
+        self.host.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
+        n = self.nodes[i]
+        if n.counted:
+            self.give_back.extend(n.synced.trained)
+        n.excluded = n.sitting_out = True
+        n.done = None
+        if strike and self.s.strike(i, self.rnd):
             self.drop(i, f"{why}, again")
 
     def abandon(self, why: str) -> None:
         """Give up this round's all-reduce: θ stays as it was, every unit of the round is redone."""
         log.warning("round %d: %s; the round is given up, θ is unchanged and its work is redone", self.rnd, why)
-        self.c._note("round_abandoned", round=self.rnd, reason=why)
+        self.host.note("round_abandoned", round=self.rnd, reason=why)
         self.abandoned = why
         for i in self.part():
-            if i not in self.excluded and i in self.synced:
-                self.give_back.extend(self.synced[i].trained)
+            if self.nodes[i].counted:
+                self.give_back.extend(self.nodes[i].synced.trained)
 
     # --- the result ------------------------------------------------------------------------------
 
-    async def finish(self) -> RoundResult:
+    async def finish(self, nxt: Round | None = None) -> RoundResult:
         """Record the settled round, and tell the nodes that did not compute θ themselves what it
-        is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt."""
+        is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt. `nxt`:
+        the round after (overlapped), whose clocks start now."""
         result = self._record()
-        c = self.c
+        s, host = self.s, self.host
         told = [
             i
-            for i in c.members
-            if i not in self.done and ((i in self.participants and i not in self.evaluators) or i in self.catching_up)
+            for i in s.members
+            if (n := self.nodes.get(i)) is not None
+            and n.done is None
+            and (n.role in ("train", "wait") or n.catching_up)
         ]
         for i in told:  # (their state_round follows from their heartbeats, once they hold it)
-            src = c._state_source(i, force=True)
-            await c._send(c.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
-        nxt = c.current if c.current is not None and c.current is not self else None
+            src = host.state_source(i, force=True)
+            await host.send(s.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
         if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
             now = time.monotonic()
             nxt.t_stop = max(nxt.t_stop, now) if nxt.stop_sent else nxt.t_stop
-            nxt.last_progress = dict.fromkeys(nxt.last_progress, now)
-            for i in nxt.evaluators:
-                if i in c.members and i not in c.evaluating:
-                    await c._assign_evaluation(c.members[i], nxt.rnd, nxt.epoch)
+            for n in nxt.nodes.values():
+                n.last_progress = now
+            for i, n in nxt.nodes.items():
+                if n.role == "evaluate" and i in s.members and i not in s.evaluating:
+                    await host.assign_evaluation(s.members[i], nxt.rnd, nxt.epoch)
         return result
 
     def _record(self) -> RoundResult:
-        c, rnd = self.c, self.rnd
+        s, rnd = self.s, self.rnd
+        nodes = self.nodes
         if self.abandoned:  # θ unchanged: nobody's work counts, the last agreed θ stays the newest
-            checksum, weights, done = c.checksums[max(c.checksums)], {}, {}
+            checksum, weights, done = s.checksums[s.newest()], {}, {}
         else:
-            checksum, weights, done = (
-                next(iter(self.done.values())).checksum,
-                {m.node_id: m.weight for m in self.ring or []},
-                self.done,
-            )
-            c.checksums[rnd] = checksum
+            done = self.done()
+            checksum, weights = next(iter(done.values())).checksum, {m.node_id: m.weight for m in self.ring or []}
+            s.checksums[rnd] = checksum
             for i in done:
-                c.state_round[i] = rnd
-        counted = {i: s for i, s in self.synced.items() if weights.get(i, 0) > 0}
-        for s in counted.values():
-            c.ledger.add(s.trained)
+                s.state_round[i] = rnd
+        synced = {i: n.synced for i, n in nodes.items() if n.synced is not None}
+        counted = {i: b for i, b in synced.items() if weights.get(i, 0) > 0}
         self.given_back = self.give_back + self.plan.leftover()
         self.queue.give_back(self.given_back)
-        losses = [(s.loss, s.samples) for s in counted.values() if s.loss is not None]
+        losses = [(b.loss, b.samples) for b in counted.values() if b.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
-        val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
-        samples = sum(_samples(s.trained) for s in counted.values())
-        res = RoundResult(rnd, val, train_loss, checksum, samples, time.monotonic() - self.t0)
-        mon = c.monitor
+        # Only the node asked for it reports the round's val loss (any other member's is ignored).
+        val = done[self.val_reporter].val_loss if self.val_reporter in done else None
+        n_samples = sum(samples(b.trained) for b in counted.values())
+        res = RoundResult(
+            rnd,
+            val,
+            train_loss,
+            checksum,
+            n_samples,
+            time.monotonic() - self.t0,
+            [u for b in counted.values() for u in b.trained],
+        )
+        mon = self.host.monitor
         if mon:
             mon.val_loss = val if val is not None else mon.val_loss
             for i, d in done.items():
@@ -554,30 +702,30 @@ class Round:
                 epoch=self.epoch,
                 val_loss=val,
                 train_loss=train_loss,
-                samples=samples,
+                samples=n_samples,
                 seconds=res.seconds,
                 checksum=checksum,
                 bytes_sent=sum(d.bytes_sent for d in done.values()),
-                evaluators=sorted(self.name(i) for i in self.evaluators if i in c.members),
+                evaluators=sorted(self.name(i) for i, n in nodes.items() if n.role == "evaluate" and i in s.members),
                 reduce_s=max((d.reduce_s for d in done.values()), default=0.0),
                 abandoned=self.abandoned,
                 nodes={
                     self.name(i): {
                         "node_id": i,
-                        "samples": _samples(s.trained) if i in counted else 0,
-                        "steps": s.steps,
+                        "samples": samples(b.trained) if i in counted else 0,
+                        "steps": b.steps,
                         "weight": weights.get(i, 0.0),
-                        "busy_s": self.t_sync[i] - self.t0,
-                        "step_s": s.busy_s,
-                        "lr": s.lr,
-                        "idle_s": max(0.0, self.t_ready - self.t_sync[i]),
+                        "busy_s": nodes[i].t_sync - self.t0,
+                        "step_s": b.busy_s,
+                        "lr": b.lr,
+                        "idle_s": max(0.0, self.t_ready - nodes[i].t_sync),
                         "sync_s": done[i].reduce_s if i in done else 0.0,
                         "bytes_sent": done[i].bytes_sent if i in done else 0,
-                        "role": "evaluate" if i in self.evaluators else "train",
-                        "trained": [[u.epoch, u.id, u.lo, u.hi] for u in s.trained],
+                        "role": "evaluate" if nodes[i].role == "evaluate" else "train",
+                        "trained": [[u.epoch, u.id, u.lo, u.hi] for u in b.trained],
                     }
-                    for i, s in self.synced.items()
-                    if i in c.members
+                    for i, b in synced.items()
+                    if i in s.members
                 },
             )
         return res

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from drift import simulate
-from drift.simulate import git  # noqa: F401 - re-exported for tests
+from harness import simulate
+from harness.simulate import git  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPERS = ROOT / "tests" / "wrappers"  # `drift join` with one injected fault, or held back

@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 
@@ -71,3 +72,81 @@ def test_node_whose_theta_diverges_sits_out_and_the_majority_goes_on(tmp_path: P
     assert [(e["round"]) for e in div] == [1]
     assert any(e["event"] == "ring_retry" and e["round"] == 1 for e in events)
     assert _weight(events, 1, "bad") == 0 and _weight(events, 2, "bad") > 0  # θ refetched, trains again
+
+
+def test_node_that_stops_reading_is_dropped_with_a_line_and_the_run_goes_on(tmp_path: Path) -> None:
+    # It stops reading its control stream (QUIC STOP_SENDING): every send to it fails. Before, the
+    # first broadcast to it (BarrierReady) ended the coordinator: "sending a frame header failed".
+    _, events = _run(tmp_path, "stop-reading:1", nodes=3)
+    left = [e for e in events if e["event"] == "node_left" and e["name"] == "bad"]
+    assert left and "failed" in left[0]["reason"] and left[0]["round"] == 1, left
+
+
+def test_node_that_never_reports_theta_is_not_waited_for_and_is_dropped_the_second_time(tmp_path: Path) -> None:
+    # It does its part of the all-reduce, then never sends RoundDone while heartbeating: before,
+    # the round never settled (0 rounds in 60 s).
+    _, events = _run(tmp_path, "withhold-done:1", nodes=3)
+    late = [(e["round"], e["name"]) for e in events if e["event"] == "deadline" and e.get("phase") == "reduce"]
+    assert late[:2] == [(1, "bad"), (2, "bad")], late
+    left = [e for e in events if e["event"] == "node_left" and e["name"] == "bad"]
+    assert left and left[0]["round"] == 2 and "again" in left[0]["reason"], left
+
+
+def test_one_node_with_another_task_among_the_first_is_refused_and_the_run_goes_on(tmp_path: Path) -> None:
+    # Before, one such node among the first min_nodes cancelled everyone.
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=2, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "other-task:0"})
+    for i in range(2):
+        swarm.join("0.02", name=f"good{i}")
+    assert swarm.finish() == 0, swarm.log()
+    events = swarm.events()
+    assert next(e["reason"] for e in events if e["event"] == "node_refused").startswith("this node loaded a different")
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 2 and all("bad" not in r["nodes"] for r in rounds)
+
+
+def test_node_claiming_a_billion_samples_per_second_gets_its_real_share(tmp_path: Path) -> None:
+    # Speeds are the coordinator's own clock (grant to progress), not the node's word. Before, the
+    # liar's claim made every honest node an evaluator, every round, and the ring was [liar, 1.0].
+    _, events = _run(tmp_path, "claim-fast:0", nodes=3, rounds=3)
+    last = [e for e in events if e["event"] == "round"][-1]
+    assert last["evaluators"] == [], last
+    assert _weight(events, 2, "bad") < 0.6 and _weight(events, 2, "good0") > 0.2 and _weight(events, 2, "good1") > 0.2
+
+
+def test_only_the_node_asked_for_it_sets_a_rounds_val_loss(tmp_path: Path) -> None:
+    _, events = _run(tmp_path, "val-every-round:0", nodes=3, rounds=3)
+    assert all(e["val_loss"] != 1e6 for e in events if e["event"] == "round")
+
+
+def test_an_evaluation_answered_as_of_the_initial_theta_does_not_overwrite_it(tmp_path: Path) -> None:
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=4, **{**SIM, "inner_steps": 30})
+    swarm = Swarm(recipe, tmp_path)
+    swarm.join("0.02")
+    swarm.join("2", name="slow", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "eval-initial:0"})
+    assert swarm.finish() == 0, swarm.log()
+    events = swarm.events()
+    assert any(r["evaluators"] == ["slow"] for r in events if r["event"] == "round")
+    assert len([e for e in events if e["event"] == "initial"]) == 1, [e for e in events if e["event"] == "initial"]
+
+
+@pytest.mark.parametrize("attack", ["scale-ring", "flip-ring", "noise-ring"])
+def test_poisoned_contribution_is_refused_before_theta_moves_and_its_sender_found(tmp_path: Path, attack: str) -> None:
+    # 3 honest nodes + 1 that sends 1000 x (or -10 x, or noise of 10 x) its Δ while reporting its
+    # true norm. Before, the run ended "fine" with val loss ~51,795 (x1000) and nobody noticed.
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": f"{attack}:1"})
+    for i in range(3):
+        swarm.join("0.02", name=f"good{i}")
+    assert swarm.finish() == 0, swarm.log()
+    events = swarm.events()
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    vals = [e["val_loss"] for e in events if e["event"] == "round" and e["val_loss"] is not None]
+    assert len(vals) >= 2 and max(vals) < initial, (initial, vals)  # θ was never poisoned
+    assert any(e["event"] == "poisoned" for e in events)
+    found = {e["name"] for e in events if e["event"] == "poisoner"}
+    assert found == {"bad"}, found  # and no honest node was ever blamed
+    assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
+    check_exactly_once(events, 2 * BATCH)

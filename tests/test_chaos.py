@@ -15,7 +15,7 @@ from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import check_exactly_once, drift_cmd, make_task_repo
 
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "inner_steps": 6}
 

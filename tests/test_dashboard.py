@@ -18,7 +18,7 @@ from conftest import drift_cmd, make_task_repo, run_async
 
 from drift.dashboard import CLIENT_QUEUE, MAX_CLIENTS, MAX_REQUEST, Dashboard, parse_addr, read_events, write_static
 from drift.monitor import Eta
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 TEX = "$\\evil$ &amp; <b>x</b>"

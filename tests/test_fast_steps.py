@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import check_exactly_once, drift_cmd
 
-from drift.simulate import make_task_repo
+from harness.simulate import make_task_repo
 
 TASK = Path(__file__).parent / "tasks" / "points_mlp.py"
 BATCH, UNIT_STEPS = 16, 2

@@ -1,6 +1,6 @@
 """Nothing from the network can crash the coordinator or a node.
 
-Real iroh endpoints on loopback throw hostile connections and frames (drift/hostile.py) at each
+Real iroh endpoints on loopback throw hostile connections and frames (tests/harness/hostile.py) at each
 ALPN: the coordinator's drift/0, a state server's drift-state/0, a node ring's drift-ring/0, and
 an ALPN nobody serves. Each bad connection must end in one dropped-connection line with its
 reason, closed, while the server goes on serving: a real handshake, a state fetch, an all-reduce,
@@ -25,14 +25,12 @@ from conftest import make_task_repo, run_async
 from rich.console import Console
 
 from auth import NodeKey, sign_message
-from drift import hostile
 from drift import protocol as P
 from drift.coordinator import MAX_REJECTED, Coordinator
 from drift.diloco import ParamLayout, checksum
 from drift.monitor import Monitor, NodeView
 from drift.recipe import load_recipe
 from drift.ring import MAX_PENDING, Ring
-from drift.simulate import Swarm
 from drift.state import StateServer, fetch_state, into_arrays
 from drift.transport import (
     CONTROL_ALPN,
@@ -41,6 +39,8 @@ from drift.transport import (
     STATE_ALPN,
     Endpoint,
 )
+from harness import hostile
+from harness.simulate import Swarm
 
 # How long an attack waits for the server to hang up before it hangs up itself.
 PATIENCE = 1.0

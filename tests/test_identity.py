@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import drift_cmd, make_task_repo
 
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 
 def _error_line(p: subprocess.Popen, log: Path) -> str:

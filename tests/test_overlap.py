@@ -13,7 +13,7 @@ from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
 from drift.diloco import OverlappedDiLoCo, ParamLayout, SyncRule
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "sync": "overlapped"}
 

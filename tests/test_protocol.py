@@ -17,7 +17,6 @@ SAMPLES = [
     P.TrainingReady(nodes=[A]),
     P.TrainingCancel(reason="why"),
     P.Ping(nonce=3),
-    P.Pong(nonce=3),
     P.Heartbeat(round=1),
     P.ShardAssignment(round=1, epoch=0, units=[P.WorkUnit(id=1, lo=0, hi=64)], planned=3, report_val=True),
     P.TrainProgress(round=1, unit=P.WorkUnit(id=2, lo=0, hi=64), steps=2, loss=3.2, samples_per_s=100.0),
@@ -42,7 +41,6 @@ SAMPLES = [
     P.ShardAssignment(
         round=2, epoch=0, units=[], role="evaluate", state=P.StateSource(round=1, checksum="c", tickets=["t"])
     ),
-    P.CheckpointInfo(round=1, path="p", checksum="c"),
     P.TrainComplete(rounds=3, final_val_loss=1.0),
 ]
 

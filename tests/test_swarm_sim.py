@@ -16,7 +16,7 @@ from conftest import SIM, WRAPPERS, check_exactly_once, make_task_repo
 from conftest import SIM_BATCH as BATCH
 
 from drift.recipe import load_recipe
-from drift.simulate import Swarm
+from harness.simulate import Swarm
 
 
 def _step_s(events: list[dict], node_id: str) -> float:

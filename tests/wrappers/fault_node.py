@@ -13,11 +13,28 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        reach the coordinator (a congested link): its retry arrives meanwhile
   lie-report           report, at that round's barrier, one of its units twice
   diverge              apply a different outer step in that round (θ no longer matches the swarm's)
+  withhold-done        from that round on, never send RoundDone (θ after the outer step), heartbeating
+                       on as if busy: the coordinator must not wait for it forever
+  other-task           claim another initial θ in its RepoCommit (it loaded a different task); ROUND
+                       is ignored
+  claim-fast           claim 1e9 samples/s (calibration and every TrainProgress) while training at
+                       its real pace; ROUND is ignored
+  eval-initial         answer every evaluation job as if it were of the initial θ (after_round -1);
+                       ROUND is ignored
+  val-every-round      report a val loss of 1e6 in every RoundDone it was not asked for one; ROUND
+                       is ignored
+  scale-ring           from that round on, send 1000 x its weighted Δ into the all-reduce while
+                       reporting its true norm (a hostile node); flip-ring: -10 x; noise-ring:
+                       Gaussian noise of 10 x its Δ's norm
+  stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
+                       STOP_SENDING) and hang in that read, heartbeating on: every later send of the
+                       coordinator to it fails
 
 The test then kills, continues or watches the node. Everything else is the real `drift join`.
 """
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -30,7 +47,7 @@ from drift.cli import main
 from drift.inner import InnerLoop
 from drift.node import Session
 from drift.ring import Ring
-from drift.transport import TransportError
+from drift.transport import Channel, TransportError
 
 kind, _, arg = os.environ["DRIFT_TEST_FAULT"].partition(":")
 at = int(arg)
@@ -130,6 +147,77 @@ elif kind == "diverge":
         orig(self, theta, grad)
         if Session.current_round == at:
             theta[0] += 1.0
+
+    @patch(Session, "_round")
+    async def _(orig, self, a):
+        Session.current_round = a.round
+        return await orig(self, a)
+elif kind == "stop-reading":
+    stopped: list[Channel] = []
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.BarrierSync) and msg.round == at and not stopped:
+            stopped.append(self.ctl)
+            await self.ctl._recv.stop(0)  # (after the read in flight: the next Ping ends it)
+        await orig(self, msg)
+
+    @patch(Channel, "recv_frame")
+    async def _(orig, self, max_size, timeout=30.0):
+        if self not in stopped:
+            try:
+                return await orig(self, max_size, timeout)
+            except Exception:
+                if self not in stopped:  # (the read in flight fails when the stream is stopped)
+                    raise
+        await asyncio.Event().wait()
+elif kind == "withhold-done":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if not (isinstance(msg, P.RoundDone) and msg.round >= at):
+            await orig(self, msg)
+elif kind == "other-task":
+
+    @patch(Session, "_repo_commit")
+    def _(orig, self, t):
+        t.initial_checksum = "0" * 64
+        return orig(self, t)
+elif kind == "claim-fast":
+
+    @patch(Session, "_repo_commit")
+    def _(orig, self, t):
+        t.calibration = dataclasses.replace(t.calibration, samples_per_s=1e9)
+        return orig(self, t)
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, (P.TrainProgress, P.EvalResult)):
+            msg = msg.model_copy(update={"samples_per_s": 1e9})
+        await orig(self, msg)
+elif kind in ("eval-initial", "val-every-round"):
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if kind == "eval-initial" and isinstance(msg, P.EvalResult):
+            msg = msg.model_copy(update={"after_round": -1, "val_loss": 1e6})
+        if kind == "val-every-round" and isinstance(msg, P.RoundDone) and msg.val_loss is None:
+            msg = msg.model_copy(update={"val_loss": 1e6})
+        await orig(self, msg)
+elif kind in ("scale-ring", "flip-ring", "noise-ring"):
+
+    @patch(diloco.SyncRule, "contribute")
+    def _(orig, self, delta, weight):
+        orig(self, delta, weight)
+        if Session.current_round >= at and weight > 0:
+            if kind == "scale-ring":
+                delta *= np.float32(1000)
+            elif kind == "flip-ring":
+                delta *= np.float32(-10)
+            else:
+                norm = float(np.linalg.norm(delta))
+                noise = np.random.default_rng().standard_normal(delta.size).astype(np.float32)
+                delta += noise * np.float32(10 * norm / float(np.linalg.norm(noise)))
 
     @patch(Session, "_round")
     async def _(orig, self, a):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 

@@ -1,0 +1,199 @@
+"""The round's rules as pure decisions over one record per node: who is in the ring, when the
+barrier opens, who is overdue, who stops early, who disagrees with the majority, whom both ring
+neighbours caught. No clocks, no I/O: the caller (drift.round) passes times in and acts on the
+answer, and tests/test_rules.py checks each rule in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from drift import protocol as P
+
+Role = Literal["train", "evaluate", "wait", "late"]
+# train: in this round's barrier and ring (unless it sits out); evaluate: too slow to train, it
+# evaluates θ; wait: needs θ first while the round before is still reduced (overlapped sync);
+# late: entered after the round started, only told how the round ended (catching up).
+
+
+@dataclass
+class NodeRound:
+    """What one node did in one round, as the coordinator saw it."""
+
+    role: Role
+    last_progress: float = 0.0  # when it last showed progress (a grant, a finished unit)
+    t_unit: float = 0.0  # since when its current unit has been in the works (start, last finished unit)
+    trained: int = 0  # samples of its granted units it reported trained so far (TrainProgress)
+    synced: P.BarrierSync | None = None  # its report at the barrier
+    t_sync: float = 0.0
+    done: P.RoundDone | None = None  # its θ after the outer step (this ring epoch)
+    excluded: bool = False  # weight 0 this round: its work is redone by others
+    sitting_out: bool = False  # not in the ring: it gets θ from a peer when the round settles
+    early: bool = False  # told to stop ahead of the others (tail)
+    catching_up: bool = False  # not in this round's ring: told what θ became when it settles
+    behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
+
+    @property
+    def counted(self) -> bool:
+        """Its barrier report counts (synced, not excluded)."""
+        return self.synced is not None and not self.excluded
+
+
+Records = Mapping[str, NodeRound]
+
+
+def samples(units: list[P.WorkUnit]) -> int:
+    return sum(u.hi - u.lo for u in units)
+
+
+def part(recs: Records) -> list[str]:
+    """The nodes in this round's barrier and ring, in the records' order."""
+    return [i for i, r in recs.items() if r.role == "train" and not r.sitting_out]
+
+
+def weights(recs: Records, ring: list[str]) -> dict[str, float]:
+    """Each ring member's weight: its counted samples over all counted samples (0 when excluded)."""
+    n = {i: samples(recs[i].synced.trained) if recs[i].counted else 0 for i in ring}
+    total = sum(n.values())
+    return {i: (n[i] / total if total else 0.0) for i in ring}
+
+
+@dataclass(frozen=True)
+class BarrierDecision:
+    action: Literal["wait", "abandon", "ring"]
+    stragglers: tuple[str, ...] = ()  # excluded and never synced: they sit this round out
+
+
+def barrier(recs: Records) -> BarrierDecision:
+    """The barrier opens once every node in it synced or was excluded (a missed deadline); with
+    no usable work at all the round is abandoned. Raises RoundError-worthy ValueError when empty."""
+    members = part(recs)
+    if not members:
+        raise ValueError("every training node has left")
+    unsynced = [i for i in members if recs[i].synced is None]
+    if any(not recs[i].excluded for i in unsynced):
+        return BarrierDecision("wait")
+    if not any(recs[i].counted for i in members):
+        return BarrierDecision("abandon")
+    return BarrierDecision("ring", tuple(unsynced))
+
+
+def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, others: int) -> bool:
+    """A node past its deadline: it waited more than `factor` times what its speed predicts, plus
+    heartbeat slack. `others`: the members that could take its work over (anyone else in the
+    swarm); the last one standing has no deadline (its silence ends it instead)."""
+    return others > 0 and waited > factor * expected + 2 * heartbeat_s
+
+
+def reduce_overdue(
+    ring: list[str],
+    recs: Records,
+    waited: float,
+    first_done_s: float | None,
+    factor: float,
+    slack: float,
+    extra: Mapping[str, float] | None = None,
+) -> list[str]:
+    """Ring members that have not reported θ long after the first member did: `waited` seconds
+    since BarrierReady, `first_done_s` what the first reporter took for the same all-reduce and
+    outer step. The ring is all or nothing, so a member that finished proves the others' part is
+    done: past `factor` times its time plus `slack` (plus `extra[i]`: work only node i does, an
+    evaluation) a member that is still silent is behind."""
+    if first_done_s is None:
+        return []
+    extra = extra or {}
+    return [
+        i
+        for i in ring
+        if recs[i].done is None and not recs[i].behind and waited > factor * first_done_s + slack + extra.get(i, 0.0)
+    ]
+
+
+def tail_stops(
+    active: list[str], in_hand: Mapping[str, int], remaining: int, speed: Mapping[str, float], batch_size: int
+) -> list[str]:
+    """Nodes whose next inner step would end after everyone else ran out of work: they stop now,
+    so nobody waits at the barrier for most of a slow step. Slowest first; one always goes on."""
+    active = list(active)
+    stops: list[str] = []
+    for i in sorted(active, key=lambda i: speed[i]):
+        others = [j for j in active if j != i]
+        if not others:
+            break
+        left_s = (remaining + sum(in_hand[j] for j in others)) / sum(speed[j] for j in others)
+        if batch_size / speed[i] > left_s:
+            stops.append(i)
+            active.remove(i)
+    return stops
+
+
+NORM_OUTLIER = 10.0  # a Δ this many times the median size per inner step is no honest one
+
+
+def norm_outliers(norms: Mapping[str, tuple[float, int]], factor: float = NORM_OUTLIER) -> list[str]:
+    """Nodes whose reported Δ norm per inner step is more than `factor` times the median of all
+    (norm, steps) reports: with three or more reports a single outlier cannot move the median.
+    With fewer, nobody can tell which one is off: none is."""
+    if len(norms) < 3:
+        return []
+    per_step = {i: n / max(steps, 1) for i, (n, steps) in norms.items()}
+    median = sorted(per_step.values())[len(per_step) // 2]
+    return [i for i, v in per_step.items() if median > 0 and v > factor * median]
+
+
+class NoMajority(Exception):
+    """No checksum of θ is held by more than half of the ring."""
+
+
+def minority(checksums: Mapping[str, str]) -> list[str]:
+    """The nodes whose θ checksum disagrees with the majority's; NoMajority when no checksum has
+    more than half."""
+    counts = Counter(checksums.values())
+    if len(counts) <= 1:
+        return []
+    top, n = counts.most_common(1)[0]
+    if 2 * n <= len(checksums):
+        raise NoMajority()
+    return [i for i, c in checksums.items() if c != top]
+
+
+def finished_by_majority(ring: list[str], done: set[str]) -> bool:
+    """A ring that a majority of its members finished (and whose finishers agree, checked by the
+    caller) counts even though the others report it failed: the ring is all or nothing."""
+    failed = [i for i in ring if i not in done]
+    return bool(failed) and 2 * (len(ring) - len(failed)) > len(ring)
+
+
+def caught(suspects: Mapping[str, set[str]], ring: list[str]) -> list[str]:
+    """Ring members caught breaking the all-reduce by both their neighbours (the ring reverses on
+    every retry, so each node's output reaches two neighbours; one node alone cannot frame another)."""
+    return [i for i, by in suspects.items() if len(by) >= 2 and i in ring]
+
+
+def evaluators(speeds: Mapping[str, float], budget: int, batch_size: int, slow_fraction: float) -> set[str]:
+    """Nodes so slow that one inner step would hold the swarm back: they evaluate instead.
+
+    A node evaluates when it is more than 1/slow_fraction times slower than the fastest node AND
+    a single inner step of it takes longer than slow_fraction of the round's expected length (the
+    round budget over the trainers' summed speed). The fastest trains."""
+    if not speeds:
+        return set()
+    fastest = max(speeds, key=speeds.get)
+    out: set[str] = set()
+    for i in sorted(speeds, key=speeds.get):  # slowest first
+        if i == fastest:
+            break
+        round_s = budget / sum(v for k, v in speeds.items() if k not in out)
+        if speeds[i] < slow_fraction * speeds[fastest] and batch_size / speeds[i] > slow_fraction * round_s:
+            out.add(i)
+    return out
+
+
+def clock_speed(samples: int, since: float, now: float) -> float | None:
+    """A node's speed by the coordinator's own clock: the samples of a finished unit over the time
+    since its previous one finished (or the round began). None when no time passed."""
+    dt = now - since
+    return samples / dt if dt > 0 and samples > 0 else None

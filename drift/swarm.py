@@ -1,0 +1,153 @@
+"""The swarm's state, with one owner: who is in the run, how fast each node is, which θ each
+holds, its strikes, the agreed checksum of θ after each round and the ring epoch. The
+Coordinator serves connections and the rounds decide; both change this state only through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from drift import protocol as P
+from drift import rules
+from drift.inner import finite_positive
+from drift.recipe import Recipe
+from drift.transport import Channel
+
+log = logging.getLogger("drift.coord")
+
+MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
+STRIKE_ROUNDS = 10  # ... within this many rounds: older strikes expire (an honest node's bad luck decays)
+
+
+@dataclass
+class Peer:
+    """An admitted node's connection."""
+
+    info: P.NodeInfo
+    ch: Channel
+    commit: P.RepoCommit | None = None
+    gone: str = "connection closed"  # why its connection ended (for the log), once it has
+    broken: str | None = None  # why we closed it ourselves (a send to it failed)
+
+    @property
+    def id(self) -> str:
+        return self.info.node_id
+
+
+Note = Callable[..., None]  # note(kind, **fields): one metrics event
+
+
+class Swarm:
+    """Members and what the coordinator knows of each."""
+
+    def __init__(self, recipe: Recipe, note: Note = lambda kind, **fields: None):
+        self.recipe = recipe
+        self.note = note
+        self.members: dict[str, Peer] = {}  # nodes in the run now
+        self.speed: dict[str, float] = {}  # samples/s: calibrated at join, then measured
+        self.last_seen: dict[str, float] = {}  # monotonic time of each node's last message
+        self.state_round: dict[str, int] = {}  # the round whose θ each node holds (-1: initial θ)
+        self.checksums: dict[int, str] = {}  # the agreed checksum of θ after each round
+        self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
+        self.strikes: dict[str, list[int]] = {}  # the rounds of each node's recent misbehaviours (strike)
+        self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
+        self.measured: set[str] = set()  # nodes whose speed our own clock has measured
+        self.poison_suspects: set[str] = set()  # one of these sent more into a ring than it reported
+
+    def name(self, i: str) -> str:
+        return self.members[i].info.name if i in self.members else i[:10]
+
+    def newest(self) -> int:
+        """The newest round with an agreed θ (-1: the initial θ)."""
+        return max(self.checksums)
+
+    def seen(self, i: str, now: float | None = None) -> None:
+        self.last_seen[i] = time.monotonic() if now is None else now
+
+    def holds(self, i: str, rnd: int) -> None:
+        """Node i says it holds θ of round rnd (believed only for a θ that was agreed)."""
+        if rnd in self.checksums:
+            self.state_round[i] = rnd
+
+    def enter(self, p: Peer, state_round: int) -> None:
+        self.members[p.id] = p
+        self.speed[p.id] = self.bounded(p.id, self.checked_speed(p, p.commit.samples_per_s if p.commit else None))
+        self.seen(p.id)
+        self.state_round[p.id] = state_round
+
+    def leave(self, i: str) -> Peer | None:
+        """Remove node i from the run; returns its connection (None if it was not a member)."""
+        self.evaluating.discard(i)
+        self.measured.discard(i)
+        return self.members.pop(i, None)
+
+    def checked_speed(self, peer: Peer, sps: float | None) -> float:
+        """A node's claimed speed, unless it is absurd (then: the slowest speed we trust)."""
+        if finite_positive(sps):
+            return float(sps)
+        trusted = [v for k, v in self.speed.items() if k != peer.id]
+        fallback = min(trusted) if trusted else 1.0
+        log.warning(
+            "node %s reported an absurd speed (%r); planning with %.3g samples/s until measured",
+            peer.info.name,
+            sps,
+            fallback,
+        )
+        self.note("absurd_speed", node_id=peer.id, name=peer.info.name, reported=str(sps), used=fallback)
+        return fallback
+
+    def bounded(self, i: str, claim: float) -> float:
+        """A speed node i claims (calibration, an evaluation's timing): never above the fastest
+        node our clock has measured. (Before anyone is measured, at the first round, claims
+        decide who evaluates.)"""
+        fastest = max((self.speed[j] for j in self.measured if j != i and j in self.members), default=None)
+        return claim if fastest is None else min(claim, fastest)
+
+    def measured_speed(self, i: str, sps: float | None) -> None:
+        """A node's speed as our clock measured it on a finished unit, averaged in: one unit of a
+        fast device is a few milliseconds, and one hiccup must not make it look 20x slower. A
+        node that really became far slower is caught by its deadline instead (slowed)."""
+        if i in self.speed and finite_positive(sps):
+            first = i not in self.measured  # a claim above what we measured goes at once
+            self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps
+            self.measured.add(i)
+
+    def claimed_speed(self, i: str, sps: float | None) -> None:
+        """An evaluator's own estimate of its training speed (from its evaluation's timing):
+        averaged in like a measurement, but never above the fastest measured node."""
+        if i in self.speed and finite_positive(sps):
+            self.speed[i] = 0.5 * self.speed[i] + 0.5 * self.bounded(i, sps)
+
+    def slowed(self, i: str, at_most: float) -> None:
+        """What a missed deadline tells: node i is at least this slow."""
+        self.speed[i] = min(self.speed[i], at_most)
+
+    def strike(self, i: str, rnd: int) -> bool:
+        """Count one misbehaviour of node i in round rnd (θ that disagrees, a ring it breaks, a
+        round it held up); True once it has had MAX_STRIKES within STRIKE_ROUNDS rounds and should
+        be dropped."""
+        recent = [r for r in self.strikes.get(i, []) if r > rnd - STRIKE_ROUNDS]
+        self.strikes[i] = [*recent, rnd]
+        return len(self.strikes[i]) >= MAX_STRIKES
+
+    def evaluators(self, budget: int) -> set[str]:
+        """The members too slow to train this round (rules.evaluators)."""
+        r = self.recipe
+        return rules.evaluators({i: self.speed[i] for i in self.members}, budget, r.batch_size, r.slow_node_fraction)
+
+    def state_source(self, node: str, force: bool = False, own: str | None = None) -> P.StateSource | None:
+        """Where `node` gets the swarm's newest agreed θ, or None when it already holds it. `own`:
+        the coordinator's ticket, when it serves that θ itself (a resumed checkpoint)."""
+        last = self.newest()
+        if self.state_round.get(node) == last and not force:
+            return None
+        donors = sorted(
+            (i for i in self.members if self.state_round.get(i) == last and i != node), key=lambda i: -self.speed[i]
+        )
+        tickets = [self.members[i].info.ring_ticket for i in donors]
+        if own is not None:
+            tickets.append(own)
+        return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[: P.MAX_NODES])

@@ -1,0 +1,1 @@
+"""Test and benchmark harness (never shipped): swarms of real processes, hostile peers."""

@@ -1,0 +1,168 @@
+"""The round's rules (drift.rules) as pure decisions over one record per node: no processes, no
+network, milliseconds. The swarm tests show the same rules acting on real nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from drift import protocol as P
+from drift import rules
+from drift.rules import NodeRound
+
+
+def _sync(n: int, rnd: int = 0) -> P.BarrierSync:
+    units = [P.WorkUnit(epoch=0, id=0, lo=0, hi=n)] if n else []
+    return P.BarrierSync(round=rnd, samples=n, steps=1, loss=None, trained=units)
+
+
+def _recs(**kw: NodeRound) -> dict[str, NodeRound]:
+    return dict(kw)
+
+
+def test_part_is_the_trainers_not_sitting_out_in_order() -> None:
+    recs = _recs(
+        a=NodeRound("train"),
+        b=NodeRound("evaluate"),
+        c=NodeRound("train", sitting_out=True),
+        d=NodeRound("wait"),
+        e=NodeRound("train"),
+        f=NodeRound("late", catching_up=True),
+    )
+    assert rules.part(recs) == ["a", "e"]
+
+
+def test_barrier_waits_for_every_trainer_not_excluded() -> None:
+    recs = _recs(a=NodeRound("train", synced=_sync(64)), b=NodeRound("train"))
+    assert rules.barrier(recs).action == "wait"
+
+
+def test_barrier_goes_on_without_stragglers_past_their_deadline() -> None:
+    recs = _recs(a=NodeRound("train", synced=_sync(64)), b=NodeRound("train", excluded=True))
+    d = rules.barrier(recs)
+    assert d.action == "ring" and d.stragglers == ("b",)
+
+
+def test_barrier_abandons_a_round_whose_work_is_all_void() -> None:
+    recs = _recs(
+        a=NodeRound("train", synced=_sync(64), excluded=True),  # a bad report
+        b=NodeRound("train", excluded=True),  # a deadline
+    )
+    assert rules.barrier(recs).action == "abandon"
+
+
+def test_barrier_with_nobody_left_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        rules.barrier(_recs(a=NodeRound("evaluate")))
+
+
+def test_weights_follow_counted_samples_and_sum_to_one() -> None:
+    recs = _recs(
+        a=NodeRound("train", synced=_sync(96)),
+        b=NodeRound("train", synced=_sync(32)),
+        c=NodeRound("train", synced=_sync(64), excluded=True),
+    )
+    w = rules.weights(recs, ["a", "b", "c"])
+    assert w == {"a": 0.75, "b": 0.25, "c": 0.0}
+
+
+def test_overdue_needs_factor_times_expected_plus_slack_and_someone_else() -> None:
+    assert not rules.overdue(waited=4.99, expected=1.0, factor=4.0, heartbeat_s=0.5, others=1)
+    assert rules.overdue(waited=5.01, expected=1.0, factor=4.0, heartbeat_s=0.5, others=1)
+    assert not rules.overdue(waited=1e9, expected=1.0, factor=4.0, heartbeat_s=0.5, others=0)  # the last one finishes
+
+
+def test_tail_stops_the_slow_node_whose_next_step_outlasts_the_rest() -> None:
+    speed = {"fast": 1000.0, "slow": 10.0}
+    # 64 samples left in all: fast needs 0.064 s for them, one step of slow takes 6.4 s.
+    assert rules.tail_stops(["fast", "slow"], {"fast": 64, "slow": 0}, 0, speed, 64) == ["slow"]
+    # Plenty left: nobody stops.
+    assert rules.tail_stops(["fast", "slow"], {"fast": 64, "slow": 0}, 100_000, speed, 64) == []
+    # Never the last one.
+    assert rules.tail_stops(["slow"], {"slow": 0}, 0, speed, 64) == []
+
+
+def test_minority_and_no_majority() -> None:
+    assert rules.minority({"a": "x", "b": "x", "c": "y"}) == ["c"]
+    assert rules.minority({"a": "x", "b": "x"}) == []
+    with pytest.raises(rules.NoMajority):
+        rules.minority({"a": "x", "b": "y"})
+    with pytest.raises(rules.NoMajority):
+        rules.minority({"a": "x", "b": "x", "c": "y", "d": "y"})
+
+
+def test_a_ring_finished_by_a_majority_counts() -> None:
+    assert rules.finished_by_majority(["a", "b", "c"], {"a", "b"})
+    assert not rules.finished_by_majority(["a", "b"], {"a"})  # one of two is no majority
+    assert not rules.finished_by_majority(["a", "b", "c"], {"a", "b", "c"})  # nobody failed
+
+
+def test_only_a_node_caught_by_both_neighbours_sits_out() -> None:
+    suspects = {"a": {"b", "c"}, "b": {"a"}, "gone": {"a", "b"}}
+    assert rules.caught(suspects, ["a", "b", "c"]) == ["a"]
+
+
+def test_evaluators_are_the_nodes_too_slow_to_train() -> None:
+    speeds = {"gpu": 6000.0, "cpu": 10.0, "mid": 3000.0}
+    # A round of 6400 samples is ~0.7 s on the trainers; one step of the CPU takes 6.4 s.
+    assert rules.evaluators(speeds, 6400, 64, 0.1) == {"cpu"}
+    # With a round long enough that one CPU step is a small part of it, the CPU trains too.
+    assert rules.evaluators(speeds, 10_000_000, 64, 0.1) == set()
+    assert rules.evaluators({"only": 1.0}, 64, 64, 0.1) == set()  # the fastest always trains
+
+
+def test_a_ring_member_silent_long_after_the_first_reported_is_behind() -> None:
+    done = P.RoundDone(round=0, checksum="x")
+    recs = _recs(a=NodeRound("train", done=done), b=NodeRound("train"), c=NodeRound("train", done=done))
+    # The first reporter took 1 s: b gets 4 x 1 s + 4 s of slack, and 2 s more when it evaluates.
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 7.9, 1.0, 4.0, 4.0) == []
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, 1.0, 4.0, 4.0) == ["b"]
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, 1.0, 4.0, 4.0, {"b": 2.0}) == []
+    # Nobody reported yet: no deadline here (the ring's own timeouts end a ring that hangs).
+    assert rules.reduce_overdue(["b"], recs, 1e9, None, 4.0, 4.0) == []
+    recs["b"].behind = True  # counted once
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 1e9, 1.0, 4.0, 4.0) == []
+
+
+def test_speed_is_measured_by_our_clock() -> None:
+    assert rules.clock_speed(64, since=10.0, now=10.5) == 128.0
+    assert rules.clock_speed(64, since=10.0, now=10.0) is None
+
+
+def test_strikes_decay() -> None:
+    from drift.recipe import Recipe
+    from drift.swarm import STRIKE_ROUNDS, Swarm
+
+    s = Swarm(Recipe(name="t", task="x.py", rounds=1, inner_steps=1, batch_size=1))
+    assert not s.strike("a", 3)
+    assert not s.strike("a", 3 + STRIKE_ROUNDS)  # the first one expired
+    assert s.strike("a", 4 + STRIKE_ROUNDS)  # two within the window: dropped
+
+
+def test_a_reported_norm_far_outside_the_others_is_an_outlier() -> None:
+    norms = {"a": (1.0, 10), "b": (1.2, 10), "c": (0.5, 5), "x": (500.0, 10)}
+    assert rules.norm_outliers(norms) == ["x"]
+    assert rules.norm_outliers({"a": (1.0, 1), "x": (1e6, 1)}) == []  # two: nobody can tell which
+
+
+def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
+    import numpy as np
+
+    from drift.diloco import reduced_problem
+
+    rng = np.random.default_rng(0)
+    deltas = [rng.standard_normal(1000).astype(np.float32) for _ in range(4)]
+    ring = [
+        P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.25, norm=float(np.linalg.norm(d)))
+        for k, d in enumerate(deltas)
+    ]
+    honest = sum(0.25 * d for d in deltas)
+    assert reduced_problem(honest, ring) is None
+    for bad in (
+        1000 * deltas[3],
+        -10 * deltas[3],
+        10 * float(np.linalg.norm(deltas[3])) * deltas[0] / np.linalg.norm(deltas[0]),
+    ):
+        poisoned = sum(0.25 * d for d in deltas[:3]) + 0.25 * bad
+        assert "more than" in reduced_problem(poisoned, ring)
+    assert reduced_problem(np.full(1000, np.nan, np.float32), ring) is not None
+    assert reduced_problem(np.full(1000, 1e30, np.float32), ring) is not None
