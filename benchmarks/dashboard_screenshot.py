@@ -15,11 +15,11 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the harness
-from harness.simulate import Swarm, make_task_repo  # noqa: E402
 from conftest import SIM  # noqa: E402
+
+from harness.simulate import Swarm, make_task_repo  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "plots" / "dashboard.png"
 
