@@ -132,6 +132,7 @@ class Coordinator:
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self.strikes: dict[str, int] = {}  # misbehaviours per node (Coordinator.strike)
+        self.frozen = ""  # digest of the frozen base every node loaded (set at the start)
 
     # --- serving connections -------------------------------------------------------------------
 
@@ -352,7 +353,7 @@ class Coordinator:
     async def run(self) -> list[RoundResult]:
         """Wait for min_nodes, then run every round; returns one result per round."""
         peers = await self.wait_for_nodes()
-        for what in ("param_checksum", "n_train", "n_params"):
+        for what in ("param_checksum", "frozen_checksum", "n_train", "n_params"):
             seen = {getattr(p.commit, what) for p in peers}
             if len(seen) != 1:
                 await self._broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
@@ -364,6 +365,7 @@ class Coordinator:
         r = self.recipe
         self.checksums[-1] = peers[0].commit.param_checksum
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
+        self.frozen = peers[0].commit.frozen_checksum  # the base every node must share (not in θ)
         self._note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
         for p in peers:
             self._enter(p, -1)
@@ -498,6 +500,8 @@ class Coordinator:
             raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
         if theta.size != self.n_params:
             raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
+        if ck.manifest.get("frozen_base", "") != self.frozen:
+            raise CoordinatorError(f"{ck.path}: checkpoint needs another frozen base than the nodes loaded")
         layout = ParamLayout(ck.names, ck.shapes, int(ck.manifest.get("buffers", 0)))
         self.state.publish(ck.round, theta, velocity, got, layout)
         self.checksums[ck.round] = got
@@ -519,6 +523,7 @@ class Coordinator:
             "samples_seen": self.samples_at[rnd],
             "commit": self.commit,
             "recipe_hash": recipe_hash(self._model_fields()),
+            "frozen_base": self.frozen,  # the digest of the frozen parameters this θ needs ("" none)
             "run_id": self.run_id,
             "queue": self.positions[rnd],
         }
@@ -691,8 +696,9 @@ class Coordinator:
         async with self._joined:
             joining, self.joining = self.joining, []
         for p in joining:
-            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params) != (
+            if (p.commit.param_checksum, p.commit.frozen_checksum, p.commit.n_train, p.commit.n_params) != (
                 self.checksums[-1],
+                self.frozen,
                 self.n_train,
                 self.n_params,
             ):

@@ -117,6 +117,7 @@ class Trainer:
     snap: np.ndarray | None  # overlapped: the local copy at the barrier (then: what to add)
     calibration: Calibration
     initial_checksum: str  # of θ0: the coordinator checks every node built the same model
+    frozen_checksum: str = ""  # of the frozen base (not in θ), checked once at join
     held: int = -1  # the round whose state θ_global is
     held_checksum: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the worker's model, between inner steps
@@ -477,6 +478,7 @@ class Session:
         worker.reset_optimizer()  # ... and to a fresh AdamW, as every node starts
         t.publish(node.state, -1)
         t.initial_checksum = t.held_checksum
+        t.frozen_checksum = await loop.run_in_executor(None, worker.frozen_checksum)
         return t
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
@@ -506,6 +508,7 @@ class Session:
             timestamp=time.time(),
             nonce=secrets.token_hex(16),
             param_checksum=t.initial_checksum,
+            frozen_checksum=t.frozen_checksum,
             n_train=t.worker.n_train,
             n_params=t.layout.size,
             run_id=t.run_id,

@@ -151,6 +151,7 @@ class RepoCommit(_Msg):
     nonce: Token
     signature: Token = ""  # hex Ed25519 over every other field (auth.repo_commit)
     param_checksum: Token  # checksum of the initial θ this node built
+    frozen_checksum: Token = ""  # digest of its frozen parameters (a LoRA base; "" for none)
     n_train: Count  # training samples in the task this node loaded
     n_params: Count = 0  # values in θ: bounds what a state transfer may send
     run_id: Token = ""  # TrainConfig.run_id: binds the signature to this run

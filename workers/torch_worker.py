@@ -9,6 +9,7 @@ do not underflow, and is offered on CUDA/ROCm only.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -135,7 +136,10 @@ class TorchWorker:
         loss_fn = getattr(task_module, "loss", None)
         self._loss_fn: Callable[[torch.nn.Module, Any], Any] | None = loss_fn if callable(loss_fn) else None
 
-        self._params: dict[str, torch.nn.Parameter] = dict(sorted(self.model.named_parameters()))
+        # θ is the trainable state: a frozen base (LoRA's) stays in the model and nowhere else.
+        named = sorted(self.model.named_parameters())
+        self._params: dict[str, torch.nn.Parameter] = {n: p for n, p in named if p.requires_grad}
+        self._frozen: dict[str, torch.nn.Parameter] = {n: p for n, p in named if not p.requires_grad}
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
         persistent = self.model.state_dict(keep_vars=True).keys()  # not caches such as attention masks
         self._buffers: dict[str, torch.Tensor] = {
@@ -164,8 +168,15 @@ class TorchWorker:
         """Parameter names, sorted."""
         return list(self._params)
 
+    def frozen_checksum(self) -> str:
+        """A digest of the frozen parameters' names, shapes and float32 bytes ("" when every
+        parameter trains): nodes must share the same frozen base, checked once at join."""
+        return frozen_digest(
+            (n, p.detach().to("cpu", torch.float32).contiguous().numpy()) for n, p in self._frozen.items()
+        )
+
     def get_params(self) -> dict[str, np.ndarray]:
-        """A float32 C-contiguous copy of every parameter."""
+        """A float32 C-contiguous copy of every trainable parameter."""
         return _copies(self._params)
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
@@ -293,6 +304,16 @@ class TorchWorker:
             f"{self.task_name}: {source} returned {type(out).__name__}{shape}, not a scalar loss tensor "
             "(nor an output with a scalar .loss); return the loss, or define loss(model, batch) in the task"
         )
+
+
+def frozen_digest(tensors: Iterator[tuple[str, np.ndarray]]) -> str:
+    """blake2b over each (name, shape, float32 bytes), one tensor at a time; "" for none."""
+    h, n = hashlib.blake2b(digest_size=12), 0
+    for name, a in tensors:
+        h.update(f"{name}{list(a.shape)}".encode())
+        h.update(np.ascontiguousarray(a, np.float32).view(np.uint8))
+        n += 1
+    return h.hexdigest() if n else ""
 
 
 def _copies(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
