@@ -37,6 +37,7 @@ from drift.transport import (
     parse_ticket,
     peer_of,
 )
+from drift.weights import WeightsError, load_weights
 
 log = logging.getLogger("drift.coord")
 
@@ -116,7 +117,9 @@ class Coordinator:
         self.checksums: dict[int, str] = {}  # the agreed checksum of θ after each round
         self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
         self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
-        self.state = StateServer(allowed=lambda peer: peer in self.ready)  # a resumed checkpoint's θ, to members
+        # A resumed checkpoint's θ, to members; initial weights also to nodes in the handshake.
+        self.state = StateServer(allowed=lambda peer: peer in self.ready or peer in self._handshaking)
+        self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""  # why the last checkpoint could not be fetched
@@ -140,7 +143,15 @@ class Coordinator:
         """Bind and start accepting; returns the join ticket."""
         if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
             raise CoordinatorError(why)
+        if self.recipe.init_weights is not None and self.resume is None:
+            try:
+                layout, theta, velocity, digest = load_weights(Path(self.recipe.init_weights))
+            except WeightsError as e:
+                raise CoordinatorError(f"init_weights: {e}") from None
+            self.state.publish(-1, theta, velocity, digest, layout)
         self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN))
+        if (cur := self.state.current) is not None and cur.round == -1:
+            self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
         self._spawn(self._accept_loop())
         self._spawn(self._ping())
         return self.endpoint.ticket()
@@ -244,7 +255,12 @@ class Coordinator:
             peer = Peer(info, ch)
             await ch.send_frame(
                 P.encode(
-                    P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"), commit=self.commit)
+                    P.TrainConfig(
+                        run_id=self.run_id,
+                        recipe=self.recipe.model_dump(mode="json"),
+                        commit=self.commit,
+                        init=self.init,
+                    )
                 )
             )
             rc = await self._next_message(ch, LOAD_TIMEOUT)  # the node loads the task first: it heartbeats
@@ -366,7 +382,14 @@ class Coordinator:
         self.checksums[-1] = peers[0].commit.param_checksum
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
         self.frozen = peers[0].commit.frozen_checksum  # the base every node must share (not in θ)
-        self._note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
+        self._note(
+            "training_started",
+            nodes=len(peers),
+            n_train=self.n_train,
+            unit_samples=r.unit_samples,
+            checksum=self.checksums[-1],
+            n_params=self.n_params,
+        )
         for p in peers:
             self._enter(p, -1)
         queue = UnitQueue(self.n_train, r.unit_samples)

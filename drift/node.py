@@ -22,6 +22,7 @@ else is a copy of θ: transfers stream from and into these.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import os
 import secrets
@@ -55,6 +56,7 @@ from drift.transport import (
     mode_for_ticket,
     parse_ticket,
 )
+from drift.weights import placement
 from workers import BackendError, TaskError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
@@ -459,6 +461,8 @@ class Session:
                 "",
             )
             t.read_local(theta)
+            if cfg.init is not None:
+                await self._initial_weights(t, cfg.init)
             log.info(
                 "loaded %s: %d values (%d in buffers), %s on %s",
                 recipe.task,
@@ -480,6 +484,41 @@ class Session:
         t.initial_checksum = t.held_checksum
         t.frozen_checksum = await loop.run_in_executor(None, worker.frozen_checksum)
         return t
+
+    async def _initial_weights(self, t: Trainer, src: P.StateSource) -> None:
+        """θ₀ <- the coordinator's initial weights (drift-state/0), each tensor placed by name into
+        this node's layout, checksum-verified; a refusal naming what differs if they do not fit."""
+        misfit: list[str] = []
+
+        def sink(sent: ParamLayout):
+            plan = placement(sent, t.layout)
+            if isinstance(plan, str):
+                misfit.append(plan)
+                raise StateError(plan)
+            starts = [a for a, _, _ in plan]
+            view = memoryview(t.theta).cast("B")
+
+            def write(which: int, offset: int, data: memoryview) -> None:
+                if which == 1:  # the outer state of a fresh start: zeros (the checksum covers them)
+                    if np.frombuffer(data, np.uint8).any():
+                        raise StateError("the initial outer state is not zero")
+                    return
+                i, done = bisect.bisect_right(starts, offset) - 1, 0
+                while done < len(data):
+                    a, n, d = plan[i]
+                    at = offset + done
+                    take = min(len(data) - done, a + n - at)
+                    view[d + at - a : d + at - a + take] = data[done : done + take]
+                    done, i = done + take, i + 1
+
+            return write
+
+        try:
+            await fetch_state(self.node.endpoint, src.tickets, -1, src.checksum, sink)
+        except StateError as e:
+            why = misfit[0] if misfit else str(e)
+            raise await self._refuse(f"the coordinator's init_weights do not fit this model: {why}") from None
+        log.info("took θ₀ (init_weights) from the coordinator")
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
 

@@ -137,6 +137,7 @@ class TrainConfig(_Msg):
     run_id: Token
     recipe: dict[str, Any]  # the validated recipe (see recipe.py), as plain data
     commit: Token | None = None  # repo commit every node must run
+    init: StateSource | None = None  # θ₀ from the coordinator's initial weights (recipe init_weights)
 
 
 class RepoCommit(_Msg):

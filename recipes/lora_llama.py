@@ -29,7 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "n_head": 8,
     "n_embd": 512,
     "intermediate": 2048,  # the MLP's width
-    "lora_r": 8,
+    "lora_r": 8,  # 0: no adapters, every parameter trains (the full fine-tune of the same model)
     "lora_alpha": 16,
     "lora_targets": ["q_proj", "v_proj"],
 }
@@ -49,7 +49,8 @@ def make_dataset(cfg: dict[str, Any]) -> ByteDataset:
 
 
 def make_model(cfg: dict[str, Any]) -> torch.nn.Module:
-    """A LlamaForCausalLM from a config (initialised from torch's RNG), with LoRA adapters."""
+    """A LlamaForCausalLM from a config (initialised from torch's RNG), with LoRA adapters
+    (none when lora_r is 0)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,6 +70,8 @@ def make_model(cfg: dict[str, Any]) -> torch.nn.Module:
         )
     )
     base.loss_type = "ForCausalLM"
+    if int(c["lora_r"]) == 0:
+        return base
     lora = LoraConfig(
         r=int(c["lora_r"]),
         lora_alpha=int(c["lora_alpha"]),
