@@ -701,9 +701,15 @@ class Coordinator:
             self._measured_speed(i, msg.samples_per_s)
         if msg.after_round < 0:
             self.initial_val_loss = msg.val_loss
-            self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
+            self._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples, metrics=msg.metrics)
         else:
-            self._note("val", after_round=msg.after_round, val_loss=msg.val_loss, val_samples=msg.val_samples)
+            self._note(
+                "val",
+                after_round=msg.after_round,
+                val_loss=msg.val_loss,
+                val_samples=msg.val_samples,
+                metrics=msg.metrics,
+            )
         return True
 
     # --- membership ----------------------------------------------------------------------------

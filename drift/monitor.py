@@ -138,14 +138,29 @@ class Board:
                     if rec.get("seconds") and "step_s" in n
                 },
             )
+            self.scalars(step, {f"metrics/{k}": v for k, v in (rec.get("metrics") or {}).items()})
             self._w.flush()
         elif kind == "initial":
-            self.scalars(-1, {"loss/val": rec["val_loss"]})
+            self.scalars(
+                -1, {"loss/val": rec["val_loss"], **{f"metrics/{k}": v for k, v in rec.get("metrics", {}).items()}}
+            )
         elif kind == "val":
-            self.scalars(rec["after_round"], {"loss/val_evaluator": rec["val_loss"]})
+            self.scalars(
+                rec["after_round"],
+                {
+                    "loss/val_evaluator": rec["val_loss"],
+                    **{f"metrics/{k}_evaluator": v for k, v in rec.get("metrics", {}).items()},
+                },
+            )
 
     def close(self) -> None:
         self._w.close()
+
+
+def _metrics(rec: dict[str, Any]) -> str:
+    """The task's metrics for a line, e.g. "  val accuracy 0.9312" (names are plain ASCII: the
+    wire checks them)."""
+    return "".join(f"  val {k} {v:.4g}" for k, v in (rec.get("metrics") or {}).items())
 
 
 def _line(rec: dict[str, Any]) -> str:
@@ -156,9 +171,10 @@ def _line(rec: dict[str, Any]) -> str:
         return (
             f"round {rec['round']:>3}  train {tl}  val {vl}  samples {rec['samples']}  "
             f"{rec['seconds']:.1f}s  sync {rec['reduce_s']:.2f}s  {rec['bytes_sent'] / 2**20:.1f} MiB sent"
+            f"{_metrics(rec)}"
         )
     if kind == "initial":
-        return f"initial val loss {rec['val_loss']:.4f}"
+        return f"initial val loss {rec['val_loss']:.4f}{_metrics(rec)}"
     if kind == "node_joined":
         return (
             f"node joined: {printable(rec['name'], MAX_NAME)} ({printable(rec['device'], MAX_NAME)}) "

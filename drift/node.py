@@ -616,7 +616,11 @@ class Session:
             # Evaluators do not train, so their speed is re-measured here: a node that recovers
             # (a laptop that cooled down) trains again once it is fast enough.
             sps = t.recipe.batch_size / (batch_s * t.calibration.eval_ratio)
-            await self.send(P.EvalResult(after_round=t.held, val_loss=val, val_samples=n, samples_per_s=sps))
+            await self.send(
+                P.EvalResult(
+                    after_round=t.held, val_loss=val, val_samples=n, samples_per_s=sps, metrics=t.inner.metrics()
+                )
+            )
             return
         report = await t.inner.run_round(a)
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
@@ -767,6 +771,7 @@ class Session:
                 ring_epoch=ready.ring_epoch,
                 checksum=t.held_checksum,
                 val_loss=val,
+                metrics=t.inner.metrics() if val is not None else {},
                 bytes_sent=stats.bytes_sent,
                 reduce_s=stats.seconds,
             )

@@ -105,6 +105,9 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Rate = Annotated[float, Field(ge=0, le=MAX_RATE)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Loss = float  # finite on the wire (decode refuses NaN and Infinity); a diverged node may compute NaN
+MAX_METRICS = 16
+MetricName = Annotated[StrictStr, StringConstraints(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_./-]+$")]
+Metrics = Annotated[dict[MetricName, float], Field(max_length=MAX_METRICS)]  # a task's metrics(model, batch)
 # A signed RepoCommit as TrainingReady forwards it: one flat object of scalars (auth/ verifies it).
 SignedField = StrictBool | StrictInt | StrictFloat | Annotated[StrictStr, StringConstraints(max_length=MAX_PATH)] | None
 Signed = Annotated[dict[Annotated[StrictStr, StringConstraints(max_length=64)], SignedField], Field(max_length=32)]
@@ -297,6 +300,7 @@ class BarrierSync(_Msg):
     returned: Units = Field(default_factory=list)
     val_loss: Loss | None = None  # evaluators: val loss of θ at the start of this round
     val_samples: Count = 0
+    metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
     delta_error: Text | None = None  # the node's own Δ is unusable (NaN, absurd size): it sends zeros
     busy_s: Seconds = 0.0  # seconds spent in inner steps this round (utilization)
     lr: Annotated[float, Field(ge=0, le=1e6)] = 0.0  # the inner learning rate it trained with
@@ -350,6 +354,7 @@ class RoundDone(_Msg):
     ring_epoch: Round = 0
     checksum: Token
     val_loss: Loss | None = None
+    metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
     bytes_sent: Count = 0
     reduce_s: Seconds = 0.0
 
@@ -362,6 +367,7 @@ class EvalResult(_Msg):
     val_loss: Loss
     val_samples: Count
     samples_per_s: Rate | None = None  # training speed, estimated from the evaluation's timing
+    metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
 
 
 class Agreed(_Msg):

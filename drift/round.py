@@ -238,9 +238,15 @@ class Round:
         if msg.val_loss is not None and i == self.fastest:  # the node asked for it (report_val)
             if self.rnd == 0:
                 self.c.initial_val_loss = msg.val_loss
-                self.c._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples)
+                self.c._note("initial", val_loss=msg.val_loss, val_samples=msg.val_samples, metrics=msg.metrics)
             else:
-                self.c._note("val", after_round=self.rnd - 1, val_loss=msg.val_loss, val_samples=msg.val_samples)
+                self.c._note(
+                    "val",
+                    after_round=self.rnd - 1,
+                    val_loss=msg.val_loss,
+                    val_samples=msg.val_samples,
+                    metrics=msg.metrics,
+                )
 
     async def on_RoundDone(self, i: str, msg: P.RoundDone) -> None:
         if msg.round == self.rnd and msg.ring_epoch == self.c.ring_epoch and i in self.part():
@@ -539,7 +545,7 @@ class Round:
         self.queue.give_back(self.given_back)
         losses = [(s.loss, s.samples) for s in counted.values() if s.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
-        val = next((d.val_loss for d in done.values() if d.val_loss is not None), None)
+        val, metrics = next(((d.val_loss, d.metrics) for d in done.values() if d.val_loss is not None), (None, {}))
         samples = sum(_samples(s.trained) for s in counted.values())
         res = RoundResult(rnd, val, train_loss, checksum, samples, time.monotonic() - self.t0)
         mon = c.monitor
@@ -553,6 +559,7 @@ class Round:
                 round=rnd,
                 epoch=self.epoch,
                 val_loss=val,
+                metrics=metrics,
                 train_loss=train_loss,
                 samples=samples,
                 seconds=res.seconds,

@@ -119,3 +119,20 @@ def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> N
     )
     assert not unexpected and all(m.endswith("num_batches_tracked") for m in missing)
     assert any(not torch.equal(before[k], model.state_dict()[k]) for k in before)  # the statistics were learned
+
+    # The task's metrics(model, batch) (accuracy) beside the loss: metrics.jsonl, the terminal,
+    # TensorBoard and `drift report`'s metrics.png.
+    acc = [r["metrics"]["accuracy"] for r in rounds]
+    first = next(e for e in events if e["event"] == "initial")["metrics"]["accuracy"]
+    assert all(0.0 <= a <= 1.0 for a in [first, *acc]) and acc[-1] > first + 0.2, (first, acc)
+    assert f"val accuracy {acc[-1]:.4g}" in out.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir))
+    board.Reload()
+    assert [s.value for s in board.Scalars("metrics/accuracy")] == [np.float32(a) for a in [first, *acc]]
+    rep = subprocess.run(
+        drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")), capture_output=True, text=True, timeout=120
+    )
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert (tmp_path / "plots" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
