@@ -547,6 +547,7 @@ class Coordinator:
             "commit": self.commit,
             "recipe_hash": recipe_hash(self._model_fields()),
             "frozen_base": self.frozen,  # the digest of the frozen parameters this θ needs ("" none)
+            **self._model_fields(),  # what builds the model again (drift sample)
             "run_id": self.run_id,
             "queue": self.positions[rnd],
         }

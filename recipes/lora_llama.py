@@ -15,6 +15,7 @@ node then needs the same base, which the frozen-base digest checks at join.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from gpt2_shakespeare import VOCAB_SIZE, ByteDataset
@@ -79,4 +80,6 @@ def make_model(cfg: dict[str, Any]) -> torch.nn.Module:
         lora_dropout=0.0,
         bias="none",
     )
-    return get_peft_model(base, lora)
+    with warnings.catch_warnings():  # peft calls a transformers method that transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(base, lora)
