@@ -539,6 +539,26 @@ def status(as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", default="\n", show_default="a newline", help="Text the sample continues.")
+@click.option("-n", "--length", default=300, show_default=True, type=click.IntRange(1, 100_000), help="Tokens to add.")
+@click.option(
+    "--repo",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="The task's repo (default: the git repo of the current directory).",
+)
+def sample(run_dir: Path, prompt: str, length: int, repo: Path | None) -> None:
+    """Print text from the newest checkpoint of RUN_DIR (a task that defines sample(model, prompt, n))."""
+    from drift.sample import SampleError, sample_text
+
+    try:
+        click.echo(sample_text(run_dir, prompt, length, repo or repo_root(Path.cwd())))
+    except SampleError as e:
+        _fail(str(e))
+
+
+@main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "-o", "--out", type=click.Path(path_type=Path), default=None, help="Where the PNGs go (default: the first RUN_DIR)."

@@ -38,6 +38,7 @@ from drift.transport import (
     parse_ticket,
     peer_of,
 )
+from drift.weights import WeightsError, load_weights
 
 log = logging.getLogger("drift.coord")
 
@@ -121,7 +122,9 @@ class Coordinator:
         self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
         self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
-        self.state = StateServer(allowed=lambda peer: peer in self.ready)  # a resumed checkpoint's θ, to members
+        # A resumed checkpoint's θ, to members; initial weights also to nodes in the handshake.
+        self.state = StateServer(allowed=lambda peer: peer in self.ready or peer in self._handshaking)
+        self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""  # why the last checkpoint could not be fetched
@@ -140,6 +143,7 @@ class Coordinator:
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
+        self.frozen = ""  # digest of the frozen base every node loaded (set at the start)
 
     # --- serving connections -------------------------------------------------------------------
 
@@ -147,7 +151,15 @@ class Coordinator:
         """Bind and start accepting; returns the join ticket."""
         if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
             raise CoordinatorError(why)
+        if self.recipe.init_weights is not None and self.resume is None:
+            try:
+                layout, theta, velocity, digest = load_weights(Path(self.recipe.init_weights))
+            except WeightsError as e:
+                raise CoordinatorError(f"init_weights: {e}") from None
+            self.state.publish(-1, theta, velocity, digest, layout)
         self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN))
+        if (cur := self.state.current) is not None and cur.round == -1:
+            self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
         self._spawn(self._accept_loop())
         self._spawn(self._ping())
         return self.endpoint.ticket()
@@ -271,7 +283,12 @@ class Coordinator:
             peer = Peer(info, ch)
             await ch.send_frame(
                 P.encode(
-                    P.TrainConfig(run_id=self.run_id, recipe=self.recipe.model_dump(mode="json"), commit=self.commit)
+                    P.TrainConfig(
+                        run_id=self.run_id,
+                        recipe=self.recipe.model_dump(mode="json"),
+                        commit=self.commit,
+                        init=self.init,
+                    )
                 )
             )
             rc = await self._next_message(ch, LOAD_TIMEOUT)  # the node loads the task first: it heartbeats
@@ -399,7 +416,15 @@ class Coordinator:
         self.swarm.checksums[-1] = peers[0].commit.param_checksum
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
         self.layout = peers[0].commit.layout  # ParamLayout.digest(): checkpoints are checked against it
-        self.note("training_started", nodes=len(peers), n_train=self.n_train, unit_samples=r.unit_samples)
+        self.frozen = peers[0].commit.frozen_checksum  # the base every node must share (not in θ)
+        self.note(
+            "training_started",
+            nodes=len(peers),
+            n_train=self.n_train,
+            unit_samples=r.unit_samples,
+            checksum=self.swarm.checksums[-1],
+            n_params=self.n_params,
+        )
         for p in peers:
             self.swarm.enter(p, -1)
         queue = UnitQueue(self.n_train, r.unit_samples)
@@ -429,14 +454,20 @@ class Coordinator:
         majority nobody can tell which task is the run's, and everyone is cancelled."""
 
         def task(p: Peer) -> tuple:
-            return (p.commit.param_checksum, p.commit.n_train, p.commit.n_params, p.commit.layout)
+            return (
+                p.commit.param_checksum,
+                p.commit.frozen_checksum,
+                p.commit.n_train,
+                p.commit.n_params,
+                p.commit.layout,
+            )
 
         counts = Counter(task(p) for p in peers)
         top, n = counts.most_common(1)[0]
         if 2 * n <= len(peers):
             what = next(
                 w
-                for k, w in enumerate(("param_checksum", "n_train", "n_params", "layout"))
+                for k, w in enumerate(("param_checksum", "frozen_checksum", "n_train", "n_params", "layout"))
                 if len({task(p)[k] for p in peers}) > 1
             )
             seen = sorted({str(getattr(p.commit, what)) for p in peers})
@@ -556,6 +587,8 @@ class Coordinator:
             raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
         if theta.size != self.n_params:
             raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
+        if ck.manifest.get("frozen_base", "") != self.frozen:
+            raise CoordinatorError(f"{ck.path}: checkpoint needs another frozen base than the nodes loaded")
         layout = ParamLayout(ck.names, ck.shapes, int(ck.manifest.get("buffers", 0)))
         if self.layout and layout.digest() != self.layout:
             raise CoordinatorError(f"{ck.path}: its tensor names, shapes or order are not those of the nodes' model")
@@ -579,6 +612,8 @@ class Coordinator:
             "samples_seen": self.samples_at[rnd],
             "commit": self.commit,
             "recipe_hash": recipe_hash(self._model_fields()),
+            "frozen_base": self.frozen,  # the digest of the frozen parameters this θ needs ("" none)
+            **self._model_fields(),  # what builds the model again (drift sample)
             "run_id": self.run_id,
             "queue": self.positions[rnd],
         }
@@ -732,19 +767,19 @@ class Coordinator:
         self.swarm.evaluating.discard(i)
         if i in self.swarm.members:
             self.swarm.claimed_speed(i, msg.samples_per_s)
-        self.record_val(msg.after_round, msg.val_loss, msg.val_samples)
+        self.record_val(msg.after_round, msg.val_loss, msg.val_samples, msg.metrics)
         return True
 
-    def record_val(self, after_round: int, val_loss: float, val_samples: int) -> None:
+    def record_val(self, after_round: int, val_loss: float, val_samples: int, metrics: dict[str, float]) -> None:
         """The val loss of θ after round `after_round` (-1: the initial θ)."""
         if after_round in self.vals:  # the first answer stands: a second one cannot overwrite it
             return
         self.vals[after_round] = val_loss
         if after_round < 0:
             self.initial_val_loss = val_loss
-            self.note("initial", val_loss=val_loss, val_samples=val_samples)
+            self.note("initial", val_loss=val_loss, val_samples=val_samples, metrics=metrics)
         else:
-            self.note("val", after_round=after_round, val_loss=val_loss, val_samples=val_samples)
+            self.note("val", after_round=after_round, val_loss=val_loss, val_samples=val_samples, metrics=metrics)
 
     # --- membership ----------------------------------------------------------------------------
 
@@ -753,8 +788,15 @@ class Coordinator:
         async with self._joined:
             joining, self.joining = self.joining, []
         for p in joining:
-            if (p.commit.param_checksum, p.commit.n_train, p.commit.n_params, p.commit.layout) != (
+            if (
+                p.commit.param_checksum,
+                p.commit.frozen_checksum,
+                p.commit.n_train,
+                p.commit.n_params,
+                p.commit.layout,
+            ) != (
                 self.swarm.checksums[-1],
+                self.frozen,
                 self.n_train,
                 self.n_params,
                 self.layout,

@@ -45,6 +45,7 @@ class RoundReport:
     returned: list[P.WorkUnit] = field(default_factory=list)
     val_loss: float | None = None  # report_val in round 0: the loss of the initial θ
     val_samples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # the task's, beside val_loss
     busy_s: float = 0.0  # seconds spent in inner steps
     lr: float = 0.0  # the inner learning rate of the round
 
@@ -60,6 +61,7 @@ class RoundReport:
             returned=self.returned,
             val_loss=self.val_loss,
             val_samples=self.val_samples,
+            metrics=self.metrics,
         )
 
 
@@ -160,6 +162,10 @@ class InnerLoop:
         )
         return val, (time.perf_counter() - t0) / batches
 
+    def metrics(self) -> dict[str, float]:
+        """The task's metrics of the last evaluate() ({} when the task defines none)."""
+        return dict(getattr(self.worker, "metrics", {}))
+
     def _order(self, epoch: int) -> np.ndarray:
         """The epoch's sample order (kept for the last two epochs: a round may span both)."""
         if epoch not in self._orders:
@@ -206,6 +212,7 @@ class InnerLoop:
         report = RoundReport(lr=lr)
         if a.report_val and a.round == 0:  # the loss before any training, for the record
             report.val_loss, _ = await self.evaluate()
+            report.metrics = self.metrics()
             report.val_samples = min(self.worker.n_val, self.recipe.eval_batches * self.recipe.batch_size)
         state = {
             "round": a.round,

@@ -253,13 +253,14 @@ def scalars(rec: dict[str, Any]) -> list[tuple[int, dict[str, float | None]]]:
                         for name, n in rec.get("nodes", {}).items()
                         if secs and "step_s" in n
                     },
+                    **_task_metrics(rec),
                 },
             )
         ]
     if kind == "initial":
-        return [(-1, {"loss/val": rec["val_loss"]})]
+        return [(-1, {"loss/val": rec["val_loss"], **_task_metrics(rec)})]
     if kind == "val":
-        return [(rec["after_round"], {"loss/val_evaluator": rec["val_loss"]})]
+        return [(rec["after_round"], {"loss/val_evaluator": rec["val_loss"], **_task_metrics(rec, "_evaluator")})]
     return []
 
 
@@ -271,6 +272,17 @@ def _duration(s: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{x:02d}s" if m else f"{x}s"
 
 
+def _task_metrics(rec: dict[str, Any], suffix: str = "") -> dict[str, float]:
+    """The task's own metrics of an event as scalars (`metrics/accuracy`)."""
+    return {f"metrics/{k}{suffix}": v for k, v in (rec.get("metrics") or {}).items()}
+
+
+def _metrics(rec: dict[str, Any]) -> str:
+    """The task's metrics for a line, e.g. "  val accuracy 0.9312" (names are plain ASCII: the
+    wire checks them)."""
+    return "".join(f"  val {k} {v:.4g}" for k, v in (rec.get("metrics") or {}).items())
+
+
 def _line(rec: dict[str, Any]) -> str:
     kind = rec["event"]
     if kind == "round":
@@ -279,9 +291,10 @@ def _line(rec: dict[str, Any]) -> str:
         return (
             f"round {rec['round']:>3}  train {tl}  val {vl}  samples {rec['samples']}  "
             f"{rec['seconds']:.1f}s  sync {rec['reduce_s']:.2f}s  {rec['bytes_sent'] / 2**20:.1f} MiB sent"
+            f"{_metrics(rec)}"
         )
     if kind == "initial":
-        return f"initial val loss {rec['val_loss']:.4f}"
+        return f"initial val loss {rec['val_loss']:.4f}{_metrics(rec)}"
     if kind == "node_joined":
         return (
             f"node joined: {printable(rec['name'], MAX_NAME)} ({printable(rec['device'], MAX_NAME)}) "

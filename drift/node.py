@@ -22,6 +22,7 @@ else is a copy of θ: transfers stream from and into these.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import os
 import secrets
@@ -56,6 +57,7 @@ from drift.transport import (
     mode_for_ticket,
     parse_ticket,
 )
+from drift.weights import placement
 from workers import BackendError, TaskError, choose, load_task, make_worker
 
 log = logging.getLogger("drift.node")
@@ -118,6 +120,7 @@ class Trainer:
     snap: np.ndarray | None  # overlapped: the local copy at the barrier (then: what to add)
     calibration: Calibration
     initial_checksum: str  # of θ0: the coordinator checks every node built the same model
+    frozen_checksum: str = ""  # of the frozen base (not in θ), checked once at join
     held: int = -1  # the round whose state θ_global is
     held_checksum: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the worker's model, between inner steps
@@ -465,6 +468,8 @@ class Session:
                 "",
             )
             t.read_local(theta)
+            if cfg.init is not None:
+                await self._initial_weights(t, cfg.init)
             log.info(
                 "loaded %s: %d values (%d in buffers), %s on %s",
                 recipe.task,
@@ -484,7 +489,43 @@ class Session:
         worker.reset_optimizer()  # ... and to a fresh AdamW, as every node starts
         t.publish(node.state, -1)
         t.initial_checksum = t.held_checksum
+        t.frozen_checksum = await loop.run_in_executor(None, worker.frozen_checksum)
         return t
+
+    async def _initial_weights(self, t: Trainer, src: P.StateSource) -> None:
+        """θ₀ <- the coordinator's initial weights (drift-state/0), each tensor placed by name into
+        this node's layout, checksum-verified; a refusal naming what differs if they do not fit."""
+        misfit: list[str] = []
+
+        def sink(sent: ParamLayout):
+            plan = placement(sent, t.layout)
+            if isinstance(plan, str):
+                misfit.append(plan)
+                raise StateError(plan)
+            starts = [a for a, _, _ in plan]
+            view = memoryview(t.theta).cast("B")
+
+            def write(which: int, offset: int, data: memoryview) -> None:
+                if which == 1:  # the outer state of a fresh start: zeros (the checksum covers them)
+                    if np.frombuffer(data, np.uint8).any():
+                        raise StateError("the initial outer state is not zero")
+                    return
+                i, done = bisect.bisect_right(starts, offset) - 1, 0
+                while done < len(data):
+                    a, n, d = plan[i]
+                    at = offset + done
+                    take = min(len(data) - done, a + n - at)
+                    view[d + at - a : d + at - a + take] = data[done : done + take]
+                    done, i = done + take, i + 1
+
+            return write
+
+        try:
+            await fetch_state(self.node.endpoint, src.tickets, -1, src.checksum, sink)
+        except StateError as e:
+            why = misfit[0] if misfit else str(e)
+            raise await self._refuse(f"the coordinator's init_weights do not fit this model: {why}") from None
+        log.info("took θ₀ (init_weights) from the coordinator")
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
 
@@ -513,6 +554,7 @@ class Session:
             timestamp=time.time(),
             nonce=secrets.token_hex(16),
             param_checksum=t.initial_checksum,
+            frozen_checksum=t.frozen_checksum,
             n_train=t.worker.n_train,
             n_params=t.layout.size,
             layout=t.layout.digest(),
@@ -582,7 +624,11 @@ class Session:
             # Evaluators do not train, so their speed is re-measured here: a node that recovers
             # (a laptop that cooled down) trains again once it is fast enough.
             sps = t.recipe.batch_size / (batch_s * t.calibration.eval_ratio)
-            await self.send(P.EvalResult(after_round=t.held, val_loss=val, val_samples=n, samples_per_s=sps))
+            await self.send(
+                P.EvalResult(
+                    after_round=t.held, val_loss=val, val_samples=n, samples_per_s=sps, metrics=t.inner.metrics()
+                )
+            )
             return
         report = await t.inner.run_round(a)
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
@@ -740,6 +786,7 @@ class Session:
                 ring_epoch=ready.ring_epoch,
                 checksum=t.held_checksum,
                 val_loss=val,
+                metrics=t.inner.metrics() if val is not None else {},
                 bytes_sent=stats.bytes_sent,
                 reduce_s=stats.seconds,
             )

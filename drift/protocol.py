@@ -105,6 +105,9 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Rate = Annotated[float, Field(ge=0, le=MAX_RATE)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Loss = float  # finite on the wire (decode refuses NaN and Infinity); a diverged node may compute NaN
+MAX_METRICS = 16
+MetricName = Annotated[StrictStr, StringConstraints(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_./-]+$")]
+Metrics = Annotated[dict[MetricName, float], Field(max_length=MAX_METRICS)]  # a task's metrics(model, batch)
 # A signed RepoCommit as TrainingReady forwards it: one flat object of scalars (auth/ verifies it).
 SignedField = StrictBool | StrictInt | StrictFloat | Annotated[StrictStr, StringConstraints(max_length=MAX_PATH)] | None
 Signed = Annotated[dict[Annotated[StrictStr, StringConstraints(max_length=64)], SignedField], Field(max_length=32)]
@@ -137,6 +140,7 @@ class TrainConfig(_Msg):
     run_id: Token
     recipe: dict[str, Any]  # the validated recipe (see recipe.py), as plain data
     commit: Token | None = None  # repo commit every node must run
+    init: StateSource | None = None  # θ₀ from the coordinator's initial weights (recipe init_weights)
 
 
 class RepoCommit(_Msg):
@@ -151,6 +155,7 @@ class RepoCommit(_Msg):
     nonce: Token
     signature: Token = ""  # hex Ed25519 over every other field (auth.repo_commit)
     param_checksum: Token  # checksum of the initial θ this node built
+    frozen_checksum: Token = ""  # digest of its frozen parameters (a LoRA base; "" for none)
     n_train: Count  # training samples in the task this node loaded
     n_params: Count = 0  # values in θ: bounds what a state transfer may send
     layout: Token = ""  # ParamLayout.digest() of θ: a donor's tensor names, shapes and order must match
@@ -291,6 +296,7 @@ class BarrierSync(_Msg):
     returned: Units = Field(default_factory=list)
     val_loss: Loss | None = None  # evaluators: val loss of θ at the start of this round
     val_samples: Count = 0
+    metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
     delta_error: Text | None = None  # the node's own Δ is unusable (NaN, absurd size): it sends zeros
     busy_s: Seconds = 0.0  # seconds spent in inner steps this round (utilization)
     lr: Annotated[float, Field(ge=0, le=1e6)] = 0.0  # the inner learning rate it trained with
@@ -350,6 +356,7 @@ class RoundDone(_Msg):
     ring_epoch: Round = 0
     checksum: Token
     val_loss: Loss | None = None
+    metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
     bytes_sent: Count = 0
     reduce_s: Seconds = 0.0
 
@@ -362,6 +369,7 @@ class EvalResult(_Msg):
     val_loss: Loss
     val_samples: Count
     samples_per_s: Rate | None = None  # training speed, estimated from the evaluation's timing
+    metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
 
 
 class Agreed(_Msg):

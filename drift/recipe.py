@@ -67,6 +67,11 @@ class Recipe(_Strict):
     name: str = Field(description="names the run directory, runs/NAME-TIME")
     task: str = Field(description="task file, relative to the repo root")
     task_config: dict[str, Any] = Field(default_factory=dict)
+    init_weights: str | None = Field(
+        None,
+        description="θ₀ from a safetensors file or a save_pretrained directory (relative to the recipe "
+        "file), read by the coordinator only: nodes fetch it over drift-state/0",
+    )
     min_nodes: int = Field(1, ge=1)
     rounds: int = Field(ge=1)
     inner_steps: int = Field(ge=1, description="H: inner steps a node runs per round at equal speed")
@@ -195,6 +200,11 @@ def load_recipe(path: str | Path, check_task: bool = True) -> Recipe:
         raise RecipeError("\n".join(f"{p}: {_field_error(err)}" for err in e.errors())) from None
     if recipe.allowlist is not None:
         recipe.allowlist = _load_allowlist(p, recipe.allowlist)
+    if recipe.init_weights is not None:
+        w = (p.parent / recipe.init_weights).expanduser()
+        if not w.exists():
+            raise RecipeError(f"{p}: init_weights: {recipe.init_weights} not found")
+        recipe.init_weights = str(w.resolve())
     if check_task:
         task = repo_root(p) / recipe.task
         if not task.is_file():

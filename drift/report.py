@@ -5,6 +5,8 @@
     bytes.png        bytes each node sent per round
     utilization.png  the fraction of each node's wall-clock spent in inner steps: per round, and
                      over the whole run per node (from the rounds' per-node `step_s`)
+    metrics.png      the task's own metrics (its metrics(model, batch): accuracy, ...) against
+                     samples trained, one panel each; only when the task defines some
 
 Several run directories overlay in one set of plots (each labelled by its directory name), which
 is how benchmarks/bench_vs_ddp.py compares drift with synchronous data-parallel training. Any run
@@ -35,6 +37,7 @@ class Run:
 
     label: str
     initial_val: float | None = None
+    initial_metrics: dict = field(default_factory=dict)  # the task's metrics of θ0
     startup_s: float = 0.0
     rounds: list[dict] = field(default_factory=list)  # `round` events by round number, the last of each kept
     wall_s: float | None = None  # to the `complete` event, when there is one
@@ -50,6 +53,18 @@ class Run:
             if r.get("val_loss") is not None:
                 pts.append((samples, r["t"], r["val_loss"]))
         return pts
+
+    def metric_curves(self) -> dict[str, list[tuple[int, float]]]:
+        """{metric: [(samples trained, value)]} at θ0 and after each round that has it."""
+        curves: dict[str, list[tuple[int, float]]] = {}
+        for k, v in self.initial_metrics.items():
+            curves.setdefault(k, []).append((0, v))
+        samples = 0
+        for r in self.rounds:
+            samples += r["samples"]
+            for k, v in (r.get("metrics") or {}).items():
+                curves.setdefault(k, []).append((samples, v))
+        return curves
 
     def final_val(self) -> float | None:
         curve = self.val_curve()
@@ -138,6 +153,7 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
             last_joined = t  # runs written before `training_started` existed: the last join is the start
         elif kind == "initial" and run.initial_val is None:
             run.initial_val = e.get("val_loss")
+            run.initial_metrics = e.get("metrics") or {}
         elif kind == "round":
             try:
                 by_round[int(e["round"])] = {**e, "t": t, "samples": int(e["samples"])}
@@ -171,7 +187,7 @@ def summary(runs: list[Run]) -> str:
 
 
 def write_report(runs: list[Run], out: Path) -> list[Path]:
-    """Draw loss.png, nodes.png, bytes.png and utilization.png into `out`; returns their paths."""
+    """Draw loss.png, nodes.png, bytes.png, utilization.png (and metrics.png) into `out`; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed (or wanted) on a headless node
@@ -248,6 +264,18 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
         ax.text(0.5, 0.5, "no node sent anything", transform=ax.transAxes, ha="center")
     written.append(_save(fig, out / "bytes.png"))
     written.append(_utilization_plot(runs, out / "utilization.png"))
+    names = sorted({k for r in runs for k in r.metric_curves()})
+    if names:
+        fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.2), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            for r in runs:
+                if pts := r.metric_curves().get(name):
+                    s, v = zip(*pts)
+                    ax.plot(s, v, marker=".", label=r.label)
+            ax.set(xlabel="samples trained", ylabel=name, title=f"val {name}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        written.append(_save(fig, out / "metrics.png"))
     return written
 
 

@@ -65,7 +65,7 @@ class Host(Protocol):
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None: ...
     async def assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None: ...
     def record_eval(self, i: str, msg: P.EvalResult) -> bool: ...
-    def record_val(self, after_round: int, val_loss: float, val_samples: int) -> None: ...
+    def record_val(self, after_round: int, val_loss: float, val_samples: int, metrics: dict[str, float]) -> None: ...
 
 
 class Round:
@@ -289,7 +289,7 @@ class Round:
                 self.give_back.extend(msg.returned)
                 self.plan.granted[i] = []
         if msg.val_loss is not None and i == self.fastest:  # the node asked for it (report_val)
-            self.host.record_val(self.rnd - 1, msg.val_loss, msg.val_samples)
+            self.host.record_val(self.rnd - 1, msg.val_loss, msg.val_samples, msg.metrics)
 
     def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.s.ring_epoch:
@@ -679,7 +679,11 @@ class Round:
         losses = [(b.loss, b.samples) for b in counted.values() if b.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
         # Only the node asked for it reports the round's val loss (any other member's is ignored).
-        val = done[self.val_reporter].val_loss if self.val_reporter in done else None
+        val, metrics = (
+            (done[self.val_reporter].val_loss, done[self.val_reporter].metrics)
+            if self.val_reporter in done
+            else (None, {})
+        )
         n_samples = sum(samples(b.trained) for b in counted.values())
         res = RoundResult(
             rnd,
@@ -701,6 +705,7 @@ class Round:
                 round=rnd,
                 epoch=self.epoch,
                 val_loss=val,
+                metrics=metrics,
                 train_loss=train_loss,
                 samples=n_samples,
                 seconds=res.seconds,

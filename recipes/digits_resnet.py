@@ -8,6 +8,7 @@ statistics are buffers, which workers expose with get_buffers / set_buffers.
     make_dataset(cfg) -> DigitsDataset     # n_train, n_val, batch(split, indices) -> {"x", "y"}
     make_model(cfg) -> torch.nn.Module     # forward(x) -> logits (N, 10)
     loss(model, batch) -> scalar tensor    # cross-entropy
+    metrics(model, batch) -> {"accuracy"}  # reported per round beside the val loss
 """
 
 from __future__ import annotations
@@ -117,3 +118,8 @@ def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     import torch.nn.functional as F
 
     return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def metrics(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The share of the batch's images classified right (drift averages it over the val set)."""
+    return {"accuracy": float((model(batch["x"]).argmax(dim=1) == batch["y"]).float().mean())}

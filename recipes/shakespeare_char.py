@@ -11,6 +11,7 @@ names and shapes, so torch, mlx and numpy nodes can train it together in one swa
     make_torch_model(cfg, vocab_size) -> torch.nn.Module    # forward(x, y) -> scalar loss
     make_mlx_model(cfg, vocab_size) -> mlx.nn.Module        # __call__(x, y) -> scalar loss
     make_numpy_model(cfg, vocab_size) -> NumpyGPT           # hand-written forward and backward
+    sample(model, prompt, n) -> str                         # text from a torch model (drift sample)
 """
 
 from __future__ import annotations
@@ -246,6 +247,28 @@ def make_torch_model(cfg: dict[str, Any], vocab_size: int) -> torch.nn.Module:
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
 
     return GPT()
+
+
+def sample(model: torch.nn.Module, prompt: str, n: int) -> str:
+    """The prompt continued by n characters drawn from the torch model (`drift sample`): softmax
+    at temperature 1, from a fixed seed, so the same checkpoint gives the same text."""
+    import torch
+
+    chars = CharDataset(load_text(), 1).chars
+    stoi = {c: i for i, c in enumerate(chars)}
+    if unknown := sorted({c for c in prompt if c not in stoi}):
+        raise ValueError(f"the prompt has characters outside the vocabulary: {''.join(unknown)!r}")
+    ids = torch.tensor([[stoi[c] for c in prompt or "\n"]], dtype=torch.long)
+    block = model.pos_emb.num_embeddings
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        x = ids[:, -block:]
+        h = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))
+        for b in model.blocks:
+            h = b(h)
+        probs = torch.softmax(model.lm_head(model.ln_f(h))[:, -1], dim=-1)
+        ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], dim=1)
+    return "".join(chars[int(i)] for i in ids[0])
 
 
 # ---------------------------------------------------------------------------------------------

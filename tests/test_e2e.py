@@ -66,6 +66,16 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     row = next(line for line in rep.stdout.splitlines() if line.startswith("tiny "))
     assert row.split()[1:4] == ["4", str(sum(r["samples"] for r in rounds)), f"{rounds[-1]['val_loss']:.4f}"]
 
+    # `drift sample`: text from the newest checkpoint, the prompt continued by -n characters.
+    args = ("sample", str(run_dir), "--prompt", "ROMEO:", "-n", "40", "--repo", str(tiny_recipe.parents[1]))
+    first, again = (subprocess.run(drift_cmd(*args), capture_output=True, text=True, timeout=120) for _ in range(2))
+    assert first.returncode == 0, first.stdout + first.stderr
+    text = first.stdout[:-1]  # click.echo's newline
+    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40
+    assert again.stdout == first.stdout  # a fixed seed: the same checkpoint writes the same text
+    bad = subprocess.run(drift_cmd("sample", str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and bad.stderr.startswith("drift: error: ") and len(bad.stderr.splitlines()) == 1
+
 
 def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> None:
     """A task of the general interface (make_model, dict batches, a task loss) with BatchNorm, in a
@@ -119,3 +129,20 @@ def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> N
     )
     assert not unexpected and all(m.endswith("num_batches_tracked") for m in missing)
     assert any(not torch.equal(before[k], model.state_dict()[k]) for k in before)  # the statistics were learned
+
+    # The task's metrics(model, batch) (accuracy) beside the loss: metrics.jsonl, the terminal,
+    # TensorBoard and `drift report`'s metrics.png.
+    acc = [r["metrics"]["accuracy"] for r in rounds]
+    first = next(e for e in events if e["event"] == "initial")["metrics"]["accuracy"]
+    assert all(0.0 <= a <= 1.0 for a in [first, *acc]) and acc[-1] > first + 0.2, (first, acc)
+    assert f"val accuracy {acc[-1]:.4g}" in out.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir))
+    board.Reload()
+    assert [s.value for s in board.Scalars("metrics/accuracy")] == [np.float32(a) for a in [first, *acc]]
+    rep = subprocess.run(
+        drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")), capture_output=True, text=True, timeout=120
+    )
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert (tmp_path / "plots" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

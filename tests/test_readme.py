@@ -99,4 +99,5 @@ def test_the_readme_task_trains_as_the_readme_says(tmp_path: Path) -> None:
     rounds = [e for e in events if e["event"] == "round"]
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     assert len(rounds) == 20 and rounds[-1]["val_loss"] < initial / 2, (initial, rounds[-1]["val_loss"])
+    assert rounds[-1]["metrics"]["accuracy"] > 0.8, rounds[-1]["metrics"]  # the task's metrics(model, batch)
     assert not [e for e in events if e["event"] in ("bad_report", "sat_out", "node_left")]

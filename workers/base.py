@@ -66,7 +66,12 @@ class Worker(Protocol):
     codec_kernels: Any  # the ring codecs' arithmetic on this worker's GPU (torch_codec.py), or None
 
     def param_names(self) -> list[str]:
-        """Parameter names, sorted: the order every node uses to lay out θ."""
+        """Trainable parameter names, sorted: the order every node uses to lay out θ. Parameters
+        without requires_grad (a frozen base) are not part of θ: no method here moves them."""
+        ...
+
+    def frozen_checksum(self) -> str:
+        """A digest of the frozen parameters ("" when there are none): equal on every node."""
         ...
 
     def get_params(self) -> dict[str, np.ndarray]:
@@ -137,6 +142,10 @@ class ParamsOnly:
     numpy): no buffers, and a model small enough to copy whole."""
 
     codec_kernels = None  # the ring's codecs run in numpy on the host
+
+    def frozen_checksum(self) -> str:
+        """No frozen base here: every parameter trains."""
+        return ""
 
     def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every parameter (no buffers here), as float32 copies."""

@@ -9,6 +9,9 @@ do not underflow, and is offered on CUDA/ROCm only.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -37,6 +40,8 @@ from .torch_codec import codec_kernels
 
 __all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device"]
 
+METRIC_NAME = re.compile(r"[A-Za-z0-9_./-]{1,32}")  # a metric's name: plain and short (shown, plotted)
+MAX_METRICS = 16
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -134,8 +139,14 @@ class TorchWorker:
         self.model: torch.nn.Module = model.to(self.device, torch.float32)  # float32 master weights
         loss_fn = getattr(task_module, "loss", None)
         self._loss_fn: Callable[[torch.nn.Module, Any], Any] | None = loss_fn if callable(loss_fn) else None
+        metrics_fn = getattr(task_module, "metrics", None)
+        self._metrics_fn: Callable[[torch.nn.Module, Any], Any] | None = metrics_fn if callable(metrics_fn) else None
+        self.metrics: dict[str, float] = {}  # the task's metrics of the last evaluate()
 
-        self._params: dict[str, torch.nn.Parameter] = dict(sorted(self.model.named_parameters()))
+        # θ is the trainable state: a frozen base (LoRA's) stays in the model and nowhere else.
+        named = sorted(self.model.named_parameters())
+        self._params: dict[str, torch.nn.Parameter] = {n: p for n, p in named if p.requires_grad}
+        self._frozen: dict[str, torch.nn.Parameter] = {n: p for n, p in named if not p.requires_grad}
         self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
         persistent = self.model.state_dict(keep_vars=True).keys()  # not caches such as attention masks
         self._buffers: dict[str, torch.Tensor] = {
@@ -164,8 +175,15 @@ class TorchWorker:
         """Parameter names, sorted."""
         return list(self._params)
 
+    def frozen_checksum(self) -> str:
+        """A digest of the frozen parameters' names, shapes and float32 bytes ("" when every
+        parameter trains): nodes must share the same frozen base, checked once at join."""
+        return frozen_digest(
+            (n, p.detach().to("cpu", torch.float32).contiguous().numpy()) for n, p in self._frozen.items()
+        )
+
     def get_params(self) -> dict[str, np.ndarray]:
-        """A float32 C-contiguous copy of every parameter."""
+        """A float32 C-contiguous copy of every trainable parameter."""
         return _copies(self._params)
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
@@ -238,16 +256,39 @@ class TorchWorker:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
         n = eval_samples(self.n_val, max_batches, batch_size)
         self.model.eval()
-        total = 0.0
+        total, sums = 0.0, {}
         try:
             with torch.no_grad():
                 for start in range(0, n, batch_size):
                     idx = np.arange(start, min(start + batch_size, n))
+                    batch = self._batch("val", idx)
                     with self._autocast():
-                        total += float(self._loss(self._batch("val", idx))) * len(idx)
+                        total += float(self._loss(batch)) * len(idx)
+                        for k, v in self._task_metrics(batch).items():
+                            sums[k] = sums.get(k, 0.0) + v * len(idx)
         finally:
             self.model.train()
+        self.metrics = {k: v / n for k, v in sums.items() if math.isfinite(v)}
         return total / n
+
+    def _task_metrics(self, batch: dict[str, Any] | tuple[Any, ...]) -> dict[str, float]:
+        """The task's metrics(model, batch) as {name: float} ({} when it defines none)."""
+        if self._metrics_fn is None:
+            return {}
+        out = self._metrics_fn(self.model, batch)
+        if not isinstance(out, dict) or not all(isinstance(k, str) and METRIC_NAME.fullmatch(k) for k in out):
+            raise TaskError(
+                f"{self.task_name}: metrics(model, batch) must return a dict of name: number, names of "
+                "letters, digits and _./- (at most 32)"
+            )
+        if len(out) > MAX_METRICS:
+            raise TaskError(
+                f"{self.task_name}: metrics(model, batch) returned {len(out)} values; at most {MAX_METRICS}"
+            )
+        try:
+            return {k: float(v) for k, v in out.items()}
+        except (TypeError, ValueError):
+            raise TaskError(f"{self.task_name}: metrics(model, batch) has a value that is not a number") from None
 
     def close(self) -> None:
         """Nothing to release: torch needs no shutdown."""
@@ -293,6 +334,16 @@ class TorchWorker:
             f"{self.task_name}: {source} returned {type(out).__name__}{shape}, not a scalar loss tensor "
             "(nor an output with a scalar .loss); return the loss, or define loss(model, batch) in the task"
         )
+
+
+def frozen_digest(tensors: Iterator[tuple[str, np.ndarray]]) -> str:
+    """blake2b over each (name, shape, float32 bytes), one tensor at a time; "" for none."""
+    h, n = hashlib.blake2b(digest_size=12), 0
+    for name, a in tensors:
+        h.update(f"{name}{list(a.shape)}".encode())
+        h.update(np.ascontiguousarray(a, np.float32).view(np.uint8))
+        n += 1
+    return h.hexdigest() if n else ""
 
 
 def _copies(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
