@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT, drift_cmd
 
 from drift.checkpoint import latest_checkpoint
-from drift.simulate import git
+from harness.simulate import git
 from workers import load_task
 from workers.torch_worker import TorchWorker
 
