@@ -169,6 +169,14 @@ class Swarm:
     def log(self) -> str:
         return self.coord_log.read_text()
 
+    def node_exits(self) -> list[int | None]:
+        """Each node's exit code, in join order (after finish(): -9 for one still running then)."""
+        return [p.returncode for p in self.nodes]
+
+    def node_logs(self) -> str:
+        """The tail of every node's log, for an assertion message."""
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(self.work.glob("*.log")))
+
 
 def git(repo: Path, *args: str) -> str:
     env = {

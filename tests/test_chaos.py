@@ -41,6 +41,7 @@ def test_coordinator_killed_then_resumed(tmp_path: Path) -> None:
     second.join("0.02")
     second.join("0.02")
     assert second.finish() == 0, second.log()
+    assert second.node_exits() == [0, 0], second.node_logs()
     events = second.events()
     resumed = next(e for e in events if e["event"] == "resumed")
     assert resumed["round"] >= 2 and "resuming:   after round" in second.log()
