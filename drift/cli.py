@@ -124,10 +124,11 @@ def id_(key: Path | None, coord: bool, device: str | None) -> None:
 )
 @click.option(
     "--network",
-    type=click.Choice(["local", "lan", "relay"]),
+    type=click.Choice(["auto", "local", "lan", "relay"]),
     default=None,
-    help="local: loopback only; lan: this machine's addresses; relay: iroh relays + "
-    "hole-punching [default: the recipe's].",
+    help="auto: this machine's addresses, plus iroh's relays when one answers; local: loopback "
+    "only; lan: this machine's addresses; relay: relays required [default: the recipe's; "
+    "local with --local unless the recipe says lan].",
 )
 @click.option(
     "--threads", type=click.IntRange(min=1), default=None, help="Torch threads per --local node [default: cores / N]."
@@ -178,8 +179,8 @@ def coord(
         run_dir, checkpoint = _find_checkpoint(r.name, run_dir)
     run_dir = run_dir or Path("runs").resolve() / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = network or r.network
-    if local and mode == "relay":
-        mode = "local" if network is None else mode
+    if local and network is None and mode in ("auto", "relay"):
+        mode = "local"  # --local nodes are on this machine: loopback, nothing leaves it
     coord_key = _key(key or (run_dir / "keys" / "coord.key" if local else None), "coord")
     try:
         pin = r.commit.lower() if r.commit and is_commit_id(r.commit.lower()) else None
@@ -282,6 +283,7 @@ async def _coord(
         monitor.say(f"run {coordinator.run_id}: {r.name}, {r.rounds} rounds, waiting for {r.min_nodes} node(s)")
         monitor.say(f"join with:  {join}")
         monitor.say(f"run dir:    {run_dir}")
+        _say_reach(monitor, coordinator.endpoint, mode, local)
         if page is not None:
             monitor.say(f"dashboard:  {url}")
         if checkpoint is not None:
@@ -383,6 +385,15 @@ async def _coord(
         monitor.close()
         if board is not None:
             board.close()
+
+
+def _say_reach(monitor: Monitor, endpoint, mode: str, local: int) -> None:
+    """One line on who can use the ticket, when it is less than "anyone online"."""
+    if mode == "local" and not local:
+        monitor.say("note: network local: the ticket works on this machine only (--network lan for others)")
+    elif mode == "auto" and not endpoint.has_relay:
+        addrs = ", ".join(endpoint.addresses()) or "none"
+        monitor.say(f"note: no iroh relay reachable; the ticket carries this machine's addresses ({addrs})")
 
 
 async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout: float) -> bool:

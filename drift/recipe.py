@@ -114,7 +114,11 @@ class Recipe(_Strict):
         "int8", description="how the ring sends pseudo-gradients (drift/compress.py)"
     )
     topk_fraction: float = Field(0.01, gt=0, le=1, description="codec topk: share of values sent per chunk")
-    network: Literal["local", "lan", "relay"] = "local"
+    network: Literal["auto", "local", "lan", "relay"] = Field(
+        "auto",
+        description="auto: this machine's addresses, plus iroh's relays when reachable; local: "
+        "loopback only; lan: this machine's addresses, no relay; relay: relays required",
+    )
     seed: int = 0
     commit: str | None = Field(None, description="pin nodes to this commit (default: the repo's HEAD)")
     allowlist: list[str] | str | None = Field(

@@ -37,9 +37,17 @@ _LEN = struct.Struct(">I")
 
 log = logging.getLogger("drift.transport")
 
-NetworkMode = Literal["local", "lan", "relay"]
+NetworkMode = Literal["auto", "local", "lan", "relay"]
+RELAY_WAIT_S = 4.0  # network auto: how long to wait for a relay before going on without one
 Handler = Callable[[iroh.Connection], Awaitable[None]]
 DropFn = Callable[[str, str], None]  # (peer, reason): one line per dropped connection
+
+
+LOOPBACK_HINT = (
+    "this ticket has loopback addresses only (127.0.0.1), which reach the coordinator's own machine: "
+    "for other machines, start the coordinator without --local and without `network: local` in its "
+    "recipe (or with --network lan)"
+)
 
 
 class TransportError(Exception):
@@ -106,15 +114,19 @@ def ticket_of(addr: iroh.EndpointAddr) -> str:
     return str(iroh.EndpointTicket.from_addr(addr))
 
 
+def loopback_only(addr: iroh.EndpointAddr) -> bool:
+    """The address reaches its own machine only (an endpoint bound to 127.0.0.1)."""
+    hosts = [a.rsplit(":", 1)[0].strip("[]") for a in addr.direct_addresses()]
+    return not addr.relay_url() and bool(hosts) and all(ipaddress.ip_address(h).is_loopback for h in hosts)
+
+
 def mode_for_ticket(ticket: str) -> NetworkMode:
-    """Pick how a joining node should bind, from what the coordinator's ticket advertises."""
+    """Pick how a joining node should bind, from what the coordinator's ticket advertises: a
+    relay in it means iroh's relays (a node that cannot reach one still uses the direct addresses)."""
     addr = parse_ticket(ticket)
     if addr.relay_url():
-        return "relay"
-    hosts = [a.rsplit(":", 1)[0].strip("[]") for a in addr.direct_addresses()]
-    if hosts and all(ipaddress.ip_address(h).is_loopback for h in hosts):
-        return "local"
-    return "lan"
+        return "auto"
+    return "local" if loopback_only(addr) else "lan"
 
 
 def describe_addr(addr: iroh.EndpointAddr) -> str:
@@ -301,8 +313,9 @@ class Endpoint:
         alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN),
     ) -> Endpoint:
         """Bind an endpoint. local: loopback only; lan: all interfaces, no relay;
-        relay: iroh's public relays and hole-punching (needs internet)."""
-        preset = iroh.preset_n0() if mode == "relay" else iroh.preset_minimal()
+        relay: iroh's public relays and hole-punching (needs internet); auto: all interfaces, and
+        iroh's relays too when one answers within RELAY_WAIT_S (else the direct addresses alone)."""
+        preset = iroh.preset_n0() if mode in ("relay", "auto") else iroh.preset_minimal()
         bind_addr = "127.0.0.1:0" if mode == "local" else "0.0.0.0:0"
         opts = iroh.EndpointOptions(preset=preset, bind_addr=bind_addr, alpns=list(alpns), secret_key=secret_key)
         try:
@@ -311,7 +324,19 @@ class Endpoint:
             raise TransportError(f"could not bind an iroh endpoint ({mode}): {e}") from None
         if mode == "relay":
             await _timed(ep.online(), 30.0, "reaching an iroh relay (is this machine online?)")
+        elif mode == "auto":
+            try:
+                await asyncio.wait_for(ep.online(), RELAY_WAIT_S)
+            except (asyncio.TimeoutError, iroh.IrohError):
+                pass  # no relay: the ticket carries this machine's addresses, for its networks
         return cls(ep, mode)
+
+    @property
+    def has_relay(self) -> bool:
+        return bool(self.ep.addr().relay_url())
+
+    def addresses(self) -> list[str]:
+        return list(self.ep.addr().direct_addresses())
 
     @property
     def node_id(self) -> str:
@@ -324,7 +349,12 @@ class Endpoint:
         """Connect to the endpoint in `ticket` and open one bidirectional stream."""
         addr = parse_ticket(ticket)
         what = f"connecting to {describe_addr(addr)} ({alpn.decode()})"
-        conn = await _timed(self.ep.connect(addr, alpn), timeout, what)
+        try:
+            conn = await _timed(self.ep.connect(addr, alpn), timeout, what)
+        except TransportError as e:
+            if loopback_only(addr):  # the one mistake worth naming: a --local/`network: local` ticket
+                raise TransportError(f"{e}: {LOOPBACK_HINT}") from None
+            raise
         bi = await _timed(conn.open_bi(), timeout, what + ": opening a stream")
         return Channel(conn, bi)
 

@@ -38,6 +38,7 @@ TINY_RECIPE = {
     "inner_optimizer": {"lr": 0.01},
     "eval_batches": 4,
     "seed": 7,
+    "network": "local",  # tests stay on loopback; tests/test_netns.py runs the default across namespaces
 }
 
 

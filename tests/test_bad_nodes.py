@@ -25,6 +25,7 @@ def _run(tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4) -> tuple[S
     for i in range(nodes - 1):
         swarm.join("0.02", name=f"good{i}")
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits()[1:] == [0] * (nodes - 1), swarm.node_logs()  # the good ones
     events = swarm.events()
     rounds_ = [e for e in events if e["event"] == "round"]
     assert len(rounds_) == rounds and all(math.isfinite(r["val_loss"] or 0.0) for r in rounds_)

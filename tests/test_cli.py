@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import TINY_RECIPE, drift_cmd
+
+from drift.transport import loopback_only, parse_ticket
 
 
 def _drift(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -124,6 +127,9 @@ def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
 
 
 def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: Path) -> None:
+    data = yaml.safe_load(tiny_recipe.read_text())
+    del data["network"]  # the default (auto): with --local, loopback all the same
+    tiny_recipe.write_text(yaml.safe_dump(data))
     proc = subprocess.Popen(  # paths as typed from the clone's root
         drift_cmd("coord", "recipes/tiny.yaml", "--local", "1", "--run-dir", "run"),
         cwd=tiny_recipe.parents[1],
@@ -140,6 +146,8 @@ def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: P
         assert proc.wait() == 130, seen
         assert "the run waits for 2 more" in seen and "drift join --repo" in seen, seen
         assert "interrupted: no round had finished" in seen, seen
+        ticket = re.search(r"--ticket (\S+)", seen).group(1)
+        assert loopback_only(parse_ticket(ticket)), ticket
     finally:
         watchdog.cancel()
         if proc.poll() is None:

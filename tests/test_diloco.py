@@ -97,3 +97,23 @@ def test_split_proportional() -> None:
     assert [len(s) for s in shares] == [5, 3, 1, 1]  # 5, 2.5, 1.25, 1.25: largest remainder wins
     assert [u for share in shares for u in share] == units
     assert [len(s) for s in split_proportional(units, [1, 1, 1])] == [4, 3, 3]
+
+
+def test_delta_check_refuses_an_absurdly_large_pseudo_gradient() -> None:
+    """A Δ far larger per inner step than this node's recent ones (a blown-up step, a bad GPU) is
+    reported instead of sent; a large Δ from proportionally more steps, or a merely 50x larger
+    one, goes through; and before three rounds of history nothing is judged by size."""
+    from drift.diloco import DeltaCheck
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(10_000).astype(np.float32)
+    check = DeltaCheck(factor=100.0)
+    assert check.problem(base * 1e6, steps=10) is None  # no history yet: nothing to compare with
+    check = DeltaCheck(factor=100.0)
+    for steps in (10, 20, 5):
+        assert check.problem(base * steps, steps=steps) is None  # the same size per step
+    assert check.problem(base * 1000, steps=1000) is None  # 1000 steps: 1000x the Δ is fine
+    assert check.problem(base * 50 * 10, steps=10) is None  # 50x per step: within the factor
+    problem = check.problem(base * 1000 * 10, steps=10)
+    assert problem is not None and "1000x larger per step than its recent ones" in problem, problem
+    assert check.problem(np.full(4, np.nan, np.float32), steps=1) == "its pseudo-gradient has NaN or Inf values"

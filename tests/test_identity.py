@@ -46,7 +46,7 @@ def test_second_node_with_the_same_key_file_is_refused_at_once(tmp_path: Path) -
     assert "already in this swarm" in line and "--device" in line, line
     swarm.join(name="b")  # a node of its own: the swarm starts and completes
     assert swarm.finish() == 0, swarm.log()
-    assert first.returncode == 0
+    assert first.returncode == 0 and swarm.nodes[-1].returncode == 0, swarm.node_logs()
 
 
 def test_each_device_gets_its_own_key(tmp_path: Path) -> None:

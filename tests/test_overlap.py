@@ -56,6 +56,7 @@ def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp
     swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 3)
     go.touch()
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [-9, 0, 0, 0], swarm.node_logs()  # the victim was killed
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert [r["round"] for r in rounds] == list(range(14))
@@ -78,6 +79,7 @@ def test_overlapped_evaluator_and_slow_node(tmp_path: Path) -> None:
     swarm.join("0.02")
     swarm.join("2", name="slow")  # 100x slower: it evaluates instead of training
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert all(r["evaluators"] == ["slow"] and list(r["nodes"]) == ["n0"] for r in rounds), rounds

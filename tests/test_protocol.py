@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import typing
 
 import pytest
 
@@ -41,6 +42,7 @@ SAMPLES = [
     P.ShardAssignment(
         round=2, epoch=0, units=[], role="evaluate", state=P.StateSource(round=1, checksum="c", tickets=["t"])
     ),
+    P.Agreed(round=1, abandoned=True, state=P.StateSource(round=0, checksum="c", tickets=["t"])),
     P.TrainComplete(rounds=3, final_val_loss=1.0),
 ]
 
@@ -48,6 +50,12 @@ SAMPLES = [
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.type)
 def test_round_trip(msg) -> None:
     assert P.decode(P.encode(msg)) == msg
+
+
+def test_the_round_trip_covers_every_message() -> None:
+    """A message added to protocol.Message without a sample above fails here."""
+    union = typing.get_args(typing.get_args(P.Message)[0])
+    assert {cls.__name__ for cls in union} == {type(m).__name__ for m in SAMPLES}
 
 
 @pytest.mark.parametrize(

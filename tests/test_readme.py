@@ -57,7 +57,9 @@ def test_readme_first_command_in_a_fresh_clone(tmp_path: Path) -> None:
     assert all(len(r["checksum"]) == 24 for r in rounds) and len({r["checksum"] for r in rounds}) == len(rounds)
     vals = [r["val_loss"] for r in rounds if r["val_loss"] is not None]
     assert vals and vals[-1] < initial - 1.0, (initial, vals)
-    for log in runs[0].parent.glob("node-*.log"):  # every node left with the run complete
+    logs = sorted(runs[0].parent.glob("node-*.log"))
+    assert len(logs) == 3, logs
+    for log in logs:  # every node left with the run complete
         assert "run complete" in log.read_text(), log.read_text()[-2000:]
 
 

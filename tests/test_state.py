@@ -11,7 +11,7 @@ import pytest
 from conftest import run_async
 
 from drift.diloco import ParamLayout, checksum
-from drift.state import StateError, StateServer, fetch_state, into_arrays
+from drift.state import CHUNK_BYTES, StateError, StateServer, fetch_state, into_arrays
 from drift.transport import STATE_ALPN, Endpoint
 
 LAYOUT = ParamLayout(("a", "b", "bn.running_mean"), ((3, 4), (5,), (2,)), n_buffers=1)
@@ -72,14 +72,40 @@ def test_a_zero_velocity_arrives_as_zeros_whatever_was_there() -> None:
         assert np.array_equal(got_theta, theta) and got_velocity.tobytes() == zeros.tobytes()
 
 
-def test_a_state_larger_than_one_frame_streams_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No frame holds a whole θ: with 4 KiB chunks a 40 KiB θ takes 10 of them, and arrives exact."""
-    import drift.state
-
-    monkeypatch.setattr(drift.state, "CHUNK_BYTES", 4096)
-    big = ParamLayout(("w",), ((10_000,),))
+def test_a_state_larger_than_one_frame_streams_in_chunks() -> None:
+    """No frame holds a whole θ: a 9.5 MiB θ (and as much velocity) arrives as 3 chunks each of at
+    most CHUNK_BYTES (4 MiB), counted where the receiver writes them, and exact."""
+    big = ParamLayout(("w",), ((2_500_000,),))
     theta, velocity = _state(5, big)
-    _, got_theta, got_velocity = _fetch(_serving(1, theta, velocity, big), 1, checksum(theta, velocity), big)
+    server = _serving(1, theta, velocity, big)
+    got_theta, got_velocity = np.full(big.size, np.nan, np.float32), np.full(big.size, np.nan, np.float32)
+    chunks: list[tuple[int, int, int]] = []
+
+    def counting(layout: ParamLayout):
+        write = into_arrays(got_theta, got_velocity)(layout)
+
+        def each(which: int, offset: int, data: memoryview) -> None:
+            chunks.append((which, offset, len(data)))
+            write(which, offset, data)
+
+        return each
+
+    async def main() -> None:
+        ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
+        serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
+        client = await Endpoint.bind("local")
+        server.allowed = lambda peer: peer == client.node_id
+        try:
+            await fetch_state(client, [ep.ticket()], 1, checksum(theta, velocity), counting, timeout=30)
+        finally:
+            serving.cancel()
+            await client.close()
+            await ep.close()
+
+    run_async(main())
+    size = 4 * big.size
+    want = [(w, o, min(CHUNK_BYTES, size - o)) for w in (0, 1) for o in range(0, size, CHUNK_BYTES)]
+    assert CHUNK_BYTES == 4 << 20 and len(want) == 6 and chunks == want, chunks
     assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
 
 

@@ -39,6 +39,7 @@ def test_mixed_speeds(tmp_path: Path) -> None:
     for step_s in ("0.02", "0.05", "0.1"):
         swarm.join(step_s)
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0, 0], swarm.node_logs()
     events = swarm.events()
     check_exactly_once(events, 2 * BATCH)
     _check_idle(events)
@@ -55,6 +56,7 @@ def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
     swarm.join("0.02")
     swarm.join("0.02,0.02,0.2")  # 10x slower from round 2 on (a laptop that got hot)
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()
     check_exactly_once(events, 2 * BATCH)
     rounds = [e for e in events if e["event"] == "round"]
@@ -75,6 +77,7 @@ def test_node_dies_mid_round(tmp_path: Path) -> None:
     _wait_stopped(victim)
     swarm.kill(victim)
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [-9, 0, 0], swarm.node_logs()  # the victim was killed
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 4 and rounds[0]["nodes"]["n0"]["weight"] > 0
@@ -91,6 +94,7 @@ def test_node_that_suddenly_becomes_very_slow_sits_out_then_evaluates(tmp_path: 
     swarm.join("0.02")
     slow = swarm.join("0.02,5")
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()
     deadline = [e for e in events if e["event"] == "deadline"]
     assert [(e["name"], e["round"]) for e in deadline] == [("n1", 1)], deadline
@@ -118,6 +122,7 @@ def test_late_joiner_fetches_state_and_trains(tmp_path: Path) -> None:
     swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 1)
     go.touch()
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0, 0], swarm.node_logs()
     events = swarm.events()
     entered = next(e for e in events if e["event"] == "node_entered")
     assert entered["name"] == "late" and entered["round"] >= 2
@@ -145,6 +150,7 @@ def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
     swarm.join("0.02")
     swarm.join("2", name="slow")  # 100x slower
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert all(r["evaluators"] == ["slow"] and list(r["nodes"]) == ["n0"] for r in rounds), rounds
@@ -166,6 +172,7 @@ def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
     _wait_stopped(victim)
     swarm.kill(victim)
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [-9, 0, 0], swarm.node_logs()  # the victim was killed
     events = swarm.events()
     retry = [e for e in events if e["event"] == "ring_retry"]
     assert retry and retry[0]["round"] == 1 and retry[0]["nodes"] == 2, [e for e in events if e["event"] != "progress"]
@@ -184,6 +191,7 @@ def test_a_retry_that_comes_while_a_node_reports_its_failure_is_not_lost(tmp_pat
     swarm.join("0.02", name="blip", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "blip-in-allreduce:1"})
     swarm.join("0.02", name="steady")
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()
     retries = [(e["round"], e["nodes"]) for e in events if e["event"] == "ring_retry"]
     assert retries == [(1, 2)], swarm.log()  # one retry, both in it, and it worked
@@ -216,6 +224,7 @@ def test_node_admitted_in_the_last_round_leaves_with_the_run_complete(tmp_path: 
     swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 1)
     go.touch()  # the last round (2) has just started
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0, 0], swarm.node_logs()
     assert late.wait(timeout=60) == 0, (tmp_path / "late.log").read_text()
     assert "run complete: 3 rounds" in (tmp_path / "late.log").read_text()
     rounds = [e for e in swarm.events() if e["event"] == "round"]
@@ -236,6 +245,7 @@ def test_node_that_sleeps_and_wakes_rejoins_by_itself(tmp_path: Path) -> None:
     sleeper.send_signal(signal.SIGCONT)  # it wakes up
     back = swarm.wait_event(lambda e: e["event"] == "node_entered" and e["name"] == "n1")
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
     assert sleeper.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()
     log = (tmp_path / "n1.log").read_text()
     assert "rejoining" in log and "run complete" in log, log

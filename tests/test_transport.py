@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -87,22 +86,22 @@ def test_malformed_ticket_is_a_clear_error() -> None:
 
 
 def test_unreachable_ticket_times_out_with_what_was_tried() -> None:
-    async def main() -> tuple[str, float]:
+    async def main() -> str:
         dead = await Endpoint.bind("local")
         ticket = dead.ticket()
         await dead.close()
         a = await Endpoint.bind("local")
-        t0 = time.monotonic()
         try:
             with pytest.raises(TransportError) as e:
                 await a.connect(ticket, CONTROL_ALPN, timeout=2)
-            return str(e.value), time.monotonic() - t0
+            return str(e.value)
         finally:
             await a.close()
 
-    msg, took = run_async(main())
-    assert "connecting to" in msg and "127.0.0.1" in msg and ("timed out" in msg or "failed" in msg)
-    assert took < 10
+    msg = run_async(main(), timeout=60)
+    assert "connecting to" in msg and "127.0.0.1" in msg
+    # It ended by drift's own bound on the wait (or a failure iroh reported), not by the test's.
+    assert "timed out after 2s connecting to" in msg or "failed" in msg, msg
 
 
 def test_mode_for_ticket_reads_loopback() -> None:
@@ -114,3 +113,21 @@ def test_mode_for_ticket_reads_loopback() -> None:
             await ep.close()
 
     assert run_async(main()) == "local"
+
+
+def test_default_network_is_auto_and_a_local_ticket_is_loopback_only() -> None:
+    """A recipe without `network:` is `auto` (bound across namespaces in tests/test_netns.py: this
+    machine's traffic stays on loopback); a `local` endpoint's ticket is loopback-only."""
+    from drift.recipe import Recipe
+
+    mode = Recipe(name="x", task="t.py", rounds=1, inner_steps=1, batch_size=1).network
+    assert mode == "auto"
+
+    async def main() -> str:
+        ep = await Endpoint.bind("local")
+        try:
+            return ep.ticket()
+        finally:
+            await ep.close()
+
+    assert transport.loopback_only(parse_ticket(run_async(main())))

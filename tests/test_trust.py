@@ -8,12 +8,15 @@ message on both sides, while the honest nodes train the run to its end.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from conftest import drift_cmd, git, make_task_repo, run_async
+from conftest import WRAPPERS, drift_cmd, git, make_task_repo, run_async
 
 from auth import NodeKey, load_or_create_key, sign_message
 from drift import protocol as P
@@ -337,43 +340,42 @@ def test_task_code_imports_from_its_checkout_only(tmp_path: Path) -> None:
 def test_a_new_node_tries_again_when_the_coordinator_hangs_up_mid_handshake(tmp_path: Path) -> None:
     """Seen once in CI: an honest node's first frame reached the coordinator garbled, the
     coordinator hung up (a refusal always says why, with TrainingCancel; this said nothing), and
-    the node gave up, leaving the swarm waiting for it forever. Now it tries the handshake again."""
+    the node gave up, leaving the swarm waiting for it forever. Now it tries the handshake again.
+    The coordinator is a real `drift coord` that cuts the first handshake (tests/wrappers)."""
     recipe_path = make_task_repo(tmp_path / "repo", **FAST)
     repo = recipe_path.parents[1]
-    head = git(repo, "rev-parse", "HEAD")
     keys = [load_or_create_key(tmp_path / "keys" / f"n{i}.key") for i in range(2)]
-
-    async def main():
-        coord = Coordinator(load_recipe(recipe_path), tmp_path / "run", commit=head)
-        serve, cut = coord._serve, []
-
-        async def garbled_once(conn) -> None:  # the first handshake: its NodeInfo "fails to parse"
-            if cut:
-                return await serve(conn)
-            cut.append("?")
-            ch = await Endpoint.accept_channel(conn)
-            cut[0] = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME)).name
-            coord._drop(ch, conn, "frame is not JSON (garbled on the way, in this test)")
-
-        coord._serve = garbled_once
-        ticket = await coord.start()
-        procs = [_join(repo, ticket, k.path, tmp_path / "cache", f"n{i}") for i, k in enumerate(keys)]
-        try:
-            run = asyncio.ensure_future(coord.run())
-            while not run.done():  # a node that gives up ends the test with its error, not a hang
-                for p in procs:
-                    assert p.poll() in (None, 0), _err(p)
-                await asyncio.sleep(0.2)
-            return cut, run.result(), [await asyncio.to_thread(_wait, p) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            await coord.close()
-
-    cut, results, out = run_async(main(), 300)
-    assert len(cut) == 1 and [r.round for r in results] == [0, 1]
-    for rc, err in out:
-        assert rc == 0, err
-    cut_node = out[int(cut[0][1])][1]
+    cut, log = tmp_path / "cut", tmp_path / "coord.log"
+    with open(log, "w") as fh:
+        coord = subprocess.Popen(
+            [
+                sys.executable,
+                str(WRAPPERS / "fault_coord.py"),
+                "coord",
+                str(recipe_path),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "DRIFT_TEST_CUT": str(cut), "PYTHONUNBUFFERED": "1"},
+        )
+    procs: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"--ticket (\S+)", log.read_text())):
+            assert coord.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        procs = [_join(repo, m.group(1), k.path, tmp_path / "cache", f"n{i}") for i, k in enumerate(keys)]
+        assert coord.wait(timeout=300) == 0, log.read_text()
+        out = [_wait(p) for p in procs]
+    finally:
+        for p in (coord, *procs):
+            if p.poll() is None:
+                p.kill()
+    assert [rc for rc, _ in out] == [0, 0], out
+    assert cut.read_text() in ("n0", "n1"), cut.read_text()
+    cut_node = out[int(cut.read_text()[1])][1]
     assert "the coordinator hung up during the handshake" in cut_node and "trying again" in cut_node
+    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in events if e["event"] == "round"] == [0, 1]

@@ -169,6 +169,14 @@ class Swarm:
     def log(self) -> str:
         return self.coord_log.read_text()
 
+    def node_exits(self) -> list[int | None]:
+        """Each node's exit code, in join order (after finish(): -9 for one still running then)."""
+        return [p.returncode for p in self.nodes]
+
+    def node_logs(self) -> str:
+        """The tail of every node's log, for an assertion message."""
+        return "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(self.work.glob("*.log")))
+
 
 def git(repo: Path, *args: str) -> str:
     env = {
@@ -184,11 +192,12 @@ def git(repo: Path, *args: str) -> str:
 
 
 def make_task_repo(path: Path, recipe: dict, task: Path = ROOT / "recipes" / "shakespeare_char.py") -> Path:
-    """A real git repo holding `task` and recipes/<name>.yaml, committed; returns the recipe path."""
+    """A real git repo holding `task` and recipes/<name>.yaml, committed; returns the recipe path.
+    Its swarms run on this machine: `network: local` unless the recipe says otherwise."""
     (path / "recipes").mkdir(parents=True)
     shutil.copy(task, path / "recipes" / task.name)
     out = path / "recipes" / f"{recipe['name']}.yaml"
-    out.write_text(yaml.safe_dump({"task": f"recipes/{task.name}", **recipe}, sort_keys=False))
+    out.write_text(yaml.safe_dump({"task": f"recipes/{task.name}", "network": "local", **recipe}, sort_keys=False))
     git(path, "init", "-q", "-b", "main")
     git(path, "add", "-A")
     git(path, "commit", "-q", "-m", "task")
