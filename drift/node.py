@@ -38,6 +38,7 @@ import numpy as np
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
 from drift.diloco import RULES, DeltaCheck, ParamLayout, SyncRule, checksum
+from drift.imports import isolate
 from drift.inner import Calibration, InnerLoop, SimDevice, StopTraining, calibrate
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError
@@ -424,6 +425,7 @@ class Session:
         io = recipe.inner_optimizer
 
         def build():
+            isolate(work, task_path.parent, work)  # its own `workers`, `auth`, ... are its, not drift's
             task = load_task(task_path, root=work)  # only from the checkout of cfg.commit
             return make_worker(
                 task,
