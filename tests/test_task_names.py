@@ -114,6 +114,8 @@ def test_a_repo_with_its_own_workers_auth_recipes_and_tests_packages_trains(tmp_
         env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "run complete: 2 rounds trained, final val loss" in out.stdout  # a sentence, not key=value pairs
+    assert "event=" not in out.stdout
     events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e["event"] == "round"]
     assert [e["round"] for e in rounds] == [0, 1]
