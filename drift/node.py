@@ -13,6 +13,10 @@ as silent) comes back by itself: it connects again with the same identity, is ve
 fetches θ from a peer and trains from the next round. One `Session` is one connection to the
 coordinator; the `Node` keeps the model, the endpoint and the ring across sessions.
 
+The node runs in a thread of its own (drift/swarm.py); the model is trained by the loop thread
+(a user's script with drift.DiLoCo, or `drift join`'s loop over a task's worker), and every call
+the node makes on the worker runs there, between two inner steps (inner.Steps, inner.OnLoop).
+
 Memory: besides the framework's own model and optimizer, a node holds θ_global, the outer
 optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
 whose velocity stays untouched zeros), plus the local snapshot with the overlapped rule. Nothing

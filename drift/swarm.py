@@ -35,12 +35,15 @@ from typing import Any
 
 import numpy as np
 
+from auth import AuthError
 from drift import protocol as P
 from drift.imports import isolate
 from drift.inner import Steps
 from drift.node import Node, NodeError, NodeOptions
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError, dirty_files, resolve_commit, tree_of
+from drift.ring import RingError
+from drift.transport import TransportError
 from workers import Choice, choose, load_task, make_worker
 
 
@@ -126,7 +129,7 @@ class DiLoCo(Swarm):
         key: str | os.PathLike | None = None,
         name: str | None = None,
     ) -> None:
-        from auth import default_key_path, load_or_create_key
+        from auth import KeyLock, default_key_path, load_or_create_key
 
         ticket = ticket or os.environ.get("DRIFT_TICKET")
         if not ticket:
@@ -137,6 +140,7 @@ class DiLoCo(Swarm):
         if not main:
             raise NodeError("drift.DiLoCo runs from a script file (python train.py), whose repo the swarm checks")
         node_key = load_or_create_key(Path(key) if key else default_key_path("node"))
+        self._lock = KeyLock(node_key.path, "give each node on a machine its own key (key=FILE, or $DRIFT_HOME)")
         opts = NodeOptions(
             ticket=ticket,
             source=ScriptSource(model, optimizer, int(samples), evaluate, Path(main).resolve()),
@@ -151,7 +155,16 @@ class DiLoCo(Swarm):
 
     def __exit__(self, kind, exc, tb) -> None:
         self._hook.remove()
-        super().__exit__(kind, exc, tb)
+        try:
+            super().__exit__(kind, exc, tb)
+        except USER_ERRORS as e:  # one line, as `drift join` says it
+            print(f"drift: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        finally:
+            self._lock.release()
+
+
+USER_ERRORS = (NodeError, RepoError, TransportError, RingError, AuthError)
 
 
 # --- where the model comes from -----------------------------------------------------------------

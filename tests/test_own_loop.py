@@ -20,10 +20,8 @@ def readme_block(first_line: str) -> str:
     return next(b for b in blocks if b.startswith(first_line))
 
 
-def test_readme_own_loop_script_trains_as_two_nodes(tmp_path: Path) -> None:
+def _repo(tmp_path: Path) -> Path:
     script, recipe = readme_block("# train.py"), readme_block("# own-loop.yaml")
-    added = [line for line in script.splitlines() if line.rstrip().endswith("# drift") or "# drift (" in line]
-    assert 1 <= len(added) <= 6, added  # a plain PyTorch script joins with at most 6 added lines
     repo = tmp_path / "loop"
     repo.mkdir()
     (repo / "train.py").write_text(script)
@@ -31,31 +29,49 @@ def test_readme_own_loop_script_trains_as_two_nodes(tmp_path: Path) -> None:
     git(repo, "init", "-q", "-b", "main")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "loop")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    run_dir = tmp_path / "run"
+    return repo
+
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def _coord(tmp_path: Path, repo: Path) -> tuple[subprocess.Popen, str]:
     with open(tmp_path / "coord.log", "w") as log:
         coord = subprocess.Popen(
-            [sys.executable, "-m", "drift", "coord", "own-loop.yaml", "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "drift", "coord", "own-loop.yaml", "--run-dir", str(tmp_path / "run")],
             cwd=repo,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**env, "DRIFT_HOME": str(tmp_path / "coord-home")},
+            env={**ENV, "DRIFT_HOME": str(tmp_path / "coord-home")},
         )
+    deadline = time.monotonic() + 60
+    while not (m := re.search(r"--ticket (\S+)", (tmp_path / "coord.log").read_text())):
+        if time.monotonic() > deadline or coord.poll() is not None:
+            coord.kill()
+            raise AssertionError((tmp_path / "coord.log").read_text())
+        time.sleep(0.1)
+    return coord, m.group(1)
+
+
+def test_readme_own_loop_script_trains_as_two_nodes(tmp_path: Path) -> None:
+    added = [
+        ln for ln in readme_block("# train.py").splitlines() if ln.rstrip().endswith("# drift") or "# drift (" in ln
+    ]
+    assert 1 <= len(added) <= 6, added  # a plain PyTorch script joins with at most 6 added lines
+    repo = _repo(tmp_path)
+    run_dir = tmp_path / "run"
+    coord, ticket = _coord(tmp_path, repo)
     nodes = []
     try:
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"--ticket (\S+)", (tmp_path / "coord.log").read_text())):
-            assert time.monotonic() < deadline and coord.poll() is None, (tmp_path / "coord.log").read_text()
-            time.sleep(0.1)
         for i in range(2):
             nodes.append(
                 subprocess.Popen(
-                    [sys.executable, "train.py", m.group(1)],
+                    [sys.executable, "train.py", ticket],
                     cwd=repo,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
-                    env={**env, "DRIFT_HOME": str(tmp_path / f"home-{i}")},  # each node its own key
+                    env={**ENV, "DRIFT_HOME": str(tmp_path / f"home-{i}")},  # each node its own key
                 )
             )
         outs = [n.communicate(timeout=240)[0] for n in nodes]
@@ -76,3 +92,24 @@ def test_readme_own_loop_script_trains_as_two_nodes(tmp_path: Path) -> None:
     assert rounds[-1]["val_loss"] < initial  # the loop trained, and the swarm's θ got better
     started = next(e for e in events if e["event"] == "training_started")
     assert started["n_train"] == 4000  # samples=len(x)
+
+
+def test_a_script_with_uncommitted_changes_is_refused_in_one_line(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    coord, ticket = _coord(tmp_path, repo)
+    try:
+        (repo / "train.py").write_text((repo / "train.py").read_text() + "# a local edit\n")
+        out = subprocess.run(
+            [sys.executable, "train.py", ticket],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**ENV, "DRIFT_HOME": str(tmp_path / "home")},
+        )
+    finally:
+        coord.kill()
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("drift: error:") and "uncommitted changes (train.py)" in lines[-1], out.stderr
+    assert "Traceback" not in out.stderr

@@ -121,3 +121,36 @@ def test_a_repo_with_its_own_workers_auth_recipes_and_tests_packages_trains(tmp_
     assert [e["round"] for e in rounds] == [0, 1]
     joined = [e for e in events if e["event"] == "training_started"]
     assert joined and joined[0]["n_train"] == 3600  # the repo's POINTS, through its own `workers`
+
+
+def test_a_script_next_to_its_own_workers_package_imports_drift_and_its_own(tmp_path: Path) -> None:
+    """A user's own loop (drift.DiLoCo) in a repo with `workers/` and `auth/`: `import drift` gets
+    drift's packages, the script's imports get its own, before and inside functions."""
+    repo = tmp_path / "loop"
+    (repo / "workers").mkdir(parents=True)
+    (repo / "workers" / "__init__.py").write_text("HIDDEN = 42\n")
+    (repo / "auth.py").write_text("SECRET = 'mine'\n")
+    (repo / "train.py").write_text(
+        textwrap.dedent(
+            """
+            import drift
+            from workers import HIDDEN
+            import auth
+
+
+            def later():
+                from workers import HIDDEN as again
+                return again
+
+
+            import drift.node  # drift's own modules still import drift's workers and auth
+            from drift.swarm import DiLoCo
+            print(HIDDEN, auth.SECRET, later(), drift.node.BackendError.__module__, DiLoCo.__name__)
+            """
+        )
+    )
+    git(repo, "init", "-q", "-b", "main")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "train.py"], cwd=repo, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["42", "mine", "42", "workers.base", "DiLoCo"]
