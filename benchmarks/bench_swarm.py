@@ -4,7 +4,7 @@
 
 Every node is a real `drift join` process (real iroh on loopback, real training of a small char
 GPT). Devices are simulated with an absolute step time: a node of relative speed s runs with
-`--sim-step BASE/s`, so each of its inner steps takes exactly BASE/s seconds (the real step, a few
+a simulated step of BASE/s (tests/wrappers/sim_node.py), so each of its inner steps takes exactly BASE/s seconds (the real step, a few
 milliseconds here, padded by sleeping). A simulated swarm therefore means the same on any machine
 fast enough to compute a step within BASE, and a node's solo speed is known exactly:
 BATCH * s / BASE samples/s (checked by running each device alone).
@@ -90,7 +90,7 @@ def main() -> None:
     for s in (1, 0.1):  # the simulation holds: a device alone trains at its nominal speed
         measured = run(tmp / f"solo-{s}", [s], "steal", 5, 3)["train_sps"]
         print(
-            f"solo speed {s:<5g} (--sim-step {BASE / s:g}): nominal {solo_sps(s):6.2f}, measured "
+            f"solo speed {s:<5g} (sim step {BASE / s:g}): nominal {solo_sps(s):6.2f}, measured "
             f"{measured:6.2f} samples/s",
             flush=True,
         )

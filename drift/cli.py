@@ -20,9 +20,9 @@ import click
 from auth import AuthError, KeyLock, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.dashboard import Dashboard, DashboardError, parse_addr
-from drift.inner import SimDevice
+from drift.inner import Steps
 from drift.monitor import Monitor, RunDirError
-from drift.node import NodeError, NodeOptions, run_node
+from drift.node import NodeError, NodeOptions
 from drift.recipe import RecipeError, load_recipe, repo_root
 from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
@@ -59,6 +59,19 @@ def _absolute(path: Path | None) -> Path | None:
 def _run(coro) -> int:
     try:
         return asyncio.run(coro)
+    except USER_ERRORS as e:
+        if os.environ.get("DRIFT_DEBUG"):
+            raise
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    return 1
+
+
+def _run_sync(fn, *args) -> int:
+    """_run for a call that runs its own event loop (a node: drift.swarm)."""
+    try:
+        return fn(*args)
     except USER_ERRORS as e:
         if os.environ.get("DRIFT_DEBUG"):
             raise
@@ -463,13 +476,6 @@ def _dirty(root: Path) -> bool:
     default=None,
     help="Where --repo is cloned and checked out [default: ~/.drift/repos].",
 )
-@click.option(
-    "--sim-step",
-    default=None,
-    metavar="SECONDS",
-    help="Simulations only: every inner step takes exactly this long (per round: 0.1 or "
-    "0.1,0.1,2 to slow down from round 2), so one machine can play very different devices.",
-)
 def join(
     repo: str,
     ticket: str,
@@ -479,7 +485,6 @@ def join(
     threads: int | None,
     key: Path | None,
     cache_dir: Path | None,
-    sim_step: str | None,
 ) -> None:
     """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
     try:
@@ -491,10 +496,6 @@ def join(
     try:  # fail before connecting when this machine cannot do what was asked
         choose(backend, device)
     except BackendError as e:
-        _fail(str(e))
-    try:
-        sim = SimDevice.parse(sim_step)
-    except ValueError as e:
         _fail(str(e))
     if not repo.isprintable():
         _fail(f"--repo {repo!r}: contains control characters")
@@ -511,21 +512,19 @@ def join(
     # The task checkout is the only place task code imports from: not the directory this command
     # happens to run in (python -m puts it first on sys.path).
     sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+    from drift.swarm import RepoSource, run_join
+
     opts = NodeOptions(
         ticket=ticket,
-        repo=repo,
-        device=device,
-        backend=backend,
-        threads=threads,
+        source=RepoSource(repo, _absolute(cache_dir), backend=backend, device=device, threads=threads),
+        steps=Steps(),
         key=node_key,
-        cache_dir=_absolute(cache_dir),
-        sim=sim,
         say=lambda line: click.echo(f"drift: {line}", err=True),
     )
     if name:
         opts.name = name
     try:
-        sys.exit(_run(run_node(opts)))
+        sys.exit(_run_sync(run_join, opts))
     finally:
         lock.release()
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import queue
+import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +33,7 @@ log = logging.getLogger("drift.node")
 class StopTraining(Exception):
     """The coordinator cancelled the run (`lost` False) or went away (`lost` True)."""
 
-    def __init__(self, reason: str, lost: bool = False):
+    def __init__(self, reason: str, lost: bool = False) -> None:
         super().__init__(reason)
         self.lost = lost
 
@@ -65,36 +67,6 @@ class RoundReport:
         )
 
 
-@dataclass(frozen=True)
-class SimDevice:
-    """Simulations only (`drift join --sim-step S`): every inner step of this node takes exactly S
-    seconds, per round ("0.1", or "0.1,0.1,2" to slow down from round 2 on; the last one holds),
-    by sleeping out the rest of the real step. An evaluation batch (a forward pass) takes S/3.
-
-    The times are absolute, so a simulated swarm means the same on any machine that computes a
-    real step faster than S; a real step longer than S is not cut (logged once)."""
-
-    steps: tuple[float, ...] = ()  # empty: a real device
-
-    EVAL_SHARE = 1 / 3  # an evaluation batch costs this share of a training step
-
-    @classmethod
-    def parse(cls, spec: str | None) -> SimDevice:
-        if not spec:
-            return cls()
-        try:
-            steps = tuple(float(x) for x in spec.split(","))
-        except ValueError:
-            raise ValueError(f"--sim-step {spec!r}: expected seconds per inner step, like 0.1 or 0.1,0.1,2") from None
-        if any(not (0 < s < 86400) or not math.isfinite(s) for s in steps):
-            raise ValueError(f"--sim-step {spec!r}: each value must be a number of seconds > 0")
-        return cls(steps)
-
-    def step_s(self, rnd: int) -> float | None:
-        """Simulated seconds per inner step in round `rnd` (None: a real device)."""
-        return self.steps[min(max(rnd, 0), len(self.steps) - 1)] if self.steps else None
-
-
 class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
@@ -104,7 +76,6 @@ class InnerLoop:
         recipe,
         inbox: asyncio.Queue,
         send: Callable[[P._Msg], Awaitable[None]],
-        sim: SimDevice = SimDevice(),
         lock: asyncio.Lock | None = None,
         defer: Callable[[P.Message], None] = lambda msg: None,
     ):
@@ -117,49 +88,34 @@ class InnerLoop:
         self.recipe = recipe
         self.inbox = inbox
         self.send = send
-        self.sim = sim
         self._orders: dict[int, np.ndarray] = {}
         self._round = 0
-        self._warned_slow = False
         self.step_s = 0.0  # EMA of one inner step (what the swarm sees)
         self.rtt_s = 0.05  # EMA of AskForMoreWork -> reply
 
-    async def _run(self, fn, *args, sim_s: float | None = None):
+    @property
+    def round(self) -> int:
+        """The round this loop trains (or last trained)."""
+        return self._round
+
+    async def _run(self, fn, *args):
         """Run one worker call off the event loop (so heartbeats and messages keep flowing), with
-        the worker's lock; a simulated device then stays busy until `sim_s` seconds have passed."""
+        the worker's lock."""
         async with self.lock:
-            t0 = time.perf_counter()
-            out = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-            if sim_s is not None:
-                took = time.perf_counter() - t0
-                if took > sim_s and not self._warned_slow:
-                    self._warned_slow = True
-                    log.warning(
-                        "simulated step of %.3fs, but the real one took %.3fs: this machine is too "
-                        "slow to simulate that device",
-                        sim_s,
-                        took,
-                    )
-                await asyncio.sleep(max(0.0, sim_s - took))
-        return out
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def train_step(self, indices: np.ndarray) -> float:
         parts = min(self.recipe.micro_batches, len(indices))
-        return await self._run(self.worker.train_step, indices, parts, sim_s=self.sim.step_s(self._round))
+        return await self._run(self.worker.train_step, indices, parts)
 
-    async def evaluate(self, rnd: int | None = None) -> tuple[float, float]:
-        """(val loss of the worker's θ, seconds per evaluation batch it took)."""
+    async def evaluate(self, rnd: int | None = None) -> tuple[float | None, float]:
+        """(val loss of the worker's θ, or None when the loop has no evaluation; seconds per
+        evaluation batch it took)."""
         r = self.recipe
         n = min(self.worker.n_val, r.eval_batches * r.batch_size)
         batches = max(1, -(-n // r.batch_size))
-        step = self.sim.step_s(self._round if rnd is None else rnd)
         t0 = time.perf_counter()
-        val = await self._run(
-            self.worker.evaluate,
-            r.eval_batches,
-            r.batch_size,
-            sim_s=None if step is None else batches * step * SimDevice.EVAL_SHARE,
-        )
+        val = await self._run(self.worker.evaluate, r.eval_batches, r.batch_size)
         return val, (time.perf_counter() - t0) / batches
 
     def metrics(self) -> dict[str, float]:
@@ -301,7 +257,7 @@ def finite_positive(x: float | None) -> bool:
 
 @dataclass(frozen=True)
 class Calibration:
-    samples_per_s: float  # what the swarm plans with (a simulated device's, when simulated)
+    samples_per_s: float  # what the swarm plans with
     eval_ratio: float  # one training step over one evaluation batch, in seconds
 
 
@@ -310,7 +266,7 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
     to a busy moment), and one timed evaluation batch. The caller restores θ afterwards."""
     worker, bs = inner.worker, inner.recipe.batch_size
     idx = np.arange(min(bs, worker.n_train))
-    await inner._run(worker.train_step, idx)
+    await inner.train_step(idx)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -318,7 +274,133 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
         times.append(time.perf_counter() - t0)
     step_s = min(times)
     t0 = time.perf_counter()
-    sim = inner.sim.step_s(0)
-    await inner._run(worker.evaluate, 1, bs, sim_s=None if sim is None else sim * SimDevice.EVAL_SHARE)
+    await inner._run(worker.evaluate, 1, bs)
     eval_s = time.perf_counter() - t0
     return Calibration(len(idx) / step_s, step_s / max(eval_s, 1e-9))
+
+
+# --- the loop that trains: the node asks, the loop thread steps ------------------------------------
+
+
+class SwarmClosed(Exception):
+    """The training loop left the swarm (it ended, broke out of its loop, or raised)."""
+
+
+class _Job:
+    __slots__ = ("args", "done", "error", "fn", "result")
+
+    def __init__(self, fn, args) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.result, self.error = None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # handed to the thread that asked
+            self.error = e
+        self.done.set()
+
+
+STEP = object()  # a job that is one inner step of the user's loop
+
+
+class Steps:
+    """The channel between a node (its asyncio loop, in a thread of its own) and the thread that
+    runs the training loop (the user's script, or `drift join`'s loop over a task's worker).
+
+    Everything the node does to the model happens on the loop thread, between two inner steps:
+    each worker call (state in and out, evaluation, the outer step's write-back) is a job the
+    loop thread runs while it waits in `serve()` for its next batch; an inner step is the job
+    `serve()` answers by yielding the batch's indices, done when `stepped()` is called (the
+    optimizer's step hook, or the loop itself)."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._step: _Job | None = None
+        self._ended = threading.Event()  # the node is done: serve() returns
+        self._closed = threading.Event()  # the loop is done: every call raises SwarmClosed
+        self.thread: threading.Thread | None = None  # the loop thread, once it serves
+        self.parts = 1  # micro-batches of the step in hand
+
+    def call(self, fn, *args):
+        """fn(*args) on the loop thread (directly when already on it); its result or its error."""
+        if threading.current_thread() is self.thread:
+            return fn(*args)
+        job = _Job(fn, args)
+        if self._closed.is_set():
+            raise SwarmClosed("the training loop has ended")
+        self._q.put(job)
+        while not job.done.wait(0.2):
+            if self._closed.is_set():
+                raise SwarmClosed("the training loop has ended")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def step(self, indices: np.ndarray, parts: int = 1) -> float:
+        """One inner step of the loop on these samples (blocks until it is done); its loss or nan."""
+        return self.call(STEP, indices, parts)
+
+    def serve(self) -> Iterator[np.ndarray]:
+        """On the loop thread: run the node's jobs, and yield the indices of each inner step."""
+        self.thread = threading.current_thread()
+        try:
+            while not self._ended.is_set() or not self._q.empty():
+                try:
+                    job = self._q.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if job is None:
+                    continue
+                if job.fn is not STEP:
+                    job.run()
+                    continue
+                self._step, (indices, self.parts) = job, job.args
+                yield indices
+                self.stepped()  # a loop that did not step (no hook fired) still ends the step
+        finally:
+            self.close()
+
+    def stepped(self, loss: float = math.nan) -> None:
+        """The inner step in hand is done (called by the optimizer's step hook, or the loop)."""
+        job, self._step = self._step, None
+        if job is not None:
+            job.result = float(loss)
+            job.done.set()
+
+    def end(self) -> None:
+        """The node is done: serve() returns once the jobs in hand are run."""
+        self._ended.set()
+        self._q.put(None)
+
+    def close(self) -> None:
+        """The loop is done: jobs still asked for fail with SwarmClosed."""
+        self._closed.set()
+        self._ended.set()
+
+
+class OnLoop:
+    """A worker whose every call runs on the loop thread (see Steps); attributes read directly.
+    train_step is the loop's own step."""
+
+    def __init__(self, worker, steps: Steps) -> None:
+        self._worker, self._steps = worker, steps
+
+    def __getattr__(self, name: str):
+        value = getattr(self._worker, name)
+        if not callable(value):
+            return value
+        if name == "train_step":
+            return self._steps.step
+        if name == "iter_state":
+            return self._iter_state
+        return lambda *args: self._steps.call(value, *args)
+
+    def _iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
+        it = self._steps.call(self._worker.iter_state)
+        while True:
+            item = self._steps.call(next, it, None)
+            if item is None:
+                return
+            yield item

@@ -300,4 +300,11 @@ def _line(rec: dict[str, Any]) -> str:
             f"node joined: {printable(rec['name'], MAX_NAME)} ({printable(rec['device'], MAX_NAME)}) "
             f"{printable(str(rec['node_id'])[:10])}"
         )
+    if kind == "complete":
+        vl = rec.get("final_val_loss")
+        loss = f", final val loss {vl:.4f}" if vl is not None else ""
+        return f"run complete: {rec['rounds']} rounds trained{loss}"
+    if kind == "node_left":
+        why = f" ({printable(rec['reason'])})" if rec.get("reason") else ""
+        return f"node left: {printable(rec.get('name', '?'), MAX_NAME)}{why}"
     return " ".join(f"{k}={printable(v)}" for k, v in rec.items() if k != "t")

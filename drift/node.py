@@ -13,6 +13,10 @@ as silent) comes back by itself: it connects again with the same identity, is ve
 fetches θ from a peer and trains from the next round. One `Session` is one connection to the
 coordinator; the `Node` keeps the model, the endpoint and the ring across sessions.
 
+The node runs in a thread of its own (drift/swarm.py); the model is trained by the loop thread
+(a user's script with drift.DiLoCo, or `drift join`'s loop over a task's worker), and every call
+the node makes on the worker runs there, between two inner steps (inner.Steps, inner.OnLoop).
+
 Memory: besides the framework's own model and optimizer, a node holds θ_global, the outer
 optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
 whose velocity stays untouched zeros), plus the local snapshot with the overlapped rule. Nothing
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import os
 import secrets
@@ -32,16 +37,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
 from drift.diloco import RULES, DeltaCheck, ParamLayout, SyncRule, checksum, reduced_problem
-from drift.inner import Calibration, InnerLoop, SimDevice, StopTraining, calibrate
+from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
 from drift.recipe import Recipe
-from drift.repo import RepoCache, RepoError
+from drift.repo import RepoError
 from drift.ring import Ring, RingError
 from drift.state import StateError, StateServer, fetch_state, into_arrays
 from drift.transport import (
@@ -58,7 +63,7 @@ from drift.transport import (
     parse_ticket,
 )
 from drift.weights import placement
-from workers import BackendError, TaskError, choose, load_task, make_worker
+from workers import BackendError, Choice, TaskError
 
 log = logging.getLogger("drift.node")
 
@@ -77,17 +82,31 @@ class Lost(Exception):
     """The connection to the coordinator is gone (closed, or silent too long): try to rejoin."""
 
 
+class TaskSource(Protocol):
+    """Where a node's model comes from, checked against the commit the coordinator names:
+    drift.swarm.RepoSource (`drift join --repo`: a task file from a clean checkout) or
+    drift.swarm.ScriptSource (a user's own loop: its script's repo must be clean at that commit)."""
+
+    name: str  # the repo, as RepoCommit names it
+
+    def open(self) -> None:
+        """Check what can be checked before connecting; RepoError if unusable."""
+
+    def choice(self) -> Choice:
+        """The backend and device this node trains on; BackendError if none fits."""
+
+    async def load(self, cfg: P.TrainConfig, recipe: Recipe) -> tuple[object, str | None]:
+        """(the worker at θ0, the commit's tree id); RepoError, BackendError, TaskError or
+        ImportError (one line each) when this node cannot train cfg.commit's task."""
+
+
 @dataclass
 class NodeOptions:
     ticket: str
-    repo: str | Path  # URL or path of the git repo the task code comes from
+    source: TaskSource
+    steps: Steps  # the thread that trains (drift.swarm.Swarm serves it)
     key: NodeKey | None = None  # this node's identity; None: a throwaway key (tests)
-    cache_dir: Path | None = None  # where --repo is cloned [default: ~/.drift/repos]
     name: str = field(default_factory=socket.gethostname)
-    device: str = "auto"
-    backend: str = "auto"  # torch, mlx, numpy (auto: the best one here)
-    threads: int | None = None
-    sim: SimDevice = field(default_factory=SimDevice)  # simulations only
     say: Callable[[str], None] = print  # one line for the operator (run complete, rejoining, ...)
 
 
@@ -172,7 +191,7 @@ class Node:
         opts = self.opts
         mode = mode_for_ticket(opts.ticket)
         try:
-            self.cache = RepoCache(opts.repo, opts.cache_dir)  # fetched once TrainConfig names the commit
+            opts.source.open()  # fetched once TrainConfig names the commit
         except RepoError as e:
             raise NodeError(str(e)) from None
         self.key = opts.key or NodeKey.generate()
@@ -187,7 +206,8 @@ class Node:
             self.ring.close()
             await self.endpoint.close()
             if self.trainer is not None:
-                self.trainer.worker.close()
+                with contextlib.suppress(SwarmClosed):
+                    self.trainer.worker.close()
 
     async def _sessions(self) -> int:
         """Sessions until the run completes; after a loss, reconnect with backoff."""
@@ -355,7 +375,7 @@ class Session:
             return self._complete(ready)
         await self._verify_ready(ready)
         self.node.admitted = True
-        t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, self.opts.sim, t.lock, self._stash.append)
+        t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, t.lock, self._stash.append)
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
             msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
@@ -382,7 +402,7 @@ class Session:
         """NodeInfo -> TrainConfig -> (first time: checkout, model, calibration) -> signed RepoCommit."""
         node, opts = self.node, self.opts
         try:  # the backend and device this machine would use; the task may narrow it below
-            choice = choose(opts.backend, opts.device)
+            choice = opts.source.choice()
         except BackendError as e:
             raise NodeError(str(e)) from None
         await self.send(
@@ -424,31 +444,14 @@ class Session:
         except ValueError as e:
             reason = str(e).splitlines()[0] if str(e) else "invalid"
             raise await self._refuse(f"the coordinator sent a recipe this drift cannot use ({reason})") from None
-        loop = asyncio.get_running_loop()
         try:
-            work = await loop.run_in_executor(None, node.cache.checkout, cfg.commit or "")
-            tree = node.cache.tree(work)
-            task_path = node.cache.task_path(work, recipe.task)
+            raw, tree = await opts.source.load(cfg, recipe)
         except RepoError as e:
             raise await self._refuse(str(e)) from None
-        io = recipe.inner_optimizer
-
-        def build():
-            task = load_task(task_path, root=work)  # only from the checkout of cfg.commit
-            return make_worker(
-                task,
-                recipe.task_config,
-                dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2), grad_clip=io.grad_clip),
-                backend=opts.backend,
-                device=opts.device,
-                seed=recipe.seed,
-                threads=opts.threads,
-                task_name=f"task {recipe.task}",
-                precision=recipe.precision,
-            )
-
+        except (BackendError, TaskError, ImportError) as e:
+            raise await self._refuse(str(e).splitlines()[0]) from None
+        worker = OnLoop(raw, opts.steps)  # every call on the loop thread, between its steps
         try:
-            worker = await loop.run_in_executor(None, build)
             layout = ParamLayout.of(worker.get_params(), worker.get_buffers())
             theta = np.empty(layout.size, np.float32)
             oo = recipe.outer_optimizer
@@ -478,7 +481,7 @@ class Session:
                 worker.backend,
                 worker.device,
             )
-            t.calibration = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send, opts.sim))
+            t.calibration = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send))
         except (
             BackendError,
             TaskError,
@@ -489,7 +492,7 @@ class Session:
         worker.reset_optimizer()  # ... and to a fresh AdamW, as every node starts
         t.publish(node.state, -1)
         t.initial_checksum = t.held_checksum
-        t.frozen_checksum = await loop.run_in_executor(None, worker.frozen_checksum)
+        t.frozen_checksum = worker.frozen_checksum()
         return t
 
     async def _initial_weights(self, t: Trainer, src: P.StateSource) -> None:
@@ -547,7 +550,7 @@ class Session:
         """This node's RepoCommit, signed with its key (a fresh nonce every session)."""
         node = self.node
         rc = P.RepoCommit(
-            repo=node.cache.source,
+            repo=self.opts.source.name,
             commit=t.commit,
             tree=t.tree,
             node_id=node.endpoint.node_id,
@@ -620,6 +623,10 @@ class Session:
                 await self.send(P.AskForMoreWork(round=a.round))
                 return
             val, batch_s = await t.inner.evaluate(a.round)
+            if val is None:  # a loop without an evaluation: nothing to report, ask again later
+                await asyncio.sleep(1.0)
+                await self.send(P.AskForMoreWork(round=a.round))
+                return
             n = min(t.worker.n_val, t.recipe.eval_batches * t.recipe.batch_size)
             # Evaluators do not train, so their speed is re-measured here: a node that recovers
             # (a laptop that cooled down) trains again once it is fast enough.

@@ -15,7 +15,7 @@ from harness.simulate import git  # noqa: F401 - re-exported for tests
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPERS = ROOT / "tests" / "wrappers"  # `drift join` with one injected fault, or held back
 
-# The simulated swarms' task: a tiny model, fast liveness, `--sim-step` sets each node's pace.
+# The simulated swarms' task: a tiny model, fast liveness, a simulated step time (tests/wrappers/sim_node.py) sets each node's pace.
 SIM_BATCH = 8
 SIM = dict(
     task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},

@@ -1,5 +1,5 @@
 """Simulations of staggered devices: real `drift join` processes with simulated step times
-(`--sim-step SECONDS`: absolute, so a simulation means the same on any machine).
+(tests/wrappers/sim_node.py, $DRIFT_SIM_STEP: absolute, so a simulation means the same on any machine).
 
 Each test asserts the accounting (every sample trained exactly once), that replicas agree (the
 coordinator refuses to go on otherwise, so a completed run proves it), and that fast nodes were not

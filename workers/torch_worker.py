@@ -142,17 +142,9 @@ class TorchWorker:
         metrics_fn = getattr(task_module, "metrics", None)
         self._metrics_fn: Callable[[torch.nn.Module, Any], Any] | None = metrics_fn if callable(metrics_fn) else None
         self.metrics: dict[str, float] = {}  # the task's metrics of the last evaluate()
-
-        # θ is the trainable state: a frozen base (LoRA's) stays in the model and nowhere else.
-        named = sorted(self.model.named_parameters())
-        self._params: dict[str, torch.nn.Parameter] = {n: p for n, p in named if p.requires_grad}
-        self._frozen: dict[str, torch.nn.Parameter] = {n: p for n, p in named if not p.requires_grad}
-        self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
-        persistent = self.model.state_dict(keep_vars=True).keys()  # not caches such as attention masks
-        self._buffers: dict[str, torch.Tensor] = {
-            name: b for name, b in sorted(self.model.named_buffers()) if b.is_floating_point() and name in persistent
-        }
-        self._buffer_shapes = {name: tuple(b.shape) for name, b in self._buffers.items()}
+        self._eval_fn: Callable[[torch.nn.Module], float] | None = None
+        self._own_lr = True  # the recipe's inner learning rate schedule drives this optimizer
+        self._bind()
         init = initial_params(task_module, task_cfg, self.dataset, seed, self.task_name)
         if init is not None:  # the task's backend-neutral θ: mlx and numpy nodes start from it too
             self.set_params(init)
@@ -167,6 +159,44 @@ class TorchWorker:
             groups, lr=opt["lr"], betas=opt["betas"], eps=opt["eps"], fused=self._device_type == "cuda"
         )
         self._scaler = self._new_scaler()
+
+    @classmethod
+    def around(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        n_train: int,
+        evaluate: Callable[[torch.nn.Module], float] | None = None,
+    ) -> TorchWorker:
+        """A worker over a user's own model and optimizer (drift.DiLoCo): the user's loop trains,
+        so train_step is not used and set_lr leaves the optimizer's own schedule alone;
+        evaluate(model) is the user's function (None: this node reports no validation loss)."""
+        self = cls.__new__(cls)
+        first = next(iter(model.parameters()), None)
+        self.device = str(first.device) if first is not None else "cpu"
+        self.task_name, self.precision = "your training script", "fp32"
+        self._device_type = torch.device(self.device).type
+        self.codec_kernels = codec_kernels(self.device)
+        self.dataset, self.n_train, self.n_val = None, int(n_train), 1
+        self.model, self.optimizer, self._scaler = model, optimizer, None
+        self._loss_fn, self._eval_fn, self._grad_clip = None, evaluate, 0.0
+        self._metrics_fn, self.metrics = None, {}
+        self._own_lr = False
+        self._bind()
+        return self
+
+    def _bind(self) -> None:
+        """The parameters and buffers of self.model that make θ, in θ's order. θ is the trainable
+        state: a frozen base (LoRA's) stays in the model and nowhere else."""
+        named = sorted(self.model.named_parameters())
+        self._params: dict[str, torch.nn.Parameter] = {n: p for n, p in named if p.requires_grad}
+        self._frozen: dict[str, torch.nn.Parameter] = {n: p for n, p in named if not p.requires_grad}
+        self._shapes = {name: tuple(p.shape) for name, p in self._params.items()}
+        persistent = self.model.state_dict(keep_vars=True).keys()  # not caches such as attention masks
+        self._buffers: dict[str, torch.Tensor] = {
+            name: b for name, b in sorted(self.model.named_buffers()) if b.is_floating_point() and name in persistent
+        }
+        self._buffer_shapes = {name: tuple(b.shape) for name, b in self._buffers.items()}
 
     def _new_scaler(self) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(self._device_type) if self.precision == "fp16" else None
@@ -222,6 +252,8 @@ class TorchWorker:
     def set_lr(self, lr: float) -> None:
         """AdamW's learning rate from the next train_step on."""
         value = check_lr(lr)
+        if not self._own_lr:  # a user's optimizer keeps its own learning rate
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = value
 
@@ -254,6 +286,8 @@ class TorchWorker:
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
+        if self._eval_fn is not None or self.dataset is None:
+            return self._user_evaluate()
         n = eval_samples(self.n_val, max_batches, batch_size)
         self.model.eval()
         total, sums = 0.0, {}
@@ -289,6 +323,17 @@ class TorchWorker:
             return {k: float(v) for k, v in out.items()}
         except (TypeError, ValueError):
             raise TaskError(f"{self.task_name}: metrics(model, batch) has a value that is not a number") from None
+
+    def _user_evaluate(self) -> float | None:
+        if self._eval_fn is None:
+            return None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return float(self._eval_fn(self.model))
+        finally:
+            self.model.train(was_training)
 
     def close(self) -> None:
         """Nothing to release: torch needs no shutdown."""

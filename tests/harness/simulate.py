@@ -1,7 +1,7 @@
 """Swarms of real processes on one machine, for tests and benchmarks of staggered devices.
 
 A Swarm is a real `drift coord` plus `drift join` processes on real iroh (loopback) training the
-real task; a node's simulated step time (`drift join --sim-step SECONDS`) makes every inner step
+real task; a node's simulated step time (tests/wrappers/sim_node.py, $DRIFT_SIM_STEP) makes every inner step
 last exactly that long, so a 2-core machine can play a swarm of very different devices, and a
 simulated swarm means the same on any machine.
 """
@@ -23,6 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+SIM_NODE = ROOT / "tests" / "wrappers" / "sim_node.py"  # `drift join` on a simulated device
 
 
 class Swarm:
@@ -85,14 +86,16 @@ class Swarm:
         process_group: int | None = None,
         key: Path | None = None,
     ) -> subprocess.Popen:
-        """Start `drift join`; `sim_step` is its --sim-step (None: the real speed), `wrap` prefixes
+        """Start `drift join`; `sim_step` is its simulated step time (tests/wrappers/sim_node.py:
+        $DRIFT_SIM_STEP; None: the real speed), `wrap` prefixes
         the command (`ip netns exec NS`), `script` runs instead of `python -m drift` (a test's
         wrapper that calls drift.cli.main, e.g. tests/held_node.py)."""
         i = len(self.nodes)
         name = name or f"n{i}"
         stem = name if re.fullmatch(r"[\w.-]+", name) else f"n{i}"  # a name made to break things is no file name
         log = open(self.work / f"{stem}.log", "w")
-        sim = ["--sim-step", sim_step] if sim_step else []
+        sim = {"DRIFT_SIM_STEP": sim_step} if sim_step else {}
+        script = script or (SIM_NODE if sim_step else None)
         launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
         p = subprocess.Popen(
             [
@@ -107,7 +110,6 @@ class Swarm:
                 name,
                 "--threads",
                 "1",
-                *sim,
                 "--key",
                 str(key or self.work / f"{stem}.key"),
                 "--cache-dir",
@@ -115,7 +117,7 @@ class Swarm:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**ENV, **(env or {})},
+            env={**ENV, **sim, **(env or {})},
             preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)),
         )
         self.nodes.append(p)

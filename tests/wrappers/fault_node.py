@@ -40,6 +40,7 @@ import signal
 import sys
 
 import numpy as np
+import sim_node  # noqa: F401 - a simulated device when $DRIFT_SIM_STEP is set
 
 from drift import diloco
 from drift import protocol as P

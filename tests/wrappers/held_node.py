@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import sim_node  # noqa: F401 - a simulated device when $DRIFT_SIM_STEP is set
 import torch  # noqa: F401 - the slow part of a node's start-up, paid before the go
 
 from drift.cli import main
