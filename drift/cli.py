@@ -69,7 +69,7 @@ def _run(coro) -> int:
 
 
 def _run_sync(fn, *args) -> int:
-    """_run for a call that runs its own event loop (a node: drift.swarm)."""
+    """_run for a call that runs its own event loop (a node: drift.loop)."""
     try:
         return fn(*args)
     except USER_ERRORS as e:
@@ -512,7 +512,7 @@ def join(
     # The task checkout is the only place task code imports from: not the directory this command
     # happens to run in (python -m puts it first on sys.path).
     sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
-    from drift.swarm import RepoSource, run_join
+    from drift.loop import RepoSource, run_join
 
     opts = NodeOptions(
         ticket=ticket,

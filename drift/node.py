@@ -13,7 +13,7 @@ as silent) comes back by itself: it connects again with the same identity, is ve
 fetches θ from a peer and trains from the next round. One `Session` is one connection to the
 coordinator; the `Node` keeps the model, the endpoint and the ring across sessions.
 
-The node runs in a thread of its own (drift/swarm.py); the model is trained by the loop thread
+The node runs in a thread of its own (drift/loop.py); the model is trained by the loop thread
 (a user's script with drift.DiLoCo, or `drift join`'s loop over a task's worker), and every call
 the node makes on the worker runs there, between two inner steps (inner.Steps, inner.OnLoop).
 
@@ -84,8 +84,8 @@ class Lost(Exception):
 
 class TaskSource(Protocol):
     """Where a node's model comes from, checked against the commit the coordinator names:
-    drift.swarm.RepoSource (`drift join --repo`: a task file from a clean checkout) or
-    drift.swarm.ScriptSource (a user's own loop: its script's repo must be clean at that commit)."""
+    drift.loop.RepoSource (`drift join --repo`: a task file from a clean checkout) or
+    drift.loop.ScriptSource (a user's own loop: its script's repo must be clean at that commit)."""
 
     name: str  # the repo, as RepoCommit names it
 
@@ -104,7 +104,7 @@ class TaskSource(Protocol):
 class NodeOptions:
     ticket: str
     source: TaskSource
-    steps: Steps  # the thread that trains (drift.swarm.Swarm serves it)
+    steps: Steps  # the thread that trains (drift.loop.NodeThread serves it)
     key: NodeKey | None = None  # this node's identity; None: a throwaway key (tests)
     name: str = field(default_factory=socket.gethostname)
     say: Callable[[str], None] = print  # one line for the operator (run complete, rejoining, ...)
