@@ -225,7 +225,7 @@ def test_live_table_and_log_lines_show_network_text_as_plain_text(
     assert "[/x] [bold]" in table and "[red]cuda:0" in table
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        f"event=node_left node_id={'a' * 64} name=[/x] reason=bye\\x1b[2J\\n[/red]",
+        "node left: [/x] (bye\\x1b[2J\\n[/red])",  # markup and escapes as typed, not interpreted
         "[/x] :thumbs_up: [bold]said as it is[/bold]",
     ]
 
