@@ -259,6 +259,9 @@ class Coordinator:
             if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
                 await self._refuse(ch, conn, "the run has ended")
                 return
+            if (why := self.swarm.banned.get(ch.peer_id)) is not None:
+                await self._refuse(ch, conn, f"excluded from this run: {why}")
+                return
             if ch.peer_id in self.ready or ch.peer_id in self._handshaking:
                 # One identity, one node. A node that rejoins before we noticed its old connection
                 # died gets retry=True and comes back once that one is gone.

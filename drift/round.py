@@ -538,10 +538,17 @@ class Round:
         return await self.retry(now)
 
     def poisoner(self, i: str, why: str) -> None:
-        """Node i sent more into the all-reduce than it reported: out of the round, struck."""
+        """Node i sent more into the all-reduce than it reported: out of the round and of the run."""
         self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=why)
         self.s.poison_suspects = {i}  # the first one sat out next time
         self.sit_out(i, "poisoned", why)
+        self.ban(i, f"it poisoned the all-reduce ({why})")
+
+    def ban(self, i: str, why: str) -> None:
+        """An honest node never sends more than its reported norm allows, so a proven poisoner is
+        dropped and refused for the rest of the run (a smaller lie next time could pass the bound)."""
+        self.s.banned[i] = why
+        self.drops.append((i, why))
 
     def cleared(self) -> None:
         """An attempt passed: if the one before (with bisect_out in it) was refused, the culprit
@@ -551,8 +558,7 @@ class Round:
             if len(self.bisect_out) == 1 and self.bisect_out[0] in self.s.members:
                 i = self.bisect_out[0]
                 self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="bisected")
-                if self.s.strike(i, self.rnd):
-                    self.drops.append((i, "it poisoned the all-reduce, again"))
+                self.ban(i, "it poisoned the all-reduce (found by halves)")
 
     def behind(self, now: float) -> None:
         """Members that did not report θ long after the first one did (rules.reduce_overdue) are

@@ -56,6 +56,7 @@ class Swarm:
         self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
         self.measured: set[str] = set()  # nodes whose speed our own clock has measured
         self.poison_suspects: set[str] = set()  # one of these sent more into a ring than it reported
+        self.banned: dict[str, str] = {}  # nodes proven to poison the all-reduce -> why: out for the run
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]

@@ -149,5 +149,8 @@ def test_poisoned_contribution_is_refused_before_theta_moves_and_its_sender_foun
     assert any(e["event"] == "poisoned" for e in events)
     found = {e["name"] for e in events if e["event"] == "poisoner"}
     assert found == {"bad"}, found  # and no honest node was ever blamed
+    named = min(e["round"] for e in events if e["event"] == "poisoner")
+    later = [e for e in events if e["event"] == "round" and e["round"] > named]
+    assert all(r["nodes"].get("bad", {"weight": 0.0})["weight"] == 0 for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
     check_exactly_once(events, 2 * BATCH)
