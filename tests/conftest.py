@@ -42,6 +42,29 @@ TINY_RECIPE = {
 }
 
 
+# The fast tier (`pytest -m "not swarm"`, about a minute): modules that run in-process (real iroh
+# on loopback, real codecs and rules) and start no `drift` process. Every other module is `swarm`.
+FAST_MODULES = {
+    "test_compress",
+    "test_coordinator",
+    "test_diloco",
+    "test_inner",
+    "test_protocol",
+    "test_ring",
+    "test_rules",
+    "test_state",
+    "test_strangers",
+    "test_transport",
+    "test_worker",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module.__name__ not in FAST_MODULES:
+            item.add_marker(pytest.mark.swarm)
+
+
 @pytest.fixture(autouse=True)
 def _drift_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keys and repo caches of every drift process a test starts stay out of ~/.drift."""
