@@ -57,19 +57,11 @@ def _absolute(path: Path | None) -> Path | None:
 
 
 def _run(coro) -> int:
-    try:
-        return asyncio.run(coro)
-    except USER_ERRORS as e:
-        if os.environ.get("DRIFT_DEBUG"):
-            raise
-        _fail(str(e))
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
-    return 1
+    return _run_sync(asyncio.run, coro)
 
 
 def _run_sync(fn, *args) -> int:
-    """_run for a call that runs its own event loop (a node: drift.loop)."""
+    """fn(*args) with user errors as one line (a node runs its own event loop: drift.loop)."""
     try:
         return fn(*args)
     except USER_ERRORS as e:
