@@ -78,7 +78,13 @@ class Round:
         self.t0 = time.monotonic()
         self.steal = self.r.schedule == "steal"
         members = swarm.members
-        self.budget = self.r.round_samples if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
+        # What earlier rounds' cuts handed back is trained on top of this round's budget, and the
+        # last round is not cut at all: a run trains rounds × round_samples samples.
+        self.last = rnd == self.r.rounds - 1
+        owed = queue.pending_samples() if self.steal else 0
+        self.budget = (
+            self.r.round_samples + owed if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
+        )
         evaluators = swarm.evaluators(self.budget) if self.steal else set()
         # Overlapped: a node that needs θ first (it joined, or its θ is stale) cannot fetch the
         # agreed θ while the round before is being reduced (its donors move on to the next one):
@@ -265,7 +271,7 @@ class Round:
             await self.host.send(peer, P.AssignNext(round=self.rnd, unit=nxt))
             return
         await self.host.send(peer, P.NoMoreWork(round=msg.round))
-        if self.steal and self.plan.remaining() == 0:
+        if self.steal and self.plan.remaining() == 0 and not self.last:
             await self.stop_all("the round's budget is handed out")
 
     def on_sync(self, i: str, msg: P.BarrierSync) -> None:
@@ -333,7 +339,7 @@ class Round:
         """Run the clocks; True once the round is settled (every ring member reported θ, or the
         all-reduce was given up). `may_reduce` False holds the ring back (the round before is
         still being reduced)."""
-        if self.steal and self.ring is None and not self.stop_sent:
+        if self.steal and self.ring is None and not self.stop_sent and not self.last:
             await self.tail()
         await self.deadlines(now)
         if self.ring is None:

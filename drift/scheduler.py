@@ -60,6 +60,10 @@ class UnitQueue:
             "pending": [[u.epoch, u.id, u.lo, u.hi] for u in self._returned],
         }
 
+    def pending_samples(self) -> int:
+        """Samples handed back and not trained yet (cut by StopRound, or lost with a node)."""
+        return sum(u.hi - u.lo for u in self._returned)
+
     @staticmethod
     def with_pending(position: dict, units: list[WorkUnit]) -> dict:
         """A position() with `units` handed back on top (they are trained first)."""

@@ -45,6 +45,10 @@ def test_mixed_speeds(tmp_path: Path) -> None:
     _check_idle(events)
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 3
+    # The run trains its whole budget: what a round's cut left is trained later, the last round
+    # is not cut (3 rounds × 3 nodes × 12 steps × 8 samples).
+    assert sum(r["samples"] for r in rounds) >= 3 * 3 * 12 * BATCH, [r["samples"] for r in rounds]
+    assert next(e for e in events if e["event"] == "complete")["pending"] == []
     # Shares follow speed (5x apart): over the run the fastest node trained clearly more.
     total = {n: sum(r["nodes"].get(n, {"samples": 0})["samples"] for r in rounds) for n in ("n0", "n2")}
     assert total["n0"] > 2 * total["n2"], [r["nodes"] for r in rounds]
