@@ -82,6 +82,10 @@ def _why(e: Exception) -> str:
     return f"{e.__class__.__name__}: {e}"
 
 
+# What a node's RepoCommit says of the task it loaded, as a user reads it (Coordinator._same_task).
+_TASK_PARTS = ("initial θ", "frozen base", "dataset size", "model size", "parameter layout")
+
+
 @dataclass
 class Coordinator:
     recipe: Recipe
@@ -468,17 +472,14 @@ class Coordinator:
         counts = Counter(task(p) for p in peers)
         top, n = counts.most_common(1)[0]
         if 2 * n <= len(peers):
-            what = next(
-                w
-                for k, w in enumerate(("param_checksum", "frozen_checksum", "n_train", "n_params", "layout"))
-                if len({task(p)[k] for p in peers}) > 1
-            )
-            seen = sorted({str(getattr(p.commit, what)) for p in peers})
-            await self.broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({what})"))
-            raise CoordinatorError(f"nodes loaded different tasks: {what} differs {seen}")
+            k = next(k for k in range(len(top)) if len({task(p)[k] for p in peers}) > 1)
+            seen = sorted({str(task(p)[k]) for p in peers})
+            await self.broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({_TASK_PARTS[k]})"))
+            raise CoordinatorError(f"nodes loaded different tasks: {_TASK_PARTS[k]} differs {seen}")
         for p in peers:
             if task(p) != top:
-                why = "this node loaded a different task than the others (initial θ, dataset or model size differs)"
+                differs = ", ".join(_TASK_PARTS[k] for k in range(len(top)) if task(p)[k] != top[k])
+                why = f"this node loaded a different task than the others ({differs} differs)"
                 log.warning("node %s (%s) refused: %s", p.info.name, p.id[:10], why)
                 await self.send(p, P.TrainingCancel(reason=why))
                 self.note("node_refused", node_id=p.id, reason=why)

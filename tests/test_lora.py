@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT, drift_cmd
 
 from drift.checkpoint import latest_checkpoint
-from harness.simulate import git
+from harness.simulate import Swarm, git
 from workers import load_task
 from workers.torch_worker import TorchWorker
 
@@ -71,3 +71,61 @@ def test_lora_swarm_sends_and_checkpoints_only_the_adapters(tmp_path: Path) -> N
     ck, _ = latest_checkpoint(run_dir / "checkpoints")
     assert ck is not None and set(ck.names) == set(w.get_params())
     assert ck.manifest["frozen_base"] == w.frozen_checksum()
+
+
+MY_LORA = '''"""A user's LoRA fine-tune: the base comes from a local from_pretrained directory ($MY_BASE)."""
+import os
+
+from lora_llama import make_dataset  # noqa: F401
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
+
+def make_model(cfg):
+    base = LlamaForCausalLM.from_pretrained(os.environ.get("MY_BASE", {default!r}))
+    base.loss_type = "ForCausalLM"
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+'''
+
+
+def test_a_node_whose_frozen_base_differs_is_refused_and_told_why(tmp_path: Path) -> None:
+    """Each machine loads its base from its own disk; one friend's copy is another revision. The
+    node is refused at the start with the reason, and the run goes on with the two that agree."""
+    import torch
+
+    bases = [tmp_path / "base", tmp_path / "base-edited"]  # two "revisions" of the same base model
+    base = _worker(lora_r=0).model
+    base.save_pretrained(bases[0])
+    with torch.no_grad():
+        next(base.parameters())[0, 0] += 1e-3
+    base.save_pretrained(bases[1])
+    repo = tmp_path / "repo"
+    (repo / "recipes").mkdir(parents=True)
+    for f in TASK_FILES:
+        shutil.copy(ROOT / "recipes" / f, repo / "recipes" / f)
+    (repo / "recipes" / "my_lora.py").write_text(MY_LORA.format(default=str(bases[0])))
+    recipe = yaml.safe_load((ROOT / "recipes" / "lora.yaml").read_text())
+    recipe.update(
+        task="recipes/my_lora.py",
+        task_config=TINY_LORA,
+        min_nodes=3,
+        rounds=1,
+        inner_steps=2,
+        unit_steps=1,
+        batch_size=4,
+    )
+    recipe.update(eval_batches=1)
+    (repo / "recipes" / "my_lora.yaml").write_text(yaml.safe_dump(recipe))
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "my lora task")
+    swarm = Swarm(repo / "recipes" / "my_lora.yaml", tmp_path, "--local", "2")
+    other = swarm.join(name="friend", env={"MY_BASE": str(bases[1])})
+    assert swarm.finish() == 0, swarm.log()
+    assert other.wait(60) != 0
+    events = swarm.events()
+    refused = [e for e in events if e["event"] == "node_refused"]
+    assert len(refused) == 1 and "frozen base differs" in refused[0]["reason"], refused
+    assert "frozen base differs" in swarm.node_logs()
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 1 and "friend" not in rounds[0]["nodes"] and len(rounds[0]["nodes"]) == 2
