@@ -668,6 +668,8 @@ class Coordinator:
                 w.abort()
             self.checkpoint_error = str(e)
             log.warning("no checkpoint for round %d: %s", rnd, e)
+            if isinstance(e, OSError) and self.monitor:  # our disk (full, read-only), not a peer: the run ends
+                self.monitor.fail(f"cannot write {self.run_dir / 'checkpoints'}: {e.strerror or e}")
             return None
         self.last_checkpoint, self.last_checkpoint_path = rnd, path
         self.note("checkpoint", round=rnd, path=str(path))

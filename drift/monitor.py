@@ -69,6 +69,12 @@ class Monitor:
             self._live.start()
         self._board = Board.open(self.run_dir)
 
+    def fail(self, error: str) -> None:
+        """The run dir cannot be written (metrics or a checkpoint): the run is to end cleanly."""
+        if self.error is None:
+            self.error = error
+            self.failed.set()
+
     def event(self, kind: str, **fields: Any) -> None:
         """Record one event (a line of metrics.jsonl) and refresh the view."""
         rec = {"t": round(time.time() - self._t0, 3), "event": kind, **fields}
@@ -76,8 +82,7 @@ class Monitor:
             try:
                 self._metrics.write(json.dumps(rec) + "\n")
             except OSError as e:
-                self.error = f"cannot write {self.run_dir / 'metrics.jsonl'}: {e.strerror or e}"
-                self.failed.set()
+                self.fail(f"cannot write {self.run_dir / 'metrics.jsonl'}: {e.strerror or e}")
         if self._board is not None:
             self._board.event(rec)
         self._eta.event(rec)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -74,3 +75,41 @@ def test_a_torn_last_line_is_cut_before_a_resumed_run_appends(tmp_path: Path) ->
     monitor.close()
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["event"] for line in lines] == ["initial", "resumed"]
+
+
+def test_a_checkpoint_dir_that_turns_read_only_mid_run_ends_in_one_line_and_keeps_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The disk under the checkpoints goes read-only between rounds (a failing disk, a remount):
+    the coordinator, in a mount namespace of its own, sees that directory remounted read-only."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=1, rounds=40, checkpoint_every=1, **SIM)
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    inner = " ".join(drift_cmd("coord", str(recipe), "--local", "1", "--run-dir", str(run_dir)))
+    coord = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", f"mount --bind {ckpts} {ckpts} && exec {inner}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        while (ckpt := latest_checkpoint(ckpts)[0]) is None or ckpt.round < 1:
+            assert coord.poll() is None, coord.communicate()
+            time.sleep(0.1)
+        # (a remount is refused while a checkpoint file is open for writing: try again)
+        remount = ["nsenter", "-t", str(coord.pid), "-m", "mount", "-o", "remount,bind,ro", str(ckpts)]
+        while subprocess.run(remount, capture_output=True).returncode != 0:
+            assert coord.poll() is None, coord.communicate()
+            time.sleep(0.05)
+        out, err = coord.communicate(timeout=120)
+    finally:
+        coord.kill()
+    assert coord.returncode != 0 and "Traceback" not in out + err, err
+    errors = [line for line in err.splitlines() if line.startswith("drift: error: ")]
+    assert len(errors) == 1, err
+    assert "Read-only file system" in errors[0], errors
+    kept, _ = latest_checkpoint(ckpts)
+    assert kept is not None and kept.round >= ckpt.round  # the newest whole checkpoint stays
+    assert f"--resume continues from round {kept.round}" in errors[0], errors
