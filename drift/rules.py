@@ -192,6 +192,17 @@ def evaluators(speeds: Mapping[str, float], budget: int, batch_size: int, slow_f
     return out
 
 
+def bound_claim(claim: float, others: list[float]) -> float:
+    """A speed nobody has measured yet, at most the lower median of all claims: one node that
+    claims 10⁹ samples/s cannot take the first round's plan (or make every other node an
+    evaluator). An honest fast node is planned lower for its first unit only, and takes more
+    by stealing meanwhile."""
+    if not others:
+        return claim
+    every = sorted([*others, claim])
+    return min(claim, every[(len(every) - 1) // 2])
+
+
 def clock_speed(samples: int, since: float, now: float) -> float | None:
     """A node's speed by the coordinator's own clock: the samples of a finished unit over the time
     since its previous one finished (or the round began). None when no time passed."""

@@ -75,7 +75,9 @@ class Swarm:
 
     def enter(self, p: Peer, state_round: int) -> None:
         self.members[p.id] = p
-        self.speed[p.id] = self.bounded(p.id, self.checked_speed(p, p.commit.samples_per_s if p.commit else None))
+        self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
+        for i in [i for i in self.members if i not in self.measured]:  # every claim against the new set
+            self.speed[i] = self.bounded(i, self.speed[i])
         self.seen(p.id)
         self.state_round[p.id] = state_round
 
@@ -102,10 +104,12 @@ class Swarm:
 
     def bounded(self, i: str, claim: float) -> float:
         """A speed node i claims (calibration, an evaluation's timing): never above the fastest
-        node our clock has measured. (Before anyone is measured, at the first round, claims
-        decide who evaluates.)"""
+        node our clock has measured, and before anyone is measured (the first round) never above
+        the median claim (rules.bound_claim)."""
         fastest = max((self.speed[j] for j in self.measured if j != i and j in self.members), default=None)
-        return claim if fastest is None else min(claim, fastest)
+        if fastest is not None:
+            return min(claim, fastest)
+        return rules.bound_claim(claim, [self.speed[j] for j in self.members if j != i and j in self.speed])
 
     def measured_speed(self, i: str, sps: float | None) -> None:
         """A node's speed as our clock measured it on a finished unit, averaged in: one unit of a

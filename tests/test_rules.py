@@ -128,6 +128,13 @@ def test_speed_is_measured_by_our_clock() -> None:
     assert rules.clock_speed(64, since=10.0, now=10.0) is None
 
 
+def test_an_unmeasured_claim_is_at_most_the_median_claim() -> None:
+    assert rules.bound_claim(1e9, [100.0]) == 100.0  # two nodes: nobody can tell who lies
+    assert rules.bound_claim(1e9, [100.0, 300.0]) == 300.0
+    assert rules.bound_claim(50.0, [100.0, 300.0]) == 50.0  # a slow claim stands
+    assert rules.bound_claim(1e9, []) == 1e9  # alone, it is the only speed there is
+
+
 def test_strikes_decay() -> None:
     from drift.recipe import Recipe
     from drift.swarm import STRIKE_ROUNDS, Swarm
