@@ -840,9 +840,19 @@ class Coordinator:
         peer = self.swarm.leave(i)
         log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
         self.note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
-        peer.ch.close(why)
+        if i in self.swarm.banned:
+            self._spawn(self._expel(peer, self.swarm.banned[i]))
+        else:
+            peer.ch.close(why)
         if self.monitor:
             self.monitor.nodes.pop(i, None)
+
+    async def _expel(self, peer: Peer, why: str) -> None:
+        """A node out for the run is told why, so it leaves instead of rejoining; its connection
+        closes a moment later either way."""
+        await self.send(peer, P.TrainingCancel(reason=f"excluded from this run: {why}"))
+        await asyncio.sleep(2.0)
+        peer.ch.close(why)
 
     def note(self, kind: str, **fields) -> None:
         if self.monitor:

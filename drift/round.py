@@ -530,6 +530,10 @@ class Round:
         if applied and len(applied) < len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
+        elif len(part) == 1:  # alone, only its own contribution was in the sum: no honest node's is refused
+            self.poisoner(part[0], "found by halves")
+            self.abandon("the all-reduce was poisoned; its sender is out, the round's work is redone")
+            return True
         else:
             # (whoever sat the last retry out is not in part: the culprit was in that ring)
             cands = [i for i in part if i in s.poison_suspects] or part

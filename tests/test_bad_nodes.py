@@ -6,6 +6,7 @@ The misbehaving node is a real `drift join` with one fault injected (tests/wrapp
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,13 @@ def test_poisoned_contribution_is_refused_before_theta_moves_and_its_sender_foun
     found = {e["name"] for e in events if e["event"] == "poisoner"}
     assert found == {"bad"}, found  # and no honest node was ever blamed
     named = min(e["round"] for e in events if e["event"] == "poisoner")
+    # By halves: log2(4) = 2 retries a round at most (before, one left alone in a retry was never
+    # named, and the round was given up after 6 attempts).
+    retries = Counter(e["round"] for e in events if e["event"] == "ring_retry")
+    assert max(retries.values()) <= 2, retries
     later = [e for e in events if e["event"] == "round" and e["round"] > named]
     assert all(r["nodes"].get("bad", {"weight": 0.0})["weight"] == 0 for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
     check_exactly_once(events, 2 * BATCH)
+    # It was told, and left (before, it kept rejoining until it was killed).
+    assert swarm.node_exits()[0] not in (None, -9) and "excluded from this run" in (tmp_path / "bad.log").read_text()
