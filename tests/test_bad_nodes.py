@@ -23,9 +23,8 @@ def _run(tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4) -> tuple[S
     recipe = make_task_repo(tmp_path / "repo", min_nodes=nodes, rounds=rounds, **SIM)
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
-    for i in range(nodes - 1):
-        swarm.join("0.02", name=f"good{i}")
-    assert swarm.finish() == 0, swarm.log()
+    good = [swarm.join("0.02", name=f"good{i}") for i in range(nodes - 1)]
+    assert swarm.finish(leave=good) == 0, swarm.log()
     assert swarm.node_exits()[1:] == [0] * (nodes - 1), swarm.node_logs()  # the good ones
     events = swarm.events()
     rounds_ = [e for e in events if e["event"] == "round"]

@@ -150,13 +150,14 @@ class Swarm:
         p.send_signal(sig)
         return p.wait(timeout=120)
 
-    def finish(self, timeout: float = 300, nodes_timeout: float = 30) -> int:
-        """The coordinator's exit code; the nodes get `nodes_timeout` to leave after it (they were
+    def finish(self, timeout: float = 300, nodes_timeout: float = 30, leave: list | None = None) -> int:
+        """The coordinator's exit code; the nodes (or just those in `leave`: a node the swarm
+        dropped may still be trying to rejoin) get `nodes_timeout` to leave after it (they were
         told the run ended), then whatever is left is killed."""
         try:
             rc = self.coord.wait(timeout)
             deadline = time.monotonic() + nodes_timeout
-            for p in self.nodes:
+            for p in self.nodes if leave is None else leave:
                 try:
                     p.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
