@@ -467,7 +467,7 @@ async def _state_server(a: argparse.Namespace) -> None:
     server = StateServer(allowed=lambda peer: True)
     layout = ParamLayout(("theta",), ((a.n,),))
     ck = checksum(theta, theta)
-    server.publish(0, theta, theta, ck, layout)  # one array as θ and velocity (see the docstring)
+    server.publish(0, (theta, theta), ck, layout)  # one array as θ and velocity (see the docstring)
     serve = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
     print(json.dumps({"ticket": ep.ticket(), "checksum": ck}), flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)

@@ -1,8 +1,12 @@
-"""Checkpoints: θ and the outer optimizer's velocity as safetensors, plus a manifest.
+"""Checkpoints: θ and the sync rule's shared state as safetensors, plus a manifest.
 
     CKPT_DIR/round-000012/theta.safetensors    named like the model's parameters (and buffers)
-                         /outer.safetensors    the Nesterov velocity, same names
-                         /manifest.json        format, round, created, sha256 + size of each file, meta
+                         /outer.safetensors    the state array `velocity` (dense's Nesterov momentum), same names
+                         /NAME.safetensors     any other state array NAME of the rule, same names
+                         /manifest.json        format, round, created, state (its names, in order),
+                                               sha256 + size of each file, meta
+
+A manifest without `state` (written before rules were files) holds ["velocity"].
 
 A checkpoint is written into a temp dir, every file fsynced, then renamed into place: a crash
 leaves the old set or the new one, never half a round dir. Loading verifies every hash, so a
@@ -31,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 CHECKPOINT_FORMAT = 1
-_FILES = ("theta.safetensors", "outer.safetensors")
-_RESERVED = ("format", "round", "created", "files")  # manifest keys that meta may not set
+_THETA = "theta.safetensors"
+_RESERVED = ("format", "round", "created", "files", "state")
+_STATE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")  # manifest keys that meta may not set
 _ROUND_DIR = re.compile(r"round-(\d+)")
 
 
@@ -47,7 +52,7 @@ class Checkpoint:
     names: tuple[str, ...]  # tensors in file (= drift's layout) order
     shapes: tuple[tuple[int, ...], ...]
     theta_flat: np.ndarray  # float32, the whole of θ: a copy-on-write map of the file
-    velocity_flat: np.ndarray  # the outer Nesterov momentum, same layout
+    state_flat: dict[str, np.ndarray]  # the sync rule's shared state by name, same layout, in order
     manifest: dict  # everything in manifest.json (meta's keys at the top level)
 
     def _named(self, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -63,9 +68,14 @@ class Checkpoint:
         """θ by name (views), named like the model's parameters and buffers."""
         return self._named(self.theta_flat)
 
-    @property
-    def velocity(self) -> dict[str, np.ndarray]:
-        return self._named(self.velocity_flat)
+    def state(self, name: str) -> dict[str, np.ndarray]:
+        """The state array `name` by tensor name (views)."""
+        return self._named(self.state_flat[name])
+
+
+def state_file(name: str) -> str:
+    """The file of a state array: dense's velocity keeps the name it always had."""
+    return "outer.safetensors" if name == "velocity" else f"{name}.safetensors"
 
 
 def recipe_hash(fields: dict) -> str:
@@ -114,12 +124,22 @@ def _swap(a: Path, b: Path) -> bool:
 
 class CheckpointWriter:
     """One checkpoint written while its bytes arrive: the header of each file first (from the
-    layout), then θ's and the velocity's bytes in order. commit() fsyncs, writes the manifest and
-    renames the dir into place atomically; abort() leaves nothing."""
+    layout), then θ's and each state array's bytes in order. commit() fsyncs, writes the manifest
+    and renames the dir into place atomically; abort() leaves nothing."""
 
-    def __init__(self, ckpt_dir: Path, round: int, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]):
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        round: int,
+        names: tuple[str, ...],
+        shapes: tuple[tuple[int, ...], ...],
+        state: tuple[str, ...] = ("velocity",),
+    ):
         if len(set(names)) != len(names):
             raise ValueError("tensor names must be unique")
+        if len(set(state)) != len(state) or not all(_STATE_NAME.fullmatch(n) for n in state):
+            raise ValueError(f"state names must be distinct lowercase identifiers: {state}")
+        self.state = tuple(state)
         self.ckpt_dir, self.round = ckpt_dir, round
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=ckpt_dir))
@@ -131,14 +151,15 @@ class CheckpointWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
         self.nbytes = offset
-        self._files = [open(self.tmp / name, "wb") for name in _FILES]
+        self._names = [_THETA, *(state_file(n) for n in self.state)]
+        self._files = [open(self.tmp / name, "wb") for name in self._names]
         for f in self._files:
             f.write(len(raw).to_bytes(8, "little") + raw)
-        self._written = [0, 0]
+        self._written = [0] * len(self._files)
 
     def write(self, which: int, offset: int, data: memoryview | bytes) -> None:
-        """Bytes of θ (which 0) or of the velocity (1), in order: `offset` must be where the last
-        write ended (a transfer arrives in order)."""
+        """Bytes of θ (which 0) or of state array which-1, in order: `offset` must be where the
+        last write ended (a transfer arrives in order)."""
         if offset != self._written[which] or offset + len(data) > self.nbytes:
             raise ValueError(f"checkpoint bytes out of order at {offset} (have {self._written[which]})")
         self._files[which].write(data)
@@ -148,12 +169,12 @@ class CheckpointWriter:
         """Make it ckpt_dir/round-NNNNNN (replacing one of the same round), keep the newest `keep`."""
         if clash := sorted(set(meta) & set(_RESERVED)):
             raise ValueError(f"meta may not set the manifest's own keys {clash}")
-        if self._written != [self.nbytes, self.nbytes]:
+        if self._written != [self.nbytes] * len(self._files):
             raise ValueError(f"checkpoint incomplete: {self._written} of {self.nbytes} bytes")
         ckpt_dir, tmp, final = self.ckpt_dir, self.tmp, self.ckpt_dir / f"round-{self.round:06d}"
         try:
             files = {}
-            for name, f in zip(_FILES, self._files):
+            for name, f in zip(self._names, self._files):
                 f.flush()
                 os.fsync(f.fileno())
                 f.close()
@@ -162,6 +183,7 @@ class CheckpointWriter:
                 **meta,
                 "format": CHECKPOINT_FORMAT,
                 "round": self.round,
+                "state": list(self.state),
                 "created": time.time(),
                 "files": files,
             }
@@ -192,18 +214,26 @@ class CheckpointWriter:
 
 
 def save_checkpoint(
-    ckpt_dir: Path, round: int, theta: dict[str, np.ndarray], velocity: dict[str, np.ndarray], meta: dict, keep: int = 3
+    ckpt_dir: Path,
+    round: int,
+    theta: dict[str, np.ndarray],
+    state: dict[str, dict[str, np.ndarray]],
+    meta: dict,
+    keep: int = 3,
 ) -> Path:
-    """Write ckpt_dir/round-NNNNNN atomically, then keep only the newest `keep` checkpoints. The
-    tensors go in the dicts' order (drift's layout order: see ParamLayout.unflatten)."""
-    if {k: np.shape(v) for k, v in theta.items()} != {k: np.shape(v) for k, v in velocity.items()}:
-        raise ValueError("θ and velocity must have the same names and shapes")
+    """Write ckpt_dir/round-NNNNNN atomically, then keep only the newest `keep` checkpoints.
+    `state`: the rule's state arrays by name, each by tensor name like θ. The tensors go in the
+    dicts' order (drift's layout order: see ParamLayout.unflatten)."""
+    shapes = {k: np.shape(v) for k, v in theta.items()}
+    for name, tensors in state.items():
+        if {k: np.shape(v) for k, v in tensors.items()} != shapes:
+            raise ValueError(f"θ and {name} must have the same names and shapes")
     if clash := sorted(set(meta) & set(_RESERVED)):
         raise ValueError(f"meta may not set the manifest's own keys {clash}")
     names = tuple(theta)
-    w = CheckpointWriter(ckpt_dir, round, names, tuple(tuple(np.shape(theta[n])) for n in names))
+    w = CheckpointWriter(ckpt_dir, round, names, tuple(tuple(np.shape(theta[n])) for n in names), tuple(state))
     try:
-        for which, tensors in enumerate((theta, velocity)):
+        for which, tensors in enumerate((theta, *state.values())):
             offset = 0
             for n in names:
                 data = memoryview(np.ascontiguousarray(tensors[n], np.float32)).cast("B")
@@ -262,7 +292,14 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{mf}: no 'files' table or no integer 'round'")
     if (m := _ROUND_DIR.fullmatch(path.name)) and int(m.group(1)) != rnd:
         raise CheckpointError(f"{mf}: says round {rnd}, but the dir is {path.name}")
-    for name in _FILES:
+    state = manifest.get("state", ["velocity"])
+    if not (
+        isinstance(state, list)
+        and all(isinstance(n, str) and _STATE_NAME.fullmatch(n) for n in state)
+        and len(set(state)) == len(state)
+    ):
+        raise CheckpointError(f"{mf}: 'state' is not a list of distinct state names")
+    for name in [_THETA, *(state_file(n) for n in state)]:
         f, want = path / name, files.get(name) or {}
         if not f.is_file():
             raise CheckpointError(f"{f}: missing")
@@ -270,11 +307,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"{f}: {size} bytes, manifest says {want.get('bytes')} (truncated?)")
         if _sha256(f) != want.get("sha256"):
             raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
-    names, shapes, theta = _map_tensors(path / _FILES[0])
-    vnames, vshapes, velocity = _map_tensors(path / _FILES[1])
-    if (vnames, vshapes) != (names, shapes):
-        raise CheckpointError(f"{path / _FILES[1]}: names, shapes or order differ from {_FILES[0]}")
-    return Checkpoint(path, rnd, names, shapes, theta, velocity, manifest)
+    names, shapes, theta = _map_tensors(path / _THETA)
+    arrays = {}
+    for n in state:
+        snames, sshapes, arrays[n] = _map_tensors(path / state_file(n))
+        if (snames, sshapes) != (names, shapes):
+            raise CheckpointError(f"{path / state_file(n)}: names, shapes or order differ from {_THETA}")
+    return Checkpoint(path, rnd, names, shapes, theta, arrays, manifest)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> tuple[Checkpoint | None, list[str]]:

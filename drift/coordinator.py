@@ -15,6 +15,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from auth import Admission, AuthError
 from drift import protocol as P
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
@@ -25,6 +27,7 @@ from drift.round import Round, RoundError, RoundResult
 from drift.scheduler import Ledger, UnitQueue
 from drift.state import StateError, StateServer, fetch_state
 from drift.swarm import Peer, Swarm
+from drift.sync import rule_class
 from drift.transport import (
     CONTROL_ALPN,
     MAX_CONTROL_FRAME,
@@ -147,6 +150,7 @@ class Coordinator:
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
+        self.state_names = rule_class(self.recipe).state_names(self.recipe)  # the sync rule's shared state
         self.frozen = ""  # digest of the frozen base every node loaded (set at the start)
 
     # --- serving connections -------------------------------------------------------------------
@@ -157,10 +161,11 @@ class Coordinator:
             raise CoordinatorError(why)
         if self.recipe.init_weights is not None and self.resume is None:
             try:
-                layout, theta, velocity, digest = load_weights(Path(self.recipe.init_weights))
+                layout, theta = load_weights(Path(self.recipe.init_weights))
             except WeightsError as e:
                 raise CoordinatorError(f"init_weights: {e}") from None
-            self.state.publish(-1, theta, velocity, digest, layout)
+            arrays = (theta, *(np.zeros(theta.size, np.float32) for _ in self.state_names))  # a fresh outer state
+            self.state.publish(-1, arrays, checksum(*arrays), layout)
         self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN))
         if (cur := self.state.current) is not None and cur.round == -1:
             self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
@@ -490,7 +495,7 @@ class Coordinator:
         """Every round. Blocking sync: one at a time. Overlapped: round r+1 starts as soon as the
         ring of round r is out, and r is settled while r+1 trains (its ring waits for that)."""
         r = self.recipe
-        overlapped = r.sync == "overlapped"
+        overlapped = r.overlap
         prev: Round | None = None
         for rnd in range(first, r.rounds):
             if self.stopping:
@@ -586,8 +591,13 @@ class Coordinator:
         assert ck is not None
         if ck.manifest.get("recipe_hash") != recipe_hash(self._model_fields()):
             raise CoordinatorError(f"{ck.path}: checkpoint was made with another task, task_config or seed")
-        theta, velocity = ck.theta_flat, ck.velocity_flat  # mapped from the files, not read
-        if (got := checksum(theta, velocity)) != ck.manifest.get("checksum"):
+        if list(ck.state_flat) != list(self.state_names):
+            raise CoordinatorError(
+                f"{ck.path}: holds the state {list(ck.state_flat)}, sync rule {self.recipe.sync} keeps {list(self.state_names)}"
+            )
+        arrays = (ck.theta_flat, *ck.state_flat.values())  # mapped from the files, not read
+        theta = arrays[0]
+        if (got := checksum(*arrays)) != ck.manifest.get("checksum"):
             raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
         if theta.size != self.n_params:
             raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
@@ -596,7 +606,7 @@ class Coordinator:
         layout = ParamLayout(ck.names, ck.shapes, int(ck.manifest.get("buffers", 0)))
         if self.layout and layout.digest() != self.layout:
             raise CoordinatorError(f"{ck.path}: its tensor names, shapes or order are not those of the nodes' model")
-        self.state.publish(ck.round, theta, velocity, got, layout)
+        self.state.publish(ck.round, arrays, got, layout)
         self.swarm.checksums[ck.round] = got
         queue.restore(ck.manifest["queue"])
         self.samples_seen = self.samples_at[ck.round] = ck.manifest.get("samples_seen", 0)
@@ -645,7 +655,9 @@ class Coordinator:
                 raise StateError("the peer's tensor names, shapes or order are not the model's")
             for w in writers:
                 w.abort()
-            writers.append(CheckpointWriter(self.run_dir / "checkpoints", rnd, layout.names, layout.shapes))
+            writers.append(
+                CheckpointWriter(self.run_dir / "checkpoints", rnd, layout.names, layout.shapes, self.state_names)
+            )
             meta["buffers"] = layout.n_buffers
             return writers[-1].write
 
@@ -653,7 +665,14 @@ class Coordinator:
             if not donors:
                 raise StateError("no connected node holds it")
             await fetch_state(
-                self.endpoint, donors, rnd, self.swarm.checksums[rnd], sink, size=self.n_params, timeout=timeout
+                self.endpoint,
+                donors,
+                rnd,
+                self.swarm.checksums[rnd],
+                sink,
+                size=self.n_params,
+                timeout=timeout,
+                arrays=1 + len(self.state_names),
             )
             writer = writers[-1]
             # Shielded: a cancelled run (Ctrl-C) cannot stop the thread, so the commit stays

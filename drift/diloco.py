@@ -1,11 +1,10 @@
-"""The DiLoCo algorithm, apart from any networking: the flat θ, pseudo-gradients, the sync rules
-(what a node contributes to the all-reduce, how the reduced sum updates θ) and the checksum every
-node reports.
+"""The DiLoCo algorithm, apart from any networking: the flat θ, pseudo-gradients, the outer
+optimizer and the checksum every node reports. The sync rules built from them are drift/sync/.
 
 One outer round, as a node sees it:
     delta   = theta_global - theta_local            (how far this node's copy moved)
     avg     = sum_i w_i * delta_i                    (ring all-reduce; w_i = samples_i / total)
-    theta_global = rule.apply(theta_global, avg)     (the outer Nesterov step)
+    theta_global = rule.apply(theta_global, avg)     (e.g. the outer Nesterov step)
 
 Invariant: every node applies the same float32 operations, in the same order, to the same
 inputs, so theta_global stays bit-identical across the swarm; the checksum proves it each round.
@@ -134,63 +133,13 @@ class NesterovOuter:
         theta[self.params :] -= grad[self.params :]  # buffers: the weighted average of the nodes'
 
 
-class SyncRule:
-    """How a node's progress becomes the swarm's: what it puts into the all-reduce, and how the
-    reduced sum updates θ and the rule's own outer state. The ring and the coordinator never know
-    which rule runs. Blocking DiLoCo is this class; `overlapped` rules let the node train the next
-    round while the all-reduce runs (the node then applies `catch_up` to its local copy)."""
-
-    overlapped = False
-
-    def __init__(self, layout: ParamLayout, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True):
-        self.outer = NesterovOuter(layout.size, lr, momentum, nesterov, params=layout.params_size)
-
-    @property
-    def velocity(self) -> np.ndarray:
-        """The outer state that every node holds identically (checksummed, checkpointed)."""
-        return self.outer.velocity
-
-    def contribute(self, delta: np.ndarray, weight: float) -> None:
-        """Turn this node's Δ = θ_global - θ_local into what it sends, in place: w * Δ. A node of
-        weight 0 sends exact zeros (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
-        if weight == 0:
-            delta[...] = 0
-        else:
-            delta *= np.float32(weight)
-
-    def apply(self, theta_global: np.ndarray, reduced: np.ndarray) -> None:
-        """θ_global (and the outer state) after this round, from the all-reduced sum (which is
-        used as scratch)."""
-        self.outer.step(theta_global, reduced)
-
-
-class OverlappedDiLoCo(SyncRule):
-    """DiLoCo with the outer step one round late: at the barrier a node sends Δ_r and trains round
-    r+1 on from where it was; when the all-reduce lands (during r+1) it applies the outer step to
-    θ_global like every node, and moves its local copy by the same amount the global one moved
-    relative to its snapshot, keeping the progress it made since (`catch_up`). The next Δ is
-    then measured from the new θ_global, so no sample counts twice and none is lost."""
-
-    overlapped = True
-
-    @staticmethod
-    def catch_up(theta_global: np.ndarray, snapshot: np.ndarray) -> None:
-        """snapshot <- θ_global - snapshot: what to add to the local copy, which was `snapshot`
-        at the barrier (θ_local + θ_global_new - θ_local_at_barrier)."""
-        for a in range(0, snapshot.size, CHUNK):
-            np.subtract(theta_global[a : a + CHUNK], snapshot[a : a + CHUNK], out=snapshot[a : a + CHUNK])
-
-
-RULES: dict[str, type[SyncRule]] = {"blocking": SyncRule, "overlapped": OverlappedDiLoCo}
-
-
-def checksum(theta: np.ndarray, velocity: np.ndarray | None = None) -> str:
-    """A short digest of the exact bytes of θ and, when given, of the outer optimizer's state: the
-    swarm agrees on both each round, so a peer that hands over a poisoned velocity is caught too."""
+def checksum(theta: np.ndarray, *state: np.ndarray) -> str:
+    """A short digest of the exact bytes of θ and then of the sync rule's shared state arrays, in
+    the rule's order: the swarm agrees on all of them each round, so a peer that hands over a
+    poisoned velocity is caught too."""
     h = hashlib.blake2b(digest_size=12)
-    for a in (theta, velocity):
-        if a is not None:
-            h.update(np.ascontiguousarray(a).view(np.uint8))
+    for a in (theta, *state):
+        h.update(np.ascontiguousarray(a).view(np.uint8))
     return h.hexdigest()
 
 

@@ -3,9 +3,9 @@
 The node connects to the coordinator (ALPN ``drift/0``), loads the task from its repo, and then
 follows the coordinator round by round: train the units it is given (asking for more when it
 runs out), stop at the barrier, all-reduce its weighted pseudo-gradient with its ring neighbours
-(ALPN ``drift-ring/0``), apply the outer step and report the checksum of the new state.
+(ALPN ``drift-ring/0``; or all-gather payloads, ``drift-gather/0``, as the sync rule says), apply the outer step and report the checksum of the new state.
 
-With the overlapped sync rule the node trains the next round while that all-reduce runs; the
+With `overlap` on, the node trains the next round while that sync runs; the
 outer step lands during it, and the node's local copy catches up between two inner steps.
 
 A node that loses its swarm (the laptop slept, the network dropped, the coordinator dropped it
@@ -19,7 +19,7 @@ the node makes on the worker runs there, between two inner steps (inner.Steps, i
 
 Memory: besides the framework's own model and optimizer, a node holds θ_global, the outer
 optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
-whose velocity stays untouched zeros), plus the local snapshot with the overlapped rule. Nothing
+whose velocity stays untouched zeros), plus the local snapshot with `overlap` (sync: sparse: its error-feedback buffer and the next one instead of the velocity). Nothing
 else is a copy of θ: transfers stream from and into these.
 """
 
@@ -43,14 +43,17 @@ import numpy as np
 
 from auth import AuthError, NodeKey, sign_message, verify_peers
 from drift import protocol as P
-from drift.diloco import RULES, DeltaCheck, ParamLayout, SyncRule, checksum, reduced_problem
+from drift.diloco import DeltaCheck, ParamLayout, checksum
+from drift.gather import Gather
 from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
 from drift.recipe import Recipe
 from drift.repo import RepoError
 from drift.ring import Ring, RingError
 from drift.state import StateError, StateServer, fetch_state, into_arrays
+from drift.sync import SyncRule, catch_up, make_rule
 from drift.transport import (
     CONTROL_ALPN,
+    GATHER_ALPN,
     MAX_CONTROL_FRAME,
     RING_ALPN,
     STATE_ALPN,
@@ -136,7 +139,7 @@ class Trainer:
     rule: SyncRule
     theta: np.ndarray  # θ_global: parameters, then buffers (flat float32)
     delta: np.ndarray  # the all-reduce buffer: Δ, then the reduced sum
-    snap: np.ndarray | None  # overlapped: the local copy at the barrier (then: what to add)
+    snap: np.ndarray | None  # overlap: the local copy at the barrier (then: what to add)
     calibration: Calibration
     initial_checksum: str  # of θ0: the coordinator checks every node built the same model
     frozen_checksum: str = ""  # of the frozen base (not in θ), checked once at join
@@ -171,9 +174,14 @@ class Trainer:
         if buffers:
             self.worker.set_buffers(buffers)
 
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The swarm's state as this node holds it: θ_global, then the rule's shared state arrays."""
+        return (self.theta, *self.rule.state.values())
+
     def publish(self, server: StateServer, rnd: int) -> None:
-        self.held, self.held_checksum = rnd, checksum(self.theta, self.rule.velocity)
-        server.publish(rnd, self.theta, self.rule.velocity, self.held_checksum, self.layout)
+        self.held, self.held_checksum = rnd, checksum(*self.arrays)
+        server.publish(rnd, self.arrays, self.held_checksum, self.layout)
 
 
 class Node:
@@ -198,6 +206,7 @@ class Node:
         self.coordinator = str(parse_ticket(opts.ticket).id())
         self.endpoint = await Endpoint.bind(mode, secret_key=self.key.seed)
         self.ring = Ring(self.endpoint, trusted=lambda peer: peer in self.members)
+        self.gather = Gather(self.endpoint, trusted=lambda peer: peer in self.members)
         accept = asyncio.ensure_future(self._accept())
         try:
             return await self._sessions()
@@ -248,6 +257,7 @@ class Node:
         await self.endpoint.serve(
             {
                 RING_ALPN: self.ring.handle_incoming,
+                GATHER_ALPN: self.gather.handle_incoming,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_stranger=refusals),
             }
         )
@@ -454,8 +464,7 @@ class Session:
         try:
             layout = ParamLayout.of(worker.get_params(), worker.get_buffers())
             theta = np.empty(layout.size, np.float32)
-            oo = recipe.outer_optimizer
-            rule = RULES[recipe.sync](layout, oo.lr, oo.momentum, oo.nesterov)
+            rule = make_rule(layout, recipe)
             t = Trainer(
                 worker,
                 recipe,
@@ -466,7 +475,7 @@ class Session:
                 rule,
                 theta,
                 np.empty(layout.size, np.float32),
-                np.empty(layout.size, np.float32) if rule.overlapped else None,
+                np.empty(layout.size, np.float32) if recipe.overlap else None,
                 None,
                 "",
             )
@@ -509,7 +518,7 @@ class Session:
             view = memoryview(t.theta).cast("B")
 
             def write(which: int, offset: int, data: memoryview) -> None:
-                if which == 1:  # the outer state of a fresh start: zeros (the checksum covers them)
+                if which >= 1:  # the outer state of a fresh start: zeros (the checksum covers them)
                     if np.frombuffer(data, np.uint8).any():
                         raise StateError("the initial outer state is not zero")
                     return
@@ -524,7 +533,7 @@ class Session:
             return write
 
         try:
-            await fetch_state(self.node.endpoint, src.tickets, -1, src.checksum, sink)
+            await fetch_state(self.node.endpoint, src.tickets, -1, src.checksum, sink, arrays=len(t.arrays))
         except StateError as e:
             why = misfit[0] if misfit else str(e)
             raise await self._refuse(f"the coordinator's init_weights do not fit this model: {why}") from None
@@ -651,7 +660,7 @@ class Session:
         self._pend(t, Pending(a.round, a.report_val))
         norm = t.delta_check.norm if report.steps and not problem else 0.0  # bounds the ring's sum
         await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem, "delta_norm": norm}))
-        if not t.rule.overlapped:
+        if not t.recipe.overlap:
             await self._settled(t.pending)
 
     def _pend(self, t: Trainer, p: Pending) -> None:
@@ -738,27 +747,34 @@ class Session:
                     task.cancel()
 
     async def _allreduce(self, t: Trainer, ready: P.BarrierReady):
-        """One attempt at the round's all-reduce: Δ (recomputed: an earlier attempt left the buffer
-        garbled) times this node's weight, summed around the ring. (ready, stats or None, error)."""
+        """One attempt at the round's sync: the rule's contribution from Δ (recomputed: an earlier
+        attempt left the buffer garbled) and this node's weight, through the rule's collective:
+        summed around the ring, or all-gathered. (ready, result, stats or None, error)."""
         me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
         if me is None:
-            return ready, None, None  # not in this ring: θ comes with Agreed
+            return ready, None, None, None  # not in this ring: θ comes with Agreed
         async with t.lock:
             t.pseudo_gradient(t.snap)
-        t.rule.contribute(t.delta, me.weight)
+        mine = t.rule.contribute(t.delta, me.weight)
         try:
-            stats = await self.node.ring.allreduce_sum(
-                t.delta,
-                ready.ring,
-                ready.round,
-                codec=ready.codec,
-                topk_fraction=t.recipe.topk_fraction,
-                kernels=t.worker.codec_kernels,
-                generation=ready.ring_epoch,
-            )
+            if t.rule.collective == "ring":
+                stats = await self.node.ring.allreduce_sum(
+                    mine,
+                    ready.ring,
+                    ready.round,
+                    codec=ready.codec,
+                    topk_fraction=t.recipe.topk_fraction,
+                    kernels=t.worker.codec_kernels,
+                    generation=ready.ring_epoch,
+                )
+                result = mine
+            else:
+                result, stats = await self.node.gather.allgather(
+                    mine, ready.ring, ready.round, t.rule.payload_nbytes, generation=ready.ring_epoch
+                )
         except RingError as e:
-            return ready, None, e
-        return ready, stats, None
+            return ready, None, None, e
+        return ready, result, stats, None
 
     async def _reduced(self, t: Trainer, task: asyncio.Task) -> None:
         """An all-reduce attempt ended: apply the outer step and report the checksum, or report
@@ -766,7 +782,7 @@ class Session:
         p = task.pending
         if task.cancelled() or p is not t.pending or p.settled.is_set():
             return
-        ready, stats, error = task.result()
+        ready, result, stats, error = task.result()
         if error is not None:
             log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", p.round, error)
             await self.send(
@@ -775,7 +791,8 @@ class Session:
             return
         if stats is None:
             return
-        if ready.codec != "topk" and (bad := reduced_problem(t.delta, ready.ring)) is not None:
+        combined = t.rule.combine(result, ready.ring, t.delta)
+        if (bad := combined.problem) is not None:
             # Someone sent more than it reported: θ must not move. The coordinator redoes the
             # round without the culprit (it recomputes Δ from the snapshot for the retry).
             log.warning("all-reduce of round %d: %s; not applying it", p.round, bad)
@@ -796,6 +813,7 @@ class Session:
                 metrics=t.inner.metrics() if val is not None else {},
                 bytes_sent=stats.bytes_sent,
                 reduce_s=stats.seconds,
+                outliers=combined.outliers[: P.MAX_NODES],
             )
         )
         p.settled.set()
@@ -816,6 +834,8 @@ class Session:
                 log.warning(
                     "could not take θ of round %d (%s); the next assignment brings the newest", msg.state.round, e
                 )
+        if not p.applied:
+            t.rule.abandon()  # our contribution's bookkeeping (error feedback) stays as it was
         if changed or not p.applied:
             await self._catch_up(t)
         p.applied = p.superseded = False
@@ -831,9 +851,10 @@ class Session:
                     src.tickets,
                     src.round,
                     src.checksum,
-                    into_arrays(t.theta, t.rule.velocity),
+                    into_arrays(*t.arrays),
                     size=t.layout.size,
                     layout=t.layout,
+                    arrays=len(t.arrays),
                 )
                 t.publish(self.node.state, src.round)
         except StateError as e:
@@ -847,7 +868,7 @@ class Session:
             if t.snap is None:
                 t.load_worker()
             else:
-                t.rule.catch_up(t.theta, t.snap)
+                catch_up(t.theta, t.snap)
                 t.worker.add_to_state(t.layout.unflatten(t.snap))
                 t.snap[...] = t.theta  # from now on the local copy is relative to this θ_global
 

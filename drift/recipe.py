@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from drift.sync import ALIASES, rules
 
 
 class RecipeError(Exception):
@@ -85,10 +88,17 @@ class Recipe(_Strict):
         "fp32", description="bf16/fp16: torch autocast with float32 master weights (fp16 with loss scaling)"
     )
     outer_optimizer: OuterOptimizer = Field(default_factory=OuterOptimizer)
-    sync: Literal["blocking", "overlapped"] = Field(
-        "blocking",
-        description="blocking: nodes wait for the all-reduce and the outer step; overlapped: they "
-        "train the next round meanwhile, and the outer step lands a round late",
+    sync: str = Field(
+        "dense",
+        description="the sync rule (drift/sync/): dense (DiLoCo: w·Δ all-reduced around a ring, outer "
+        "Nesterov) or sparse (SparseLoCo-class: chunked top-k of error feedback, 2-bit values, all-gathered); "
+        "blocking / overlapped name dense (overlapped: with overlap on)",
+    )
+    sync_params: dict[str, Any] = Field(default_factory=dict, description="the sync rule's own hyperparameters")
+    overlap: bool = Field(
+        False,
+        description="false: nodes wait for the sync and the outer step; true: they train the next round "
+        "meanwhile, and the outer step lands a round late",
     )
     eval_batches: int = Field(8, ge=1)
     schedule: Literal["steal", "lockstep"] = Field(
@@ -140,6 +150,42 @@ class Recipe(_Strict):
                 f"{v[:40]!r} is not a plain name (letters, digits, '_', '.', '-', not starting with "
                 f"'.' or '-'): it names the run directory runs/NAME-TIME"
             )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("sync") in ALIASES:
+            rule, overlap = ALIASES[data["sync"]]
+            data = {**data, "sync": rule, **({"overlap": True} if overlap else {})}
+        return data
+
+    @field_validator("sync")
+    @classmethod
+    def _known_rule(cls, v: str) -> str:
+        if v not in rules():
+            raise PydanticCustomError(
+                "sync",
+                "{v} is not a sync rule ({names})",
+                {"v": repr(v)[:60], "names": ", ".join([*rules(), *ALIASES])},
+            )
+        return v
+
+    @field_validator("sync_params")
+    @classmethod
+    def _rule_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        rule = rules().get(info.data.get("sync", ""))
+        if rule is None:
+            return v
+        try:
+            rule.Params.model_validate(v)
+        except ValidationError as e:
+            what = "; ".join(
+                _field_error(err) if err["loc"] else err["msg"].removeprefix("Value error, ") for err in e.errors()
+            )
+            raise PydanticCustomError(
+                "sync_params", "{what} (sync: {rule})", {"what": what, "rule": rule.name}
+            ) from None
         return v
 
     @model_validator(mode="after")

@@ -562,7 +562,14 @@ class Round:
 
     def cleared(self) -> None:
         """An attempt passed: if the one before (with bisect_out in it) was refused, the culprit
-        is among bisect_out; one node alone is the culprit."""
+        is among bisect_out; one node alone is the culprit. A member that most of the others
+        named an outlier (a sync rule that sees every contribution clipped it) is out for the run."""
+        reports = {i: d.outliers for i, d in self.done().items()}
+        for i in rules.named_outliers(reports, self.part()):
+            if i in self.s.members and i not in self.s.banned:
+                why = "its contribution was far outside the others' (named by most of the ring)"
+                self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="outlier")
+                self.ban(i, f"it poisoned the all-reduce ({why})")
         if self.bisect_out:
             self.s.poison_suspects = set(self.bisect_out)
             if len(self.bisect_out) == 1 and self.bisect_out[0] in self.s.members:

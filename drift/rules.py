@@ -144,6 +144,13 @@ def norm_outliers(norms: Mapping[str, tuple[float, int]], factor: float = NORM_O
     return [i for i, v in per_step.items() if median > 0 and v > factor * median]
 
 
+def named_outliers(reports: Mapping[str, list[str]], ring: list[str]) -> list[str]:
+    """Ring members named as outliers (by a sync rule that sees every contribution and clips each
+    to a multiple of the median) by more than half of the other members. Every honest member
+    computes the same names, so one node alone cannot frame another."""
+    return [j for j in ring if 2 * sum(1 for i, named in reports.items() if i != j and j in named) > len(ring) - 1]
+
+
 class NoMajority(Exception):
     """No checksum of θ is held by more than half of the ring."""
 

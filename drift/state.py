@@ -1,14 +1,16 @@
-"""Handing the swarm's state (θ and the outer optimizer's state) to whoever lacks it: a late
+"""Handing the swarm's state (θ and the sync rule's shared state arrays) to whoever lacks it: a late
 joiner, a node that sat a round out, an evaluator, the coordinator writing a checkpoint.
 ALPN ``drift-state/0``, peer to peer.
 
-Every training node serves its own live θ and velocity (no copies: a node keeps nothing twice)
+Every training node serves its own live θ and state (no copies: a node keeps nothing twice)
 to the members of the run. A transfer streams them in bounded chunks, so there is no size cap and
 neither side ever holds a second copy; the node's outer step waits while a transfer is reading
 (`StateServer.updating`). Either side gives a transfer up once it falls behind MIN_RATE (after
 SLACK_S), so a slow or stalling donor cannot hold a fetch, and a slow reader cannot hold a
 donor's outer step, for longer than SLACK_S + size / MIN_RATE. The receiver checks the checksum the coordinator agreed on for that
-round, over θ and the velocity, before it uses any of it: a peer cannot slip in another state.
+round, over θ and the state arrays, before it uses any of it: a peer cannot slip in another state.
+The arrays follow θ in the rule's order (drift/sync/); both sides run the same rule, so the
+header does not name them.
 """
 
 from __future__ import annotations
@@ -51,8 +53,7 @@ class StateError(Exception):
 @dataclass
 class Published:
     round: int  # θ after this round's outer step (-1: the initial θ)
-    theta: np.ndarray  # the node's live arrays, not copies
-    velocity: np.ndarray
+    arrays: tuple[np.ndarray, ...]  # the node's live θ, then the rule's state arrays: not copies
     checksum: str
     layout: ParamLayout
 
@@ -73,9 +74,10 @@ class StateServer:
         self._writing = False
         self._cond = asyncio.Condition()
 
-    def publish(self, rnd: int, theta: np.ndarray, velocity: np.ndarray, checksum: str, layout: ParamLayout) -> None:
-        """From now on serve these arrays as the state after round `rnd` (call inside updating())."""
-        self.current = Published(rnd, theta, velocity, checksum, layout)
+    def publish(self, rnd: int, arrays: tuple[np.ndarray, ...], checksum: str, layout: ParamLayout) -> None:
+        """From now on serve these arrays (θ, then the rule's state) as the state after round
+        `rnd` (call inside updating())."""
+        self.current = Published(rnd, tuple(arrays), checksum, layout)
 
     @contextlib.asynccontextmanager
     async def updating(self) -> AsyncIterator[None]:
@@ -146,14 +148,14 @@ class StateServer:
             await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
             return
         try:
-            size = 2 * cur.theta.nbytes
+            size = sum(a.nbytes for a in cur.arrays)
             end = time.monotonic() + self.slack + size / self.min_rate
             await ch.send_frame(
                 json.dumps(
                     {
                         "round": cur.round,
                         "checksum": cur.checksum,
-                        "n": int(cur.theta.size),
+                        "n": int(cur.arrays[0].size),
                         "names": list(cur.layout.names),
                         "shapes": [list(x) for x in cur.layout.shapes],
                         "buffers": cur.layout.n_buffers,
@@ -161,7 +163,7 @@ class StateServer:
                 ).encode(),
                 timeout=self.slack,
             )
-            for a in (cur.theta, cur.velocity):
+            for a in cur.arrays:
                 view = memoryview(a).cast("B")
                 for i in range(0, len(view), CHUNK_BYTES):
                     left = end - time.monotonic()
@@ -230,7 +232,7 @@ def _first_difference(got: ParamLayout, want: ParamLayout) -> str:
     return f"{got.n_buffers} buffers, here {want.n_buffers}"
 
 
-Sink = Callable[[int, int, memoryview], None]  # (which: 0 θ / 1 velocity, byte offset, bytes)
+Sink = Callable[[int, int, memoryview], None]  # (which: 0 θ / 1.. the state arrays, byte offset, bytes)
 
 
 async def fetch_state(
@@ -243,6 +245,7 @@ async def fetch_state(
     timeout: float = 120.0,
     min_rate: float = MIN_RATE,
     layout: ParamLayout | None = None,
+    arrays: int = 2,
 ) -> ParamLayout:
     """The state after round `rnd`, streamed from the first peer in `tickets` that has it, into
     `sink(layout)` (which returns where the bytes go: arrays, or files); returns the layout once
@@ -252,7 +255,8 @@ async def fetch_state(
     `timeout` bounds each step (connecting, each frame); the whole transfer from one peer must
     also keep up `min_rate` bytes/s after `timeout` s, or that peer is given up. With `layout`
     (the model this node built itself), the donor's tensor names, shapes and order must be
-    exactly those: same-sized tensors in another order would otherwise load mislabeled."""
+    exactly those: same-sized tensors in another order would otherwise load mislabeled.
+    `arrays`: how many arrays of θ's size come (θ and the rule's state arrays)."""
     errors = []
     for ticket in tickets:
         try:
@@ -271,9 +275,9 @@ async def fetch_state(
                         f"the peer's tensors are not this model's: {_first_difference(got_layout, layout)}"
                     )
                 write = sink(got_layout)
-                end = time.monotonic() + timeout + 8 * got_layout.size / min_rate
-                h = hashlib.blake2b(digest_size=12)  # as diloco.checksum: θ's bytes, then the velocity's
-                for which in (0, 1):
+                end = time.monotonic() + timeout + 4 * arrays * got_layout.size / min_rate
+                h = hashlib.blake2b(digest_size=12)  # as diloco.checksum: θ's bytes, then the state's
+                for which in range(arrays):
                     got, total = 0, 4 * got_layout.size
                     while got < total:
                         left = end - time.monotonic()
@@ -285,7 +289,7 @@ async def fetch_state(
                             if left >= timeout:
                                 raise
                             raise StateError(
-                                f"transfer too slow: {8 * got_layout.size / 2**20:.1f} MiB not received within "
+                                f"transfer too slow: {4 * arrays * got_layout.size / 2**20:.1f} MiB not received within "
                                 f"{timeout:g} s + {min_rate / 2**20:g} MiB/s"
                             ) from None
                         if not frame:
@@ -305,17 +309,17 @@ async def fetch_state(
     raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors or ["no peer to ask"]))
 
 
-def into_arrays(theta: np.ndarray, velocity: np.ndarray) -> Callable[[ParamLayout], Sink]:
-    """A fetch_state sink that writes into these flat float32 arrays."""
+def into_arrays(theta: np.ndarray, *state: np.ndarray) -> Callable[[ParamLayout], Sink]:
+    """A fetch_state sink that writes into these flat float32 arrays (θ, then the state's)."""
 
     def sink(layout: ParamLayout) -> Sink:
         if layout.size != theta.size:
             raise StateError(f"peer sent {layout.size} values, expected {theta.size}")
-        views = (memoryview(theta).cast("B"), memoryview(velocity).cast("B"))
+        views = tuple(memoryview(a).cast("B") for a in (theta, *state))
 
         def write(which: int, offset: int, data: memoryview) -> None:
             dst = views[which][offset : offset + len(data)]
-            if which == 1 and not np.frombuffer(data, np.uint8).any() and not np.frombuffer(dst, np.uint8).any():
+            if which >= 1 and not np.frombuffer(data, np.uint8).any() and not np.frombuffer(dst, np.uint8).any():
                 return  # zeros over zeros (no outer momentum): pages never written stay unbacked
             dst[:] = data
 

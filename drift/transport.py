@@ -1,8 +1,10 @@
 """iroh endpoints, tickets and length-prefixed frames: everything drift sends goes through here.
 
-Two ALPNs share one endpoint per process:
-  * ``drift/0``      control plane (coordinator <-> node), small typed messages;
-  * ``drift-ring/0`` data plane (node <-> ring neighbour), raw tensor chunks.
+Four ALPNs share one endpoint per process:
+  * ``drift/0``        control plane (coordinator <-> node), small typed messages;
+  * ``drift-ring/0``   data plane (node <-> ring neighbour), raw tensor chunks;
+  * ``drift-gather/0`` data plane (node -> every member), a sync rule's payload (drift/gather.py);
+  * ``drift-state/0``  θ and the outer state for whoever lacks it (drift/state.py).
 
 Every connect, accept and read takes a timeout: iroh does not fail fast on a dead address or an
 ALPN the peer does not serve, it hangs.
@@ -30,6 +32,7 @@ from drift.protocol import ProtocolError, printable
 CONTROL_ALPN = b"drift/0"
 RING_ALPN = b"drift-ring/0"
 STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
+GATHER_ALPN = b"drift-gather/0"  # a sync rule's payload, to every member of the round (drift/gather.py)
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
 MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused
@@ -310,7 +313,7 @@ class Endpoint:
         cls,
         mode: NetworkMode = "local",
         secret_key: bytes | None = None,
-        alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN),
+        alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN, GATHER_ALPN),
     ) -> Endpoint:
         """Bind an endpoint. local: loopback only; lan: all interfaces, no relay;
         relay: iroh's public relays and hole-punching (needs internet); auto: all interfaces, and

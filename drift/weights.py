@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from drift.diloco import ParamLayout, checksum
+from drift.diloco import ParamLayout
 
 
 class WeightsError(ValueError):
@@ -31,8 +31,8 @@ def weight_files(path: Path) -> list[Path]:
     raise WeightsError(f"{path}: no such file or directory")
 
 
-def load_weights(path: Path) -> tuple[ParamLayout, np.ndarray, np.ndarray, str]:
-    """(layout, θ₀, zero velocity, checksum) of the floating-point tensors at path."""
+def load_weights(path: Path) -> tuple[ParamLayout, np.ndarray]:
+    """(layout, θ₀) of the floating-point tensors at path."""
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, np.ndarray] = {}
@@ -51,9 +51,7 @@ def load_weights(path: Path) -> tuple[ParamLayout, np.ndarray, np.ndarray, str]:
     if not tensors:
         raise WeightsError(f"{path}: no floating-point tensors")
     layout = ParamLayout.of(tensors)
-    theta = layout.flatten(tensors)
-    velocity = np.zeros(theta.size, np.float32)
-    return layout, theta, velocity, checksum(theta, velocity)
+    return layout, layout.flatten(tensors)
 
 
 def placement(sent: ParamLayout, mine: ParamLayout) -> str | list[tuple[int, int, int]]:

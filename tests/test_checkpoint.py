@@ -40,7 +40,8 @@ def params(seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
 
 
 def save(ckpt_dir: Path, rnd: int, keep: int = 100) -> Path:
-    return save_checkpoint(ckpt_dir, rnd, *params(rnd), {**META, "samples_seen": rnd}, keep=keep)
+    theta, velocity = params(rnd)
+    return save_checkpoint(ckpt_dir, rnd, theta, {"velocity": velocity}, {**META, "samples_seen": rnd}, keep=keep)
 
 
 def listing(d: Path) -> list[str]:
@@ -49,12 +50,12 @@ def listing(d: Path) -> list[str]:
 
 def test_round_trip_is_exact(tmp_path: Path) -> None:
     theta, velocity = params(0)
-    path = save_checkpoint(tmp_path / "ck", 12, theta, velocity, META)
+    path = save_checkpoint(tmp_path / "ck", 12, theta, {"velocity": velocity}, META)
     assert path == tmp_path / "ck" / "round-000012"
     assert listing(path) == ["manifest.json", "outer.safetensors", "theta.safetensors"]
     ck = load_checkpoint(path)
     assert ck.round == 12 and ck.path == path
-    for want, got in ((theta, ck.theta), (velocity, ck.velocity)):
+    for want, got in ((theta, ck.theta), (velocity, ck.state("velocity"))):
         assert set(got) == set(want)
         for k in want:
             assert got[k].dtype == np.float32 and got[k].shape == want[k].shape
@@ -70,9 +71,9 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
 def test_save_rejects_mismatch_and_reserved_meta(tmp_path: Path) -> None:
     theta, velocity = params(0)
     with pytest.raises(ValueError, match="same names and shapes"):
-        save_checkpoint(tmp_path, 1, theta, {**velocity, "extra": np.zeros(2, np.float32)}, META)
+        save_checkpoint(tmp_path, 1, theta, {"velocity": {**velocity, "extra": np.zeros(2, np.float32)}}, META)
     with pytest.raises(ValueError, match="round"):
-        save_checkpoint(tmp_path, 1, theta, velocity, {"round": 5})
+        save_checkpoint(tmp_path, 1, theta, {"velocity": velocity}, {"round": 5})
     assert listing(tmp_path) == []  # nothing written, no temp dir left
 
 
@@ -141,7 +142,7 @@ def test_keep_prunes_oldest_but_never_the_new_one(tmp_path: Path) -> None:
 def test_same_round_is_replaced(tmp_path: Path) -> None:
     save(tmp_path, 5)
     theta, velocity = params(99)
-    save_checkpoint(tmp_path, 5, theta, velocity, META)
+    save_checkpoint(tmp_path, 5, theta, {"velocity": velocity}, META)
     assert listing(tmp_path) == ["round-000005"]
     assert load_checkpoint(tmp_path / "round-000005").theta["scalar"] == theta["scalar"]
 
@@ -167,7 +168,7 @@ print("ready", flush=True)
 while True:
     i += 1
     theta["w0"][0, 0] = i
-    save_checkpoint(d, 1 + i % 2, theta, theta, {"i": i}, keep=2)
+    save_checkpoint(d, 1 + i % 2, theta, {"velocity": theta}, {"i": i}, keep=2)
 """
 
 
@@ -213,7 +214,7 @@ def test_checkpoint_loads_into_a_plain_torch_model(tmp_path: Path) -> None:
     model = task.make_torch_model(cfg, vocab_size)
     theta = {k: p.detach().numpy().astype(np.float32) + np.float32(0.5) for k, p in model.named_parameters()}
     velocity = {k: np.zeros_like(v) for k, v in theta.items()}
-    path = save_checkpoint(tmp_path, 7, theta, velocity, META)
+    path = save_checkpoint(tmp_path, 7, theta, {"velocity": velocity}, META)
 
     ck = load_checkpoint(path)
     model2 = task.make_torch_model(cfg, vocab_size)
@@ -226,3 +227,22 @@ def test_checkpoint_loads_into_a_plain_torch_model(tmp_path: Path) -> None:
     for k, p in model2.named_parameters():
         assert torch.equal(p.detach(), torch.from_numpy(theta[k])), k
     assert torch.equal(model2.lm_head.weight.detach(), torch.from_numpy(theta["tok_emb.weight"]))
+
+
+def test_a_checkpoint_from_before_sync_rules_were_files_still_loads(tmp_path: Path) -> None:
+    """Its manifest has no `state`: outer.safetensors is dense's velocity, as it always was."""
+    theta, velocity = params(3)
+    path = save_checkpoint(tmp_path, 3, theta, {"velocity": velocity}, META)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m.pop("state") == ["velocity"]
+    (path / "manifest.json").write_text(json.dumps(m))
+    ck = load_checkpoint(path)
+    assert list(ck.state_flat) == ["velocity"]
+    assert all(ck.state("velocity")[k].tobytes() == velocity[k].tobytes() for k in velocity)
+
+
+def test_a_rule_without_shared_state_checkpoints_theta_alone(tmp_path: Path) -> None:
+    theta, _ = params(4)
+    path = save_checkpoint(tmp_path, 4, theta, {}, META)
+    assert listing(path) == ["manifest.json", "theta.safetensors"]
+    assert load_checkpoint(path).state_flat == {}

@@ -239,7 +239,7 @@ def test_state_server_survives_hostile_requests_and_still_hands_over_state() -> 
         errors = LoopErrors()
         server_ep = await Endpoint.bind("local")
         server = StateServer()
-        server.publish(3, theta, velocity, checksum(theta, velocity), ParamLayout(("w",), ((theta.size,),)))
+        server.publish(3, (theta, velocity), checksum(theta, velocity), ParamLayout(("w",), ((theta.size,),)))
         drops: list[tuple[str, str]] = []
 
         def on_drop(peer: str, why: str) -> None:

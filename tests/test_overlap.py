@@ -12,7 +12,9 @@ from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
-from drift.diloco import OverlappedDiLoCo, ParamLayout, SyncRule
+from drift.diloco import ParamLayout
+from drift.recipe import Recipe
+from drift.sync import catch_up, make_rule
 from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "sync": "overlapped"}
@@ -26,13 +28,15 @@ def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
     theta = rng.standard_normal(1000).astype(np.float32)
     local_at_barrier = theta - np.float32(0.01) * rng.standard_normal(1000).astype(np.float32)
     progress = np.float32(0.001) * rng.standard_normal(1000).astype(np.float32)
-    blocking, overlapped = SyncRule(layout, 0.7, 0.9), OverlappedDiLoCo(layout, 0.7, 0.9)
+    base = {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
+    blocking = make_rule(layout, Recipe.model_validate({**base, "sync": "blocking"}))
+    overlapped = make_rule(layout, Recipe.model_validate({**base, "sync": "overlapped"}))
     t_block, t_over = theta.copy(), theta.copy()
     blocking.apply(t_block, theta - local_at_barrier)  # the same reduced Δ on both
     overlapped.apply(t_over, theta - local_at_barrier)
     assert np.array_equal(t_block, t_over)  # the outer step itself is DiLoCo's
     snap = local_at_barrier.copy()
-    overlapped.catch_up(t_over, snap)
+    catch_up(t_over, snap)
     local_now = local_at_barrier + progress  # trained on while the reduce ran
     local_now += snap
     np.testing.assert_allclose(t_over - local_now, -progress, atol=1e-6)  # next Δ: the progress only

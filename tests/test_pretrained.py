@@ -58,10 +58,9 @@ def test_a_save_pretrained_directory_is_read_by_name(tmp_path: Path) -> None:
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
     model.save_pretrained(tmp_path / "tiny")
-    layout, theta, velocity, digest = load_weights(tmp_path / "tiny")
+    layout, theta = load_weights(tmp_path / "tiny")
     params = {n: p.detach().numpy() for n, p in model.named_parameters()}  # tied lm_head appears once
     assert sorted(layout.names) == sorted(params)
-    assert not velocity.any() and digest == checksum(theta, velocity)
     mine = ParamLayout.of(params)
     plan = placement(layout, mine)
     assert isinstance(plan, list) and len(plan) == len(params)

@@ -26,7 +26,7 @@ def _serving(
     rnd: int, theta: np.ndarray, velocity: np.ndarray, layout: ParamLayout = LAYOUT, announced: str | None = None
 ) -> StateServer:
     server = StateServer()
-    server.publish(rnd, theta, velocity, announced or checksum(theta, velocity), layout)
+    server.publish(rnd, (theta, velocity), announced or checksum(theta, velocity), layout)
     return server
 
 
@@ -164,4 +164,4 @@ def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest
     path = writers[-1].commit({"buffers": big.n_buffers})
     ck = load_checkpoint(path)
     assert ck.names == big.names and ck.manifest["buffers"] == 1
-    assert np.array_equal(ck.theta_flat, theta) and np.array_equal(ck.velocity_flat, velocity)
+    assert np.array_equal(ck.theta_flat, theta) and np.array_equal(ck.state_flat["velocity"], velocity)

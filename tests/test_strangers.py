@@ -102,7 +102,7 @@ def test_strangers_on_the_state_alpn_cost_a_member_nothing() -> None:
 
     async def main():
         server = StateServer()
-        server.publish(3, theta, velocity, checksum(theta, velocity), layout)
+        server.publish(3, (theta, velocity), checksum(theta, velocity), layout)
         donor = await Endpoint.bind("local", alpns=(STATE_ALPN,))
         serving = asyncio.ensure_future(
             donor.serve({STATE_ALPN: lambda conn: server.handle(conn, on_drop=lambda *a: lines.append(a))})
@@ -191,7 +191,7 @@ def test_a_reader_that_does_not_read_cannot_hold_the_donors_outer_step() -> None
 
     async def main():
         server = StateServer(min_rate=256 << 20, slack=1.0)
-        server.publish(5, theta, velocity, checksum(theta, velocity), layout)
+        server.publish(5, (theta, velocity), checksum(theta, velocity), layout)
         donor = await Endpoint.bind("local", alpns=(STATE_ALPN,))
         serving = asyncio.ensure_future(
             donor.serve({STATE_ALPN: lambda conn: server.handle(conn, on_drop=lambda p, why: drops.append(why))})
@@ -227,7 +227,7 @@ def test_a_donor_whose_tensors_are_in_another_order_is_refused() -> None:
 
     async def main():
         server = StateServer()
-        server.publish(2, theta, velocity, checksum(theta, velocity), swapped)
+        server.publish(2, (theta, velocity), checksum(theta, velocity), swapped)
         donor = await Endpoint.bind("local", alpns=(STATE_ALPN,))
         serving = asyncio.ensure_future(donor.serve({STATE_ALPN: server.handle}))
         client = await Endpoint.bind("local")

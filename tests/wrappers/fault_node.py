@@ -48,6 +48,7 @@ from drift.cli import main
 from drift.inner import InnerLoop
 from drift.node import Session
 from drift.ring import Ring
+from drift.sync import rules
 from drift.transport import Channel, TransportError
 
 kind, _, arg = os.environ["DRIFT_TEST_FAULT"].partition(":")
@@ -103,7 +104,12 @@ elif kind == "nan-ring":
         if ready.round != at:
             return await orig(self, t, ready)
         honest = t.rule.contribute
-        t.rule.contribute = lambda delta, weight: (honest(delta, weight), delta.fill(np.nan))
+
+        def nan(delta, weight):
+            delta.fill(np.nan)  # (its Δ was checked already: this is past DeltaCheck)
+            return honest(delta, weight)
+
+        t.rule.contribute = nan
         try:
             return await orig(self, t, ready)
         finally:
@@ -207,10 +213,8 @@ elif kind in ("eval-initial", "val-every-round"):
         await orig(self, msg)
 elif kind in ("scale-ring", "flip-ring", "noise-ring"):
 
-    @patch(diloco.SyncRule, "contribute")
-    def _(orig, self, delta, weight):
-        orig(self, delta, weight)
-        if Session.current_round >= at and weight > 0:
+    def hostile(orig, self, delta, weight):
+        if Session.current_round >= at and weight > 0:  # (before the rule sees it: either rule)
             if kind == "scale-ring":
                 delta *= np.float32(1000)
             elif kind == "flip-ring":
@@ -219,6 +223,10 @@ elif kind in ("scale-ring", "flip-ring", "noise-ring"):
                 norm = float(np.linalg.norm(delta))
                 noise = np.random.default_rng().standard_normal(delta.size).astype(np.float32)
                 delta += noise * np.float32(10 * norm / float(np.linalg.norm(noise)))
+        return orig(self, delta, weight)
+
+    for rule in rules().values():
+        patch(rule, "contribute")(hostile)
 
     @patch(Session, "_round")
     async def _(orig, self, a):

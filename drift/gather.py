@@ -1,0 +1,166 @@
+"""All-gather of per-node payloads over iroh (ALPN ``drift-gather/0``): the collective of sync
+rules whose contributions do not sum into something as small (drift/sync/sparse.py: sums of
+sparse vectors are not sparse). Each member sends its payload directly to every other member
+and receives every other member's, so each node uploads N-1 payloads and downloads N-1.
+
+One connection per sender, receiver and attempt. Its first frame is a header, then the payload in
+frames of at most CHUNK_BYTES, then the receiver answers ``ok`` and the sender hangs up::
+
+    >4s B I I Q = magic "DGTH", version, round, generation (the coordinator's ring epoch), payload bytes
+
+Trust, as the ring's: only members this node verified connect or are connected to; a member has
+at most one connection waiting (a newer one replaces it); every frame is bounded by the size the
+rule expects (its payload size, or 0 for a member with nothing to send); every connect, read and
+write has a deadline, and a member that stalls or sends what was not expected fails the attempt
+with RingError naming it (`suspect`), which the node reports like a broken ring (RingFailed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable
+
+from drift.protocol import MAX_ROUND, RingMember, printable
+from drift.ring import ReduceStats, RingError
+from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, peer_of
+
+_HEADER = struct.Struct(">4sBIIQ")
+_MAGIC = b"DGTH"
+_VERSION = 1
+CHUNK_BYTES = 1 << 20
+HELLO_TIMEOUT = 10.0
+
+log = logging.getLogger("drift.gather")
+
+
+class Gather:
+    """This node's side of all-gathers: serves incoming payloads, sends its own."""
+
+    def __init__(self, endpoint: Endpoint, timeout: float = 120.0, trusted: Callable[[str], bool] = lambda p: True):
+        self.endpoint = endpoint
+        self.trusted = trusted
+        self.node_id = endpoint.node_id
+        self.timeout = timeout
+        self._incoming: dict[str, tuple[int, int, int, Channel]] = {}  # member -> (round, generation, bytes, channel)
+        self._arrived = asyncio.Condition()
+
+    async def handle_incoming(self, conn) -> None:
+        """Keep a member's incoming payload connection (its header read) until an all-gather
+        takes it. Returns normally whatever the peer does (a bad one is closed with a log line)."""
+        peer = peer_of(conn)
+        if not self.trusted(peer):
+            log.warning("dropping gather connection from %s: not a verified member of this run", peer[:10])
+            try:
+                conn.close(1, b"not a verified member of this run")
+            except Exception:
+                pass
+            return
+        try:
+            t = min(self.timeout, HELLO_TIMEOUT)
+            ch = await Endpoint.accept_channel(conn, timeout=t)
+            head = await ch.recv_frame(_HEADER.size, timeout=t)
+            if len(head) != _HEADER.size:
+                raise RingError(f"gather header of {len(head)} bytes")
+            magic, version, rnd, gen, nbytes = _HEADER.unpack(head)
+            if magic != _MAGIC or version != _VERSION or rnd > MAX_ROUND or gen > MAX_ROUND:
+                raise RingError("not a drift gather header")
+        except Exception as e:
+            why = e if isinstance(e, (RingError, TransportError)) else repr(e)
+            log.warning("dropping gather connection from %s: %s", peer[:10], printable(f"{why}", 300))
+            try:
+                conn.close(1, b"bad gather header")
+            except Exception:
+                pass
+            return
+        async with self._arrived:
+            old = self._incoming.pop(peer, None)
+            if old is not None:
+                old[3].close("replaced by a newer connection")
+            self._incoming[peer] = (rnd, gen, nbytes, ch)
+            self._arrived.notify_all()
+
+    async def allgather(
+        self, payload: bytes, members: list[RingMember], round_: int, nbytes: int, generation: int = 0
+    ) -> tuple[list[bytes], ReduceStats]:
+        """Every member's payload, in the members' order (this node's own at its place). Each is
+        `nbytes` long or empty (a member with nothing to send). RingError if any member's payload
+        does not arrive, whole and as expected, within the deadlines."""
+        t0 = time.perf_counter()
+        ids = [m.node_id for m in members]
+        if unverified := [i for i in ids if i != self.node_id and not self.trusted(i)]:
+            raise RingError(f"the ring names {unverified[0][:10]}, a node this one has not verified")
+        me = ids.index(self.node_id)
+        out: list[bytes] = [b""] * len(members)
+        out[me] = payload
+        sent, received = [0], [0]
+
+        async def send_to(m: RingMember) -> None:
+            try:
+                ch = await self.endpoint.connect(m.ticket, GATHER_ALPN, timeout=self.timeout)
+            except TransportError as e:
+                raise RingError(f"could not reach {m.node_id[:10]}: {e}", suspect=m.node_id) from None
+            try:
+                await ch.send_frame(_HEADER.pack(_MAGIC, _VERSION, round_, generation, len(payload)), self.timeout)
+                view = memoryview(payload)
+                for a in range(0, len(view), CHUNK_BYTES):
+                    await ch.send_frame(view[a : a + CHUNK_BYTES], self.timeout)
+                if await ch.recv_frame(16, self.timeout) != b"ok":
+                    raise RingError(f"{m.node_id[:10]} did not confirm our payload", suspect=m.node_id)
+                sent[0] += ch.bytes_sent
+            except TransportTimeout as e:
+                raise RingError(f"sending to {m.node_id[:10]}: {e}", suspect=m.node_id) from None
+            except TransportError as e:
+                raise RingError(f"sending to {m.node_id[:10]}: {e}") from None
+            finally:
+                ch.close("payload sent")
+
+        async def recv_from(k: int, m: RingMember) -> None:
+            peer = m.node_id
+            try:
+                async with self._arrived:
+                    await asyncio.wait_for(
+                        self._arrived.wait_for(lambda: self._incoming.get(peer, (-1, -1))[:2] == (round_, generation)),
+                        self.timeout,
+                    )
+                    _, _, size, ch = self._incoming.pop(peer)
+            except asyncio.TimeoutError:
+                raise RingError(
+                    f"{peer[:10]} never sent its payload (waited {self.timeout:g}s)", suspect=peer
+                ) from None
+            try:
+                if size not in (0, nbytes):
+                    raise RingError(f"{peer[:10]} announced a payload of {size} bytes, expected {nbytes}", suspect=peer)
+                parts, got = [], 0
+                while got < size:
+                    frame = await ch.recv_frame(min(CHUNK_BYTES, size - got), self.timeout)
+                    if not frame:
+                        raise RingError(f"{peer[:10]} sent an empty frame", suspect=peer)
+                    parts.append(frame)
+                    got += len(frame)
+                await ch.send_frame(b"ok", self.timeout)
+                out[k] = b"".join(parts)
+                received[0] += ch.bytes_received
+                with contextlib.suppress(TransportError):  # the sender hangs up once it has read our ok
+                    await ch.recv_frame(0, min(self.timeout, HELLO_TIMEOUT))
+            except TransportTimeout as e:
+                raise RingError(f"receiving from {peer[:10]}: {e}", suspect=peer) from None
+            except TransportError as e:
+                raise RingError(f"receiving from {peer[:10]}: {e}") from None
+            finally:
+                ch.close("payload received")
+
+        others = [(k, m) for k, m in enumerate(members) if k != me]
+        tasks = [asyncio.ensure_future(send_to(m)) for _, m in others]
+        tasks += [asyncio.ensure_future(recv_from(k, m)) for k, m in others]
+        try:
+            await asyncio.gather(*tasks)
+        except RingError as e:
+            raise RingError(f"all-gather of round {round_} failed: {e}", suspect=e.suspect) from None
+        finally:  # (also when this attempt is cancelled: a newer ring for the round)
+            for t in tasks:
+                t.cancel()
+        return out, ReduceStats(time.perf_counter() - t0, sent[0], received[0], codec="sparse")

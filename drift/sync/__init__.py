@@ -1,0 +1,109 @@
+"""Sync rules: how a node's progress becomes the swarm's. A rule is one file in this package.
+
+A rule declares
+  * `Params`: its hyperparameters (a pydantic model: the recipe's `sync_params`, checked when the
+    recipe is read; a bad value is one line naming the field);
+  * `state_names(recipe)` and `state`: the outer state every node holds identically, as named flat
+    float32 arrays of θ's size (checksummed, transferred over drift-state/0, checkpointed and
+    resumed by name, in this order);
+  * `collective`: what carries the contributions: "ring" (an all-reduce of one dense vector,
+    drift/ring.py) or "allgather" (every member's payload reaches every member, drift/gather.py);
+  * `contribute(delta, weight)`: what this node sends (for the ring: the vector to sum, in place);
+  * `combine(result, ring, out)`: the round's update in `out`, from what the collective returned
+    (the ring's sum, or every member's payload in ring order), plus what looked wrong;
+  * `apply(theta, update)`: θ and the rule's state after the round.
+
+Whether the outer step is waited for (blocking) or lands one round late while the next round
+trains is not the rule's business: the recipe's `overlap` says, and only the node and the
+coordinator's round loop read it (`catch_up` is the arithmetic of it).
+
+Invariant: every node runs the same float32 operations, in the same order, on the same inputs,
+so θ and the state stay bit-identical across the swarm; the checksum proves it each round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from drift.diloco import CHUNK, ParamLayout
+
+if TYPE_CHECKING:
+    from drift.protocol import RingMember
+    from drift.recipe import Recipe
+
+
+class Params(BaseModel):
+    """A rule's hyperparameters (none by default); unknown fields are mistakes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class Combined:
+    """What a node found while combining the round's contributions."""
+
+    problem: str | None = None  # the result must not be applied (θ stays), and why
+    outliers: list[str] = field(default_factory=list)  # members whose contribution was far outside the others'
+
+
+class SyncRule:
+    """The base of every rule (see the module's docstring)."""
+
+    name: ClassVar[str]
+    collective: ClassVar[Literal["ring", "allgather"]] = "ring"
+    Params: ClassVar[type[Params]] = Params
+
+    def __init__(self, layout: ParamLayout, recipe: Recipe):
+        self.layout = layout
+        self.params = self.Params.model_validate(recipe.sync_params)
+        self.state: dict[str, np.ndarray] = {n: np.zeros(layout.size, np.float32) for n in self.state_names(recipe)}
+
+    @classmethod
+    def state_names(cls, recipe: Recipe) -> tuple[str, ...]:
+        """The shared state's arrays, in checksum/transfer/checkpoint order."""
+        return ()
+
+    def contribute(self, delta: np.ndarray, weight: float):
+        raise NotImplementedError
+
+    def combine(self, result, ring: list[RingMember], out: np.ndarray) -> Combined:
+        raise NotImplementedError
+
+    def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """The round's contribution was not used here (θ came from a peer, or the round was
+        given up): forget anything kept for it."""
+
+
+def catch_up(theta_global: np.ndarray, snapshot: np.ndarray) -> None:
+    """One-round-late outer steps (recipe `overlap`): snapshot <- θ_global - snapshot, what to add
+    to the local copy, which was `snapshot` at the barrier (θ_local + θ_global_new -
+    θ_local_at_barrier). The node keeps the progress it made since, and its next Δ is measured
+    from the new θ_global, so no sample counts twice and none is lost."""
+    for a in range(0, snapshot.size, CHUNK):
+        np.subtract(theta_global[a : a + CHUNK], snapshot[a : a + CHUNK], out=snapshot[a : a + CHUNK])
+
+
+ALIASES = {"blocking": ("dense", False), "overlapped": ("dense", True)}  # the names before `overlap`
+
+
+def rules() -> dict[str, type[SyncRule]]:
+    """Every rule, by the name a recipe's `sync` gives it."""
+    from drift.sync.dense import DenseDiLoCo
+    from drift.sync.sparse import SparseLoCo
+
+    return {r.name: r for r in (DenseDiLoCo, SparseLoCo)}
+
+
+def rule_class(recipe: Recipe) -> type[SyncRule]:
+    return rules()[recipe.sync]
+
+
+def make_rule(layout: ParamLayout, recipe: Recipe) -> SyncRule:
+    return rule_class(recipe)(layout, recipe)

@@ -1,0 +1,59 @@
+"""`sync: dense` (the default): DiLoCo. Every node contributes w_i * Δ_i, the ring all-reduce
+sums them (compressed by the recipe's `codec`: int8 blocks by default), and the outer optimizer
+(Nesterov SGD, `outer_optimizer`: lr 0.7, momentum 0.9) steps θ with the sum.
+
+Hyperparameters: `outer_optimizer`, `codec`, `topk_fraction` (recipe fields older than the rule
+package; `sync_params` takes none). Shared state: `velocity`, the outer momentum (zeros that are
+never written without momentum: pages the OS does not back). The wire format and the checkpoint
+format (outer.safetensors holds the velocity under the tensor names) are those of drift before
+rules were files.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from drift.diloco import NesterovOuter, ParamLayout, reduced_problem
+from drift.sync import Combined, SyncRule
+
+if TYPE_CHECKING:
+    from drift.protocol import RingMember
+    from drift.recipe import Recipe
+
+
+class DenseDiLoCo(SyncRule):
+    name = "dense"
+    collective = "ring"
+
+    def __init__(self, layout: ParamLayout, recipe: Recipe):
+        self.layout = layout
+        self.params = self.Params.model_validate(recipe.sync_params)
+        oo = recipe.outer_optimizer
+        self.outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov, params=layout.params_size)
+        self.state = {"velocity": self.outer.velocity}
+        self.bounded = recipe.codec != "topk"  # top-k re-sparsifies at every hop: its sum has no norm bound
+
+    @classmethod
+    def state_names(cls, recipe: Recipe) -> tuple[str, ...]:
+        return ("velocity",)
+
+    def contribute(self, delta: np.ndarray, weight: float) -> np.ndarray:
+        """delta <- w * Δ, in place (the ring sums it). A node of weight 0 sends exact zeros
+        (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
+        if weight == 0:
+            delta[...] = 0
+        else:
+            delta *= np.float32(weight)
+        return delta
+
+    def combine(self, result: np.ndarray, ring: list[RingMember], out: np.ndarray) -> Combined:
+        """The ring summed in place (result is out): refuse a sum larger than the members'
+        reported norms allow (someone sent more than it reported)."""
+        assert result is out
+        return Combined(reduced_problem(out, ring) if self.bounded else None)
+
+    def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
+        """The outer Nesterov step (`update` is used as scratch)."""
+        self.outer.step(theta, update)

@@ -1,0 +1,228 @@
+"""`sync: sparse`: a rule of the SparseLoCo class (arXiv 2508.15706). Each node keeps an
+error-feedback buffer e; every round e <- ef_decay * e + Δ, it sends the `k` largest |values| of
+every `chunk` values of e (chunked top-k, in-chunk indices in log2(chunk) bits: 12 for 4096),
+each as 2 bits (its sign, and whether it is above the chunk's median magnitude: two float32
+magnitudes per chunk), and keeps what the payload did not carry: e <- e - decode(payload).
+Payloads are all-gathered (sums of sparse vectors are not sparse, so no ring): every member
+decodes every payload, clips each to `clip` x the round's median contribution norm, and adds
+w_i x them in ring order; θ -= lr x that (buffers: the plain weighted sum).
+
+About 0.23 bits per value of θ per round with the defaults (64 of 4096), against 8.15 for int8.
+
+Shared state: none (θ only is checksummed). The error-feedback buffer is node-local: it is not
+in the checksum, not transferred and not checkpointed; a node that joins (or rejoins after a
+restart) starts with zeros, and a round whose θ a node took from a peer instead of applying it
+itself leaves its buffer as it was.
+
+Every node computes the same result to the bit: decoding and the clip factors use only the
+payload bytes, the ring's weights and deterministic arithmetic (norms from exact float64 terms
+and math.fsum), and the sum runs in ring order whatever order the payloads arrived in. Encoding
+is numpy's, so torch, mlx and numpy workers produce the same payloads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from drift.diloco import CHUNK, ParamLayout
+from drift.sync import Combined, Params, SyncRule
+
+if TYPE_CHECKING:
+    from drift.protocol import RingMember
+    from drift.recipe import Recipe
+
+BLOCK_ROWS = 256  # chunks per piece of an encode/decode pass (a multiple of 8: bit fields stay byte-aligned)
+
+
+class SparseParams(Params):
+    chunk: int = Field(4096, ge=2, le=65536, description="values per top-k chunk (a power of two)")
+    k: int = Field(64, ge=1, description="values sent per chunk")
+    ef_decay: float = Field(0.95, ge=0, le=1, description="error feedback: e <- ef_decay * e + Δ")
+    lr: float = Field(1.0, gt=0, description="outer learning rate (plain SGD on the clipped sum)")
+    clip: float = Field(3.0, ge=1, description="each contribution's norm is clipped to clip x the round's median")
+    outlier: float = Field(6.0, ge=1, description="a contribution over outlier x the median is reported")
+
+    @model_validator(mode="after")
+    def _shape(self) -> SparseParams:
+        if self.chunk & (self.chunk - 1):
+            raise ValueError(f"chunk must be a power of two, got {self.chunk}")
+        if self.k > self.chunk:
+            raise ValueError(f"k ({self.k}) cannot exceed chunk ({self.chunk})")
+        return self
+
+
+class PayloadError(Exception):
+    """A payload that does not decode (wrong size, indices out of order, a bad scale)."""
+
+
+class Codec:
+    """The payload format: for m = ceil(n / chunk) chunks, in order
+        m x 2 float32 (little-endian): the chunk's low and high magnitude,
+        m x k indices of log2(chunk) bits each, increasing within a chunk (MSB first, packed),
+        m x k x 2 bits: sign (1 = negative), high (1 = the high magnitude).
+    A payload of 0 bytes carries nothing (a member of weight 0)."""
+
+    def __init__(self, n: int, chunk: int, k: int):
+        self.n, self.chunk, self.k = n, chunk, k
+        self.bits = chunk.bit_length() - 1
+        self.m = max(1, -(-n // chunk))
+        self.shifts = np.arange(self.bits - 1, -1, -1, dtype=np.uint32)
+        self.i_scales = 0
+        self.i_index = 8 * self.m
+        self.i_values = self.i_index + -(-self.m * k * self.bits // 8)
+        self.nbytes = self.i_values + -(-self.m * k * 2 // 8)
+
+    def blocks(self):
+        for r0 in range(0, self.m, BLOCK_ROWS):
+            yield r0, min(self.m, r0 + BLOCK_ROWS)
+
+    def _rows(self, x: np.ndarray, r0: int, r1: int) -> np.ndarray:
+        a, b = r0 * self.chunk, r1 * self.chunk
+        if b <= x.size:
+            return x[a:b].reshape(r1 - r0, self.chunk)
+        rows = np.zeros((r1 - r0) * self.chunk, np.float32)
+        rows[: x.size - a] = x[a:]
+        return rows.reshape(r1 - r0, self.chunk)
+
+    def encode(self, x: np.ndarray) -> bytes:
+        """The payload of x (float32, n values): its chunked top-k, 2 bits a value."""
+        out = np.zeros(self.nbytes, np.uint8)
+        scales = out[: self.i_index].view("<f4").reshape(self.m, 2)
+        k, c = self.k, self.chunk
+        for r0, r1 in self.blocks():
+            rows = self._rows(x, r0, r1)
+            idx = np.argpartition(np.abs(rows), c - k, axis=1)[:, c - k :]
+            idx.sort(axis=1)
+            vals = np.take_along_axis(rows, idx, axis=1)
+            mags = np.abs(vals)
+            high = mags > np.median(mags, axis=1, keepdims=True)
+            n_high = high.sum(axis=1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                hi = np.where(n_high > 0, (mags * high).sum(axis=1) / np.maximum(n_high, 1), 0)
+                lo = np.where(n_high < k, (mags * ~high).sum(axis=1) / np.maximum(k - n_high, 1), 0)
+            scales[r0:r1, 0], scales[r0:r1, 1] = lo, hi
+            ibits = ((idx.astype(np.uint32)[..., None] >> self.shifts) & 1).astype(np.uint8)
+            a, b = self.i_index + r0 * k * self.bits // 8, self.i_index + -(-r1 * k * self.bits // 8)
+            out[a:b] = np.packbits(ibits.reshape(-1))
+            vbits = np.stack([vals < 0, high], axis=-1).astype(np.uint8)
+            a, b = self.i_values + r0 * k * 2 // 8, self.i_values + -(-r1 * k * 2 // 8)
+            out[a:b] = np.packbits(vbits.reshape(-1))
+        return out.tobytes()
+
+    def pieces(self, payload: bytes):
+        """(flat indices, values) of a payload, a block of chunks at a time; PayloadError if it
+        does not decode. Indices past n (the last chunk's padding) are dropped."""
+        if len(payload) != self.nbytes:
+            raise PayloadError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
+        buf = np.frombuffer(payload, np.uint8)
+        scales = buf[: self.i_index].view("<f4").reshape(self.m, 2)
+        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+            raise PayloadError("a chunk's magnitude is negative or not finite")
+        k, c = self.k, self.chunk
+        for r0, r1 in self.blocks():
+            rows = r1 - r0
+            a = self.i_index + r0 * k * self.bits // 8
+            ibits = np.unpackbits(buf[a:], count=rows * k * self.bits).reshape(rows, k, self.bits)
+            idx = (ibits.astype(np.uint32) << self.shifts).sum(axis=-1, dtype=np.uint32)
+            if k > 1 and not (np.diff(idx.astype(np.int64), axis=1) > 0).all():
+                raise PayloadError("indices not increasing within a chunk")
+            a = self.i_values + r0 * k * 2 // 8
+            vbits = np.unpackbits(buf[a:], count=rows * k * 2).reshape(rows, k, 2)
+            s = scales[r0:r1]
+            vals = np.where(vbits[..., 1] == 1, s[:, 1:2], s[:, 0:1]).astype(np.float32)
+            vals[vbits[..., 0] == 1] *= np.float32(-1)
+            flat = (idx.astype(np.int64) + (np.arange(r0, r1, dtype=np.int64) * c)[:, None]).reshape(-1)
+            vals = vals.reshape(-1)
+            keep = flat < self.n
+            yield (flat, vals) if keep.all() else (flat[keep], vals[keep])
+
+    def norm(self, payload: bytes) -> float:
+        """||decode(payload)||, the same to the bit on every machine (exact float64 terms, fsum);
+        PayloadError if it does not decode."""
+        terms = [math.fsum((v.astype(np.float64) ** 2).tolist()) for _, v in self.pieces(payload)]
+        return math.sqrt(math.fsum(terms))
+
+
+class SparseLoCo(SyncRule):
+    name = "sparse"
+    collective = "allgather"
+    Params = SparseParams
+
+    def __init__(self, layout: ParamLayout, recipe: Recipe):
+        super().__init__(layout, recipe)
+        p = self.params
+        self.codec = Codec(layout.size, p.chunk, p.k)
+        self.ef: np.ndarray | None = None  # node-local error feedback (zeros until the first round)
+        self._ef_next: np.ndarray | None = None  # what it becomes once this round is applied
+        self._pending = False
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.codec.nbytes
+
+    def contribute(self, delta: np.ndarray, weight: float) -> bytes:
+        """This round's payload: top-k of ef_decay * e + Δ (`delta` is left garbled). The buffer
+        changes only when the round is applied, so a retried attempt sends the same bytes."""
+        if weight == 0:
+            self._pending = False
+            return b""
+        if self.ef is None:
+            self.ef, self._ef_next = np.zeros_like(delta), np.empty_like(delta)
+        d, e, nxt = np.float32(self.params.ef_decay), self.ef, self._ef_next
+        for a in range(0, delta.size, CHUNK):
+            b = a + CHUNK
+            np.multiply(e[a:b], d, out=nxt[a:b])
+            nxt[a:b] += delta[a:b]
+        payload = self.codec.encode(nxt)
+        for flat, vals in self.codec.pieces(payload):
+            nxt[flat] -= vals
+        self._pending = True
+        return payload
+
+    def combine(self, result: list[bytes | None], ring: list[RingMember], out: np.ndarray) -> Combined:
+        """out <- Σ_i w_i · clip(decode(payload_i)) in ring order; members whose payload does not
+        decode add nothing, and they and any far outside the median are the outliers."""
+        out[...] = 0
+        bad, norms = [], {}
+        for m, payload in zip(ring, result):
+            if m.weight == 0 or not payload:
+                continue
+            try:
+                norms[m.node_id] = self.codec.norm(payload)
+            except PayloadError:
+                bad.append(m.node_id)
+        if not norms:
+            return Combined(outliers=bad)
+        ordered = sorted(norms.values())
+        median = ordered[(len(ordered) - 1) // 2]  # the lower one: with two, the smaller
+        limit = self.params.clip * median
+        for m, payload in zip(ring, result):
+            if m.node_id not in norms:
+                continue
+            scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
+            coef = np.float32(m.weight * scale)
+            for flat, vals in self.codec.pieces(payload):
+                out[flat] += coef * vals
+        far = [i for i, v in norms.items() if len(norms) >= 3 and v > self.params.outlier * median]
+        return Combined(outliers=bad + far)
+
+    def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
+        """θ -= lr * update on the parameters, θ -= update on the buffers; the error feedback of
+        this round becomes the node's."""
+        p = self.layout.params_size
+        lr = np.float32(self.params.lr)
+        for a in range(0, p, CHUNK):
+            b = min(a + CHUNK, p)
+            update[a:b] *= lr
+            theta[a:b] -= update[a:b]
+        theta[p:] -= update[p:]
+        if self._pending:
+            self.ef, self._ef_next = self._ef_next, self.ef
+            self._pending = False
+
+    def abandon(self) -> None:
+        self._pending = False

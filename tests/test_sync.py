@@ -1,0 +1,188 @@
+"""The sync rules at their seam (drift/sync/), in milliseconds: the recipe's view of them, the
+sparse rule's payload (round trip, error feedback, a fixed-order sum that is the same bits on
+every node, the clip of a contribution far outside the others), and the all-gather that carries
+it (real iroh endpoints on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_async
+
+from drift import protocol as P
+from drift.diloco import ParamLayout, checksum
+from drift.gather import Gather
+from drift.recipe import Recipe, RecipeError, load_recipe
+from drift.ring import RingError
+from drift.sync import make_rule
+from drift.sync.sparse import Codec, PayloadError
+from drift.transport import GATHER_ALPN, Endpoint
+
+BASE = {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
+LAYOUT = ParamLayout(("b", "w"), ((100,), (3, 4000)))  # 12,100 values: 3 chunks, the last one short
+
+
+def recipe(**fields) -> Recipe:
+    return Recipe.model_validate({**BASE, **fields})
+
+
+def members(n: int, weights: list[float] | None = None) -> list[P.RingMember]:
+    w = weights or [1 / n] * n
+    return [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=w[i]) for i in range(n)]
+
+
+def test_the_old_sync_names_still_mean_what_they_did() -> None:
+    assert (recipe().sync, recipe().overlap) == ("dense", False)
+    assert (recipe(sync="blocking").sync, recipe(sync="blocking").overlap) == ("dense", False)
+    assert (recipe(sync="overlapped").sync, recipe(sync="overlapped").overlap) == ("dense", True)
+    rule = make_rule(LAYOUT, recipe())
+    assert list(rule.state) == ["velocity"] and rule.collective == "ring"
+    theta = np.arange(LAYOUT.size, dtype=np.float32)
+    # The checksum over θ and the named state is the one every node reported before: θ, velocity.
+    assert checksum(theta, *rule.state.values()) == checksum(theta, np.zeros(LAYOUT.size, np.float32))
+    assert list(make_rule(LAYOUT, recipe(sync="sparse")).state) == []  # error feedback is node-local
+
+
+@pytest.mark.parametrize(
+    ("fields", "line"),
+    [
+        ({"sync": "sprase"}, "x.yaml: sync: 'sprase' is not a sync rule (dense, sparse, blocking, overlapped)"),
+        (
+            {"sync": "sparse", "sync_params": {"k": 0}},
+            "x.yaml: sync_params: k: Input should be greater than or equal to 1",
+        ),
+        ({"sync": "sparse", "sync_params": {"chunk": 1000}}, "x.yaml: sync_params: chunk must be a power of two"),
+        ({"sync": "sparse", "sync_params": {"topk": 3}}, "x.yaml: sync_params: topk: unknown field (sync: sparse)"),
+        ({"sync": "dense", "sync_params": {"k": 64}}, "x.yaml: sync_params: k: unknown field (sync: dense)"),
+    ],
+)
+def test_a_bad_sync_setting_is_one_line_naming_the_field(tmp_path: Path, fields: dict, line: str) -> None:
+    import yaml
+
+    f = tmp_path / "x.yaml"
+    f.write_text(yaml.safe_dump({**BASE, **fields}))
+    with pytest.raises(RecipeError) as e:
+        load_recipe(f, check_task=False)
+    assert len(str(e.value).splitlines()) == 1 and str(e.value).startswith(f"{tmp_path}/{line}"), str(e.value)
+
+
+def _delta(seed: int, scale: float = 1e-3) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (scale * rng.standard_normal(LAYOUT.size) ** 3).astype(np.float32)  # heavy-tailed, as Δ is
+
+
+def _decoded(codec: Codec, payload: bytes) -> np.ndarray:
+    out = np.zeros(codec.n, np.float32)
+    for flat, vals in codec.pieces(payload):
+        out[flat] = vals
+    return out
+
+
+def test_sparse_payload_carries_each_chunks_top_k_in_two_bits() -> None:
+    codec = Codec(LAYOUT.size, 4096, 64)
+    x = _delta(0)
+    payload = codec.encode(x)
+    assert len(payload) == codec.nbytes == 3 * (8 + 64 * 12 // 8 + 64 * 2 // 8)  # ~0.23 bits a value
+    got = _decoded(codec, payload)
+    for a in range(0, x.size, 4096):
+        chunk, dec = x[a : a + 4096], got[a : a + 4096]
+        top = np.argsort(-np.abs(chunk), kind="stable")[: min(64, chunk.size)]
+        assert set(np.flatnonzero(dec)) <= set(top)  # only top-k positions carry a value
+        assert np.array_equal(np.sign(dec[top]), np.sign(chunk[top]))  # with their signs
+        assert len(np.unique(np.abs(dec[top]))) <= 2  # and one of the chunk's two magnitudes
+    assert np.dot(got, x) > 0.5 * np.linalg.norm(got) * np.linalg.norm(x[np.abs(x) >= np.sort(np.abs(x))[-192]])
+    assert codec.norm(payload) == pytest.approx(float(np.linalg.norm(got)), rel=1e-6)
+    with pytest.raises(PayloadError):
+        next(codec.pieces(payload[:-1]))
+    bad = bytearray(payload)
+    bad[codec.i_index : codec.i_index + 2] = b"\xff\xff"  # the first index is now 4095: not increasing
+    with pytest.raises(PayloadError, match="increasing"):
+        list(codec.pieces(bytes(bad)))
+
+
+def test_error_feedback_keeps_what_the_payload_did_not_carry() -> None:
+    rule = make_rule(LAYOUT, recipe(sync="sparse"))
+    d1, d2 = _delta(1), _delta(2)
+    payload = rule.contribute(d1.copy(), 0.5)
+    assert rule.contribute(d1.copy(), 0.5) == payload  # a retried attempt sends the same bytes
+    rule.apply(np.zeros(LAYOUT.size, np.float32), np.zeros(LAYOUT.size, np.float32))  # the round is applied
+    sent = _decoded(rule.codec, payload)
+    np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)  # e = Δ - what was sent
+    payload2 = rule.contribute(d2.copy(), 0.5)
+    rule.abandon()  # this round's θ came from a peer: the buffer stays as it was
+    np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)
+    rule.contribute(d2.copy(), 0.5)
+    rule.apply(np.zeros(LAYOUT.size, np.float32), np.zeros(LAYOUT.size, np.float32))
+    want = np.float32(0.95) * (d1 - sent) + d2 - _decoded(rule.codec, payload2)
+    np.testing.assert_allclose(rule.ef, want, atol=1e-8)
+    assert rule.contribute(d2.copy(), 0.0) == b""  # weight 0: nothing sent, nothing kept
+
+
+def test_the_sum_is_the_same_bits_whatever_order_payloads_arrive_in() -> None:
+    ring = members(4, [0.1, 0.2, 0.3, 0.4])
+    payloads = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(10 + i), 0.25) for i in range(4)]
+    results = []
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):  # arrival orders: each lands at its ring position
+        arrived: list[bytes] = [b""] * 4
+        for k in order:
+            arrived[k] = bytes(bytearray(payloads[k]))  # a fresh copy, as off the wire
+        node = make_rule(LAYOUT, recipe(sync="sparse"))
+        out = np.empty(LAYOUT.size, np.float32)
+        assert node.combine(arrived, ring, out).outliers == []
+        theta = np.ones(LAYOUT.size, np.float32)
+        node.apply(theta, out)
+        results.append(theta.tobytes())
+    assert len(set(results)) == 1
+    want = sum(m.weight * _decoded(make_rule(LAYOUT, recipe(sync="sparse")).codec, p) for m, p in zip(ring, payloads))
+    np.testing.assert_allclose(
+        np.ones(LAYOUT.size, np.float32) - np.frombuffer(results[0], np.float32), want, atol=1e-7
+    )
+
+
+def test_a_contribution_far_outside_the_others_is_clipped_and_named() -> None:
+    ring = members(4)
+    honest = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(20 + i), 0.25) for i in range(3)]
+    hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(1000) * _delta(23), 0.25)
+    rule = make_rule(LAYOUT, recipe(sync="sparse"))
+    out = np.empty(LAYOUT.size, np.float32)
+    got = rule.combine([*honest, hostile], ring, out)
+    assert got.outliers == [ring[3].node_id]
+    norms = [rule.codec.norm(p) for p in honest]
+    bound = 0.25 * (sum(norms) + rule.params.clip * sorted(norms)[1])  # its share clipped to 3 x the median
+    assert float(np.linalg.norm(out)) <= bound * (1 + 1e-5)
+    honest_only = np.empty(LAYOUT.size, np.float32)
+    rule.combine([*honest, b""], ring, honest_only)
+    assert float(np.linalg.norm(out - honest_only)) <= 0.25 * rule.params.clip * sorted(norms)[1] * (1 + 1e-5)
+    # A payload that does not decode adds nothing and is named too; two honest ones cannot tell.
+    got = rule.combine([*honest, hostile[:-3]], ring, out)
+    assert got.outliers == [ring[3].node_id] and np.array_equal(out, honest_only)
+    assert rule.combine([honest[0], hostile, b"", b""], ring, out).outliers == []
+
+
+def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None:
+    async def main():
+        eps = [await Endpoint.bind("local") for _ in range(3)]
+        gathers = [Gather(ep, timeout=3.0) for ep in eps]
+        serving = [asyncio.ensure_future(ep.serve({GATHER_ALPN: g.handle_incoming})) for ep, g in zip(eps, gathers)]
+        ring = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=1 / 3) for ep in eps]
+        payloads = [bytes([i]) * 3_000_000 for i in range(3)]  # three frames each
+        try:
+            got = await asyncio.gather(*(g.allgather(p, ring, 4, 3_000_000, 1) for g, p in zip(gathers, payloads)))
+            stalled = await asyncio.gather(
+                *(g.allgather(p, ring, 5, 3_000_000, 1) for g, p in zip(gathers[:2], payloads)), return_exceptions=True
+            )
+            return got, stalled, ring
+        finally:
+            for s in serving:
+                s.cancel()
+            for ep in eps:
+                await ep.close()
+
+    got, stalled, ring = run_async(main(), 60)
+    for out, stats in got:
+        assert out == [bytes([i]) * 3_000_000 for i in range(3)]
+        assert stats.bytes_sent > 2 * 3_000_000
+    assert all(isinstance(e, RingError) and e.suspect == ring[2].node_id for e in stalled), stalled
