@@ -501,7 +501,8 @@ class DataClient:
         self.holders = [_Holder(t, _ticket_id(t)) for t in tickets]
         self.stats = Stats()
         self.loop = asyncio.get_running_loop()
-        self.report: Callable[[P.DataReport], None] = lambda msg: None  # to the coordinator (node.py sets it)
+        self._early: list[P.DataReport] = []  # reports made before the node is admitted (calibration)
+        self.report: Callable[[P.DataReport], None] = self._early.append  # to the coordinator: see attach()
         self.round = -1  # the round being trained (for reports)
         self._jobs: dict[tuple[str, bytes], asyncio.Task] = {}
         self._out: str | None = None  # why no holder could serve, while that lasts
@@ -537,6 +538,13 @@ class DataClient:
             except (DataError, TransportError, ValueError) as e:
                 errors.append(f"{ticket[:20]}...: {e}")
         raise DataError("no data holder could hand over the manifest: " + "; ".join(errors or ["no holder named"]))
+
+    def attach(self, send: Callable[[P.DataReport], None]) -> None:
+        """From now on reports go to `send` (the coordinator); those made before go now."""
+        self.report = send
+        early, self._early = self._early[-8:], []
+        for msg in early:
+            send(msg)
 
     # --- fetching ---
 

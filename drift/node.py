@@ -382,7 +382,8 @@ class Session:
         self.node.admitted = True
         t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, t.lock, self._stash.append)
         if self.node.data is not None:
-            t.inner.data, self.node.data.report = self.node.data, self._data_report
+            t.inner.data = self.node.data
+            self.node.data.attach(self._data_report)
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
             msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
