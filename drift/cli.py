@@ -244,6 +244,7 @@ async def _coord(
         tree=tree_of(root, commit) if commit else None,
         extra_allowed=tuple(k.node_id for k in node_keys),
         resume=checkpoint,
+        repo=root,
     )
     children: list[tuple[subprocess.Popen, Path]] = []
     # Ctrl-C is ours from before the first line the user can react to (a signal that came before

@@ -20,6 +20,7 @@ import numpy as np
 from auth import Admission, AuthError
 from drift import protocol as P
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
+from drift.data import DataError, DataServer, open_holder
 from drift.diloco import ParamLayout, checksum
 from drift.monitor import Monitor, NodeView
 from drift.recipe import Recipe
@@ -30,6 +31,7 @@ from drift.swarm import Peer, Swarm
 from drift.sync import rule_class
 from drift.transport import (
     CONTROL_ALPN,
+    DATA_ALPN,
     MAX_CONTROL_FRAME,
     STATE_ALPN,
     Channel,
@@ -101,6 +103,7 @@ class Coordinator:
     tree: str | None = None  # tree id of `commit`, when the coordinator's repo has it
     extra_allowed: tuple[str, ...] = ()  # ids admitted on top of the recipe's allowlist (--local nodes)
     resume: Checkpoint | None = None  # continue from this checkpoint (nodes fetch its θ from us)
+    repo: Path | None = None  # the repo holding the recipe's task (recipe data: we open its dataset)
 
     def __post_init__(self) -> None:
         r = self.recipe
@@ -132,6 +135,7 @@ class Coordinator:
         # A resumed checkpoint's θ, to members; initial weights also to nodes in the handshake.
         self.state = StateServer(allowed=lambda peer: peer in self.ready or peer in self._handshaking)
         self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
+        self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""  # why the last checkpoint could not be fetched
@@ -166,12 +170,56 @@ class Coordinator:
                 raise CoordinatorError(f"init_weights: {e}") from None
             arrays = (theta, *(np.zeros(theta.size, np.float32) for _ in self.state_names))  # a fresh outer state
             self.state.publish(-1, arrays, checksum(*arrays), layout)
-        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN))
+        if self.recipe.data is not None:
+            self.data = await self._open_data()
+        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN, DATA_ALPN))
         if (cur := self.state.current) is not None and cur.round == -1:
             self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
         self._spawn(self._accept_loop())
         self._spawn(self._ping())
         return self.endpoint.ticket()
+
+    async def _open_data(self) -> DataServer:
+        """recipe data: open the task's dataset here and digest every sample (the manifest)."""
+        from workers import load_task
+
+        root = self.repo or Path.cwd()
+        path = root / self.recipe.task
+
+        def build() -> DataServer:
+            try:
+                task = load_task(path, root=root)
+            except (FileNotFoundError, ImportError, ValueError) as e:
+                raise DataError(str(e).splitlines()[0]) from None
+            return open_holder(
+                task, self.recipe.task_config, allowed=lambda peer: peer in self.ready or peer in self._handshaking
+            )
+
+        try:
+            server = await asyncio.get_running_loop().run_in_executor(None, build)
+        except DataError as e:
+            raise CoordinatorError(f"data: {e}") from None
+        m = server.manifest
+        log.info(
+            "data: serving %d + %d samples of %d bytes (manifest %s)",
+            m.n["train"],
+            m.n["val"],
+            m.layout.record,
+            server.root,
+        )
+        return server
+
+    def data_source(self) -> P.DataSource | None:
+        if self.data is None:
+            return None
+        return P.DataSource(root=self.data.root, size=len(self.data.blob), tickets=[self.endpoint.ticket()])
+
+    def data_report(self, peer: Peer, msg: P.DataReport) -> None:
+        """A node about the served data: logged (but the totals), and an event in metrics.jsonl."""
+        if msg.kind != "fetched":
+            log.warning("node %s: data %s: %s", peer.info.name, msg.kind.replace("_", " "), msg.reason)
+        fields = msg.model_dump(exclude={"type", "kind"})
+        self.note(f"data_{msg.kind}", node_id=peer.id, name=peer.info.name, **fields)
 
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
@@ -186,6 +234,7 @@ class Coordinator:
             {
                 CONTROL_ALPN: self._serve,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped, on_stranger=self._refusals),
+                **({DATA_ALPN: lambda conn: self.data.handle(conn, on_drop=self._dropped)} if self.data else {}),
             },
             on_drop=self._dropped,
         )
@@ -300,6 +349,7 @@ class Coordinator:
                         recipe=self.recipe.model_dump(mode="json"),
                         commit=self.commit,
                         init=self.init,
+                        data=self.data_source(),
                     )
                 )
             )
@@ -543,6 +593,8 @@ class Coordinator:
                     self.swarm.holds(peer.id, held)
                 case P.Heartbeat():
                     pass
+                case P.DataReport():
+                    self.data_report(peer, msg)
                 case P.RoundDone() | P.RingFailed() | P.BarrierSync() if prev is not None and msg.round == prev.rnd:
                     await prev.on_message(peer, msg)  # overlapped: the round still being reduced
                 case _:
@@ -903,6 +955,8 @@ class Coordinator:
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
+        if self.data is not None:
+            self.data.close()
         for p in list(self.ready.values()):  # (connections end meanwhile)
             await p.ch.finish()
         if self.endpoint:

@@ -90,6 +90,7 @@ class InnerLoop:
         self.send = send
         self._orders: dict[int, np.ndarray] = {}
         self._round = 0
+        self.data = None  # drift.data.DataClient when the samples come from a data holder (node.py)
         self.step_s = 0.0  # EMA of one inner step (what the swarm sees)
         self.rtt_s = 0.05  # EMA of AskForMoreWork -> reply
 
@@ -152,6 +153,7 @@ class InnerLoop:
             return  # a late reply to the previous round
         if isinstance(msg, P.AssignNext):
             state["granted"].append(msg.unit)
+            self._prefetch([msg.unit])
             state["asked"] = False
             self.rtt_s = 0.8 * self.rtt_s + 0.2 * (time.perf_counter() - state["asked_at"])
         elif isinstance(msg, P.NoMoreWork):
@@ -179,6 +181,7 @@ class InnerLoop:
             "stop": False,
         }
         bs = self.recipe.batch_size
+        self._prefetch(state["granted"])
         while True:
             self._poll(state)
             if state["stop"] or (not state["granted"] and state["no_more"]):
@@ -195,15 +198,21 @@ class InnerLoop:
                     f"the coordinator granted samples {unit.lo}..{unit.hi} of unit {unit.id}, "
                     f"which the dataset ({self.worker.n_train} samples) does not have"
                 )
-            idx = unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
+            idx = self._indices(unit)
+            if self.data is not None and not await self.data.ready("train", idx, lambda: self._stopped(state)):
+                report.returned.append(unit)  # no holder could serve it: back to the queue
+                continue
             t0, lo, u_losses = time.perf_counter(), unit.lo, []
             while lo < unit.hi:
                 # Ask ahead: the steps still in hand should cover a round trip to the coordinator.
                 left = (unit.hi - lo) // bs + sum((u.hi - u.lo) // bs for u in state["granted"])
+                # Served data: ask as soon as the last unit in hand starts, so the next one's
+                # samples are fetched while this one trains.
+                ahead = self.data is not None and not state["granted"]
                 if (
                     not state["asked"]
                     and not state["no_more"]
-                    and left * self.step_s <= max(self.rtt_s * 2, self.step_s)
+                    and (ahead or left * self.step_s <= max(self.rtt_s * 2, self.step_s))
                 ):
                     await self._ask(state)
                 t_step = time.perf_counter()
@@ -238,6 +247,19 @@ class InnerLoop:
             self._apply(await self.inbox.get(), state)
         report.returned += list(state["granted"])
         return report
+
+    def _indices(self, unit: P.WorkUnit) -> np.ndarray:
+        return unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
+
+    def _prefetch(self, units) -> None:
+        """Served data: start fetching these units' samples now, ahead of their steps."""
+        if self.data is not None:
+            for unit in units:
+                self.data.prefetch("train", self._indices(unit))
+
+    def _stopped(self, state: dict) -> bool:
+        self._poll(state)
+        return state["stop"]
 
     async def _ask(self, state: dict) -> None:
         state["asked"], state["asked_at"] = True, time.perf_counter()

@@ -195,7 +195,8 @@ class RepoSource:
     def choice(self) -> Choice:
         return choose(self.backend, self.device)
 
-    async def load(self, cfg: P.TrainConfig, recipe: Recipe) -> tuple[Any, str | None]:
+    async def load(self, cfg: P.TrainConfig, recipe: Recipe, data=None) -> tuple[Any, str | None]:
+        """`data`: the task -> the task as this node trains it (drift.data.served_task), or None."""
         loop = asyncio.get_running_loop()
         work = await loop.run_in_executor(None, self.cache.checkout, cfg.commit or "")
         tree = self.cache.tree(work)
@@ -205,6 +206,8 @@ class RepoSource:
         def build():
             isolate(work, task_path.parent, work)  # its own `workers`, `auth`, ... are its, not drift's
             task = load_task(task_path, root=work)  # only from the checkout of cfg.commit
+            if data is not None:
+                task = data(task)
             return make_worker(
                 task,
                 recipe.task_config,
@@ -246,8 +249,8 @@ class ScriptSource:
         first = next(iter(self.model.parameters()), None)
         return Choice("torch", str(first.device) if first is not None else "cpu")
 
-    async def load(self, cfg: P.TrainConfig, recipe: Recipe) -> tuple[Any, str | None]:
-        from workers.torch_worker import TorchWorker
+    async def load(self, cfg: P.TrainConfig, recipe: Recipe, data=None) -> tuple[Any, str | None]:
+        from workers.torch_worker import TorchWorker  # (data: the script's own loop reads its data)
 
         root, commit = self.root, cfg.commit or ""
         head = resolve_commit(root, "HEAD")

@@ -41,8 +41,9 @@ from typing import Protocol
 
 import numpy as np
 
-from auth import AuthError, NodeKey, sign_message, verify_peers
+from auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift import protocol as P
+from drift.data import DataClient, DataError, cache_bytes, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
 from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
@@ -98,9 +99,10 @@ class TaskSource(Protocol):
     def choice(self) -> Choice:
         """The backend and device this node trains on; BackendError if none fits."""
 
-    async def load(self, cfg: P.TrainConfig, recipe: Recipe) -> tuple[object, str | None]:
+    async def load(self, cfg: P.TrainConfig, recipe: Recipe, data=None) -> tuple[object, str | None]:
         """(the worker at θ0, the commit's tree id); RepoError, BackendError, TaskError or
-        ImportError (one line each) when this node cannot train cfg.commit's task."""
+        ImportError (one line each) when this node cannot train cfg.commit's task. `data` (served
+        data): wraps the loaded task module so its dataset comes from a data holder."""
 
 
 @dataclass
@@ -193,6 +195,7 @@ class Node:
         self.coordinator = ""  # the coordinator's id, from the ticket
         self.state = StateServer(allowed=lambda peer: peer in self.members or peer == self.coordinator)
         self.trainer: Trainer | None = None
+        self.data: DataClient | None = None  # recipe data: the samples come from a holder
         self.admitted = False  # this node trained in the swarm (so a refusal may be transient)
 
     async def run(self) -> int:
@@ -214,6 +217,8 @@ class Node:
             accept.cancel()
             self.ring.close()
             await self.endpoint.close()
+            if self.data is not None:
+                self.data.close()
             if self.trainer is not None:
                 with contextlib.suppress(SwarmClosed):
                     self.trainer.worker.close()
@@ -386,6 +391,9 @@ class Session:
         await self._verify_ready(ready)
         self.node.admitted = True
         t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, t.lock, self._stash.append)
+        if self.node.data is not None:
+            t.inner.data = self.node.data
+            self.node.data.attach(self._data_report)
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
             msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
@@ -454,8 +462,11 @@ class Session:
         except ValueError as e:
             reason = str(e).splitlines()[0] if str(e) else "invalid"
             raise await self._refuse(f"the coordinator sent a recipe this drift cannot use ({reason})") from None
+        data = None
+        if cfg.data is not None:
+            data = await self._open_data(cfg.data, recipe)
         try:
-            raw, tree = await opts.source.load(cfg, recipe)
+            raw, tree = await opts.source.load(cfg, recipe, data)
         except RepoError as e:
             raise await self._refuse(str(e)) from None
         except (BackendError, TaskError, ImportError) as e:
@@ -503,6 +514,28 @@ class Session:
         t.initial_checksum = t.held_checksum
         t.frozen_checksum = worker.frozen_checksum()
         return t
+
+    async def _open_data(self, src: P.DataSource, recipe: Recipe):
+        """recipe data: the holder's manifest; returns the task wrapper that serves its samples."""
+        node = self.node
+        if node.data is None:
+            root = drift_home() / "data" / node.endpoint.node_id[:16]
+            limit = cache_bytes(recipe.data.cache_mb if recipe.data is not None else 1024.0)
+            try:
+                node.data = await DataClient.open(node.endpoint, src, root, limit)
+            except DataError as e:
+                raise await self._refuse(f"data: {e}") from None
+        client = node.data
+        return lambda task: served_task(task, client, self.opts.say)
+
+    def _data_report(self, msg: P.DataReport) -> None:
+        """What the data client has to say, to the coordinator (in the background)."""
+
+        async def say() -> None:
+            with contextlib.suppress(Lost):
+                await self.send(msg)
+
+        self._tasks.append(asyncio.ensure_future(say()))
 
     async def _initial_weights(self, t: Trainer, src: P.StateSource) -> None:
         """θ₀ <- the coordinator's initial weights (drift-state/0), each tensor placed by name into
@@ -646,7 +679,11 @@ class Session:
                 )
             )
             return
+        if self.node.data is not None:
+            self.node.data.round = a.round
         report = await t.inner.run_round(a)
+        if self.node.data is not None:
+            await self.send(self.node.data.fetched())
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
             await self._settled(t.pending)
         async with t.lock:

@@ -141,6 +141,7 @@ class TrainConfig(_Msg):
     recipe: dict[str, Any]  # the validated recipe (see recipe.py), as plain data
     commit: Token | None = None  # repo commit every node must run
     init: StateSource | None = None  # θ₀ from the coordinator's initial weights (recipe init_weights)
+    data: DataSource | None = None  # the task's samples, for a node that lacks them (recipe data:)
 
 
 class RepoCommit(_Msg):
@@ -223,6 +224,30 @@ class StateSource(_Msg):
     round: RoundOrInitial  # θ after this round's outer step (-1: the initial θ)
     checksum: Token
     tickets: Annotated[list[Ticket], Field(max_length=MAX_NODES + 1)]  # peers that hold it, tried in order
+
+
+class DataSource(_Msg):
+    """Where a node that lacks the task's data fetches its samples (ALPN drift-data/0): the digest
+    of the holder's manifest (every sample's digest) and its size."""
+
+    root: Token
+    size: Count  # bytes of the manifest
+    tickets: Annotated[list[Ticket], Field(min_length=1, max_length=MAX_NODES + 1)]  # holders, tried in order
+
+
+class DataReport(_Msg):
+    """Node -> coordinator, about the served data: samples that failed their digest (fetched
+    again), no holder able to serve (the node sits out), a holder serving again, or the totals
+    fetched so far (after each round)."""
+
+    type: Literal["DataReport"] = "DataReport"
+    kind: Literal["bad_chunk", "unavailable", "back", "fetched"]
+    round: RoundOrInitial
+    samples: Count = 0
+    bytes: Count = 0
+    evicted: Count = 0  # cache files deleted to stay within the limit
+    holder: NodeId | Literal[""] = ""
+    reason: Text = ""
 
 
 class ShardAssignment(_Msg):
@@ -412,6 +437,7 @@ Message = Annotated[
     | RoundDone
     | EvalResult
     | Agreed
+    | DataReport
     | TrainComplete,
     Field(discriminator="type"),
 ]

@@ -66,6 +66,16 @@ class Wandb(_Strict):
     tags: list[str] = Field(default_factory=list)
 
 
+class Data(_Strict):
+    """The task's data lives with the coordinator: it opens the dataset and serves its samples
+    (drift/data.py); a node that cannot open the same data itself fetches the samples it trains."""
+
+    holder: Literal["coordinator"] = Field("coordinator", description="who serves the samples")
+    cache_mb: float = Field(
+        1024.0, gt=0, description="each node keeps at most this many MiB of fetched samples on disk"
+    )
+
+
 class Recipe(_Strict):
     name: str = Field(description="names the run directory, runs/NAME-TIME")
     task: str = Field(description="task file, relative to the repo root")
@@ -135,6 +145,7 @@ class Recipe(_Strict):
         None, description="node ids admitted (a list, or a file of ids relative to the recipe); default: anyone"
     )
     wandb: Wandb | None = Field(None, description="log the run's scalars to Weights & Biases (coordinator only)")
+    data: Data | None = Field(None, description="serve the task's data from the coordinator to nodes that lack it")
     auth_threshold: int | None = Field(
         None,
         ge=1,

@@ -33,6 +33,7 @@ CONTROL_ALPN = b"drift/0"
 RING_ALPN = b"drift-ring/0"
 STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
 GATHER_ALPN = b"drift-gather/0"  # a sync rule's payload, to every member of the round (drift/gather.py)
+DATA_ALPN = b"drift-data/0"  # the task's samples for a node that lacks the data (drift/data.py)
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
 MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused
@@ -313,7 +314,7 @@ class Endpoint:
         cls,
         mode: NetworkMode = "local",
         secret_key: bytes | None = None,
-        alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN, GATHER_ALPN),
+        alpns: tuple[bytes, ...] = (CONTROL_ALPN, RING_ALPN, STATE_ALPN, GATHER_ALPN, DATA_ALPN),
     ) -> Endpoint:
         """Bind an endpoint. local: loopback only; lan: all interfaces, no relay;
         relay: iroh's public relays and hole-punching (needs internet); auto: all interfaces, and

@@ -47,6 +47,7 @@ TINY_RECIPE = {
 FAST_MODULES = {
     "test_compress",
     "test_coordinator",
+    "test_data_serve",
     "test_diloco",
     "test_inner",
     "test_protocol",

@@ -43,6 +43,8 @@ SAMPLES = [
         round=2, epoch=0, units=[], role="evaluate", state=P.StateSource(round=1, checksum="c", tickets=["t"])
     ),
     P.Agreed(round=1, abandoned=True, state=P.StateSource(round=0, checksum="c", tickets=["t"])),
+    P.TrainConfig(run_id="r", recipe={}, data=P.DataSource(root="ab", size=100, tickets=["t"])),
+    P.DataReport(kind="bad_chunk", round=2, samples=3, holder=A, reason="3 samples failed their digest"),
     P.TrainComplete(rounds=3, final_val_loss=1.0),
 ]
 
