@@ -20,6 +20,13 @@ from conftest import drift_cmd, make_task_repo
 from harness.simulate import Swarm
 
 
+def _end(swarm: Swarm) -> None:
+    """Whatever a test leaves running of its swarm is killed."""
+    if swarm.coord.poll() is None:
+        swarm.kill(swarm.coord)
+    swarm.finish(timeout=5, nodes_timeout=5)
+
+
 def _max_diff(a, b) -> float:
     pa, pb = a.get_params(), b.get_params()
     assert pa.keys() == pb.keys()
@@ -80,7 +87,7 @@ def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
         assert len(ranks) == 1, swarm.node_logs()
         assert swarm.finish() == 0, swarm.log() + swarm.node_logs()
     finally:
-        swarm.finish(timeout=5)
+        _end(swarm)
     assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()
     joined = {e["name"]: e for e in events if e["event"] == "node_joined"}
@@ -93,6 +100,22 @@ def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
         assert r["nodes"]["ranked"]["samples"] > 0 and r["nodes"]["ranked"]["weight"] > 0
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
     assert "Traceback" not in (tmp_path / "ranked.log").read_text()
+
+
+def test_a_rank_that_dies_ends_its_node_with_one_line(tmp_path: Path) -> None:
+    """A rank killed while its node waits in a swarm: the node says which rank and how, exits 1."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2)
+    swarm = Swarm(recipe, tmp_path)
+    try:
+        ranked = swarm.join(name="ranked", args=("--nproc", "2"))
+        swarm.wait_event(lambda e: e["event"] == "node_joined")
+        (rank,) = [c for c in psutil.Process(ranked.pid).children() if "drift.ranks" in " ".join(c.cmdline())]
+        rank.kill()
+        assert ranked.wait(timeout=60) == 1
+    finally:
+        _end(swarm)
+    errors = [ln for ln in (tmp_path / "ranked.log").read_text().splitlines() if ln.startswith("drift: error: ")]
+    assert errors == ["drift: error: rank 1 of 2 (cpu) was killed by SIGKILL: no output"], swarm.node_logs()
 
 
 def _dead_ticket() -> str:
