@@ -455,7 +455,16 @@ def _dirty(root: Path) -> bool:
     show_default=True,
     help="auto, cpu, cuda, cuda:N, rocm, rocm:N, mps (torch on Apple), metal (mlx on Apple).",
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch CPU threads.")
+@click.option(
+    "--devices",
+    default=None,
+    metavar="LIST",
+    help="Train this one node on several GPUs (cuda:0,cuda:1): DDP inside the node, one swarm member.",
+)
+@click.option(
+    "--nproc", type=int, default=None, metavar="N", help="Train this one node with N CPU processes (DDP over gloo)."
+)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Torch CPU threads (per process).")
 @click.option(
     "--key",
     type=click.Path(path_type=Path),
@@ -475,6 +484,8 @@ def join(
     name: str | None,
     backend: str,
     device: str,
+    devices: str | None,
+    nproc: int | None,
     threads: int | None,
     key: Path | None,
     cache_dir: Path | None,
@@ -484,17 +495,20 @@ def join(
         parse_ticket(ticket)
     except TransportError as e:
         _fail(str(e))
+    from drift.ranks import RanksError, rank_devices
     from workers import BackendError, choose
 
     try:  # fail before connecting when this machine cannot do what was asked
-        choose(backend, device)
-    except BackendError as e:
+        ranks = rank_devices(devices, nproc, backend, device)
+        if ranks is None:
+            choose(backend, device)
+    except (BackendError, RanksError) as e:
         _fail(str(e))
     if not repo.isprintable():
         _fail(f"--repo {repo!r}: contains control characters")
     if Path(repo).expanduser().exists():  # a path (else a URL): absolute, whatever the cwd later
         repo = str(Path(repo).expanduser().resolve())
-    node_key = _key(key, "node", device)
+    node_key = _key(key, "node", devices or device)
     try:
         lock = KeyLock(
             node_key.path,
@@ -509,7 +523,7 @@ def join(
 
     opts = NodeOptions(
         ticket=ticket,
-        source=RepoSource(repo, _absolute(cache_dir), backend=backend, device=device, threads=threads),
+        source=RepoSource(repo, _absolute(cache_dir), backend=backend, device=device, threads=threads, ranks=ranks),
         steps=Steps(),
         key=node_key,
         say=lambda line: click.echo(f"drift: {line}", err=True),

@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +38,14 @@ import numpy as np
 
 from auth import AuthError
 from drift import protocol as P
-from drift.imports import isolate
 from drift.inner import Steps
 from drift.node import Node, NodeError, NodeOptions
+from drift.ranks import start_group, task_worker
 from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError, dirty_files, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError
-from workers import Choice, choose, load_task, make_worker
+from workers import Choice, choose
 
 
 class NodeThread:
@@ -181,9 +182,14 @@ class RepoSource:
         backend: str = "auto",
         device: str = "auto",
         threads: int | None = None,
+        ranks: list[str] | None = None,
     ) -> None:
+        """ranks: the device of each rank when the node trains on several (drift/ranks.py)."""
         self.repo, self.cache_dir = repo, cache_dir
         self.backend, self.device, self.threads = backend, device, threads
+        self.ranks = ranks if ranks and len(ranks) > 1 else None
+        if ranks and len(ranks) == 1:
+            self.device = ranks[0]
         self.cache: RepoCache | None = None
         self.worker: Any = None  # the loaded worker (for the loop that steps it)
         self.name = str(repo)
@@ -193,6 +199,8 @@ class RepoSource:
         self.name = self.cache.source
 
     def choice(self) -> Choice:
+        if self.ranks:
+            return Choice("torch", "+".join(self.ranks))
         return choose(self.backend, self.device)
 
     async def load(self, cfg: P.TrainConfig, recipe: Recipe, data=None) -> tuple[Any, str | None]:
@@ -201,25 +209,12 @@ class RepoSource:
         work = await loop.run_in_executor(None, self.cache.checkout, cfg.commit or "")
         tree = self.cache.tree(work)
         task_path = self.cache.task_path(work, recipe.task)
-        io = recipe.inner_optimizer
-
-        def build():
-            isolate(work, task_path.parent, work)  # its own `workers`, `auth`, ... are its, not drift's
-            task = load_task(task_path, root=work)  # only from the checkout of cfg.commit
-            if data is not None:
-                task = data(task)
-            return make_worker(
-                task,
-                recipe.task_config,
-                dict(lr=io.lr, weight_decay=io.weight_decay, betas=(io.beta1, io.beta2), grad_clip=io.grad_clip),
-                backend=self.backend,
-                device=self.device,
-                seed=recipe.seed,
-                threads=self.threads,
-                task_name=f"task {recipe.task}",
-                precision=recipe.precision,
-            )
-
+        if self.ranks and data is not None:
+            raise RepoError("served data (the recipe's data:) and several devices in one node do not work together yet")
+        if self.ranks:
+            build = partial(start_group, work, task_path, recipe, self.ranks, self.threads)
+        else:
+            build = partial(task_worker, work, task_path, recipe, self.backend, self.device, self.threads, data)
         self.worker = await loop.run_in_executor(None, build)
         return self.worker, tree
 

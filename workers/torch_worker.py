@@ -260,19 +260,44 @@ class TorchWorker:
     def train_step(self, indices: np.ndarray, micro_batches: int = 1) -> float:
         """One AdamW step on the given training samples, in micro_batches parts; their mean loss."""
         parts = micro_splits(indices, micro_batches)
-        n = len(indices)
+        self.begin_step()
+        total = self.backward(parts, len(indices))
+        self.finish_step()
+        return total
+
+    def begin_step(self) -> None:
+        """Train mode, gradients cleared: what every inner step starts with."""
         if not self.model.training:  # model.train() walks every module: ~60 us a step, so only when needed
             self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(
+        self,
+        parts: list[np.ndarray],
+        n: int,
+        model: Any = None,
+        weight: float = 1.0,
+        no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    ) -> float:
+        """Accumulate the gradient of these parts' loss, each part's mean weighted by its share of
+        n samples (times `weight`); the weighted loss. `model`: what the loss calls instead of
+        self.model (a DistributedDataParallel wrapper); `no_sync`: the context that holds its
+        all-reduce back for every part but the last (workers/ddp.py)."""
         total = None
-        for part in parts:
-            batch = self._batch("train", part)
-            with self._autocast():
-                loss = self._loss(batch)
-            if len(parts) > 1:  # the mean over all n samples: each part's mean weighted by its share
-                loss = loss * (len(part) / n)
-            (self._scaler.scale(loss) if self._scaler else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+        for i, part in enumerate(parts):
+            share = len(part) / n
+            with no_sync() if no_sync is not None and i < len(parts) - 1 else contextlib.nullcontext():
+                batch = self._batch("train", part)
+                with self._autocast():
+                    loss = self._loss(batch, model)
+                scaled = loss * (share * weight) if share * weight != 1.0 else loss
+                (self._scaler.scale(scaled) if self._scaler else scaled).backward()
+            mean = loss.detach() if share == 1.0 else loss.detach() * share
+            total = mean if total is None else total + mean
+        return float(total.item())
+
+    def finish_step(self) -> None:
+        """Clip the accumulated gradient and take the optimizer step."""
         if self._scaler:
             self._scaler.unscale_(self.optimizer)
         if self._grad_clip > 0:
@@ -282,7 +307,6 @@ class TorchWorker:
             self._scaler.update()
         else:
             self.optimizer.step()
-        return float(total.item())
 
     def evaluate(self, max_batches: int, batch_size: int) -> float:
         """Sample-weighted mean val loss over the first max_batches*batch_size val samples."""
@@ -361,14 +385,15 @@ class TorchWorker:
             return value.to(self.device, non_blocking=True)
         return value
 
-    def _loss(self, batch: dict[str, Any] | tuple[Any, ...]) -> torch.Tensor:
+    def _loss(self, batch: dict[str, Any] | tuple[Any, ...], model: Any = None) -> torch.Tensor:
         """The task's loss(model, batch), or the model's output (or its .loss); a scalar tensor."""
+        model = self.model if model is None else model
         if self._loss_fn is not None:
-            out, source = self._loss_fn(self.model, batch), "loss(model, batch)"
+            out, source = self._loss_fn(model, batch), "loss(model, batch)"
         elif isinstance(batch, dict):
-            out, source = self.model(**batch), "model(**batch)"
+            out, source = model(**batch), "model(**batch)"
         else:
-            out, source = self.model(*batch), "model(*batch)"
+            out, source = model(*batch), "model(*batch)"
         if isinstance(out, torch.Tensor) and out.dim() == 0:
             return out
         loss = getattr(out, "loss", None)

@@ -85,11 +85,12 @@ class Swarm:
         env: dict[str, str] | None = None,
         process_group: int | None = None,
         key: Path | None = None,
+        args: tuple[str, ...] = (),
     ) -> subprocess.Popen:
         """Start `drift join`; `sim_step` is its simulated step time (tests/wrappers/sim_node.py:
         $DRIFT_SIM_STEP; None: the real speed), `wrap` prefixes
         the command (`ip netns exec NS`), `script` runs instead of `python -m drift` (a test's
-        wrapper that calls drift.cli.main, e.g. tests/held_node.py)."""
+        wrapper that calls drift.cli.main, e.g. tests/held_node.py); `args` go after join's own."""
         i = len(self.nodes)
         name = name or f"n{i}"
         stem = name if re.fullmatch(r"[\w.-]+", name) else f"n{i}"  # a name made to break things is no file name
@@ -114,6 +115,7 @@ class Swarm:
                 str(key or self.work / f"{stem}.key"),
                 "--cache-dir",
                 str(self.work / "cache"),
+                *args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,154 @@
+"""One node, several devices: `drift join --nproc N` (CPU, gloo) / `--devices cuda:0,cuda:1` (NCCL).
+
+Real rank processes, real gloo on 127.0.0.1. The NCCL path is the same code with the backend
+chosen by the device type; this machine has no GPU, so only gloo is tested here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from conftest import drift_cmd, make_task_repo
+
+from harness.simulate import Swarm
+
+
+def _end(swarm: Swarm) -> None:
+    """Whatever a test leaves running of its swarm is killed."""
+    if swarm.coord.poll() is None:
+        swarm.kill(swarm.coord)
+    swarm.finish(timeout=5, nodes_timeout=5)
+
+
+def _max_diff(a, b) -> float:
+    pa, pb = a.get_params(), b.get_params()
+    assert pa.keys() == pb.keys()
+    return max(float(np.abs(pa[k] - pb[k]).max()) for k in pa)
+
+
+def test_two_ranks_step_as_one_worker_on_the_whole_batch(tmp_path: Path) -> None:
+    """2 ranks x half a batch (DDP over gloo) take the step one worker takes on the whole batch:
+    odd batches, a batch smaller than the ranks, micro-batches, and after the node writes θ (the
+    outer step), resets AdamW and sets the learning rate. A rank that dies is named, not waited for."""
+    from drift.ranks import start_group, task_worker
+    from drift.recipe import load_recipe
+    from workers.ddp import RankError
+
+    recipe_path = make_task_repo(tmp_path / "repo")
+    recipe = load_recipe(recipe_path)
+    work, task = recipe_path.parents[1], recipe_path.parents[1] / recipe.task
+    failures: list[str] = []
+    group = start_group(work, task, recipe, ["cpu", "cpu"], threads=1, on_failure=failures.append)
+    try:
+        one = task_worker(work, task, recipe, "torch", "cpu", 1)
+        assert group.world == 2 and _max_diff(group, one) == 0.0  # same seed, same θ0
+        rng = np.random.default_rng(0)
+        for n, parts in [(16, 1), (16, 2), (5, 1), (1, 1), (7, 3)]:
+            idx = rng.choice(one.n_train, n, replace=False)
+            assert group.train_step(idx, parts) == pytest.approx(one.train_step(idx, parts), rel=1e-6)
+            assert _max_diff(group, one) < 1e-4, (n, parts)
+        theta = {k: v * 0.9 + 0.01 for k, v in one.get_params().items()}  # rank 1 must get it too
+        for w in (group, one):
+            w.set_params(theta)
+            w.reset_optimizer()
+            w.set_lr(0.05)
+        before = _max_diff(group, one)
+        for _ in range(2):
+            idx = rng.choice(one.n_train, 16, replace=False)
+            assert group.train_step(idx) == pytest.approx(one.train_step(idx), rel=1e-6)
+        assert before == 0.0 and _max_diff(group, one) < 1e-4
+
+        os.kill(group._ranks[0].proc.pid, signal.SIGKILL)
+        with pytest.raises(RankError, match=r"rank 1 of 2 \(cpu\) was killed by SIGKILL"):
+            group.train_step(idx)
+        assert failures == ["rank 1 of 2 (cpu) was killed by SIGKILL: no output"]
+    finally:
+        group.close()
+
+
+def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
+    """`drift join --nproc 2` beside a plain node: one identity, one ring member, every round's
+    checksum agreed by both, and its ranks gone when the run ends."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=2)
+    swarm = Swarm(recipe, tmp_path)
+    try:
+        ranked = swarm.join(name="ranked", args=("--nproc", "2"))
+        swarm.join(name="plain")
+        ranks = []
+        swarm.wait_event(lambda e: e["event"] == "training_started")
+        ranks = [c for c in psutil.Process(ranked.pid).children() if "drift.ranks" in " ".join(c.cmdline())]
+        assert len(ranks) == 1, swarm.node_logs()
+        assert swarm.finish() == 0, swarm.log() + swarm.node_logs()
+    finally:
+        _end(swarm)
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
+    events = swarm.events()
+    joined = {e["name"]: e for e in events if e["event"] == "node_joined"}
+    assert sorted(joined) == ["plain", "ranked"] and joined["ranked"]["device"] == "cpu+cpu"
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    for r in rounds:  # a round event is written once every member reported that one checksum
+        assert len(r["checksum"]) == 24 and sorted(r["nodes"]) == ["plain", "ranked"]
+        assert r["nodes"]["ranked"]["node_id"] == joined["ranked"]["node_id"]
+        assert r["nodes"]["ranked"]["samples"] > 0 and r["nodes"]["ranked"]["weight"] > 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    assert "Traceback" not in (tmp_path / "ranked.log").read_text()
+
+
+def test_a_rank_that_dies_ends_its_node_with_one_line(tmp_path: Path) -> None:
+    """A rank killed while its node waits in a swarm: the node says which rank and how, exits 1."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2)
+    swarm = Swarm(recipe, tmp_path)
+    try:
+        ranked = swarm.join(name="ranked", args=("--nproc", "2"))
+        swarm.wait_event(lambda e: e["event"] == "node_joined")
+        (rank,) = [c for c in psutil.Process(ranked.pid).children() if "drift.ranks" in " ".join(c.cmdline())]
+        rank.kill()
+        assert ranked.wait(timeout=60) == 1
+    finally:
+        _end(swarm)
+    errors = [ln for ln in (tmp_path / "ranked.log").read_text().splitlines() if ln.startswith("drift: error: ")]
+    assert errors == ["drift: error: rank 1 of 2 (cpu) was killed by SIGKILL: no output"], swarm.node_logs()
+
+
+def _dead_ticket() -> str:
+    from drift.transport import Endpoint
+
+    async def make() -> str:
+        ep = await Endpoint.bind("local")
+        t = ep.ticket()
+        await ep.close()
+        return t
+
+    return asyncio.run(make())
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("--devices", "cuda:0,cuda:0"), "--devices cuda:0,cuda:0: cuda:0 is named twice"),
+        (("--devices", "cuda:3"), "--devices cuda:3: device 'cuda:3' is not available here"),
+        (("--devices", "cpu,cpu"), "use --nproc N for N CPU processes"),
+        (("--nproc", "0"), "--nproc 0: a node needs at least 1 process"),
+        (("--nproc", "2", "--devices", "cuda:0,cuda:1"), "--devices and --nproc: give one of them"),
+        (("--nproc", "2", "--backend", "numpy"), "the numpy backend trains in one process"),
+        (("--nproc", "2", "--backend", "mlx"), "the mlx backend trains in one process"),
+    ],
+)
+def test_bad_device_lists_are_one_line(args: tuple[str, ...], needle: str, repo_root: Path) -> None:
+    out = subprocess.run(
+        drift_cmd("join", "--repo", str(repo_root), "--ticket", _dead_ticket(), *args),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("drift: error: ") and needle in lines[0], out.stderr
