@@ -148,6 +148,9 @@ def start_group(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                # A terminal's Ctrl-C is the node's to handle (it leaves the swarm, then stops
+                # its ranks); a rank outlives its node by at most a second (_watch_parent).
+                start_new_session=True,
             )
             theirs.close()
             conn = Connection(ours.detach())
