@@ -504,6 +504,7 @@ class DataClient:
         self._early: list[P.DataReport] = []  # reports made before the node is admitted (calibration)
         self.report: Callable[[P.DataReport], None] = self._early.append  # to the coordinator: see attach()
         self.round = -1  # the round being trained (for reports)
+        self.in_use = False  # a ServedDataset reads from this client (not: the node has the data itself)
         self._jobs: dict[tuple[str, bytes], asyncio.Task] = {}
         self._out: str | None = None  # why no holder could serve, while that lasts
 
@@ -708,6 +709,7 @@ class ServedDataset:
 
     def __init__(self, client: DataClient) -> None:
         self.client = client
+        client.in_use = True
         m = client.manifest
         self.n_train, self.n_val = m.n["train"], m.n["val"]
         if m.vocab_size is not None:
