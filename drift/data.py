@@ -53,6 +53,7 @@ MAX_SAMPLES = 1 << 24  # per split: bounds the manifest (16 bytes each)
 MAX_REQUEST = 1 << 16  # bytes of one request frame (JSON)
 MAX_HEADER = 1 << 16  # bytes of a response's header
 MAX_INDICES = 2048  # samples per request (a unit is asked for in pieces of this many)
+MAX_REPLY = 64 << 20  # bytes of samples in one reply (fewer samples per request when they are large)
 FRAME = 1 << 20  # bytes of one data frame
 TIMEOUT = 20.0  # connecting, and each frame
 IDLE_S = 300.0  # a client connection with no request for this long is closed by the holder
@@ -318,6 +319,8 @@ class DataServer:
                 await ch.send_frame(self.blob[i : i + FRAME], timeout=TIMEOUT)
             return
         split, idx = req["split"], np.asarray(req["indices"], np.int64)
+        if idx.size > per_request(self.manifest.layout.record):
+            raise DataError(f"data request for {idx.size} samples: at most {MAX_REPLY >> 20} MiB a reply")
         if int(idx.max()) >= self.manifest.n[split]:
             raise DataError(f"data request for {split} sample {int(idx.max())}: there are {self.manifest.n[split]}")
         loop = asyncio.get_running_loop()
@@ -504,6 +507,7 @@ class DataClient:
         self._early: list[P.DataReport] = []  # reports made before the node is admitted (calibration)
         self.report: Callable[[P.DataReport], None] = self._early.append  # to the coordinator: see attach()
         self.round = -1  # the round being trained (for reports)
+        self.in_use = False  # a ServedDataset reads from this client (not: the node has the data itself)
         self._jobs: dict[tuple[str, bytes], asyncio.Task] = {}
         self._out: str | None = None  # why no holder could serve, while that lasts
 
@@ -561,9 +565,9 @@ class DataClient:
     async def fetch(self, split: str, idx: np.ndarray) -> None:
         """Make these samples cached, verified; DataUnavailable when no holder can serve them."""
         want = self.cache.missing(split, np.asarray(idx, np.int64))
-        want = np.unique(want)
-        for lo in range(0, want.size, MAX_INDICES):
-            await self._fetch_piece(split, want[lo : lo + MAX_INDICES])
+        want, k = np.unique(want), per_request(self.manifest.layout.record)
+        for lo in range(0, want.size, k):
+            await self._fetch_piece(split, want[lo : lo + k])
 
     async def _fetch_piece(self, split: str, idx: np.ndarray) -> None:
         errors: list[str] = []
@@ -708,6 +712,7 @@ class ServedDataset:
 
     def __init__(self, client: DataClient) -> None:
         self.client = client
+        client.in_use = True
         m = client.manifest
         self.n_train, self.n_val = m.n["train"], m.n["val"]
         if m.vocab_size is not None:
@@ -757,6 +762,11 @@ def _ticket_id(ticket: str) -> str:
         return str(parse_ticket(ticket).id())
     except Exception:
         return "?" * 64
+
+
+def per_request(record: int) -> int:
+    """Samples one request may ask for: MAX_INDICES, fewer when MAX_REPLY binds first."""
+    return max(1, min(MAX_INDICES, MAX_REPLY // record))
 
 
 def cache_bytes(mb: float) -> int:

@@ -392,7 +392,7 @@ class Session:
         self.node.admitted = True
         t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, t.lock, self._stash.append)
         if self.node.data is not None:
-            t.inner.data = self.node.data
+            t.inner.data = self.node.data if self.node.data.in_use else None  # (else it has the data itself)
             self.node.data.attach(self._data_report)
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:

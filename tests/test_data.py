@@ -107,6 +107,19 @@ def test_only_the_coordinator_has_the_data_and_the_cache_stays_within_its_limit(
     assert not [e for e in events if e["event"] in ("data_bad_chunk", "data_unavailable")]
 
 
+def test_a_coordinator_without_the_data_says_so_in_one_line(tmp_path: Path) -> None:
+    recipe = token_repo(tmp_path / "repo", nodes=1, rounds=1)
+    (recipe.parent / "data" / "train.bin").unlink()
+    out = subprocess.run(
+        drift_cmd("coord", str(recipe), "--run-dir", str(tmp_path / "run"), "--dashboard", "off"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("drift: error: data: the task's make_dataset() failed here: FileNotFoundError")
+
+
 def test_a_corrupted_chunk_is_fetched_again_and_trained_once(tmp_path: Path) -> None:
     """The holder flips a byte of its first reply (tests/wrappers/corrupt_data_coord.py): the
     node finds the sample that fails its digest, says so, fetches it again; the run trains every
