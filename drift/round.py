@@ -244,6 +244,7 @@ class Round:
         if not (n.trained == 0 and i == self.val_reporter and self.rnd == 0):
             self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
         n.trained += k
+        n.units_after_stop += self.stop_sent
         n.last_progress = n.t_unit = now
         mon = self.host.monitor
         if mon and i in mon.nodes:
@@ -747,6 +748,7 @@ class Round:
                         "step_s": b.busy_s,
                         "lr": b.lr,
                         "idle_s": max(0.0, self.t_ready - nodes[i].t_sync),
+                        "units_after_stop": nodes[i].units_after_stop,  # the one in flight (and one crossing StopRound)
                         "sync_s": done[i].reduce_s if i in done else 0.0,
                         "bytes_sent": done[i].bytes_sent if i in done else 0,
                         "role": "evaluate" if nodes[i].role == "evaluate" else "train",

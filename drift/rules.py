@@ -27,6 +27,7 @@ class NodeRound:
     last_progress: float = 0.0  # when it last showed progress (a grant, a finished unit)
     t_unit: float = 0.0  # since when its current unit has been in the works (start, last finished unit)
     trained: int = 0  # samples of its granted units it reported trained so far (TrainProgress)
+    units_after_stop: int = 0  # units it reported after the round's budget was handed out (StopRound)
     synced: P.BarrierSync | None = None  # its report at the barrier
     t_sync: float = 0.0
     done: P.RoundDone | None = None  # its θ after the outer step (this ring epoch)

@@ -2,8 +2,8 @@
 (tests/wrappers/sim_node.py, $DRIFT_SIM_STEP: absolute, so a simulation means the same on any machine).
 
 Each test asserts the accounting (every sample trained exactly once), that replicas agree (the
-coordinator refuses to go on otherwise, so a completed run proves it), and that fast nodes were not
-left idle at a barrier for longer than about one inner step of the slowest trainer."""
+coordinator refuses to go on otherwise, so a completed run proves it), and that nobody trained on
+while others waited at the barrier (_check_idle)."""
 
 from __future__ import annotations
 
@@ -19,18 +19,17 @@ from drift.recipe import load_recipe
 from harness.simulate import Swarm
 
 
-def _step_s(events: list[dict], node_id: str) -> float:
-    """The slowest inner step this node was seen to take."""
-    sps = [e["samples_per_s"] for e in events if e["event"] == "progress" and e["node_id"] == node_id]
-    return BATCH / min(sps)
-
-
-def _check_idle(events: list[dict], slack_s: float = 0.75) -> None:
-    for r in [e for e in events if e["event"] == "round"]:
-        trainers = {k: v for k, v in r["nodes"].items() if v["weight"] > 0}
-        slowest = max(_step_s(events, v["node_id"]) for v in trainers.values())
-        for name, v in trainers.items():
-            assert v["idle_s"] <= slowest + slack_s, (r["round"], name, v["idle_s"], slowest)
+def _check_idle(events: list[dict]) -> None:
+    """Nobody trains on while others wait at the barrier: once a round's budget is handed out
+    (StopRound), every trainer reports at most the unit it had in flight, cut at its next inner
+    step (tests/test_inner.py), and one whose report crossed StopRound on the wire, never the
+    units granted ahead; and rounds were cut at all (all but the last, which trains its whole
+    budget)."""
+    rounds = [e for e in events if e["event"] == "round"]
+    for r in rounds[:-1]:
+        for name, v in r["nodes"].items():
+            assert v["units_after_stop"] <= 2, (r["round"], name, v)
+    assert any(v["units_after_stop"] for r in rounds[:-1] for v in r["nodes"].values()), "no round was cut"
 
 
 def test_mixed_speeds(tmp_path: Path) -> None:
@@ -67,7 +66,7 @@ def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
     # (once slow it may even be made an evaluator: then it trains nothing, which is less work too)
     share = [r["nodes"].get("n1", {"samples": 0})["samples"] / max(1, r["samples"]) for r in rounds]
     assert share[0] > 0.3 and share[-1] < 0.2, share
-    _check_idle(events[:], slack_s=1.0)
+    _check_idle(events)
 
 
 def test_node_dies_mid_round(tmp_path: Path) -> None:
