@@ -204,8 +204,9 @@ def bound_claim(claim: float, others: list[float]) -> float:
     """A speed nobody has measured yet, at most the lower median of all claims: one node that
     claims 10⁹ samples/s cannot take the first round's plan (or make every other node an
     evaluator). An honest fast node is planned lower for its first unit only, and takes more
-    by stealing meanwhile."""
-    if not others:
+    by stealing meanwhile. With one other claim nobody can tell which is the lie: it stands (a
+    very slow honest node then evaluates from the first round on)."""
+    if len(others) < 2:
         return claim
     every = sorted([*others, claim])
     return min(claim, every[(len(every) - 1) // 2])

@@ -129,8 +129,8 @@ def test_speed_is_measured_by_our_clock() -> None:
 
 
 def test_an_unmeasured_claim_is_at_most_the_median_claim() -> None:
-    assert rules.bound_claim(1e9, [100.0]) == 100.0  # two nodes: nobody can tell who lies
-    assert rules.bound_claim(1e9, [100.0, 300.0]) == 300.0
+    assert rules.bound_claim(1e9, [100.0]) == 1e9  # two nodes: nobody can tell who lies
+    assert rules.bound_claim(1e9, [100.0, 300.0]) == 300.0  # three: one liar cannot move the median
     assert rules.bound_claim(50.0, [100.0, 300.0]) == 50.0  # a slow claim stands
     assert rules.bound_claim(1e9, []) == 1e9  # alone, it is the only speed there is
 
