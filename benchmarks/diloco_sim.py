@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
+    ap.add_argument("--clip", type=float, default=3.0, help="sparse: clip to this x the median contribution")
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
@@ -91,7 +92,9 @@ def main() -> None:
     outer = NesterovOuter(theta.size, a.outer_lr, a.momentum)
     sent = 0  # bytes each node sends over the run
     if a.sync == "sparse":
-        sr = r.model_copy(update={"sync": "sparse", "sync_params": {"lr": a.outer_lr, "k": a.k, "chunk": a.chunk}})
+        sr = r.model_copy(
+            update={"sync": "sparse", "sync_params": {"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip}}
+        )
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
         ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=1 / N) for i in range(N)]
         per_round = (N - 1) * rules[0].payload_nbytes
