@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
-    ap.add_argument("--clip", type=float, default=3.0, help="sparse: clip to this x the median contribution")
+    ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")

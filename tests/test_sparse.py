@@ -38,7 +38,7 @@ def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
 @pytest.mark.parametrize("attack", ["flip-ring", "noise-ring"])
 def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_excluded(tmp_path: Path, attack: str) -> None:
     # 3 honest nodes + 1 that puts 1000 x (or -10 x, or noise of 10 x the norm of) its Δ into its
-    # error feedback from round 1 on. Every honest node clips it to 3 x the median contribution
+    # error feedback from round 1 on. Every honest node clips it to the median contribution
     # and names it; the coordinator excludes it on the word of most of the ring.
     recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, **SIM)
     swarm = Swarm(recipe, tmp_path)
