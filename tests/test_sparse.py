@@ -57,7 +57,7 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
         # `outlier` (6) x the median, here for the whole run at clip 1 (named in rounds 1-3 at
         # clip 3). Clipped to the median, it never poisons θ (above), but it is not excluded.
         return
-    assert found == {"bad": found["bad"]}
+    assert "bad" in found, found  # named by most of the ring
     later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
     assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
