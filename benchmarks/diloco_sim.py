@@ -4,6 +4,7 @@
     python benchmarks/diloco_sim.py diloco --nodes 2 --steps 500 --H 25 --schedule --overlapped
     python benchmarks/diloco_sim.py ddp         # one worker, batch nodes x 32: what DDP computes
     python benchmarks/diloco_sim.py single      # one worker, batch 32, nodes x the steps
+    python benchmarks/diloco_sim.py diloco --steps 500 --H 10 --schedule --sync sparse --outer-lr 2 --momentum 0
 
 The default recipe's task, AdamW and θ0 (drift's own TorchWorker), the recipe's epoch-0 sample
 order; `--nodes` replicas train H steps each from the same θ, then the outer step (drift's
@@ -13,6 +14,13 @@ round, then move by what θ_global moved (catch_up). `--schedule`: bench_vs_ddp.
 (5 % warmup, cosine to lr/10 over the run, from the samples all replicas trained). It isolates the algorithm from the transport:
 bench_vs_ddp.py runs the same comparison with real processes over real links. Prints the val
 loss after every H steps per replica.
+
+`--sync sparse`: drift's sparse rule (drift/sync/sparse.py) instead: each replica's error feedback,
+chunked top-k payloads, decoded, clipped and summed as every node does (outer lr `--outer-lr`, no
+momentum). `--int8`: the dense mean of int8-coded Δs, as the ring's codec would send them. The
+`--hostile F`: replica 0 sends F x its Δ (what an attacker achieves within the
+sparse rule's clip). The last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per
+node per round, the direct all-gather N-1.
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from drift import protocol as P  # noqa: E402
+from drift.compress import make_codec  # noqa: E402
 from drift.diloco import NesterovOuter, ParamLayout, epoch_order  # noqa: E402
 from drift.recipe import LrSchedule, load_recipe  # noqa: E402
+from drift.sync import make_rule  # noqa: E402
 from workers import load_task  # noqa: E402
 from workers.torch_worker import TorchWorker  # noqa: E402
 
@@ -44,6 +55,12 @@ def main() -> None:
     ap.add_argument("--schedule", action="store_true", help="warmup 5 %% + cosine to lr/10, as bench_vs_ddp.py")
     ap.add_argument("--overlapped", action="store_true", help="the outer step lands a round late (OverlappedDiLoCo)")
     ap.add_argument("--land-after", type=int, default=2, help="overlapped: inner steps before the mean lands")
+    ap.add_argument("--sync", choices=["dense", "sparse"], default="dense")
+    ap.add_argument("--int8", action="store_true", help="dense: each Δ through drift's int8 codec")
+    ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
+    ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
+    ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
+    ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
@@ -73,6 +90,35 @@ def main() -> None:
     layout = ParamLayout.of(w0.get_params())
     theta = layout.flatten(w0.get_params())
     outer = NesterovOuter(theta.size, a.outer_lr, a.momentum)
+    sent = 0  # bytes each node sends over the run
+    if a.sync == "sparse":
+        sr = r.model_copy(
+            update={"sync": "sparse", "sync_params": {"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip}}
+        )
+        rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
+        ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=1 / N) for i in range(N)]
+        per_round = (N - 1) * rules[0].payload_nbytes
+    else:
+        codec = make_codec("int8" if a.int8 else "fp32")
+        per_round = int(2 * (N - 1) / N * codec.encoded_nbytes(theta.size))
+
+    def step(deltas: list[np.ndarray]) -> None:
+        """θ_global after the round, from the replicas' Δs, by the rule."""
+        nonlocal sent
+        sent += per_round
+        if a.hostile is not None:
+            deltas[0] = deltas[0] * np.float32(a.hostile)
+        if a.sync == "sparse":
+            payloads = [rule.contribute(d, 1 / N) for rule, d in zip(rules, deltas)]
+            update = np.empty_like(theta)
+            rules[0].combine(payloads, ring, update)
+            for rule in rules:
+                rule.apply(theta if rule is rules[0] else np.zeros_like(theta), update.copy())
+            return
+        if a.int8:
+            deltas = [codec.decode(codec.encode(d), np.empty_like(d)) for d in deltas]
+        outer.step(theta, np.mean(deltas, axis=0))
+
     local = [theta.copy() for _ in replicas]  # each replica's θ_local
     pending = None  # overlapped: (mean Δ, each replica's θ_local at the barrier)
     pos = 0
@@ -89,8 +135,8 @@ def main() -> None:
     def land() -> None:
         """The all-reduce of the round before lands: the outer step, then every replica keeps the
         progress it made since its barrier on top of the new θ_global (OverlappedDiLoCo.catch_up)."""
-        mean, snaps = pending
-        outer.step(theta, mean)
+        deltas, snaps = pending
+        step(deltas)
         for i in range(N):
             local[i] += theta - snaps[i]
 
@@ -106,9 +152,9 @@ def main() -> None:
             train(i, w, H - first)
         deltas = [theta - x for x in local]
         if a.overlapped:
-            pending = (np.mean(deltas, axis=0), [x.copy() for x in local])
+            pending = (deltas, [x.copy() for x in local])
         else:
-            outer.step(theta, np.mean(deltas, axis=0))
+            step(deltas)
             local = [theta.copy() for _ in replicas]
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  round {rnd}  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
@@ -116,6 +162,7 @@ def main() -> None:
         land()
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  final  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
+    print(f"sent per node over the run: {sent / 2**20:.3f} MiB ({theta.size} values, {a.steps // H} rounds)")
 
 
 if __name__ == "__main__":

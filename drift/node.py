@@ -2,11 +2,12 @@
 
 The node connects to the coordinator (ALPN ``drift/0``), loads the task from its repo, and then
 follows the coordinator round by round: train the units it is given (asking for more when it
-runs out), stop at the barrier, all-reduce its weighted pseudo-gradient with its ring neighbours
-(ALPN ``drift-ring/0``; or all-gather payloads, ``drift-gather/0``, as the sync rule says), apply the outer step and report the checksum of the new state.
+runs out), stop at the barrier, sync its pseudo-gradient as the sync rule says (drift/sync/: an
+all-reduce with its ring neighbours, ALPN ``drift-ring/0``, or an all-gather of payloads,
+``drift-gather/0``), apply the outer step and report the checksum of the new state.
 
-With `overlap` on, the node trains the next round while that sync runs; the
-outer step lands during it, and the node's local copy catches up between two inner steps.
+With `overlap` on, the node trains the next round while that sync runs; the outer step lands
+during it, and the node's local copy catches up between two inner steps.
 
 A node that loses its swarm (the laptop slept, the network dropped, the coordinator dropped it
 as silent) comes back by itself: it connects again with the same identity, is verified again,
@@ -19,8 +20,9 @@ the node makes on the worker runs there, between two inner steps (inner.Steps, i
 
 Memory: besides the framework's own model and optimizer, a node holds θ_global, the outer
 optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
-whose velocity stays untouched zeros), plus the local snapshot with `overlap` (sync: sparse: its error-feedback buffer and the next one instead of the velocity). Nothing
-else is a copy of θ: transfers stream from and into these.
+whose velocity stays untouched zeros), plus the local snapshot with `overlap`; with sync: sparse
+its error-feedback buffer and the next one instead of the velocity. Nothing else is a copy of θ:
+transfers stream from and into these.
 """
 
 from __future__ import annotations

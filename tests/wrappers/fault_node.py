@@ -25,7 +25,8 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        is ignored
   scale-ring           from that round on, send 1000 x its weighted Δ into the all-reduce while
                        reporting its true norm (a hostile node); flip-ring: -10 x; noise-ring:
-                       Gaussian noise of 10 x its Δ's norm
+                       Gaussian noise of 10 x its Δ's norm (either sync rule: the fault is in
+                       Δ before the rule sees it, so sync: sparse sends it through its error feedback)
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
