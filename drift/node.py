@@ -341,7 +341,9 @@ class Session:
             self._check_end(msg)
             if isinstance(msg, types):
                 return msg
-            if getattr(msg, "round", self.round) < self.round or isinstance(msg, P.StopRound):
+            # An earlier round's, or a reply that crossed the end of the inner loop ("stop", "no
+            # more work"): nothing to do.
+            if getattr(msg, "round", self.round) < self.round or isinstance(msg, (P.StopRound, P.NoMoreWork)):
                 continue
             raise NodeError(f"unexpected {msg.type} from coordinator (expected {'/'.join(t.__name__ for t in types)})")
 
