@@ -75,8 +75,9 @@ def test_only_the_coordinator_has_the_data_and_the_cache_stays_within_its_limit(
     limit_mb = 0.004  # ~4 KiB: a few units' samples (each unit's file is ~700 bytes)
     recipe = token_repo(tmp_path / "repo", nodes=2, rounds=4, cache_mb=limit_mb)
     run_dir, home = tmp_path / "run", Path(os.environ["DRIFT_HOME"])
-    out = subprocess.run(
-        drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run_dir), "--dashboard", "off"),
+    out = subprocess.run(  # from the repo, with relative paths, as a user types it
+        drift_cmd("coord", "recipes/tok.yaml", "--local", "2", "--run-dir", "../run", "--dashboard", "off"),
+        cwd=recipe.parents[1],
         capture_output=True,
         text=True,
         timeout=300,
