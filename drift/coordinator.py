@@ -87,8 +87,14 @@ def _why(e: Exception) -> str:
     return f"{e.__class__.__name__}: {e}"
 
 
-# What a node's RepoCommit says of the task it loaded, as a user reads it (Coordinator._same_task).
+# What a node's RepoCommit says of the task it loaded (_task_of), as a user reads it.
 _TASK_PARTS = ("initial θ", "frozen base", "dataset size", "model size", "parameter layout")
+
+
+def _task_of(p: Peer) -> tuple:
+    """The task node p loaded, part by part as _TASK_PARTS names them: every node of a run agrees."""
+    c = p.commit
+    return (c.param_checksum, c.frozen_checksum, c.n_train, c.n_params, c.layout)
 
 
 @dataclass
@@ -515,31 +521,22 @@ class Coordinator:
         outside a strict majority are refused and the run goes on with the others; with no
         majority nobody can tell which task is the run's, and everyone is cancelled."""
 
-        def task(p: Peer) -> tuple:
-            return (
-                p.commit.param_checksum,
-                p.commit.frozen_checksum,
-                p.commit.n_train,
-                p.commit.n_params,
-                p.commit.layout,
-            )
-
-        counts = Counter(task(p) for p in peers)
+        counts = Counter(_task_of(p) for p in peers)
         top, n = counts.most_common(1)[0]
         if 2 * n <= len(peers):
-            k = next(k for k in range(len(top)) if len({task(p)[k] for p in peers}) > 1)
-            seen = sorted({str(task(p)[k]) for p in peers})
+            k = next(k for k in range(len(top)) if len({_task_of(p)[k] for p in peers}) > 1)
+            seen = sorted({str(_task_of(p)[k]) for p in peers})
             await self.broadcast(peers, P.TrainingCancel(reason=f"nodes loaded different tasks ({_TASK_PARTS[k]})"))
             raise CoordinatorError(f"nodes loaded different tasks: {_TASK_PARTS[k]} differs {seen}")
         for p in peers:
-            if task(p) != top:
-                differs = ", ".join(_TASK_PARTS[k] for k in range(len(top)) if task(p)[k] != top[k])
+            if _task_of(p) != top:
+                differs = ", ".join(_TASK_PARTS[k] for k in range(len(top)) if _task_of(p)[k] != top[k])
                 why = f"this node loaded a different task than the others ({differs} differs)"
                 log.warning("node %s (%s) refused: %s", p.info.name, p.id[:10], why)
                 await self.send(p, P.TrainingCancel(reason=why))
                 self.note("node_refused", node_id=p.id, reason=why)
                 self.ready.pop(p.id, None)
-        return [p for p in peers if task(p) == top]
+        return [p for p in peers if _task_of(p) == top]
 
     async def _rounds(self, first: int, queue: UnitQueue) -> None:
         """Every round. Blocking sync: one at a time. Overlapped: round r+1 starts as soon as the
@@ -865,13 +862,7 @@ class Coordinator:
         async with self._joined:
             joining, self.joining = self.joining, []
         for p in joining:
-            if (
-                p.commit.param_checksum,
-                p.commit.frozen_checksum,
-                p.commit.n_train,
-                p.commit.n_params,
-                p.commit.layout,
-            ) != (
+            if _task_of(p) != (
                 self.swarm.checksums[-1],
                 self.frozen,
                 self.n_train,
