@@ -40,6 +40,7 @@ from drift.transport import (
     Throttle,
     TransportError,
     TransportTimeout,
+    close_conn,
     parse_ticket,
     peer_of,
 )
@@ -69,13 +70,6 @@ async def _tell(ch: Channel, why: str, retry: bool = False) -> None:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:  # ends when the node hangs up, having read it
             await ch.recv_frame(MAX_CONTROL_FRAME, timeout=max(0.1, deadline - time.monotonic()))
-    except Exception:
-        pass
-
-
-def _close(conn, why: str) -> None:
-    try:
-        conn.close(1, why.encode()[:100])
     except Exception:
         pass
 
@@ -257,7 +251,7 @@ class Coordinator:
     def _drop(self, ch: Channel | None, conn, why: str) -> None:
         self._dropped(peer_of(conn), why)
         try:
-            (ch.close(why) if ch else conn.close(1, why.encode()[:100]))
+            (ch.close(why) if ch else close_conn(conn, why))
         except Exception:
             pass
 
@@ -272,7 +266,7 @@ class Coordinator:
         do); any more are closed at once with the reason."""
         self._refusals(peer_id, why)
         if len(self._telling) >= MAX_TELLING or peer_id in self._telling:
-            _close(conn, why)
+            close_conn(conn, why)
             return
         self._telling.add(peer_id)
         try:
@@ -281,7 +275,7 @@ class Coordinator:
             pass
         finally:
             self._telling.discard(peer_id)
-            _close(conn, why)
+            close_conn(conn, why)
 
     async def _auth_failed(self, ch: Channel, conn, node_id: str, why: str, tell: bool = True) -> None:
         """A node failed a trust check: refuse it, and cancel the swarm if auth_threshold is now out of reach."""

@@ -41,7 +41,7 @@ import iroh
 import numpy as np
 
 from drift import protocol as P
-from drift.transport import DATA_ALPN, Channel, Endpoint, TransportError, TransportTimeout, peer_of
+from drift.transport import DATA_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 log = logging.getLogger("drift.data")
 
@@ -289,7 +289,7 @@ class DataServer:
         try:
             if not self.allowed(peer):
                 drop(peer, "data request refused: not a member of this run")
-                conn.close(1, b"not a member of this run")
+                close_conn(conn, "not a member of this run")
                 return
             if self._clients >= MAX_CLIENTS:
                 raise DataError("refused: too many data clients")

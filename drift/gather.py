@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from drift.protocol import MAX_ROUND, RingMember, printable
 from drift.ring import ReduceStats, RingError
-from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, peer_of
+from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBIIQ")
 _MAGIC = b"DGTH"
@@ -54,10 +54,7 @@ class Gather:
         peer = peer_of(conn)
         if not self.trusted(peer):
             log.warning("dropping gather connection from %s: not a verified member of this run", peer[:10])
-            try:
-                conn.close(1, b"not a verified member of this run")
-            except Exception:
-                pass
+            close_conn(conn, "not a verified member of this run")
             return
         try:
             t = min(self.timeout, HELLO_TIMEOUT)
@@ -71,10 +68,7 @@ class Gather:
         except Exception as e:
             why = e if isinstance(e, (RingError, TransportError)) else repr(e)
             log.warning("dropping gather connection from %s: %s", peer[:10], printable(f"{why}", 300))
-            try:
-                conn.close(1, b"bad gather header")
-            except Exception:
-                pass
+            close_conn(conn, "bad gather header")
             return
         async with self._arrived:
             old = self._incoming.pop(peer, None)

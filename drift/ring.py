@@ -51,7 +51,7 @@ import numpy as np
 
 from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
 from drift.protocol import MAX_ROUND, RingMember, printable
-from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout, peer_of
+from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBBHIIIQI")
 _MAGIC = b"DRNG"
@@ -173,10 +173,7 @@ class Ring:
         peer = peer_of(conn)
         if not self.trusted(peer):
             log.warning("dropping ring connection from %s: not a verified member of this run", peer[:10])
-            try:
-                conn.close(1, b"not a verified member of this run")
-            except Exception:
-                pass
+            close_conn(conn, "not a verified member of this run")
             return
         try:
             hello_s = min(self.timeout, HELLO_TIMEOUT)
@@ -187,10 +184,7 @@ class Ring:
             why = printable(f"ring hello failed: {e if isinstance(e, (RingError, TransportError)) else repr(e)}", 300)
         if why is not None:
             log.warning("dropping ring connection from %s: %s", peer[:10], why)
-            try:
-                conn.close(1, why.encode()[:100])
-            except Exception:
-                pass
+            close_conn(conn, why)
 
     async def _admit(self, peer: str, ch: Channel, gen: int) -> str | None:
         """Keep `ch` as the connection from `peer` if the ring names it; else why not."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from drift.diloco import ParamLayout
 from drift.protocol import MAX_ROUND, printable
-from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, TransportTimeout, peer_of
+from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 log = logging.getLogger("drift.state")
 
@@ -108,7 +108,7 @@ class StateServer:
         try:
             if not self.allowed(peer):
                 (on_stranger or drop)(peer, "state request refused: not a member of this run")
-                conn.close(1, b"not a member of this run")
+                close_conn(conn, "not a member of this run")
                 return
             if self._clients >= MAX_CLIENTS or self._by_peer.get(peer, 0) >= MAX_CLIENTS_PER_PEER:
                 raise StateError("refused: too many state requests in progress")

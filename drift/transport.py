@@ -286,7 +286,8 @@ def peer_of(conn: iroh.Connection) -> str:
         return "unknown peer"
 
 
-def _close(conn: iroh.Connection, code: int, why: str) -> None:
+def close_conn(conn: iroh.Connection, why: str, code: int = 1) -> None:
+    """Close a connection with a reason (its first 100 bytes); one already gone is no error."""
     try:
         conn.close(code, why.encode()[:100])
     except Exception:
@@ -415,7 +416,7 @@ class Endpoint:
                 log.debug("connection from %s failed", peer, exc_info=True)
                 _safe(drop, peer, _reason(e))
                 if conn is not None:
-                    _close(conn, 1, _reason(e))
+                    close_conn(conn, _reason(e))
 
         try:
             while True:
