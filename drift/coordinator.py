@@ -133,7 +133,7 @@ class Coordinator:
         self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
         # A resumed checkpoint's θ, to members; initial weights also to nodes in the handshake.
-        self.state = StateServer(allowed=lambda peer: peer in self.ready or peer in self._handshaking)
+        self.state = StateServer(allowed=self._member)
         self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
         self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
         self.last_checkpoint: int | None = None
@@ -191,9 +191,7 @@ class Coordinator:
                 task = load_task(path, root=root)
             except (FileNotFoundError, ImportError, ValueError) as e:
                 raise DataError(str(e).splitlines()[0]) from None
-            return open_holder(
-                task, self.recipe.task_config, allowed=lambda peer: peer in self.ready or peer in self._handshaking
-            )
+            return open_holder(task, self.recipe.task_config, allowed=self._member)
 
         try:
             server = await asyncio.get_running_loop().run_in_executor(None, build)
@@ -220,6 +218,10 @@ class Coordinator:
             log.warning("node %s: data %s: %s", peer.info.name, msg.kind.replace("_", " "), msg.reason)
         fields = msg.model_dump(exclude={"type", "kind"})
         self.note(f"data_{msg.kind}", node_id=peer.id, name=peer.info.name, **fields)
+
+    def _member(self, peer: str) -> bool:
+        """Who may fetch θ or samples from us: admitted nodes, and those in their handshake."""
+        return peer in self.ready or peer in self._handshaking
 
     def _spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
@@ -638,8 +640,8 @@ class Coordinator:
             raise CoordinatorError(
                 f"{ck.path}: holds the state {list(ck.state_flat)}, sync rule {self.recipe.sync} keeps {list(self.state_names)}"
             )
-        arrays = (ck.theta_flat, *ck.state_flat.values())  # mapped from the files, not read
-        theta = arrays[0]
+        theta = ck.theta_flat
+        arrays = (theta, *ck.state_flat.values())  # mapped from the files, not read
         if (got := checksum(*arrays)) != ck.manifest.get("checksum"):
             raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
         if theta.size != self.n_params:

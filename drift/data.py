@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ import threading
 import time
 import types
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,16 @@ import iroh
 import numpy as np
 
 from drift import protocol as P
-from drift.transport import DATA_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
+from drift.transport import (
+    DATA_ALPN,
+    Channel,
+    Endpoint,
+    TransportError,
+    TransportTimeout,
+    close_conn,
+    parse_ticket,
+    peer_of,
+)
 
 log = logging.getLogger("drift.data")
 
@@ -200,9 +210,9 @@ class Manifest:
         head = json.dumps(self.header(), sort_keys=True, separators=(",", ":")).encode()
         return len(head).to_bytes(4, "big") + head + b"".join(self.sums[s].tobytes() for s in SPLITS)
 
-    @property
+    @functools.cached_property
     def root(self) -> str:
-        return hashlib.blake2b(self.encode(), digest_size=16).hexdigest()
+        return blob_root(self.encode())
 
     @classmethod
     def decode(cls, blob: bytes) -> Manifest:
@@ -277,7 +287,7 @@ class DataServer:
     def __init__(self, dataset: Any, manifest: Manifest, allowed: Callable[[str], bool]) -> None:
         self.dataset, self.manifest, self.allowed = dataset, manifest, allowed
         self.blob = manifest.encode()
-        self.root = manifest.root
+        self.root = blob_root(self.blob)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drift-data")  # batch() one at a time
         self._clients = 0
 
@@ -315,8 +325,7 @@ class DataServer:
     async def _answer(self, ch: Channel, req: dict) -> None:
         if "manifest" in req:
             await ch.send_frame(json.dumps({"bytes": len(self.blob)}).encode())
-            for i in range(0, len(self.blob), FRAME):
-                await ch.send_frame(self.blob[i : i + FRAME], timeout=TIMEOUT)
+            await self._send_bytes(ch, self.blob)
             return
         split, idx = req["split"], np.asarray(req["indices"], np.int64)
         if idx.size > per_request(self.manifest.layout.record):
@@ -334,10 +343,10 @@ class DataServer:
             await ch.send_frame(json.dumps({"error": f"unavailable: {why}"}).encode())
             return
         await ch.send_frame(json.dumps({"samples": len(idx)}).encode())
-        await self._send_rows(ch, rows)
+        await self._send_bytes(ch, rows)
 
-    async def _send_rows(self, ch: Channel, rows: np.ndarray) -> None:
-        view = memoryview(rows).cast("B")
+    async def _send_bytes(self, ch: Channel, data: bytes | np.ndarray) -> None:
+        view = memoryview(data).cast("B")
         for i in range(0, len(view), FRAME):
             await ch.send_frame(view[i : i + FRAME], timeout=TIMEOUT)
 
@@ -453,10 +462,11 @@ class DiskCache:
             fids, rows = self._file[split][idx], self._row[split][idx]
             if (fids < 0).any():
                 return None
-            for fid in np.unique(fids):
-                self._files.move_to_end(int(fid))
+            files = [int(f) for f in np.unique(fids)]
+            for fid in files:
+                self._files.move_to_end(fid)
             try:
-                for fid in np.unique(fids):
+                for fid in files:
                     k = self._files[int(fid)][1].size
                     sel = np.flatnonzero(fids == fid)
                     with open(self._path(int(fid)), "rb") as f:
@@ -465,9 +475,9 @@ class DiskCache:
                             f.seek(base + int(rows[j]) * self.record)
                             out[j] = np.frombuffer(f.read(self.record), np.uint8)
             except (OSError, ValueError):
-                for fid in np.unique(fids):
-                    if int(fid) in self._files:
-                        self._drop(int(fid))
+                for fid in files:
+                    if fid in self._files:
+                        self._drop(fid)
                 return None
             bad = np.flatnonzero((digests(out) != self.manifest.sums[split][idx]).any(axis=1))
             if bad.size:
@@ -534,7 +544,7 @@ class DataClient:
                 finally:
                     ch.close("manifest received")
                 blob = b"".join(parts)
-                if hashlib.blake2b(blob, digest_size=16).hexdigest() != src.root:
+                if blob_root(blob) != src.root:
                     raise DataError("the holder's manifest is not the one the coordinator named")
                 manifest = Manifest.decode(blob)
                 cache = DiskCache(cache_root / src.root, manifest, cache_bytes)
@@ -756,8 +766,6 @@ def served_task(task: types.ModuleType, client: DataClient, say: Callable[[str],
 
 
 def _ticket_id(ticket: str) -> str:
-    from drift.transport import parse_ticket
-
     try:
         return str(parse_ticket(ticket).id())
     except Exception:
@@ -769,11 +777,6 @@ def per_request(record: int) -> int:
     return max(1, min(MAX_INDICES, MAX_REPLY // record))
 
 
-def cache_bytes(mb: float) -> int:
-    return int(mb * (1 << 20))
-
-
-def prefetch_units(client: DataClient, units: Iterable[np.ndarray]) -> None:
-    """Start fetching the samples of these units (the inner loop's units in hand)."""
-    for idx in units:
-        client.prefetch("train", idx)
+def blob_root(blob: bytes) -> str:
+    """The digest that names a manifest (Manifest.encode's bytes): TrainConfig carries it."""
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()

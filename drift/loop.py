@@ -205,12 +205,12 @@ class RepoSource:
 
     async def load(self, cfg: P.TrainConfig, recipe: Recipe, data=None) -> tuple[Any, str | None]:
         """`data`: the task -> the task as this node trains it (drift.data.served_task), or None."""
+        if self.ranks and data is not None:
+            raise RepoError("served data (the recipe's data:) and several devices in one node do not work together yet")
         loop = asyncio.get_running_loop()
         work = await loop.run_in_executor(None, self.cache.checkout, cfg.commit or "")
         tree = self.cache.tree(work)
         task_path = self.cache.task_path(work, recipe.task)
-        if self.ranks and data is not None:
-            raise RepoError("served data (the recipe's data:) and several devices in one node do not work together yet")
         if self.ranks:
             build = partial(start_group, work, task_path, recipe, self.ranks, self.threads)
         else:

@@ -45,11 +45,11 @@ import numpy as np
 
 from auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift import protocol as P
-from drift.data import DataClient, DataError, cache_bytes, served_task
+from drift.data import DataClient, DataError, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
 from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
-from drift.recipe import Recipe
+from drift.recipe import Data, Recipe
 from drift.repo import RepoError
 from drift.ring import Ring, RingError
 from drift.state import StateError, StateServer, fetch_state, into_arrays
@@ -524,7 +524,7 @@ class Session:
         node = self.node
         if node.data is None:
             root = drift_home() / "data" / node.endpoint.node_id[:16]
-            limit = cache_bytes(recipe.data.cache_mb if recipe.data is not None else 1024.0)
+            limit = int((recipe.data or Data()).cache_mb * (1 << 20))
             try:
                 node.data = await DataClient.open(node.endpoint, src, root, limit)
             except DataError as e:

@@ -70,7 +70,7 @@ class Replica:
     takes part in (an inner step's share, a broadcast of rank 0's state)."""
 
     def __init__(self, worker: TorchWorker, rank: int, world: int, store: dist.Store) -> None:
-        self.worker, self.rank, self.world = worker, rank, world
+        self.worker, self.world = worker, world
         if worker.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(worker.device))
         dist.init_process_group(
@@ -167,9 +167,8 @@ class RankGroup:
         store: dist.TCPStore,
         on_failure: Callable[[str], None],
     ) -> None:
-        self._worker, self._ranks, self._store = worker, ranks, store
+        self._worker, self._ranks = worker, ranks
         self.world = len(ranks) + 1
-        self.devices = [worker.device, *(r.device for r in ranks)]
         self.on_failure = on_failure
         self.failure: str | None = None
         self._closing = False
