@@ -36,8 +36,8 @@ import numpy as np
 
 CHECKPOINT_FORMAT = 1
 _THETA = "theta.safetensors"
-_RESERVED = ("format", "round", "created", "files", "state")
-_STATE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")  # manifest keys that meta may not set
+_RESERVED = ("format", "round", "created", "files", "state")  # manifest keys that meta may not set
+_STATE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")  # a state array's name (its file, its manifest entry)
 _ROUND_DIR = re.compile(r"round-(\d+)")
 
 

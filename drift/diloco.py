@@ -92,6 +92,17 @@ class ParamLayout:
         return ({k: v for k, v in named.items() if k not in buffers}, {k: v for k, v in named.items() if k in buffers})
 
 
+def sgd_step(theta: np.ndarray, grad: np.ndarray, lr: np.float32, params: int) -> None:
+    """θ -= lr * grad on the parameters (θ[:params]), θ -= grad on the buffers, in place and a chunk
+    at a time; `grad` is left scaled."""
+    for a in range(0, params, CHUNK):
+        b = min(a + CHUNK, params)
+        gc = grad[a:b]
+        gc *= lr
+        theta[a:b] -= gc
+    theta[params:] -= grad[params:]
+
+
 class NesterovOuter:
     """SGD with Nesterov momentum on the pseudo-gradient (DiLoCo: lr 0.7, momentum 0.9).
 
@@ -115,13 +126,12 @@ class NesterovOuter:
     def step(self, theta: np.ndarray, grad: np.ndarray) -> None:
         """Update theta (and the velocity) in place; `grad` is used as scratch and left garbled."""
         v, mu = self.velocity, self.momentum
+        if mu == 0:  # (v would be g itself, and nothing reads it)
+            sgd_step(theta, grad, self.lr, self.params)
+            return
         for a in range(0, self.params, CHUNK):
             b = min(a + CHUNK, self.params)
             vc, gc = v[a:b], grad[a:b]
-            if mu == 0:  # (v would be g itself, and nothing reads it)
-                gc *= self.lr
-                theta[a:b] -= gc
-                continue
             vc *= mu
             vc += gc
             if self.nesterov:

@@ -25,14 +25,12 @@ import time
 from collections.abc import Callable
 
 from drift.protocol import MAX_ROUND, RingMember, printable
-from drift.ring import ReduceStats, RingError
+from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, ReduceStats, RingError
 from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBIIQ")
 _MAGIC = b"DGTH"
 _VERSION = 1
-CHUNK_BYTES = 1 << 20
-HELLO_TIMEOUT = 10.0
 
 log = logging.getLogger("drift.gather")
 
@@ -90,9 +88,10 @@ class Gather:
         me = ids.index(self.node_id)
         out: list[bytes] = [b""] * len(members)
         out[me] = payload
-        sent, received = [0], [0]
+        sent = received = 0
 
         async def send_to(m: RingMember) -> None:
+            nonlocal sent
             try:
                 ch = await self.endpoint.connect(m.ticket, GATHER_ALPN, timeout=self.timeout)
             except TransportError as e:
@@ -104,7 +103,7 @@ class Gather:
                     await ch.send_frame(view[a : a + CHUNK_BYTES], self.timeout)
                 if await ch.recv_frame(16, self.timeout) != b"ok":
                     raise RingError(f"{m.node_id[:10]} did not confirm our payload", suspect=m.node_id)
-                sent[0] += ch.bytes_sent
+                sent += ch.bytes_sent
             except TransportTimeout as e:
                 raise RingError(f"sending to {m.node_id[:10]}: {e}", suspect=m.node_id) from None
             except TransportError as e:
@@ -113,6 +112,7 @@ class Gather:
                 ch.close("payload sent")
 
         async def recv_from(k: int, m: RingMember) -> None:
+            nonlocal received
             peer = m.node_id
             try:
                 async with self._arrived:
@@ -137,7 +137,7 @@ class Gather:
                     got += len(frame)
                 await ch.send_frame(b"ok", self.timeout)
                 out[k] = b"".join(parts)
-                received[0] += ch.bytes_received
+                received += ch.bytes_received
                 with contextlib.suppress(TransportError):  # the sender hangs up once it has read our ok
                     await ch.recv_frame(0, min(self.timeout, HELLO_TIMEOUT))
             except TransportTimeout as e:
@@ -157,4 +157,4 @@ class Gather:
         finally:  # (also when this attempt is cancelled: a newer ring for the round)
             for t in tasks:
                 t.cancel()
-        return out, ReduceStats(time.perf_counter() - t0, sent[0], received[0], codec="sparse")
+        return out, ReduceStats(time.perf_counter() - t0, sent, received, codec="sparse")

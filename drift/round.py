@@ -539,7 +539,7 @@ class Round:
             # (whoever sat the last retry out is not in part: the culprit was in that ring)
             cands = [i for i in part if i in s.poison_suspects] or part
             s.poison_suspects = set(cands)
-            self.bisect_out = cands[len(cands) // 2 :] if len(part) > 1 else []
+            self.bisect_out = cands[len(cands) // 2 :]
             for i in self.bisect_out:
                 self.sit_out(i, "bisect", "finding who poisons the all-reduce", strike=False)
         self.retry_reason = (

@@ -25,11 +25,9 @@ if TYPE_CHECKING:
 
 class DenseDiLoCo(SyncRule):
     name = "dense"
-    collective = "ring"
 
     def __init__(self, layout: ParamLayout, recipe: Recipe):
-        self.layout = layout
-        self.params = self.Params.model_validate(recipe.sync_params)
+        super().__init__(layout, recipe)
         oo = recipe.outer_optimizer
         self.outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov, params=layout.params_size)
         self.state = {"velocity": self.outer.velocity}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field, model_validator
 
-from drift.diloco import CHUNK, ParamLayout
+from drift.diloco import CHUNK, ParamLayout, sgd_step
 from drift.sync import Combined, Params, SyncRule
 
 if TYPE_CHECKING:
@@ -208,19 +208,13 @@ class SparseLoCo(SyncRule):
             coef = np.float32(m.weight * scale)
             for flat, vals in self.codec.pieces(payload):
                 out[flat] += coef * vals
-        far = [i for i, v in norms.items() if len(norms) >= 3 and v > self.params.outlier * median]
+        far = [i for i, v in norms.items() if v > self.params.outlier * median] if len(norms) >= 3 else []
         return Combined(outliers=bad + far)
 
     def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
         """θ -= lr * update on the parameters, θ -= update on the buffers; the error feedback of
         this round becomes the node's."""
-        p = self.layout.params_size
-        lr = np.float32(self.params.lr)
-        for a in range(0, p, CHUNK):
-            b = min(a + CHUNK, p)
-            update[a:b] *= lr
-            theta[a:b] -= update[a:b]
-        theta[p:] -= update[p:]
+        sgd_step(theta, update, np.float32(self.params.lr), self.layout.params_size)
         if self._pending:
             self.ef, self._ef_next = self._ef_next, self.ef
             self._pending = False
