@@ -1,6 +1,6 @@
 """The headline: drift (DiLoCo) against synchronous data-parallel training, measured fairly.
 
-    sudo flock /tmp/drift-cpu.lock python3 benchmarks/bench_vs_ddp.py [--links 100mbit,10mbit,100mbit+25ms] [--out DIR]
+    sudo flock /tmp/drift-cpu.lock python3 benchmarks/bench_vs_ddp.py [--links 100mbit,10mbit,100mbit+25ms,loopback] [--out DIR]
 
 On the default Shakespeare task (recipes/shakespeare.yaml: its model, batch 32 x 64 tokens, AdamW
 and outer optimizer) with 2 nodes, every method on the same samples and the same inner
@@ -141,7 +141,9 @@ def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> 
 
 
 def parse_link(link: str) -> tuple[str, float]:
-    """'100mbit' -> ('100mbit', 0); '100mbit+25ms' -> ('100mbit', 25.0)."""
+    """'100mbit' -> ('100mbit', 0); '100mbit+25ms' -> ('100mbit', 25.0); 'loopback' -> no namespaces."""
+    if link.strip() == "loopback":
+        return "loopback", 0
     m = re.fullmatch(r"(\d+[kmg]?bit)(?:\+(\d+(?:\.\d+)?)ms)?", link.strip())
     if not m:
         raise SystemExit(f"--links: {link!r} is not RATE or RATE+Dms (e.g. 100mbit, 10mbit+25ms)")
@@ -158,9 +160,10 @@ def section(link: str, work: Path, args: argparse.Namespace, net, single: dict |
         "drift-overlapped": lambda w: run_drift(w, "overlapped", args, net),
     }
     for label in [x for x in RUNS if x in args.runs and x in plan]:
-        wire0 = [net.tx_bytes(i) for i in range(args.nodes)]
+        wire0 = [net.tx_bytes(i) for i in range(args.nodes)] if net else None
         res = keep(plan[label](work / label), args.out / link / label)
-        res["wire_mib"] = sum(net.tx_bytes(i) - b for i, b in enumerate(wire0)) / args.nodes / MiB
+        if net:
+            res["wire_mib"] = sum(net.tx_bytes(i) - b for i, b in enumerate(wire0)) / args.nodes / MiB
         runs[label] = res
         print(f"  {label:<16} done: val {res['run'].final_val():.4f}, {res['total_s']:.0f} s in all", flush=True)
     table(link, runs)
@@ -196,8 +199,9 @@ def table(link: str, runs: dict[str, dict]) -> None:
     )
     print(
         f"  {'run':<16} {'val loss':>8} {'vs ddp':>7} {'train s':>8} {'MiB/node':>9} {'ddp/this':>9} {'wire MiB':>9} "
-        f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7}"
+        f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7} {'samples/s/node':>14} {'vs single':>9}"
     )
+    single_rate = per_node_rate(runs["single"]["run"]) if "single" in runs else None
     ddp_curve = [(x, v) for x, _, v in ddp.val_curve()]
     for label, res in runs.items():
         r: Run = res["run"]
@@ -210,17 +214,28 @@ def table(link: str, runs: dict[str, dict]) -> None:
         tts = f"{tt:8.1f}s" if tt is not None else f"{'never':>9}"
         speed = ddp_tt / tt if tt and ddp_tt else None
         cap = f"{100 * speed / ideal:6.0f}%" if speed and ideal and label.startswith("drift") else f"{'-':>7}"
+        rate = per_node_rate(r)
+        vs_single = f"{100 * rate / single_rate:8.1f}%" if single_rate else f"{'-':>9}"
         print(
             f"  {label:<16} {fv:8.4f} {100 * vs_ddp:+6.1f}% {r.rounds[-1]['t']:8.1f} "
-            f"{mib:9.2f} {ratio} {wire} {util:>7} {tts} {f'{speed:7.2f}x' if speed else '-':>8} {cap}"
+            f"{mib:9.2f} {ratio} {wire} {util:>7} {tts} {f'{speed:7.2f}x' if speed else '-':>8} {cap} "
+            f"{rate:14.1f} {vs_single}"
         )
     print(
         "  (vs ddp: final val loss relative to ddp's at the same samples (drift's rounds stop at the next inner "
         "step, so they train a few % fewer samples than their budget: ddp's curve is interpolated there); ddp/this: ddp's MiB per node over this run's; util: "
         "least-most of the nodes' time in inner steps; speed-up: ddp's time to target over this run's; "
-        "capture: speed-up over the ideal)",
+        "capture: speed-up over the ideal; samples/s/node: the samples the run trained over its wall-clock "
+        "from training start to its last round, per node; vs single: that over the single process's, which is plain "
+        "torch on one core)",
         flush=True,
     )
+
+
+def per_node_rate(r: Run) -> float:
+    """Samples trained per second per node, from training start to the last round's end."""
+    nodes = {name for rnd in r.rounds for name in rnd.get("nodes", {})} or {"single"}
+    return sum(rnd["samples"] for rnd in r.rounds) / r.rounds[-1]["t"] / len(nodes)
 
 
 def ddp_val_at(curve: list[tuple[int, float]], samples: int) -> float:
@@ -287,8 +302,11 @@ def main() -> None:
         for rate, delay in links:
             link = f"{rate}+{delay:g}ms" if delay else rate
             try:
-                with Links(n=args.nodes + 1, rate=rate, delay_ms=delay) as net:
-                    results[link] = section(link, work / link, args, net, single)
+                if rate == "loopback":
+                    results[link] = section(link, work / link, args, None, single)
+                else:
+                    with Links(n=args.nodes + 1, rate=rate, delay_ms=delay) as net:
+                        results[link] = section(link, work / link, args, net, single)
             except NetnsUnavailable as e:
                 print(f"\n{link} skipped: {e}")
             summary = {
