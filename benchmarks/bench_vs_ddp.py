@@ -7,6 +7,9 @@ and outer optimizer) with 2 nodes, every method on the same samples and the same
 learning-rate schedule (linear warmup over the first 5 % of the samples, cosine decay to lr/10,
 computed from the samples the whole world trained, as drift's nodes do):
   single            one process trains all the samples alone (2 x the steps)
+  plain-pair        the same plain loop as one process per node at once, each on its own core with
+                    a node's share of the steps, no communication: plain torch's samples/s per
+                    node under the load a swarm's nodes see (its loss is of half the samples)
   ddp               torch DistributedDataParallel over gloo: gradients all-reduced every step
   drift-blocking    2 real `drift join` processes over iroh, int8 pseudo-gradients, nodes wait for
                     the all-reduce and the outer step
@@ -54,7 +57,7 @@ from harness.simulate import Swarm, make_task_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
-RUNS = ("single", "ddp", "drift-blocking", "drift-overlapped")
+RUNS = ("single", "plain-pair", "ddp", "drift-blocking", "drift-overlapped")
 
 
 def recipe(args: argparse.Namespace, sync: str = "blocking") -> dict:
@@ -99,8 +102,10 @@ def run_drift(work: Path, sync: str, args: argparse.Namespace, net=None) -> dict
     return {"run_dir": swarm.run_dir, "total_s": time.time() - t0}
 
 
-def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> dict:
-    """`world` ddp_baseline.py ranks (1 = the single node, with nodes x the steps)."""
+def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None, alone: bool = False) -> dict:
+    """`world` ddp_baseline.py ranks (1 = the single node, with nodes x the steps). `alone`: instead
+    `args.nodes` independent single processes at once, each on its core with a node's share of the
+    steps and no communication: plain torch per node under the same load as a swarm's nodes."""
     work.mkdir(parents=True)
     rec = make_task_repo(work / "repo", recipe(args))
     master = f"{net.addr(0)}:29500" if net else f"127.0.0.1:{_free_port()}"
@@ -108,7 +113,7 @@ def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> 
     t0 = time.time()
     procs = []
     try:
-        for rank in range(world):
+        for rank in range(args.nodes if alone else world):
             cmd = [
                 *(net.exec_prefix(rank) if net else []),
                 *pin(rank % os.cpu_count()),
@@ -116,15 +121,15 @@ def run_baseline(work: Path, world: int, args: argparse.Namespace, net=None) -> 
                 str(ROOT / "benchmarks" / "ddp_baseline.py"),
                 str(rec),
                 "--rank",
-                str(rank),
+                str(0 if alone else rank),
                 "--world",
-                str(world),
+                str(1 if alone else world),
                 "--master",
                 master,
                 "--steps-scale",
-                str(args.nodes if world == 1 else 1),
+                str(args.nodes if world == 1 and not alone else 1),
                 "--out",
-                str(work / "run"),
+                str(work / (f"run{rank}" if alone and rank else "run")),
             ]
             procs.append(
                 subprocess.Popen(cmd, stdout=open(work / f"rank{rank}.log", "w"), stderr=subprocess.STDOUT, env=env)
@@ -155,6 +160,7 @@ def section(link: str, work: Path, args: argparse.Namespace, net, single: dict |
     print(f"\n== {link} ==", flush=True)
     runs: dict[str, dict] = {} if single is None else {"single": single}
     plan = {
+        "plain-pair": lambda w: run_baseline(w, 1, args, net, alone=True),
         "ddp": lambda w: run_baseline(w, args.nodes, args, net),
         "drift-blocking": lambda w: run_drift(w, "blocking", args, net),
         "drift-overlapped": lambda w: run_drift(w, "overlapped", args, net),
@@ -199,9 +205,10 @@ def table(link: str, runs: dict[str, dict]) -> None:
     )
     print(
         f"  {'run':<16} {'val loss':>8} {'vs ddp':>7} {'train s':>8} {'MiB/node':>9} {'ddp/this':>9} {'wire MiB':>9} "
-        f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7} {'samples/s/node':>14} {'vs single':>9}"
+        f"{'util %':>7} {'to target':>9} {'speed-up':>8} {'capture':>7} {'samples/s/node':>14} {'vs single':>9} {'vs pair':>8}"
     )
     single_rate = per_node_rate(runs["single"]["run"]) if "single" in runs else None
+    pair_rate = per_node_rate(runs["plain-pair"]["run"]) if "plain-pair" in runs else None
     ddp_curve = [(x, v) for x, _, v in ddp.val_curve()]
     for label, res in runs.items():
         r: Run = res["run"]
@@ -216,10 +223,11 @@ def table(link: str, runs: dict[str, dict]) -> None:
         cap = f"{100 * speed / ideal:6.0f}%" if speed and ideal and label.startswith("drift") else f"{'-':>7}"
         rate = per_node_rate(r)
         vs_single = f"{100 * rate / single_rate:8.1f}%" if single_rate else f"{'-':>9}"
+        vs_pair = f"{100 * rate / pair_rate:7.1f}%" if pair_rate else f"{'-':>8}"
         print(
             f"  {label:<16} {fv:8.4f} {100 * vs_ddp:+6.1f}% {r.rounds[-1]['t']:8.1f} "
             f"{mib:9.2f} {ratio} {wire} {util:>7} {tts} {f'{speed:7.2f}x' if speed else '-':>8} {cap} "
-            f"{rate:14.1f} {vs_single}"
+            f"{rate:14.1f} {vs_single} {vs_pair}"
         )
     print(
         "  (vs ddp: final val loss relative to ddp's at the same samples (drift's rounds stop at the next inner "
@@ -227,7 +235,8 @@ def table(link: str, runs: dict[str, dict]) -> None:
         "least-most of the nodes' time in inner steps; speed-up: ddp's time to target over this run's; "
         "capture: speed-up over the ideal; samples/s/node: the samples the run trained over its wall-clock "
         "from training start to its last round, per node; vs single: that over the single process's, which is plain "
-        "torch on one core)",
+        "torch on one core alone; vs pair: over plain-pair's, the same plain loop run as one process per node "
+        "at once, each on its core, no communication: plain torch per node under a swarm's load)",
         flush=True,
     )
 
