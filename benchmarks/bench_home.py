@@ -193,11 +193,15 @@ def main() -> int:
                     runs[0]["wire"],
                     "measured",
                 )
-            elif op == "ring":  # from the largest ring measured: its bytes and bytes per second, x n
+            elif op == "ring" and any(
+                o == "ring" for o, _ in res
+            ):  # from the largest ring measured: its bytes and bytes per second, x n
                 m = max(k for o, k in res if o == "ring")
                 r0 = res[("ring", m)]
                 t0, sent0 = statistics.median(r["t"] for r in r0), r0[0]["sent"]
                 t, sent, wire, how = t0 * n / m, sent0 * n / m, 0, f"computed from {m / 1e6:.0f}M"
+            else:
+                continue
             extra = 0.0 if op == "ring" else sum(cpu.get(n) or (v * n / base for v in cpu[base]))
             if op != "ring" and n not in cpu:
                 how += " (CPU scaled)"
