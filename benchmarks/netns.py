@@ -128,8 +128,8 @@ class Swarm:
             import netfilterqueue  # noqa: F401
         except ImportError:
             raise NetnsUnavailable(
-                "added latency needs the NetfilterQueue package (pip install "
-                "NetfilterQueue; apt-get install libnetfilter-queue-dev iptables)"
+                "added latency needs the NetfilterQueue package (apt-get install libnetfilter-queue-dev iptables; "
+                "pip install -e '.[netdelay]')"
             ) from None
         p = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, str(HERE / "netdelay.py"), "--delay-ms", str(self.delay_ms)],
