@@ -3,10 +3,12 @@
     with Swarm(n=4, rate="100mbit") as sw:
         subprocess.Popen(sw.exec_prefix(0) + ["python", ...])   # runs inside node 0's namespace
         sw.addr(1)                                               # node 1's address, e.g. 10.77.0.2
+    Swarm(n=4, up="20mbit", down="100mbit", delay_ms=20)         # a home link: slow upload
 
 Topology: one namespace per node plus one "switch" namespace holding a bridge. Each node has a
-veth pair to the bridge; both ends carry `tbf rate <rate>`, so a node's upload and download are
-each limited, like a home link. `delay_ms` adds latency on top (the kernel here has no netem):
+veth pair to the bridge; both ends carry a tbf, so a node's upload and download are each limited,
+like a home link: its own end's rate is its upload (`up`), the switch end's its download (`down`);
+both are `rate` unless given. `delay_ms` adds latency on top (the kernel here has no netem):
 every packet a node's namespace receives is held that long in user space (benchmarks/netdelay.py,
 NFQUEUE), so the round trip between two nodes is 2 x delay_ms. Safety rules:
   * addresses exist only inside namespaces created here (10.77.0.0/24, no address on the bridge);
@@ -42,12 +44,21 @@ def _in(ns: str, *cmd: str) -> None:
 class Swarm:
     """N namespaces joined through a bridge by rate-limited veth links."""
 
-    def __init__(self, n: int, rate: str = "100mbit", subnet: str = "10.77.0", delay_ms: float = 0.0):
+    def __init__(
+        self,
+        n: int,
+        rate: str = "100mbit",
+        subnet: str = "10.77.0",
+        delay_ms: float = 0.0,
+        up: str | None = None,
+        down: str | None = None,
+    ):
         if os.geteuid() != 0:
             raise NetnsUnavailable(
                 "network namespaces need root (run with sudo); skipping the bandwidth-limited section"
             )
         self.n, self.rate, self.subnet, self.delay_ms = n, rate, subnet, delay_ms
+        self.up, self.down = up or rate, down or rate  # per node: its upload, its download
         tag = f"{os.getpid() % 100000}"
         self.sw = f"drb{tag}sw"
         self.nodes = [f"drb{tag}n{i}" for i in range(n)]
@@ -91,7 +102,7 @@ class Swarm:
             _in(ns, "ip", "link", "set", self.ifname, "up")
             _in(self.sw, "ip", "link", "set", port, "master", "br0")
             _in(self.sw, "ip", "link", "set", port, "up")
-            for where, dev in ((ns, self.ifname), (self.sw, port)):
+            for where, dev, rate in ((ns, self.ifname, self.up), (self.sw, port, self.down)):
                 _in(
                     where,
                     "tc",
@@ -102,7 +113,7 @@ class Swarm:
                     "root",
                     "tbf",
                     "rate",
-                    self.rate,
+                    rate,
                     "burst",
                     "256kb",
                     "latency",
@@ -117,8 +128,8 @@ class Swarm:
             import netfilterqueue  # noqa: F401
         except ImportError:
             raise NetnsUnavailable(
-                "added latency needs the NetfilterQueue package (pip install "
-                "NetfilterQueue; apt-get install libnetfilter-queue-dev iptables)"
+                "added latency needs the NetfilterQueue package (apt-get install libnetfilter-queue-dev iptables; "
+                "pip install -e '.[netdelay]')"
             ) from None
         p = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, str(HERE / "netdelay.py"), "--delay-ms", str(self.delay_ms)],
