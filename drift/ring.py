@@ -548,11 +548,11 @@ class Ring:
         except RingError as e:
             for t in tasks:
                 t.cancel()
-            msg, suspect = str(e), e.suspect
+            msg, suspect, proof = str(e), e.suspect, e.proof
             if _RELAYED in msg:  # a neighbour's failure reached us: pass on its reason, not ours
-                msg, suspect = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], ""
+                msg, suspect, proof = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], "", None
             self.close(msg if msg.startswith(_RELAYED) else _RELAYED + msg)  # they fail too, and say why
-            raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect) from None
+            raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect, proof=proof) from None
         if residual is not None:
             self.residual, self._residual_next = new_residual, residual
         return ReduceStats(
