@@ -1,23 +1,34 @@
-"""What the poisoning check costs an honest node per round: one L2 norm over the all-reduced Δ
-(diloco.reduced_problem; the norm of its own Δ was computed already, by DeltaCheck), next to the
-outer step it guards, for θ of a few sizes. Prints one row per size.
+"""What the checks cost an honest node per round, for θ of a few sizes, next to the outer step:
 
-    python3 benchmarks/bench_checks.py [--sizes 10.8e6 124e6]
+  * the poisoning check: one L2 norm over the all-reduced Δ (diloco.reduced_problem; the norm of
+    its own Δ was computed already, by DeltaCheck);
+  * the binding of forwarded bytes to their owner (drift/ring.py): in a ring of --nodes, what one
+    node does for it in a round: sha256 of every all-gather chunk it receives and of its own
+    segment's, two Ed25519 verifications per chunk received and one signature per chunk sent
+    (the ring's own functions, ~1 MiB chunks of the codec's payload).
+
+Prints one row per size and codec.
+
+    python3 benchmarks/bench_checks.py [--sizes 10.8e6 124e6] [--nodes 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
 
+import nacl.signing
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drift import protocol as P
+from drift.compress import make_codec
 from drift.diloco import NesterovOuter, reduced_problem
+from drift.ring import CHUNK_BYTES, hop_message, owner_message, verify
 
 
 def best(fn, repeat: int = 5) -> float:
@@ -29,7 +40,32 @@ def best(fn, repeat: int = 5) -> float:
     return min(out)
 
 
-def row(n: int) -> str:
+def binding(n: int, codec: str, nodes: int) -> tuple[float, float]:
+    """(seconds, wire MiB) of one node's share of the binding in one round (see the docstring)."""
+    wire = make_codec(codec).encoded_nbytes(n)
+    payload = np.random.default_rng(1).integers(0, 255, min(wire, CHUNK_BYTES), dtype=np.uint8).tobytes()
+    owner, me = nacl.signing.SigningKey.generate(), nacl.signing.SigningKey.generate()  # as Ring holds its own
+    owner_id, me_id = bytes(owner.verify_key).hex(), bytes(me.verify_key).hex()
+    received = -(-wire * (nodes - 1) // nodes // len(payload))  # all-gather chunks received
+    own = -(-wire // nodes // len(payload))  # chunks of its own segment it signs
+    sent = own * (nodes - 1)  # all-gather chunks it sends (its own segment and N-2 forwarded)
+
+    def one_round() -> None:
+        sig = bytes(64)
+        for _ in range(own):
+            owned = owner_message(me_id, 1, 0, 1, 0, 1, n, hashlib.sha256(payload).digest())
+            sig = me.sign(owned).signature
+        for _ in range(received):
+            owned = owner_message(owner_id, 1, 0, 1, 0, 1, n, hashlib.sha256(payload).digest())
+            verify(owner_id, hop_message(2, 0, owned, sig), sig)
+            verify(owner_id, owned, sig)
+        for _ in range(sent):
+            me.sign(hop_message(2, 0, owned, sig))
+
+    return best(one_round, 3), wire / 2**20
+
+
+def row(n: int, nodes: int) -> list[str]:
     rng = np.random.default_rng(0)
     theta = rng.standard_normal(n, dtype=np.float32)
     reduced = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
@@ -38,16 +74,27 @@ def row(n: int) -> str:
     check = best(lambda: reduced_problem(reduced, ring))
     outer = NesterovOuter(n)
     step = best(lambda: outer.step(theta, scratch))
-    return f"{n:>12,} {check * 1e3:>9.1f} {step * 1e3:>14.1f} {check / step:>13.0%}"
+    out = []
+    for codec in ("int8", "fp32"):
+        bind, mib = binding(n, codec, nodes)
+        out.append(
+            f"{n:>12,} {codec:>6} {check * 1e3:>9.1f} {bind * 1e3:>11.1f} {mib:>9.1f} {step * 1e3:>14.1f}"
+            f" {check / step:>8.0%} {bind / step:>8.0%}"
+        )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[10.8e6, 124e6])
+    ap.add_argument("--nodes", type=int, default=4)
     args = ap.parse_args()
-    print(f"{'θ values':>12} {'check ms':>9} {'outer step ms':>14} {'check / outer':>14}")
+    print(
+        f"{'θ values':>12} {'codec':>6} {'check ms':>9} {'binding ms':>11} {'wire MiB':>9} {'outer step ms':>14}"
+        f" {'check/':>8} {'binding/':>8}  (/: of the outer step; ring of {args.nodes})"
+    )
     for n in map(int, args.sizes):
-        print(row(n))
+        print("\n".join(row(n, args.nodes)))
 
 
 if __name__ == "__main__":

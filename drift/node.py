@@ -827,7 +827,13 @@ class Session:
         if error is not None:
             log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", p.round, error)
             await self.send(
-                P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=str(error)[:500], suspect=error.suspect)
+                P.RingFailed(
+                    round=p.round,
+                    ring_epoch=ready.ring_epoch,
+                    reason=str(error)[:500],
+                    suspect=error.suspect,
+                    proof=error.proof,
+                )
             )
             return
         if stats is None:

@@ -361,6 +361,28 @@ class BarrierReady(_Msg):
         return self
 
 
+Hex = Annotated[StrictStr, StringConstraints(max_length=128, pattern=r"^([0-9a-f]{2})*$")]
+
+
+class Forgery(_Msg):
+    """A receiver's proof that its left neighbour (`forwarder`) passed on, as a segment owner's
+    chunk, bytes that owner did not sign: the forwarder's hop signature over the owner's message
+    and signature, which the coordinator checks itself (drift.ring.proves_forgery)."""
+
+    forwarder: NodeId
+    round: Round
+    generation: Round
+    segment: Count
+    lo: Count
+    hi: Count
+    total: Count
+    digest: Hex  # sha256 of the payload as received
+    owner_sig: Hex
+    step: Count
+    chunk: Count
+    hop_sig: Hex
+
+
 class RingFailed(_Msg):
     """Node -> coordinator: the all-reduce broke (a neighbour vanished?); waiting for a retry."""
 
@@ -371,6 +393,7 @@ class RingFailed(_Msg):
     suspect: NodeId | Literal[""] = ""  # the neighbour whose bytes or silence failed it, when known
     sit_out: bool = False  # this node already applied this round's outer step: it cannot redo it
     poisoned: bool = False  # the ring finished, but its sum is larger than the reported norms allow
+    proof: Forgery | None = None  # the suspect forwarded bytes their owner did not sign (drift.ring)
 
 
 class RoundDone(_Msg):

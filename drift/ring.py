@@ -25,8 +25,21 @@ encodes each range of the vector exactly once per round, so the new residual is 
 into a second buffer and swapped in only when the all-reduce succeeds: a failed or cancelled
 attempt leaves the residual as it was, and its retry starts from the same state.
 
+Forwarded bytes are bound to their owner (nobody can frame a neighbour): the owner of a segment
+signs, with its node key (Ed25519, the key its node id is), each chunk of its reduced segment:
+``owner_message`` (round, ring generation, segment, its bounds, the owner's id, sha256 of the
+payload). Every forwarder adds a *hop* signature over what it passes on (``hop_message``: step,
+chunk, the owner's message and signature). A receiver checks both before it decodes or forwards a
+chunk: a forwarder that altered the bytes it passes on is caught by the first honest node after
+it, before any θ moves, and when the forwarder signed what it sent (its hop signature holds, the
+owner's does not) the receiver holds proof that any third party can check (``Forgery``,
+``proves_forgery``). A receiver cannot make such proof against an honest forwarder: it cannot sign
+in the forwarder's name, and the hop signature covers the owner's signature, so it cannot swap
+that either. An accusation without proof (a missing hop signature, garbage, silence) is one
+neighbour's word, and counts only with the other neighbour's (drift.rules.caught).
+
 Wire format of one chunk: a frame (transport.py: 4-byte length) holding a 32-byte header, then
-the codec's payload::
+(all-gather only) the owner's and the sender's 64-byte signatures, then the codec's payload::
 
     >4s B B H I I I Q I = magic "DRNG", version, codec id, step, round, chunk index,
                           n values, vector size, payload bytes
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import json
 import logging
 import struct
@@ -47,16 +61,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import nacl.exceptions
+import nacl.signing
 import numpy as np
 
 from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
-from drift.protocol import MAX_ROUND, RingMember, printable
+from drift.protocol import MAX_ROUND, Forgery, RingMember, printable
 from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBBHIIIQI")
 _MAGIC = b"DRNG"
 _RELAYED = "ring neighbour failed: "
-_VERSION = 1
+_VERSION = 2  # 2: all-gather chunks carry the owner's and the sender's signatures
+_SIG = 64  # an Ed25519 signature
+_OWNER = struct.Struct(">4sIIIQQQ")  # "DRSG", round, generation, segment, lo, hi, vector size
+_HOP = struct.Struct(">4sII")  # "DRHP", step, chunk
 CHUNK_BYTES = 1 << 20  # ~1 MiB on the wire per chunk: 1 MiB writes measured fastest through the binding
 # What a connecting peer can hold. A neighbour sends its hello as soon as it connects; a peer the
 # ring does not name yet (a neighbour that learned this round's ring before we did, or a stranger)
@@ -100,11 +119,58 @@ _TUNED: bool | None = None
 class RingError(Exception):
     """The all-reduce cannot produce a correct result (peer gone, bad chunk, timeout). `suspect`
     is the neighbour whose bytes or connection failed, when that is known (not when it only
-    passed on another node's failure)."""
+    passed on another node's failure); `proof`, when the suspect signed bytes its owner did not."""
 
-    def __init__(self, msg: str, suspect: str = ""):
+    def __init__(self, msg: str, suspect: str = "", proof: Forgery | None = None):
         super().__init__(msg)
         self.suspect = suspect
+        self.proof = proof
+
+
+def owner_message(owner: str, round_: int, generation: int, seg: int, lo: int, hi: int, total: int, digest: bytes):
+    """What the owner of a reduced segment signs for each chunk x[lo:hi] of it."""
+    return _OWNER.pack(b"DRSG", round_, generation, seg, lo, hi, total) + bytes.fromhex(owner) + digest
+
+
+def hop_message(step: int, chunk: int, owned: bytes, owner_sig: bytes) -> bytes:
+    """What a node signs for each all-gather chunk it sends: the owner's message and signature."""
+    return _HOP.pack(b"DRHP", step, chunk) + owned + owner_sig
+
+
+_KEYS: dict[str, nacl.signing.VerifyKey] = {}
+
+
+def verify(node_id: str, message: bytes, sig: bytes) -> bool:
+    """True when `sig` is node_id's Ed25519 signature of `message`."""
+    try:
+        if node_id not in _KEYS:
+            if len(_KEYS) > 4096:
+                _KEYS.clear()
+            _KEYS[node_id] = nacl.signing.VerifyKey(bytes.fromhex(node_id))
+        _KEYS[node_id].verify(message, sig)
+        return True
+    except (ValueError, TypeError, nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError):
+        return False
+
+
+def proves_forgery(p: Forgery, owner: str) -> bool:
+    """True when `p` proves that p.forwarder passed on, as `owner`'s chunk, bytes that `owner` did
+    not sign: the forwarder's hop signature holds over the owner's message and signature, and
+    the owner's signature does not. `owner`: the segment's owner by the ring the caller sent
+    (never the accuser's word)."""
+    try:
+        owned = owner_message(owner, p.round, p.generation, p.segment, p.lo, p.hi, p.total, bytes.fromhex(p.digest))
+        owner_sig, hop_sig = bytes.fromhex(p.owner_sig), bytes.fromhex(p.hop_sig)
+    except (ValueError, struct.error):
+        return False
+    return verify(p.forwarder, hop_message(p.step, p.chunk, owned, owner_sig), hop_sig) and not verify(
+        owner, owned, owner_sig
+    )
+
+
+def segment_owner(ids: list[str], seg: int) -> str:
+    """The ring member that completes segment `seg` in reduce-scatter (and signs it)."""
+    return ids[(seg - 1) % len(ids)]
 
 
 @dataclass
@@ -144,6 +210,7 @@ class Ring:
         self.endpoint = endpoint
         self.trusted = trusted
         self.node_id = endpoint.node_id
+        self._key = nacl.signing.SigningKey(bytes(endpoint.ep.secret_key().to_bytes()))  # its node id's key
         self.timeout = timeout
         self.chunk_elems = max(1, chunk_bytes // 4)
         self.codec = make_codec(codec) if isinstance(codec, str) else codec
@@ -323,16 +390,58 @@ class Ring:
         ]
         owner_step = n_nodes - 2  # the last reduce-scatter receive completes the segment we own
 
+        ids = [m.node_id for m in members]
+        mine = (r + 1) % n_nodes  # the segment this node completes, signs and sends first in all-gather
+
+        def sign(a: int, b: int, payload) -> tuple[bytes, bytes]:
+            """The owner's message for chunk x[a:b] of its segment, and its signature."""
+            owned = owner_message(
+                self.node_id, round_, generation, mine, a, b, x.size, hashlib.sha256(payload).digest()
+            )
+            return owned, self._key.sign(owned).signature
+
+        def check(g: int, c: int, a: int, b: int, frame: memoryview) -> tuple[memoryview, tuple[bytes, bytes]]:
+            """An all-gather chunk's payload, once both signatures hold (else RingError naming the
+            left neighbour, with proof when it signed bytes their owner did not)."""
+            seg, left_id = recv_seg[g], left.peer_id
+            owner_sig, hop_sig, payload = bytes(frame[:_SIG]), bytes(frame[_SIG : 2 * _SIG]), frame[2 * _SIG :]
+            digest = hashlib.sha256(payload).digest()
+            owned = owner_message(segment_owner(ids, seg), round_, generation, seg, a, b, x.size, digest)
+            if not verify(left_id, hop_message(g, c, owned, owner_sig), hop_sig):
+                raise RingError("an all-gather chunk from left neighbour does not carry its signature", suspect=left_id)
+            if not verify(segment_owner(ids, seg), owned, owner_sig):
+                proof = Forgery(
+                    forwarder=left_id,
+                    round=round_,
+                    generation=generation,
+                    segment=seg,
+                    lo=a,
+                    hi=b,
+                    total=x.size,
+                    digest=digest.hex(),
+                    owner_sig=owner_sig.hex(),
+                    step=g,
+                    chunk=c,
+                    hop_sig=hop_sig.hex(),
+                )
+                raise RingError(
+                    f"left neighbour forwarded bytes of segment {seg} that its owner did not sign",
+                    suspect=left_id,
+                    proof=proof,
+                )
+            return payload, (owned, owner_sig)
+
         def encode(a: int, b: int, owner: bool):
-            """Encode x[a:b] (our partial or full sum) once; owners keep decode(payload).
-            (payload, the pooled buffer it lives in or None, whether it is parked in x[a:b])
+            """Encode x[a:b] (our partial or full sum) once; owners keep decode(payload) and sign it.
+            (payload, the pooled buffer it lives in or None, whether it is parked in x[a:b], the
+            owner's message and signature or None)
 
             An owner's payloads wait for the sender, busy with its own first segment meanwhile:
             all of them at once with 2 nodes. So they wait in x[a:b] itself (its 4 bytes per
             value hold int8's ~1), and x[a:b] becomes decode(payload) once the chunk is sent
             (`unpark`): no buffer holds the owner's segment."""
             if lossless:
-                return x[a:b], None, False
+                return x[a:b], None, False, sign(a, b, x[a:b]) if owner else None
             v = x[a:b]
             if residual is not None:
                 v += residual[a:b]
@@ -340,14 +449,15 @@ class Ring:
             payload = codec.encode(v, out=buf)
             if residual is not None:
                 np.subtract(v, codec.decode(payload, new_residual[a:b]), out=new_residual[a:b])
+            signed = sign(a, b, payload) if owner else None
             if owner and residual is None and payload.size <= v.nbytes:
                 home = v.view(np.uint8)[: payload.size]
                 home[...] = payload
                 sent(buf)
-                return home, None, True
+                return home, None, True, signed
             if owner:
                 codec.decode(payload, v)
-            return payload, buf, False
+            return payload, buf, False, signed
 
         def unpark(a: int, b: int, home: np.ndarray) -> None:
             """x[a:b] <- decode(the payload parked in it), through a buffer (they overlap)."""
@@ -372,13 +482,13 @@ class Ring:
             nonlocal codec_s
             for c, (a, b) in enumerate(seg_chunks[send_seg[0]]):
                 t = time.perf_counter()
-                payload, buf, _ = encode(a, b, owner=False)
+                payload, buf, _, _ = encode(a, b, owner=False)
                 codec_s += time.perf_counter() - t
                 await self._send_chunk(right, payload, codec, round_, 0, c, b - a, x.size)
                 sent(buf)
             for _ in range(sum(len(seg_chunks[send_seg[g]]) for g in range(1, steps))):
-                g, c, (a, b), payload, buf, parked = await forward.get()
-                await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size)
+                g, c, (a, b), payload, buf, parked, signed = await forward.get()
+                await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size, signed)
                 sent(buf)
                 if parked:
                     t = time.perf_counter()
@@ -388,25 +498,35 @@ class Ring:
         async def receiver() -> None:
             nonlocal codec_s
             for g in range(steps):
+                gather = g >= n_nodes - 1
                 for c, (a, b) in enumerate(seg_chunks[recv_seg[g]]):
-                    payload = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size)
+                    frame = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size, 2 * _SIG * gather)
                     t = time.perf_counter()
+                    signed = None
+                    if gather:  # the owner's bytes, as it signed them, or nothing
+                        payload, signed = check(g, c, a, b, frame)
+                    else:
+                        payload = frame
+                        if not np.isfinite(x[a:b]).all():  # (past DeltaCheck: never an honest node's)
+                            raise RingError("this node's own contribution is not finite")
                     try:
-                        if g < n_nodes - 1:
+                        if not gather:
                             codec.decode_add(payload, x[a:b])  # reduce-scatter: fp32 accumulation
                         else:
                             codec.decode(payload, x[a:b])  # all-gather: the owner's bytes
                     except CodecError as e:
                         raise RingError(f"bad chunk from left neighbour: {e}", suspect=left.peer_id) from None
-                    if not np.isfinite(x[a:b]).all():  # our own part was checked (DeltaCheck)
-                        raise RingError("non-finite values from left neighbour", suspect=left.peer_id)
-                    if g < n_nodes - 1:
-                        out, buf, parked = encode(a, b, owner=g == owner_step)
+                    if not np.isfinite(x[a:b]).all():
+                        # In all-gather the owner signed these bytes: it is the culprit, whoever forwarded them.
+                        culprit = segment_owner(ids, recv_seg[g]) if gather else left.peer_id
+                        raise RingError("non-finite values in a chunk from left neighbour", suspect=culprit)
+                    if not gather:
+                        out, buf, parked, signed = encode(a, b, owner=g == owner_step)
                     else:
-                        out, buf, parked = payload, None, False  # forwarded verbatim
+                        out, buf, parked = payload, None, False  # forwarded verbatim, with its owner's signature
                     codec_s += time.perf_counter() - t
                     if g + 1 < steps:
-                        forward.put_nowait((g + 1, c, (a, b), out, buf, parked))
+                        forward.put_nowait((g + 1, c, (a, b), out, buf, parked, signed))
 
         async def side(coro, peer: str) -> None:
             """Which neighbour a failure points at: one that sent bad bytes (RingError) or went
@@ -428,11 +548,11 @@ class Ring:
         except RingError as e:
             for t in tasks:
                 t.cancel()
-            msg, suspect = str(e), e.suspect
+            msg, suspect, proof = str(e), e.suspect, e.proof
             if _RELAYED in msg:  # a neighbour's failure reached us: pass on its reason, not ours
-                msg, suspect = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], ""
+                msg, suspect, proof = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], "", None
             self.close(msg if msg.startswith(_RELAYED) else _RELAYED + msg)  # they fail too, and say why
-            raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect) from None
+            raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect, proof=proof) from None
         if residual is not None:
             self.residual, self._residual_next = new_residual, residual
         return ReduceStats(
@@ -463,31 +583,48 @@ class Ring:
         return self._pool, slot_bytes
 
     async def _send_chunk(
-        self, ch: Channel, payload, codec: Codec, round_: int, step: int, chunk: int, n: int, total: int
+        self,
+        ch: Channel,
+        payload,
+        codec: Codec,
+        round_: int,
+        step: int,
+        chunk: int,
+        n: int,
+        total: int,
+        signed: tuple[bytes, bytes] | None = None,
     ) -> None:
+        """One chunk to the right neighbour; `signed` (all-gather): the owner's message and
+        signature, sent on with this node's hop signature over both."""
         nbytes = memoryview(payload).nbytes
         head = _HEADER.pack(_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
-        await ch.send_parts([head, payload], timeout=self.timeout)
+        if signed is None:
+            await ch.send_parts([head, payload], timeout=self.timeout)
+        else:
+            owned, owner_sig = signed
+            hop_sig = self._key.sign(hop_message(step, chunk, owned, owner_sig)).signature
+            await ch.send_parts([head, owner_sig + hop_sig, payload], timeout=self.timeout)
 
     async def _recv_chunk(
-        self, ch: Channel, codec: Codec, round_: int, step: int, chunk: int, n: int, total: int
+        self, ch: Channel, codec: Codec, round_: int, step: int, chunk: int, n: int, total: int, extra: int = 0
     ) -> memoryview:
+        """A chunk's bytes after its header (`extra` bytes of signatures, then the payload)."""
         nbytes = codec.encoded_nbytes(n)
         # The cap admits any codec's chunk of our chunk size, so that a peer with another codec or
         # vector size gets a diagnosis from its header rather than a bare "frame too big".
-        cap = _HEADER.size + max(nbytes, 8 * self.chunk_elems)
+        cap = _HEADER.size + extra + max(nbytes, 8 * self.chunk_elems)
         frame = await ch.recv_frame(cap, timeout=self.timeout)
         if len(frame) < _HEADER.size:
             raise RingError(f"ring chunk of {len(frame)} bytes is shorter than its header", suspect=ch.peer_id)
         got = _HEADER.unpack_from(frame)
         want = (_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
-        if got != want or len(frame) != _HEADER.size + nbytes:
+        if got != want or len(frame) != _HEADER.size + extra + nbytes:
             names = ("magic", "version", "codec", "step", "round", "chunk", "values", "vector size", "payload bytes")
             diff = ", ".join(
                 f"{k} {_show(k, g)} (expected {_show(k, w)})" for k, g, w in zip(names, got, want) if g != w
             )
-            if len(frame) != _HEADER.size + nbytes and got[-1] == nbytes:
-                diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + nbytes}"
+            if len(frame) != _HEADER.size + extra + nbytes and got[-1] == nbytes:
+                diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + extra + nbytes}"
             raise RingError(f"unexpected ring chunk: {diff}", suspect=ch.peer_id)
         return memoryview(frame)[_HEADER.size :]
 

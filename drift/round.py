@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from drift import protocol as P
 from drift import rules
+from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, UnitQueue, check_accounting
 from drift.swarm import Peer, Swarm
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("drift.coord")
 
 MAX_RING_RETRIES = 5
+FORGED = "it forwarded ring bytes that their owner did not sign (proven by its own signature)"
 
 
 class RoundError(Exception):
@@ -122,6 +124,7 @@ class Round:
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
         self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
+        self.forgers: set[str] = set()  # ring members proven to forward bytes their owner did not sign
         self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
         self.settled = False
         self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
@@ -307,11 +310,32 @@ class Round:
             return
         if msg.poisoned:
             self.poisoned.add(i)
-        if msg.suspect in self.part() and msg.suspect != i:
+        if msg.proof is not None and not self.proven(i, msg):
+            # Honest code sends only proof it checked: this accuser lied (its word counts for nothing).
+            why = "it accused a ring neighbour with proof that does not hold"
+            log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
+            self.host.note("false_accusation", node_id=i, name=self.name(i), round=self.rnd, accused=msg.suspect)
+            if self.s.strike(i, self.rnd):
+                self.drops.append((i, f"{why}, again"))
+        elif msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
+            if msg.proof is not None:
+                self.forgers.add(msg.suspect)
         if self.ring_failed_at is None:
             log.warning("round %d: %s reports the all-reduce failed: %s", self.rnd, self.name(i), msg.reason)
             self.ring_failed_at = time.monotonic()
+
+    def proven(self, i: str, msg: P.RingFailed) -> bool:
+        """Whether msg.proof shows that msg.suspect forwarded, in this attempt's ring, bytes of a
+        segment that its owner (by the ring we sent, not the accuser's word) did not sign."""
+        p, ids = msg.proof, [m.node_id for m in self.ring]
+        return (
+            p.forwarder == msg.suspect != i
+            and p.round == self.rnd
+            and p.generation == self.s.ring_epoch
+            and p.segment < len(ids)
+            and proves_forgery(p, segment_owner(ids, p.segment))
+        )
 
     # --- decisions --------------------------------------------------------------------------------
 
@@ -465,7 +489,9 @@ class Round:
             # hold every round hostage); the reporters get θ with Agreed.
             if rules.finished_by_majority(part, set(done)) and self.minority() == []:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
-                # counts; only their θ is behind.
+                # counts; only their θ is behind. (A proven forger's too: it is out from now on.)
+                for i in self.forgers:
+                    self.convict(i, "forged", FORGED, sit_out=False)
                 log.warning(
                     "round %d: %d node(s) reported a failed all-reduce that the others finished; "
                     "they get θ from a peer",
@@ -499,6 +525,8 @@ class Round:
         round up after MAX_RING_RETRIES. True once the round is settled (given up)."""
         # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
         # bad node cannot hold the all-reduce hostage.
+        for i in self.forgers:
+            self.convict(i, "forged", FORGED)
         for i in rules.caught(self.suspects, self.part()):
             if i in self.part():
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
@@ -512,7 +540,7 @@ class Round:
         )
         self.host.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
-        self.poisoned = set()
+        self.poisoned, self.forgers = set(), set()
         for n in self.nodes.values():
             n.done, n.behind = None, False
         self.s.ring_epoch += 1
@@ -550,14 +578,19 @@ class Round:
 
     def poisoner(self, i: str, why: str) -> None:
         """Node i sent more into the all-reduce than it reported: out of the round and of the run."""
-        self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=why)
         self.s.poison_suspects = {i}  # the first one sat out next time
-        self.sit_out(i, "poisoned", why)
-        self.ban(i, f"it poisoned the all-reduce ({why})")
+        self.convict(i, why, f"it poisoned the all-reduce ({why})")
 
-    def ban(self, i: str, why: str) -> None:
-        """An honest node never sends more than its reported norm allows, so a proven poisoner is
-        dropped and refused for the rest of the run (a smaller lie next time could pass the bound)."""
+    def convict(self, i: str, reason: str, why: str, sit_out: bool = True) -> None:
+        """Node i did what no honest node does (sent more than its reported norm allows, was named
+        an outlier by most of the ring, forwarded bytes their owner did not sign): a `poisoner`
+        event, out of this round's ring (`sit_out`, its work redone) and of the run: dropped and
+        refused from now on (a smaller lie next time could pass the checks)."""
+        if i not in self.s.members or i in self.s.banned:
+            return
+        self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
+        if sit_out and i in self.part():
+            self.sit_out(i, "poisoned", why, strike=False)
         self.s.banned[i] = why
         self.drops.append((i, why))
 
@@ -567,16 +600,12 @@ class Round:
         named an outlier (a sync rule that sees every contribution clipped it) is out for the run."""
         reports = {i: d.outliers for i, d in self.done().items()}
         for i in rules.named_outliers(reports, self.part()):
-            if i in self.s.members and i not in self.s.banned:
-                why = "its contribution was far outside the others' (named by most of the ring)"
-                self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="outlier")
-                self.ban(i, f"it poisoned the all-reduce ({why})")
+            why = "its contribution was far outside the others' (named by most of the ring)"
+            self.convict(i, "outlier", f"it poisoned the all-reduce ({why})", sit_out=False)
         if self.bisect_out:
             self.s.poison_suspects = set(self.bisect_out)
-            if len(self.bisect_out) == 1 and self.bisect_out[0] in self.s.members:
-                i = self.bisect_out[0]
-                self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason="bisected")
-                self.ban(i, "it poisoned the all-reduce (found by halves)")
+            if len(self.bisect_out) == 1:
+                self.convict(self.bisect_out[0], "bisected", "it poisoned the all-reduce (found by halves)")
 
     def behind(self, now: float) -> None:
         """Members that did not report θ long after the first one did (rules.reduce_overdue) are

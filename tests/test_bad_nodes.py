@@ -166,3 +166,17 @@ def test_poisoned_contribution_is_refused_before_theta_moves_and_its_sender_foun
     check_exactly_once(events, 2 * BATCH)
     # It was told, and left (before, it kept rejoining until it was killed).
     assert swarm.node_exits()[0] not in (None, -9) and "excluded from this run" in (tmp_path / "bad.log").read_text()
+
+
+def test_node_that_tampers_what_it_forwards_is_proven_and_excluded_not_its_neighbour(tmp_path: Path) -> None:
+    # It alters the bytes of another node's segment it forwards in the all-gather. Before, its right
+    # neighbour alone ended with another θ, sat out as the checksum minority and was struck (dropped
+    # at the second), while the attacker kept 0 strikes. Now its right neighbour refuses the chunk
+    # (the owner did not sign it) before θ moves, with the attacker's own signature as proof.
+    swarm, events = _run(tmp_path, "tamper-forward:1", nodes=3)
+    found = [(e["name"], e["round"], e["reason"]) for e in events if e["event"] == "poisoner"]
+    assert found == [("bad", 1, "forged")], found
+    assert not [e for e in events if e["event"] in ("diverged", "false_accusation", "deadline")]
+    assert all(e["name"] == "bad" for e in events if e["event"] in ("sat_out", "node_left"))
+    assert all(_weight(events, r, "bad") == 0 for r in (2, 3))  # out for the run
+    assert swarm.node_exits()[0] not in (None, -9) and "excluded from this run" in (tmp_path / "bad.log").read_text()

@@ -289,3 +289,49 @@ def test_ring_refuses_peers_this_node_has_not_verified() -> None:
 
     msg, accepted = run_async(main())
     assert "has not verified" in msg and not accepted
+
+
+def test_proof_of_forgery_holds_against_the_forwarder_and_against_nobody_else() -> None:
+    # Real Ed25519 keys (NodeKey: the key a node id is). The owner signs its chunk; a forwarder that
+    # alters the bytes and signs what it sent is proven guilty; an honest forwarder cannot be
+    # framed: an accuser can neither sign in its name nor swap the owner's signature it vouched for.
+    import hashlib
+
+    from auth.keys import NodeKey
+    from drift.protocol import Forgery
+    from drift.ring import hop_message, owner_message, proves_forgery
+
+    owner, fwd = NodeKey.generate(), NodeKey.generate()
+    payload = np.arange(1000, dtype=np.float32).tobytes()
+
+    def chunk(data: bytes, owner_sig: bytes | None = None, hop_key: NodeKey = fwd) -> Forgery:
+        digest = hashlib.sha256(data).digest()
+        owned = owner_message(owner.node_id, 7, 2, 1, 100, 1100, 5000, digest)
+        good = owner_message(owner.node_id, 7, 2, 1, 100, 1100, 5000, hashlib.sha256(payload).digest())
+        owner_sig = owner_sig or bytes.fromhex(owner.sign(good))
+        hop_sig = bytes.fromhex(hop_key.sign(hop_message(3, 0, owned, owner_sig)))
+        return Forgery(
+            forwarder=fwd.node_id,
+            round=7,
+            generation=2,
+            segment=1,
+            lo=100,
+            hi=1100,
+            total=5000,
+            digest=digest.hex(),
+            owner_sig=owner_sig.hex(),
+            step=3,
+            chunk=0,
+            hop_sig=hop_sig.hex(),
+        )
+
+    forged = b"\x01" + payload[1:]
+    assert proves_forgery(chunk(forged), owner.node_id)  # it signed bytes the owner did not
+    assert not proves_forgery(chunk(payload), owner.node_id)  # an honest forward proves nothing
+    assert not proves_forgery(chunk(forged, hop_key=NodeKey.generate()), owner.node_id)  # not its signature
+    honest = chunk(payload)
+    swapped = honest.model_copy(update={"owner_sig": "00" * 64})  # the accuser swaps the owner's signature
+    assert not proves_forgery(swapped, owner.node_id)
+    other = honest.model_copy(update={"round": 8})  # or claims another round, chunk or range
+    assert not proves_forgery(other, owner.node_id)
+    assert not proves_forgery(honest, NodeKey.generate().node_id)  # or names another owner

@@ -173,3 +173,15 @@ def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
         assert "more than" in reduced_problem(poisoned, ring)
     assert reduced_problem(np.full(1000, np.nan, np.float32), ring) is not None
     assert reduced_problem(np.full(1000, 1e30, np.float32), ring) is not None
+
+
+def test_a_false_accuser_alone_gets_nobody_caught_however_often_it_cries() -> None:
+    # f accuses its left neighbour in every attempt; the ring reverses on every retry, so its left
+    # is l, then r, then l again: each honest neighbour has one accuser however many retries, while
+    # a real culprit is caught by both its neighbours once the ring has turned.
+    suspects: dict[str, set[str]] = {}
+    for attempt in range(6):
+        suspects.setdefault("l" if attempt % 2 == 0 else "r", set()).add("f")
+    assert rules.caught(suspects, ["l", "f", "r", "x"]) == []
+    suspects.setdefault("x", set()).update({"l", "r"})
+    assert rules.caught(suspects, ["l", "f", "r", "x"]) == ["x"]

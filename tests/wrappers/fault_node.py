@@ -5,8 +5,11 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        sending the first ring chunk of that round: the all-reduce cannot finish
   stop-after-progress  stop right after reporting the first finished unit of that round
   nan-params           the model's weights turn NaN during that round (an fp16 overflow)
-  nan-ring             send NaN as this node's contribution to that round's all-reduce, past its
-                       own check (a broken or hostile node)
+  nan-ring             send NaN in place of every reduce-scatter chunk of that round's all-reduce
+                       (a hostile node: its own Δ and θ stay sound, so its own checks pass)
+  tamper-forward       in that round's all-gather, alter one byte of every chunk it forwards of
+                       another node's segment, and sign what it sent (its hop signature holds, the
+                       owner's does not): before, its right neighbour alone ended with another θ
   short-chunks         send every ring chunk of that round one byte short
   blip-in-allreduce    the ring connections break at the first chunk of that round's first
                        all-reduce attempt (a network blip), and the report of it takes 4 s to
@@ -36,6 +39,7 @@ The test then kills, continues or watches the node. Everything else is the real 
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import signal
 import sys
@@ -100,21 +104,22 @@ elif kind == "nan-params":
         return report
 elif kind == "nan-ring":
 
-    @patch(Session, "_allreduce")
-    async def _(orig, self, t, ready):
-        if ready.round != at:
-            return await orig(self, t, ready)
-        honest = t.rule.contribute
+    @patch(Ring, "_send_chunk")
+    async def _(orig, self, ch, payload, codec, round_, step, chunk, n, total, signed=None):
+        if round_ == at and signed is None:  # (fp32: a payload of float32 values)
+            payload = np.full(memoryview(payload).nbytes // 4, np.nan, np.float32)
+        await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed)
+elif kind == "tamper-forward":
 
-        def nan(delta, weight):
-            delta.fill(np.nan)  # (its Δ was checked already: this is past DeltaCheck)
-            return honest(delta, weight)
-
-        t.rule.contribute = nan
-        try:
-            return await orig(self, t, ready)
-        finally:
-            del t.rule.contribute  # back to the class's
+    @patch(Ring, "_send_chunk")
+    async def _(orig, self, ch, payload, codec, round_, step, chunk, n, total, signed=None):
+        owner = signed[0][-64:-32].hex() if signed is not None else None
+        if round_ == at and owner is not None and owner != self.node_id:
+            forged = bytearray(memoryview(payload).cast("B"))
+            forged[0] ^= 1  # (the lowest bit of a float32: finite, and nearly the same θ)
+            signed = (signed[0][:-32] + hashlib.sha256(forged).digest(), signed[1])
+            payload = forged
+        await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed)
 elif kind == "short-chunks":
 
     @patch(Ring, "_send_chunk")
