@@ -22,7 +22,8 @@ Memory: besides the framework's own model and optimizer, a node holds θ_global,
 optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
 whose velocity stays untouched zeros), plus the local snapshot with `overlap`; with sync: sparse
 its error-feedback buffer and the next one instead of the velocity. Nothing else is a copy of θ:
-transfers stream from and into these.
+transfers stream from and into these, θ's layout comes from shapes, and what moving θ in and out
+of the worker frees goes back to the OS (workers.trim_heap) instead of staying in the C heap.
 """
 
 from __future__ import annotations
