@@ -10,6 +10,14 @@ model with every parameter trained (lora_r 0). Each runs as a real 2-node swarm 
 bytes per node per round are the round events' bytes_sent / 2. The plain loop is the same model,
 AdamW over the trainable parameters and the node's number of steps, in a fresh process. The
 target: bytes ∝ trainable parameters; node − plain ≤ 3 × trainable bytes + the frozen base once.
+
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_lora.py --models char-256,char-512,char-512+overlap,gpt2-small
+
+The same measurement on issue 25's many-tensor models (target: ≤ 3 bytes of RAM per byte of θ
+beyond the plain loop, fixed cost ≤ 512 MiB): the char GPT of recipes/shakespeare_char.py at 8
+layers, 256 and 512 wide (θ 24 and 96 MiB; drift starts it from the task's init_params), and
+recipes/gpt2-small.yaml's model (recipes/gpt2_shakespeare.py, 86M parameters) at block 256 and
+batch 1; int8, outer momentum 0.9; `+overlap` runs a model with the recipe's `overlap: true`.
 """
 
 from __future__ import annotations
@@ -33,21 +41,39 @@ from bench_scale import Sampler, kill_all, own_hwm, read_json  # noqa: E402
 
 ROUNDS, INNER, BATCH = 2, 2, 4
 TASK_FILES = ("lora_llama.py", "gpt2_shakespeare.py", "shakespeare_char.py")
-MODES = {"lora": 8, "full": 0}  # lora_r
+CHAR = {"block_size": 64, "n_layer": 8, "n_head": 8}
+MODELS = {  # name: (task file, task_config, batch)
+    "lora": ("lora_llama.py", {"lora_r": 8}, BATCH),
+    "full": ("lora_llama.py", {"lora_r": 0}, BATCH),
+    "char-256": ("shakespeare_char.py", {**CHAR, "n_embd": 256}, BATCH),
+    "char-512": ("shakespeare_char.py", {**CHAR, "n_embd": 512}, BATCH),
+    "gpt2-small": ("gpt2_shakespeare.py", {"block_size": 256}, 1),
+}
+
+
+def model_of(mode: str) -> tuple[str, dict, int, bool]:
+    """(task file, task_config, batch, overlap) of a --models entry such as char-512+overlap."""
+    name, _, flag = mode.partition("+")
+    if name not in MODELS or flag not in ("", "overlap"):
+        raise SystemExit(f"unknown model {mode!r}; known: {', '.join(MODELS)} (each may end in +overlap)")
+    return (*MODELS[name], flag == "overlap")
 
 
 def recipe(mode: str) -> dict:
+    task, cfg, batch, overlap = model_of(mode)
     return {
-        "name": f"bench-{mode}",
-        "task": "recipes/lora_llama.py",
-        "task_config": {"lora_r": MODES[mode]},
+        "name": f"bench-{mode.replace('+', '-')}",
+        "task": f"recipes/{task}",
+        "task_config": cfg,
         "min_nodes": 2,
         "rounds": ROUNDS,
         "inner_steps": INNER,
-        "batch_size": BATCH,
+        "batch_size": batch,
         "unit_steps": 1,
         "eval_batches": 1,
         "codec": "int8",
+        "outer_optimizer": {"lr": 0.7, "momentum": 0.9},
+        "overlap": overlap,
         "seed": 1,
         "stale_after_s": 600.0,
         "heartbeat_s": 2.0,
@@ -63,7 +89,7 @@ def task_repo(path: Path, mode: str) -> Path:
     (path / "recipes").mkdir(parents=True)
     for f in TASK_FILES:
         shutil.copy(ROOT / "recipes" / f, path / "recipes" / f)
-    out = path / "recipes" / f"bench-{mode}.yaml"
+    out = path / "recipes" / f"{recipe(mode)['name']}.yaml"
     out.write_text(yaml.safe_dump(recipe(mode), sort_keys=False))
     git(path, "init", "-q", "-b", "main")
     git(path, "add", "-A")
@@ -79,18 +105,21 @@ def _plain(mode: str, steps: int) -> None:
     from workers import load_task
 
     torch.set_num_threads(1)
-    task = load_task(ROOT / "recipes" / "lora_llama.py")
-    cfg = {"lora_r": MODES[mode]}
+    task_file, cfg, batch, _ = model_of(mode)
+    task = load_task(ROOT / "recipes" / task_file)
     ds = task.make_dataset(cfg)
     torch.manual_seed(1)
-    model = task.make_model(cfg)
+    model = task.make_model(cfg) if hasattr(task, "make_model") else task.make_torch_model(cfg, ds.vocab_size)
     params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-3)
     rng = np.random.default_rng(0)
     for _ in range(steps):
-        batch = {k: torch.from_numpy(v) for k, v in ds.batch("train", rng.integers(0, ds.n_train, BATCH)).items()}
+        b = ds.batch("train", rng.integers(0, ds.n_train, batch))
         opt.zero_grad(set_to_none=True)
-        loss = model(**batch).loss
+        if isinstance(b, dict):
+            loss = model(**{k: torch.from_numpy(v) for k, v in b.items()}).loss
+        else:
+            loss = model(*(torch.from_numpy(v) for v in b))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -148,16 +177,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="bench")
     ap.add_argument("--mode", default="lora")
+    ap.add_argument("--models", default="lora,full", help=f"of {', '.join(MODELS)}, each may end in +overlap")
     ap.add_argument("--steps", type=int, default=4 + ROUNDS * INNER)  # calibration + a node's share
     a = ap.parse_args()
     if a.role == "plain":
         return _plain(a.mode, a.steps)
     tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     mib = 2**20
-    rows = {}
+    rows, plains = {}, {}
     try:
-        for mode in MODES:
-            rows[mode] = {**plain(mode, a.steps), **swarm(mode, tmp)}
+        for mode in a.models.split(","):
+            model_of(mode)  # a typo fails before anything runs
+        for mode in a.models.split(","):
+            base = mode.partition("+")[0]  # the plain loop knows no overlap
+            plains[base] = plains.get(base) or plain(base, a.steps)
+            rows[mode] = {**plains[base], **swarm(mode, tmp)}
             print(f"{mode}: {json.dumps(rows[mode])}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,11 +208,17 @@ def main() -> None:
             f"| {r['bytes_per_node_round'] / mib:.3f} MiB | {r['node_peak'] / mib:,.0f} MiB | {r['hwm'] / mib:,.0f} MiB "
             f"| {extra / mib:,.1f} MiB | {(3 * theta + frozen) / mib:,.1f} MiB |"
         )
-    lo, fu = rows["lora"], rows["full"]
-    print(
-        f"\nbytes lora / full: {lo['bytes_per_node_round'] / fu['bytes_per_node_round']:.5f}; "
-        f"trainable lora / full: {lo['trainable'] / fu['trainable']:.5f}"
-    )
+    if "lora" in rows and "full" in rows:
+        lo, fu = rows["lora"], rows["full"]
+        print(
+            f"\nbytes lora / full: {lo['bytes_per_node_round'] / fu['bytes_per_node_round']:.5f}; "
+            f"trainable lora / full: {lo['trainable'] / fu['trainable']:.5f}"
+        )
+    print("\n| model | θ | node − plain | (node − plain) / θ |\n|---|---|---|---|")
+    for mode, r in rows.items():
+        theta = 4 * r["trainable"]
+        extra = r["node_peak"] - r["hwm"]
+        print(f"| {mode} | {theta / mib:.2f} MiB | {extra / mib:,.1f} MiB | {extra / theta:.2f} |")
 
 
 if __name__ == "__main__":

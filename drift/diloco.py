@@ -36,12 +36,21 @@ class ParamLayout:
 
     @classmethod
     def of(cls, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray] | None = None) -> ParamLayout:
+        return cls.of_shapes(
+            {n: np.shape(a) for n, a in params.items()}, {n: np.shape(a) for n, a in (buffers or {}).items()}
+        )
+
+    @classmethod
+    def of_shapes(
+        cls, params: dict[str, tuple[int, ...]], buffers: dict[str, tuple[int, ...]] | None = None
+    ) -> ParamLayout:
+        """The layout of tensors of these shapes (no tensor needed: a node never copies θ to learn it)."""
         buffers = buffers or {}
         if clash := sorted(set(params) & set(buffers)):
             raise ValueError(f"{clash[0]} is both a parameter and a buffer")
-        names = (*sorted(params), *sorted(buffers))
         every = {**params, **buffers}
-        return cls(names, tuple(tuple(np.shape(every[n])) for n in names), len(buffers))
+        names = (*sorted(params), *sorted(buffers))
+        return cls(names, tuple(tuple(every[n]) for n in names), len(buffers))
 
     @property
     def size(self) -> int:

@@ -22,7 +22,8 @@ Memory: besides the framework's own model and optimizer, a node holds θ_global,
 optimizer's velocity and one all-reduce buffer (three copies of θ; two without outer momentum,
 whose velocity stays untouched zeros), plus the local snapshot with `overlap`; with sync: sparse
 its error-feedback buffer and the next one instead of the velocity. Nothing else is a copy of θ:
-transfers stream from and into these.
+transfers stream from and into these, θ's layout comes from shapes, and what moving θ in and out
+of the worker frees goes back to the OS (workers.trim_heap) instead of staying in the C heap.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ from drift.transport import (
     parse_ticket,
 )
 from drift.weights import placement
-from workers import BackendError, Choice, TaskError
+from workers import BackendError, Choice, TaskError, trim_heap
 
 log = logging.getLogger("drift.node")
+
 
 HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silence before a recipe names one
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
@@ -475,9 +477,16 @@ class Session:
             raise await self._refuse(str(e)) from None
         except (BackendError, TaskError, ImportError) as e:
             raise await self._refuse(str(e).splitlines()[0]) from None
+        trim_heap()  # what building the model freed (a task's init_params: all of θ, and more)
         worker = OnLoop(raw, opts.steps)  # every call on the loop thread, between its steps
         try:
-            layout = ParamLayout.of(worker.get_params(), worker.get_buffers())
+            # Shapes one tensor at a time: a copy of every parameter at once would stay behind in
+            # the allocator's heap (freed, still resident) for the rest of the run.
+            buffers = set(worker.get_buffers())
+            shapes = {name: a.shape for name, a in worker.iter_state()}
+            layout = ParamLayout.of_shapes(
+                {n: s for n, s in shapes.items() if n not in buffers}, {n: s for n, s in shapes.items() if n in buffers}
+            )
             theta = np.empty(layout.size, np.float32)
             rule = make_rule(layout, recipe)
             t = Trainer(
@@ -514,6 +523,7 @@ class Session:
             raise await self._refuse(str(e).splitlines()[0]) from None
         t.load_worker()  # calibration trained a few steps: back to θ0 (buffers too)
         worker.reset_optimizer()  # ... and to a fresh AdamW, as every node starts
+        trim_heap()
         t.publish(node.state, -1)
         t.initial_checksum = t.held_checksum
         t.frozen_checksum = worker.frozen_checksum()
@@ -918,6 +928,7 @@ class Session:
                 catch_up(t.theta, t.snap)
                 t.worker.add_to_state(t.layout.unflatten(t.snap))
                 t.snap[...] = t.theta  # from now on the local copy is relative to this θ_global
+        trim_heap()  # the per-tensor copies that moved θ
 
     async def _evaluate_global(self, t: Trainer) -> float:
         """The val loss of θ_global (overlapped: the local copy is set aside meanwhile)."""

@@ -59,6 +59,22 @@ def test_layout_round_trip_and_errors() -> None:
         raise AssertionError("shape mismatch accepted")
 
 
+def test_layout_from_shapes_is_the_layout_of_the_tensors() -> None:
+    """A node learns θ's layout from shapes alone: the same names, order, digest and buffer split
+    (so its checksum and what peers match against are unchanged)."""
+    params = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(3, np.float32)}
+    buffers = {"bn.mean": np.zeros(2, np.float32)}
+    shaped = ParamLayout.of_shapes({k: v.shape for k, v in params.items()}, {k: v.shape for k, v in buffers.items()})
+    assert shaped == ParamLayout.of(params, buffers)
+    assert shaped.digest() == ParamLayout.of(params, buffers).digest() and shaped.params_size == 9
+    try:
+        ParamLayout.of_shapes({"x": (1,)}, {"x": (1,)})
+    except ValueError as e:
+        assert "both a parameter and a buffer" in str(e)
+    else:
+        raise AssertionError("a name both parameter and buffer accepted")
+
+
 def test_weighted_delta_and_checksum() -> None:
     g, loc = np.full(4, 2.0, np.float32), np.full(4, 1.5, np.float32)
     assert weighted_delta(g, loc, 0.5).tolist() == [0.25] * 4

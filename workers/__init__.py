@@ -16,7 +16,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from .base import BACKENDS, PRECISIONS, BackendError, TaskError, Worker, factory_names, task_backends, task_label
+from .base import (
+    BACKENDS,
+    PRECISIONS,
+    BackendError,
+    TaskError,
+    Worker,
+    factory_names,
+    task_backends,
+    task_label,
+    trim_heap,
+)
 
 if TYPE_CHECKING:
     from .detect import BackendInfo
@@ -32,6 +42,7 @@ __all__ = [
     "load_task",
     "make_worker",
     "task_backends",
+    "trim_heap",
 ]
 
 INSTALL_HINT = {

@@ -23,6 +23,8 @@ set_params: DiLoCo keeps each node's AdamW state across outer rounds.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,6 +171,26 @@ class ParamsOnly:
     def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
         """Accepts only {} (checked like set_params)."""
         check_params({}, buffers, "buffer")
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
+    Tensors and arrays of a few MiB come from the heap, not from mmap, once glibc has raised its
+    mmap threshold, and freed ones stay resident: a task's init_params (all of θ, float64 on the
+    way), the per-tensor copies that move θ, the inner optimizer's state after a reset. Called
+    after those, so a node's memory is what it holds, not what it once held."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim this way
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def check_params(expected: dict[str, tuple[int, ...]], params: dict[str, np.ndarray], kind: str = "parameter") -> None:
