@@ -381,6 +381,7 @@ class DiskCache:
         self._row = {s: np.zeros(manifest.n[s], np.int64) for s in SPLITS}
         self._files: OrderedDict[int, tuple[str, np.ndarray, int]] = OrderedDict()  # id -> (split, indices, bytes)
         self._lock = threading.Lock()  # the loop thread reads, the node's event loop writes
+        self._checked: set[int] = set()  # files whose every row passed its digest in this process
         self.bytes = 0
         self.evicted = 0
         for p in sorted(self.root.glob("*"), key=lambda p: p.stat().st_mtime):
@@ -434,6 +435,7 @@ class DiskCache:
         os.replace(tmp, path)
         with self._lock:
             self._index(fid, split, idx.astype(np.int64), path.stat().st_size)
+            self._checked.add(fid)  # (its rows were verified before they were written)
             self._evict(keep=fid)
 
     def _evict(self, keep: int | None = None) -> None:
@@ -449,14 +451,18 @@ class DiskCache:
 
     def _drop(self, fid: int) -> None:
         split, idx, size = self._files.pop(fid)
+        self._checked.discard(fid)
         mine = self._file[split][idx] == fid  # (a later file may hold some of these samples again)
         self._file[split][idx[mine]] = -1
         self.bytes -= size
         self._path(fid).unlink(missing_ok=True)
 
     def read(self, split: str, idx: np.ndarray) -> np.ndarray | None:
-        """The rows of these samples, each checked against the manifest; None if any is missing
-        (or failed its check: its file is dropped, to be fetched again)."""
+        """The rows of these samples, checked against the manifest; None if any is missing (or
+        failed its check: its file is dropped, to be fetched again). A file is checked whole at
+        its first read in this process (one an earlier run left) and trusted after that, as are
+        the files this process wrote (verified before writing): a training step pays for reading
+        its batch, not a digest of every sample at every step."""
         out = np.empty((idx.size, self.record), np.uint8)
         with self._lock:
             fids, rows = self._file[split][idx], self._row[split][idx]
@@ -465,27 +471,36 @@ class DiskCache:
             files = [int(f) for f in np.unique(fids)]
             for fid in files:
                 self._files.move_to_end(fid)
-            try:
-                for fid in files:
-                    k = self._files[int(fid)][1].size
-                    sel = np.flatnonzero(fids == fid)
-                    with open(self._path(int(fid)), "rb") as f:
-                        base = 17 + 8 * k
-                        for j in sel:
-                            f.seek(base + int(rows[j]) * self.record)
-                            out[j] = np.frombuffer(f.read(self.record), np.uint8)
-            except (OSError, ValueError):
-                for fid in files:
-                    if fid in self._files:
-                        self._drop(fid)
-                return None
-            bad = np.flatnonzero((digests(out) != self.manifest.sums[split][idx]).any(axis=1))
-            if bad.size:
-                log.warning("data: %d cached samples failed their digest; fetching them again", bad.size)
-                for fid in np.unique(fids[bad]):
-                    self._drop(int(fid))
-                return None
+            for fid in files:
+                sel = np.flatnonzero(fids == fid)
+                if not self._read_rows(fid, split, rows[sel], out, sel):
+                    log.warning("data: cached samples failed their digest or cannot be read; fetching them again")
+                    self._drop(fid)
+                    return None
         return out
+
+    def _read_rows(self, fid: int, split: str, rows: np.ndarray, out: np.ndarray, sel: np.ndarray) -> bool:
+        fidx = self._files[fid][1]
+        base = 17 + 8 * fidx.size
+        try:
+            if fid not in self._checked:
+                body = np.fromfile(self._path(fid), np.uint8, offset=base)
+                if body.size != fidx.size * self.record:
+                    return False
+                body = body.reshape(fidx.size, -1)
+                if (digests(body) != self.manifest.sums[split][fidx]).any():
+                    return False
+                self._checked.add(fid)
+                out[sel] = body[rows]
+                return True
+            with open(self._path(fid), "rb", buffering=0) as f:
+                fd = f.fileno()
+                for j, r in zip(sel.tolist(), rows.tolist()):
+                    if os.preadv(fd, [out[j]], base + r * self.record) != self.record:
+                        return False
+            return True
+        except (OSError, ValueError):
+            return False
 
 
 # --- the node's side: fetching ------------------------------------------------------------------

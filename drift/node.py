@@ -505,7 +505,9 @@ class Session:
                 worker.backend,
                 worker.device,
             )
-            t.calibration = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send))
+            probe = InnerLoop(worker, recipe, self.inbox, self.send)
+            probe.data = node.data if node.data is not None and node.data.in_use else None
+            t.calibration = await calibrate(probe)
         except (
             BackendError,
             TaskError,
