@@ -533,6 +533,7 @@ class DataClient:
         self.report: Callable[[P.DataReport], None] = self._early.append  # to the coordinator: see attach()
         self.round = -1  # the round being trained (for reports)
         self.in_use = False  # a ServedDataset reads from this client (not: the node has the data itself)
+        self.local: Any = None  # the node's own copy, when it matches the manifest (it may serve it too)
         self._jobs: dict[tuple[str, bytes], asyncio.Task] = {}
         self._out: str | None = None  # why no holder could serve, while that lasts
 
@@ -567,6 +568,18 @@ class DataClient:
             except (DataError, TransportError, ValueError) as e:
                 errors.append(f"{ticket[:20]}...: {e}")
         raise DataError("no data holder could hand over the manifest: " + "; ".join(errors or ["no holder named"]))
+
+    def set_holders(self, tickets: list[str]) -> None:
+        """Who serves the data now (the coordinator's DataHolders): kept connections are kept;
+        this node itself is left out."""
+        have = {h.ticket: h for h in self.holders}
+        me = self.endpoint.node_id
+        fresh = [have.get(t) or _Holder(t, _ticket_id(t)) for t in dict.fromkeys(tickets)]
+        for h in self.holders:
+            if h not in fresh and h.ch is not None:
+                h.ch.close("no longer a data holder")
+                h.ch = None
+        self.holders = [h for h in fresh if h.id != me]
 
     def attach(self, send: Callable[[P.DataReport], None]) -> None:
         """From now on reports go to `send` (the coordinator); those made before go now."""
@@ -609,6 +622,9 @@ class DataClient:
                     self.cache.put(split, idx[good], rows[good])
                     self.stats.samples += good.size
                 if not bad.size:
+                    if h in self.holders and self.holders[0] is not h:  # ask the one that served first next time
+                        self.holders.remove(h)
+                        self.holders.insert(0, h)
                     self._back()
                     return
                 self.stats.bad += bad.size
@@ -773,7 +789,8 @@ def served_task(task: types.ModuleType, client: DataClient, say: Callable[[str],
         if not same:
             say("data: the copy here differs from the data holder's; the samples come from the holder")
             return ServedDataset(client)
-        say("data: this machine has the holder's data (every sample checked); training on it")
+        say("data: this machine has the holder's data (every sample checked); training on it and serving it")
+        client.local = local
         return local
 
     wrapped.make_dataset = make_dataset
