@@ -250,7 +250,11 @@ class Coordinator:
             {
                 CONTROL_ALPN: self._serve,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped, on_stranger=self._refusals),
-                **({DATA_ALPN: lambda conn: self.data.handle(conn, on_drop=self._dropped)} if self.data else {}),
+                **(
+                    {DATA_ALPN: lambda conn: self.data.handle(conn, on_drop=self._dropped, on_stranger=self._refusals)}
+                    if self.data
+                    else {}
+                ),
             },
             on_drop=self._dropped,
         )

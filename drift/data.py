@@ -291,14 +291,20 @@ class DataServer:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drift-data")  # batch() one at a time
         self._clients = 0
 
-    async def handle(self, conn: iroh.Connection, on_drop: Callable[[str, str], None] | None = None) -> None:
+    async def handle(
+        self,
+        conn: iroh.Connection,
+        on_drop: Callable[[str, str], None] | None = None,
+        on_stranger: Callable[[str, str], None] | None = None,
+    ) -> None:
         """Requests on one connection until the peer hangs up or goes idle; whatever it sends ends,
-        at worst, in one on_drop(peer, why)."""
+        at worst, in one on_drop(peer, why). A peer that is not `allowed` is closed before anything
+        is read, holding no slot, and reported to on_stranger (default: on_drop; pass a Throttle)."""
         drop = on_drop or (lambda peer, why: log.warning("dropping a data request from %s: %s", peer[:10], why))
         peer = peer_of(conn)
         try:
             if not self.allowed(peer):
-                drop(peer, "data request refused: not a member of this run")
+                (on_stranger or drop)(peer, "data request refused: not a member of this run")
                 close_conn(conn, "not a member of this run")
                 return
             if self._clients >= MAX_CLIENTS:

@@ -265,23 +265,22 @@ class Node:
     async def _accept(self) -> None:
         """Serve drift-ring/0 (neighbours) and drift-state/0 (θ for peers); a connection that
         fails, whatever its bytes, is closed with one log line."""
-        refusals = Throttle(lambda peer, why: log.warning("refusing a state request from %s: %s", peer[:10], why))
-        data_drops = Throttle(lambda peer, why: log.warning("dropping a data request from %s: %s", peer[:10], why))
+        refusals = Throttle(lambda peer, why: log.warning("refusing %s: %s", peer[:10], why))  # strangers
         await self.endpoint.serve(
             {
                 RING_ALPN: self.ring.handle_incoming,
                 GATHER_ALPN: self.gather.handle_incoming,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_stranger=refusals),
-                DATA_ALPN: lambda conn: self._serve_data(conn, data_drops),
+                DATA_ALPN: lambda conn: self._serve_data(conn, refusals),
             }
         )
 
-    async def _serve_data(self, conn, drops: Throttle) -> None:
+    async def _serve_data(self, conn, strangers: Throttle) -> None:
         """drift-data/0: the samples of this node's own copy, once it matched the manifest."""
         if self.data_server is None:
             close_conn(conn, "this node serves no data")
             return
-        await self.data_server.handle(conn, on_drop=drops)
+        await self.data_server.handle(conn, on_stranger=strangers)
 
     def _hold_data(self) -> None:
         """Our copy of the data matched the holder's manifest: serve it to members, as they may."""

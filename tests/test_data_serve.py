@@ -21,7 +21,7 @@ from drift.data import (
     ServedDataset,
     build_manifest,
 )
-from drift.transport import DATA_ALPN, Endpoint
+from drift.transport import DATA_ALPN, Endpoint, Throttle
 
 
 class Tokens:
@@ -138,6 +138,36 @@ def test_only_members_are_served_and_no_holder_means_unavailable(tmp_path: Path)
             with pytest.raises(DataUnavailable, match="unavailable: AttributeError"):
                 await client.fetch("val", np.arange(4))
             client.close()
+        finally:
+            serving.cancel()
+            server.close()
+            await ep.close()
+            await client_ep.close()
+
+    run_async(main())
+
+
+def test_a_stranger_knocking_again_and_again_is_one_line(tmp_path: Path) -> None:
+    """Refusals of a peer that is not a member go to on_stranger (a Throttle, as drift-state/0's):
+    three knocks, one line."""
+
+    async def main() -> None:
+        ds = Tokens()
+        m = build_manifest(ds)
+        lines: list[str] = []
+        server = DataServer(ds, m, allowed=lambda peer: False)
+        strangers = Throttle(lambda peer, why: lines.append(why))
+        ep = await Endpoint.bind("local", alpns=(DATA_ALPN,))
+        serving = asyncio.ensure_future(
+            ep.serve({DATA_ALPN: lambda conn: server.handle(conn, on_drop=lines.append, on_stranger=strangers)})
+        )
+        client_ep = await Endpoint.bind("local")
+        try:
+            src = P.DataSource(root=m.root, size=len(server.blob), tickets=[ep.ticket()])
+            for _ in range(3):
+                with pytest.raises(DataError, match="no data holder could hand over the manifest"):
+                    await DataClient.open(client_ep, src, tmp_path, 1 << 20)
+            assert lines == ["data request refused: not a member of this run"]
         finally:
             serving.cancel()
             server.close()
