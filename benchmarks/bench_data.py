@@ -7,9 +7,12 @@ files are ignored by git, so the node's checkout lacks them and every sample com
 coordinator over drift-data/0; "local": the files are committed, so the node opens its own copy
 (checked against the coordinator's manifest) and fetches nothing. Prints, per mode, the node's
 samples/s over rounds 1.. (round 0 includes start-up) by the rounds' wall time, its samples/s
-while in inner steps, and the bytes it fetched per sample.
+while in inner steps, the bytes it fetched per sample, and the CPU seconds (the kernel's rusage,
+all threads) the node and the coordinator spent per sample trained: served minus local is what
+fetching costs the node and what serving costs the coordinator, robust to a busy machine where
+wall-clock rates are not.
 
-    python3 benchmarks/bench_data.py [--rate 100mbit] [--rounds 6]
+    python3 benchmarks/bench_data.py [--rate 100mbit] [--rounds 6] [--pairs 1]
 """
 
 from __future__ import annotations
@@ -116,8 +119,9 @@ def run(mode: str, rate: str, rounds: int, work: Path) -> dict:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-            out = coord.communicate(timeout=900)[0]
-            node.wait(timeout=60)
+            out = coord.stdout.read()
+            coord_cpu = _reap(coord)
+            node_cpu = _reap(node)
     if coord.returncode != 0:
         raise SystemExit(f"{mode}: the coordinator failed: {out[-2000:]}")
     events = [json.loads(x) for x in (work / f"{mode}-run" / "metrics.jsonl").read_text().splitlines()]
@@ -136,27 +140,45 @@ def run(mode: str, rate: str, rounds: int, work: Path) -> dict:
         "bad": len([e for e in events if e["event"] == "data_bad_chunk"]),
         "unavailable": len([e for e in events if e["event"] == "data_unavailable"]),
         "said": "not on this machine" in (work / f"{mode}-node.log").read_text(),
+        "node_cpu_ms": 1e3 * node_cpu / max(1, total),
+        "coord_cpu_ms": 1e3 * coord_cpu / max(1, total),
     }
+
+
+def _reap(proc: subprocess.Popen) -> float:
+    """Wait for the process; its CPU seconds (user + system, from the kernel's rusage)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--pairs", type=int, default=1, help="local/served pairs, run alternately")
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-data-"))
-    try:
-        results = [run(mode, a.rate, a.rounds, work) for mode in ("local", "served")]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    for r in results:
+    for i in range(a.pairs):
+        work = Path(tempfile.mkdtemp(prefix="bench-data-"))
+        try:
+            results = [run(mode, a.rate, a.rounds, work) for mode in ("local", "served")]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        for r in results:
+            print(
+                f"{r['mode']:7s} {r['samples_per_s']:8.1f} samples/s (rounds 1..)  "
+                f"{r['busy_samples_per_s']:8.1f} in steps  fetched {r['fetched_samples']} samples, "
+                f"{r['bytes_per_sample']:.1f} B/sample trained  CPU per sample trained: node "
+                f"{r['node_cpu_ms']:.3f} ms, coordinator {r['coord_cpu_ms']:.3f} ms  "
+                f"bad chunks {r['bad']}  unavailable {r['unavailable']}  fetching said: {r['said']}"
+            )
+        local, served = results
         print(
-            f"{r['mode']:7s} {r['samples_per_s']:8.1f} samples/s (rounds 1..)  {r['busy_samples_per_s']:8.1f} in steps  "
-            f"fetched {r['fetched_samples']} samples, {r['bytes_per_sample']:.1f} B/sample trained  "
-            f"bad chunks {r['bad']}  unavailable {r['unavailable']}  fetching said: {r['said']}"
+            f"pair {i + 1}: served/local {served['samples_per_s'] / local['samples_per_s']:.3f} (rounds' wall time), "
+            f"{served['busy_samples_per_s'] / local['busy_samples_per_s']:.3f} (in steps); CPU per sample "
+            f"served - local: node {served['node_cpu_ms'] - local['node_cpu_ms']:+.3f} ms, "
+            f"coordinator {served['coord_cpu_ms'] - local['coord_cpu_ms']:+.3f} ms"
         )
-    local, served = results
-    print(f"served/local: {served['samples_per_s'] / local['samples_per_s']:.3f} (rounds' wall time)")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ class Coordinator:
         self.state = StateServer(allowed=self._member)
         self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
         self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
+        self.data_holders: dict[str, str] = {}  # node id -> ticket: members that serve a copy of it too
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""  # why the last checkpoint could not be fetched
@@ -210,11 +211,24 @@ class Coordinator:
     def data_source(self) -> P.DataSource | None:
         if self.data is None:
             return None
-        return P.DataSource(root=self.data.root, size=len(self.data.blob), tickets=[self.endpoint.ticket()])
+        return P.DataSource(root=self.data.root, size=len(self.data.blob), tickets=self._data_tickets())
+
+    def _data_tickets(self) -> list[str]:
+        """Who serves the data: we do, then the members that hold a copy."""
+        return [self.endpoint.ticket(), *(t for i, t in self.data_holders.items() if i in self.ready)]
+
+    def _holders_changed(self) -> None:
+        self._spawn(self.broadcast(list(self.ready.values()), P.DataHolders(tickets=self._data_tickets())))
 
     def data_report(self, peer: Peer, msg: P.DataReport) -> None:
-        """A node about the served data: logged (but the totals), and an event in metrics.jsonl."""
-        if msg.kind != "fetched":
+        """A node about the served data: logged (but the totals), and an event in metrics.jsonl. A
+        node that holds a copy ("holds") is named to every node as a holder after us; what it
+        serves is checked against the manifest like ours, so a liar is only passed over."""
+        if msg.kind == "holds" and self.data is not None:
+            log.info("node %s holds a copy of the data and serves it too", peer.info.name)
+            self.data_holders[peer.id] = peer.info.ring_ticket
+            self._holders_changed()
+        elif msg.kind != "fetched":
             log.warning("node %s: data %s: %s", peer.info.name, msg.kind.replace("_", " "), msg.reason)
         fields = msg.model_dump(exclude={"type", "kind"})
         self.note(f"data_{msg.kind}", node_id=peer.id, name=peer.info.name, **fields)
@@ -236,7 +250,11 @@ class Coordinator:
             {
                 CONTROL_ALPN: self._serve,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped, on_stranger=self._refusals),
-                **({DATA_ALPN: lambda conn: self.data.handle(conn, on_drop=self._dropped)} if self.data else {}),
+                **(
+                    {DATA_ALPN: lambda conn: self.data.handle(conn, on_drop=self._dropped, on_stranger=self._refusals)}
+                    if self.data
+                    else {}
+                ),
             },
             on_drop=self._dropped,
         )
@@ -896,6 +914,8 @@ class Coordinator:
         for rd in self.live:
             rd.forget(i)
         peer = self.swarm.leave(i)
+        if self.data_holders.pop(i, None) is not None:
+            self._holders_changed()
         log.warning("node %s (%s) dropped: %s", peer.info.name, i[:10], why)
         self.note("node_left", node_id=i, name=peer.info.name, reason=why, round=rnd)
         if i in self.swarm.banned:

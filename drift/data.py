@@ -291,14 +291,20 @@ class DataServer:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drift-data")  # batch() one at a time
         self._clients = 0
 
-    async def handle(self, conn: iroh.Connection, on_drop: Callable[[str, str], None] | None = None) -> None:
+    async def handle(
+        self,
+        conn: iroh.Connection,
+        on_drop: Callable[[str, str], None] | None = None,
+        on_stranger: Callable[[str, str], None] | None = None,
+    ) -> None:
         """Requests on one connection until the peer hangs up or goes idle; whatever it sends ends,
-        at worst, in one on_drop(peer, why)."""
+        at worst, in one on_drop(peer, why). A peer that is not `allowed` is closed before anything
+        is read, holding no slot, and reported to on_stranger (default: on_drop; pass a Throttle)."""
         drop = on_drop or (lambda peer, why: log.warning("dropping a data request from %s: %s", peer[:10], why))
         peer = peer_of(conn)
         try:
             if not self.allowed(peer):
-                drop(peer, "data request refused: not a member of this run")
+                (on_stranger or drop)(peer, "data request refused: not a member of this run")
                 close_conn(conn, "not a member of this run")
                 return
             if self._clients >= MAX_CLIENTS:
@@ -381,6 +387,7 @@ class DiskCache:
         self._row = {s: np.zeros(manifest.n[s], np.int64) for s in SPLITS}
         self._files: OrderedDict[int, tuple[str, np.ndarray, int]] = OrderedDict()  # id -> (split, indices, bytes)
         self._lock = threading.Lock()  # the loop thread reads, the node's event loop writes
+        self._checked: set[int] = set()  # files whose every row passed its digest in this process
         self.bytes = 0
         self.evicted = 0
         for p in sorted(self.root.glob("*"), key=lambda p: p.stat().st_mtime):
@@ -434,6 +441,7 @@ class DiskCache:
         os.replace(tmp, path)
         with self._lock:
             self._index(fid, split, idx.astype(np.int64), path.stat().st_size)
+            self._checked.add(fid)  # (its rows were verified before they were written)
             self._evict(keep=fid)
 
     def _evict(self, keep: int | None = None) -> None:
@@ -449,14 +457,18 @@ class DiskCache:
 
     def _drop(self, fid: int) -> None:
         split, idx, size = self._files.pop(fid)
+        self._checked.discard(fid)
         mine = self._file[split][idx] == fid  # (a later file may hold some of these samples again)
         self._file[split][idx[mine]] = -1
         self.bytes -= size
         self._path(fid).unlink(missing_ok=True)
 
     def read(self, split: str, idx: np.ndarray) -> np.ndarray | None:
-        """The rows of these samples, each checked against the manifest; None if any is missing
-        (or failed its check: its file is dropped, to be fetched again)."""
+        """The rows of these samples, checked against the manifest; None if any is missing (or
+        failed its check: its file is dropped, to be fetched again). A file is checked whole at
+        its first read in this process (one an earlier run left) and trusted after that, as are
+        the files this process wrote (verified before writing): a training step pays for reading
+        its batch, not a digest of every sample at every step."""
         out = np.empty((idx.size, self.record), np.uint8)
         with self._lock:
             fids, rows = self._file[split][idx], self._row[split][idx]
@@ -465,27 +477,36 @@ class DiskCache:
             files = [int(f) for f in np.unique(fids)]
             for fid in files:
                 self._files.move_to_end(fid)
-            try:
-                for fid in files:
-                    k = self._files[int(fid)][1].size
-                    sel = np.flatnonzero(fids == fid)
-                    with open(self._path(int(fid)), "rb") as f:
-                        base = 17 + 8 * k
-                        for j in sel:
-                            f.seek(base + int(rows[j]) * self.record)
-                            out[j] = np.frombuffer(f.read(self.record), np.uint8)
-            except (OSError, ValueError):
-                for fid in files:
-                    if fid in self._files:
-                        self._drop(fid)
-                return None
-            bad = np.flatnonzero((digests(out) != self.manifest.sums[split][idx]).any(axis=1))
-            if bad.size:
-                log.warning("data: %d cached samples failed their digest; fetching them again", bad.size)
-                for fid in np.unique(fids[bad]):
-                    self._drop(int(fid))
-                return None
+            for fid in files:
+                sel = np.flatnonzero(fids == fid)
+                if not self._read_rows(fid, split, rows[sel], out, sel):
+                    log.warning("data: cached samples failed their digest or cannot be read; fetching them again")
+                    self._drop(fid)
+                    return None
         return out
+
+    def _read_rows(self, fid: int, split: str, rows: np.ndarray, out: np.ndarray, sel: np.ndarray) -> bool:
+        fidx = self._files[fid][1]
+        base = 17 + 8 * fidx.size
+        try:
+            if fid not in self._checked:
+                body = np.fromfile(self._path(fid), np.uint8, offset=base)
+                if body.size != fidx.size * self.record:
+                    return False
+                body = body.reshape(fidx.size, -1)
+                if (digests(body) != self.manifest.sums[split][fidx]).any():
+                    return False
+                self._checked.add(fid)
+                out[sel] = body[rows]
+                return True
+            with open(self._path(fid), "rb", buffering=0) as f:
+                fd = f.fileno()
+                for j, r in zip(sel.tolist(), rows.tolist()):
+                    if os.preadv(fd, [out[j]], base + r * self.record) != self.record:
+                        return False
+            return True
+        except (OSError, ValueError):
+            return False
 
 
 # --- the node's side: fetching ------------------------------------------------------------------
@@ -518,6 +539,7 @@ class DataClient:
         self.report: Callable[[P.DataReport], None] = self._early.append  # to the coordinator: see attach()
         self.round = -1  # the round being trained (for reports)
         self.in_use = False  # a ServedDataset reads from this client (not: the node has the data itself)
+        self.local: Any = None  # the node's own copy, when it matches the manifest (it may serve it too)
         self._jobs: dict[tuple[str, bytes], asyncio.Task] = {}
         self._out: str | None = None  # why no holder could serve, while that lasts
 
@@ -552,6 +574,18 @@ class DataClient:
             except (DataError, TransportError, ValueError) as e:
                 errors.append(f"{ticket[:20]}...: {e}")
         raise DataError("no data holder could hand over the manifest: " + "; ".join(errors or ["no holder named"]))
+
+    def set_holders(self, tickets: list[str]) -> None:
+        """Who serves the data now (the coordinator's DataHolders): kept connections are kept;
+        this node itself is left out."""
+        have = {h.ticket: h for h in self.holders}
+        me = self.endpoint.node_id
+        fresh = [have.get(t) or _Holder(t, _ticket_id(t)) for t in dict.fromkeys(tickets)]
+        for h in self.holders:
+            if h not in fresh and h.ch is not None:
+                h.ch.close("no longer a data holder")
+                h.ch = None
+        self.holders = [h for h in fresh if h.id != me]
 
     def attach(self, send: Callable[[P.DataReport], None]) -> None:
         """From now on reports go to `send` (the coordinator); those made before go now."""
@@ -594,6 +628,9 @@ class DataClient:
                     self.cache.put(split, idx[good], rows[good])
                     self.stats.samples += good.size
                 if not bad.size:
+                    if h in self.holders and self.holders[0] is not h:  # ask the one that served first next time
+                        self.holders.remove(h)
+                        self.holders.insert(0, h)
                     self._back()
                     return
                 self.stats.bad += bad.size
@@ -758,7 +795,8 @@ def served_task(task: types.ModuleType, client: DataClient, say: Callable[[str],
         if not same:
             say("data: the copy here differs from the data holder's; the samples come from the holder")
             return ServedDataset(client)
-        say("data: this machine has the holder's data (every sample checked); training on it")
+        say("data: this machine has the holder's data (every sample checked); training on it and serving it")
+        client.local = local
         return local
 
     wrapped.make_dataset = make_dataset

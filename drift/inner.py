@@ -13,6 +13,7 @@ node.py has them fetch the newest θ from a peer and report its validation loss,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import queue
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from drift import protocol as P
+from drift.data import DataUnavailable
 from drift.diloco import epoch_order, unit_indices
 
 log = logging.getLogger("drift.node")
@@ -115,6 +117,7 @@ class InnerLoop:
         r = self.recipe
         n = min(self.worker.n_val, r.eval_batches * r.batch_size)
         batches = max(1, -(-n // r.batch_size))
+        await self._have("val", np.arange(n))
         t0 = time.perf_counter()
         val = await self._run(self.worker.evaluate, r.eval_batches, r.batch_size)
         return val, (time.perf_counter() - t0) / batches
@@ -257,6 +260,14 @@ class InnerLoop:
             for unit in units:
                 self.data.prefetch("train", self._indices(unit))
 
+    async def _have(self, split: str, idx: np.ndarray) -> None:
+        """Served data: these samples fetched before the worker reads them (so a read never waits
+        on the network while it holds the worker). If no holder can serve them now, the worker's
+        own read waits for one."""
+        if self.data is not None and idx.size:
+            with contextlib.suppress(DataUnavailable):
+                await self.data.prefetch(split, idx)
+
     def _stopped(self, state: dict) -> bool:
         self._poll(state)
         return state["stop"]
@@ -288,6 +299,8 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
     to a busy moment), and one timed evaluation batch. The caller restores θ afterwards."""
     worker, bs = inner.worker, inner.recipe.batch_size
     idx = np.arange(min(bs, worker.n_train))
+    await inner._have("train", idx)
+    await inner._have("val", np.arange(min(bs, worker.n_val)))
     await inner.train_step(idx)
     times = []
     for _ in range(steps):

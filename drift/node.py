@@ -46,7 +46,7 @@ import numpy as np
 
 from auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift import protocol as P
-from drift.data import DataClient, DataError, served_task
+from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
 from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
@@ -57,6 +57,7 @@ from drift.state import StateError, StateServer, fetch_state, into_arrays
 from drift.sync import SyncRule, catch_up, make_rule
 from drift.transport import (
     CONTROL_ALPN,
+    DATA_ALPN,
     GATHER_ALPN,
     MAX_CONTROL_FRAME,
     RING_ALPN,
@@ -66,6 +67,7 @@ from drift.transport import (
     Throttle,
     TransportError,
     TransportTimeout,
+    close_conn,
     mode_for_ticket,
     parse_ticket,
 )
@@ -200,6 +202,7 @@ class Node:
         self.state = StateServer(allowed=lambda peer: peer in self.members or peer == self.coordinator)
         self.trainer: Trainer | None = None
         self.data: DataClient | None = None  # recipe data: the samples come from a holder
+        self.data_server: DataServer | None = None  # ... or this node holds a copy and serves it too
         self.admitted = False  # this node trained in the swarm (so a refusal may be transient)
 
     async def run(self) -> int:
@@ -223,6 +226,8 @@ class Node:
             await self.endpoint.close()
             if self.data is not None:
                 self.data.close()
+            if self.data_server is not None:
+                self.data_server.close()
             if self.trainer is not None:
                 with contextlib.suppress(SwarmClosed):
                     self.trainer.worker.close()
@@ -262,14 +267,29 @@ class Node:
     async def _accept(self) -> None:
         """Serve drift-ring/0 (neighbours) and drift-state/0 (θ for peers); a connection that
         fails, whatever its bytes, is closed with one log line."""
-        refusals = Throttle(lambda peer, why: log.warning("refusing a state request from %s: %s", peer[:10], why))
+        refusals = Throttle(lambda peer, why: log.warning("refusing %s: %s", peer[:10], why))  # strangers
         await self.endpoint.serve(
             {
                 RING_ALPN: self.ring.handle_incoming,
                 GATHER_ALPN: self.gather.handle_incoming,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_stranger=refusals),
+                DATA_ALPN: lambda conn: self._serve_data(conn, refusals),
             }
         )
+
+    async def _serve_data(self, conn, strangers: Throttle) -> None:
+        """drift-data/0: the samples of this node's own copy, once it matched the manifest."""
+        if self.data_server is None:
+            close_conn(conn, "this node serves no data")
+            return
+        await self.data_server.handle(conn, on_stranger=strangers)
+
+    def _hold_data(self) -> None:
+        """Our copy of the data matched the holder's manifest: serve it to members, as they may."""
+        if self.data is not None and self.data.local is not None and self.data_server is None:
+            self.data_server = DataServer(
+                self.data.local, self.data.manifest, allowed=lambda peer: peer in self.members
+            )
 
 
 class Session:
@@ -306,6 +326,10 @@ class Session:
                 frame = await self.ctl.recv_frame(MAX_CONTROL_FRAME, timeout=self.silence_s)
                 msg = P.decode(frame)
                 if isinstance(msg, P.Ping):
+                    continue
+                if isinstance(msg, P.DataHolders):
+                    if self.node.data is not None:
+                        self.node.data.set_holders(msg.tickets)
                     continue
                 if isinstance(msg, P.TrainingReady):
                     # Membership changes are taken here, as they arrive, not when the main loop
@@ -400,6 +424,8 @@ class Session:
         if self.node.data is not None:
             t.inner.data = self.node.data if self.node.data.in_use else None  # (else it has the data itself)
             self.node.data.attach(self._data_report)
+            if self.node.data_server is not None:
+                self._data_report(P.DataReport(kind="holds", round=-1, reason="this node's copy matches the manifest"))
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
             msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
@@ -514,13 +540,16 @@ class Session:
                 worker.backend,
                 worker.device,
             )
-            t.calibration = await calibrate(InnerLoop(worker, recipe, self.inbox, self.send))
+            probe = InnerLoop(worker, recipe, self.inbox, self.send)
+            probe.data = node.data if node.data is not None and node.data.in_use else None
+            t.calibration = await calibrate(probe)
         except (
             BackendError,
             TaskError,
             ImportError,
         ) as e:  # a task that breaks the interface says so at its first step
             raise await self._refuse(str(e).splitlines()[0]) from None
+        node._hold_data()
         t.load_worker()  # calibration trained a few steps: back to θ0 (buffers too)
         worker.reset_optimizer()  # ... and to a fresh AdamW, as every node starts
         trim_heap()

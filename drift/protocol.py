@@ -235,13 +235,22 @@ class DataSource(_Msg):
     tickets: Annotated[list[Ticket], Field(min_length=1, max_length=MAX_NODES + 1)]  # holders, tried in order
 
 
+class DataHolders(_Msg):
+    """Coordinator -> nodes: everyone who serves the run's data now (the coordinator first, then
+    the nodes that hold a copy), tried in order by a node that lacks it."""
+
+    type: Literal["DataHolders"] = "DataHolders"
+    tickets: Annotated[list[Ticket], Field(min_length=1, max_length=MAX_NODES + 1)]
+
+
 class DataReport(_Msg):
     """Node -> coordinator, about the served data: samples that failed their digest (fetched
     again), no holder able to serve (the node sits out), a holder serving again, or the totals
-    fetched so far (after each round)."""
+        fetched so far (after each round); "holds": this node has the holder's very samples (its copy
+    matches the manifest) and serves them to other members over drift-data/0."""
 
     type: Literal["DataReport"] = "DataReport"
-    kind: Literal["bad_chunk", "unavailable", "back", "fetched"]
+    kind: Literal["bad_chunk", "unavailable", "back", "fetched", "holds"]
     round: RoundOrInitial
     samples: Count = 0
     bytes: Count = 0
@@ -461,6 +470,7 @@ Message = Annotated[
     | EvalResult
     | Agreed
     | DataReport
+    | DataHolders
     | TrainComplete,
     Field(discriminator="type"),
 ]

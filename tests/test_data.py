@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import numpy as np
 import yaml
 from conftest import ROOT, WRAPPERS, check_exactly_once, drift_cmd
 
-from harness.simulate import git
+from harness.simulate import Swarm, git
 
 BLOCK = 16
 UNIT_SAMPLES = 2 * 8  # unit_steps * batch_size
@@ -195,3 +196,46 @@ def test_the_node_sits_out_while_the_holder_cannot_serve_and_resumes(tmp_path: P
     check_exactly_once(events, UNIT_SAMPLES)
     text = (run_dir / "node-0.log").read_text()
     assert "sitting out until a holder can serve them" in text and "Traceback" not in text
+
+
+def test_a_node_with_a_copy_serves_the_others_when_the_coordinator_cannot(tmp_path: Path) -> None:
+    """The coordinator holds the token files, node "a" a copy of its own (it matches the manifest,
+    so it trains on it and serves it), node "b" none. The coordinator's files go away mid-run: b
+    fetches from a instead and trains on without sitting out; nothing is trained twice or lost."""
+    recipe = token_repo(tmp_path / "repo", nodes=2, rounds=24, tokens=200_000)
+    cfg = yaml.safe_load(recipe.read_text())
+    cfg["task_config"]["data_dir"] = "~/tokdata"  # each process's own $HOME
+    recipe.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    git(recipe.parents[1], "commit", "-q", "-am", "data in the home directory")
+    homes = {w: tmp_path / f"home-{w}" for w in ("coord", "a", "b")}
+    for h in homes.values():
+        h.mkdir()
+    (recipe.parent / "data").rename(homes["coord"] / "tokdata")
+    shutil.copytree(homes["coord"] / "tokdata", homes["a"] / "tokdata")
+    sw = Swarm(recipe, tmp_path, "--dashboard", "off", wrap=["env", f"HOME={homes['coord']}"])
+    try:
+        sw.join(name="a", env={"HOME": str(homes["a"])})
+        sw.join(name="b", env={"HOME": str(homes["b"])})
+        holds = sw.wait_event(lambda e: e["event"] == "data_holds")
+        assert holds["name"] == "a", holds
+        sw.wait_event(lambda e: e["event"] == "round" and e["round"] >= 1)
+        (homes["coord"] / "tokdata").rename(homes["coord"] / "tokdata.away")
+        gone_after = max(e["round"] for e in sw.events() if e["event"] == "round")
+        assert sw.finish(timeout=300) == 0, sw.log()
+    finally:
+        sw.finish(timeout=0.1)
+    events = sw.events()
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [r["round"] for r in rounds] == list(range(24))
+    check_exactly_once(events, UNIT_SAMPLES)
+    b = next(e["node_id"] for e in events if e["event"] == "data_fetched" and e["name"] == "b")
+    # b trained in every round after the coordinator's data went away, and never sat out
+    later = [r for r in rounds if r["round"] > gone_after + 1]
+    assert later and all(n["samples"] > 0 for r in later for n in r["nodes"].values() if n["node_id"] == b)
+    assert not [e for e in events if e["event"] in ("data_unavailable", "data_bad_chunk")]
+    fetched = {e["round"]: e["samples"] for e in events if e["event"] == "data_fetched" and e["node_id"] == b}
+    assert fetched[max(fetched)] > fetched[gone_after + 1] > 0  # it went on fetching: from a
+    assert "data: cannot read" in sw.log()  # the coordinator was asked, and could not serve
+    a_log = (tmp_path / "a.log").read_text()
+    assert "this machine has the holder's data" in a_log and "Traceback" not in a_log
+    assert "not on this machine" in (tmp_path / "b.log").read_text()

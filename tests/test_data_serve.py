@@ -21,7 +21,7 @@ from drift.data import (
     ServedDataset,
     build_manifest,
 )
-from drift.transport import DATA_ALPN, Endpoint
+from drift.transport import DATA_ALPN, Endpoint, Throttle
 
 
 class Tokens:
@@ -70,13 +70,16 @@ def test_the_cache_keeps_within_its_limit_and_checks_what_it_reads(tmp_path: Pat
     again = DiskCache(tmp_path, m, limit=3 * one_file)
     assert (again.read("train", np.arange(40, 50)) == rows(np.arange(40, 50))).all()
     assert not (tmp_path / "dead.tmp").exists()
-    # ... and a byte changed on disk is caught: that file is dropped, to be fetched again.
+    # ... and a byte changed on disk is caught at the first read after a restart (a file is
+    # checked whole once, then trusted): that file is dropped, to be fetched again.
     victim = next(f for f in tmp_path.glob("*.rows") if again._files[int(f.stem, 16)][1][0] == 40)
     data = bytearray(victim.read_bytes())
     data[-1] ^= 1
     victim.write_bytes(bytes(data))
-    assert again.read("train", np.arange(40, 50)) is None and not victim.exists()
-    assert again.missing("train", np.arange(40, 50)).size == 10
+    third = DiskCache(tmp_path, m, limit=3 * one_file)
+    assert third.read("train", np.arange(40, 45)) is None and not victim.exists()
+    assert third.missing("train", np.arange(40, 50)).size == 10
+    assert (third.read("train", np.arange(30, 40)) == rows(np.arange(30, 40))).all()  # the others still serve
 
 
 async def _holders(*datasets, allowed=lambda peer: True):
@@ -135,6 +138,36 @@ def test_only_members_are_served_and_no_holder_means_unavailable(tmp_path: Path)
             with pytest.raises(DataUnavailable, match="unavailable: AttributeError"):
                 await client.fetch("val", np.arange(4))
             client.close()
+        finally:
+            serving.cancel()
+            server.close()
+            await ep.close()
+            await client_ep.close()
+
+    run_async(main())
+
+
+def test_a_stranger_knocking_again_and_again_is_one_line(tmp_path: Path) -> None:
+    """Refusals of a peer that is not a member go to on_stranger (a Throttle, as drift-state/0's):
+    three knocks, one line."""
+
+    async def main() -> None:
+        ds = Tokens()
+        m = build_manifest(ds)
+        lines: list[str] = []
+        server = DataServer(ds, m, allowed=lambda peer: False)
+        strangers = Throttle(lambda peer, why: lines.append(why))
+        ep = await Endpoint.bind("local", alpns=(DATA_ALPN,))
+        serving = asyncio.ensure_future(
+            ep.serve({DATA_ALPN: lambda conn: server.handle(conn, on_drop=lines.append, on_stranger=strangers)})
+        )
+        client_ep = await Endpoint.bind("local")
+        try:
+            src = P.DataSource(root=m.root, size=len(server.blob), tickets=[ep.ticket()])
+            for _ in range(3):
+                with pytest.raises(DataError, match="no data holder could hand over the manifest"):
+                    await DataClient.open(client_ep, src, tmp_path, 1 << 20)
+            assert lines == ["data request refused: not a member of this run"]
         finally:
             serving.cancel()
             server.close()
