@@ -5,13 +5,19 @@ its Δ is clipped by every honest node and excluded for the run on their word.""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
+from drift.diloco import ParamLayout
+from drift.protocol import RingMember
+from drift.recipe import Recipe
+from drift.sync import make_rule
 from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "sync_params": {"chunk": 1024, "k": 64}}
@@ -61,3 +67,44 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
     assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
+
+
+def _golden_case(chunk: int, k: int) -> str:
+    """sha256 over 4 nodes' payloads of 2 rounds (error feedback carried) and every node's
+    combined sum of them (clip 1: some are clipped), on seeded heavy-tailed pseudo-gradients."""
+    layout = ParamLayout(("a", "b"), ((1000,), (301, chunk)))  # > 256 chunks (two blocks), a short last one
+    recipe = Recipe.model_validate(
+        {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
+        | {"sync": "sparse", "sync_params": {"chunk": chunk, "k": k}}
+    )
+    rng = np.random.default_rng(25)
+    ring = [RingMember(node_id=f"{i:064x}", ticket="t", weight=w) for i, w in enumerate([0.1, 0.2, 0.3, 0.4])]
+    rules = [make_rule(layout, recipe) for _ in ring]
+    h = hashlib.sha256()
+    for _ in range(2):
+        payloads = []
+        for i, rule in enumerate(rules):
+            scale = np.repeat(np.exp(rng.normal(0, 2, -(-layout.size // 512))), 512)[: layout.size]
+            delta = (rng.standard_t(3, layout.size) * scale * (1 + i)).astype(np.float32)
+            payloads.append(rule.contribute(delta, ring[i].weight))
+            h.update(payloads[-1])
+        out = np.empty(layout.size, np.float32)
+        for rule in rules:
+            combined = rule.combine(payloads, ring, out)
+            h.update(out.tobytes() + repr(combined.outliers).encode())
+            rule.apply(np.zeros(layout.size, np.float32), out)
+        h.update(repr([rules[0].codec.norm(p) for p in payloads]).encode())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize(
+    "chunk,k,digest",
+    [
+        (1024, 64, "e58a0846fb85d63cade1e98ff17e7ddf7b01575fb65cda751bf628225e96e320"),
+        (512, 5, "b23d020a412b17090f20c475dfe5315c0fb20a50ab728e2ab65772d3372fd24d"),
+    ],
+)
+def test_the_sparse_payloads_and_sum_are_the_bytes_they_always_were(chunk: int, k: int, digest: str) -> None:
+    # golden digests from the codec before it was optimized (2026-12-02): payloads and the
+    # combined sum must never change by a bit, or a swarm of mixed versions would disagree
+    assert _golden_case(chunk, k) == digest
