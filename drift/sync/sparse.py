@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from drift.protocol import RingMember
     from drift.recipe import Recipe
 
-BLOCK_ROWS = 256  # chunks per piece of an encode/decode pass (a multiple of 8: bit fields stay byte-aligned)
+# chunks per piece of an encode/decode pass (a multiple of 8: bit fields stay byte-aligned); also
+# the norm's fsum blocks, so changing it would change a norm's last bit: a swarm would disagree
+BLOCK_ROWS = 256
 
 
 class SparseParams(Params):
@@ -145,8 +147,8 @@ class Codec:
         return out.tobytes()
 
     def _blocks(self, payload: bytes):
-        """(r0, r1, flat indices, negative, high) a block of chunks at a time, indices past n
-        still in; PayloadError if the payload does not decode."""
+        """(flat indices, negative, high, the chunks' scales) a block of chunks at a time, indices
+        past n still in; PayloadError if the payload does not decode."""
         if len(payload) != self.nbytes:
             raise PayloadError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
         buf = np.frombuffer(payload, np.uint8)
@@ -170,7 +172,7 @@ class Codec:
             a = self.i_values + r0 * k * 2 // 8
             vbits = np.unpackbits(buf[a:], count=n * 2).reshape(n, 2).view(bool)
             idx += (np.arange(r0, r1, dtype=np.int64) * c)[:, None]
-            yield r0, r1, idx.reshape(-1), vbits[:, 0], vbits[:, 1], scales[r0:r1]
+            yield idx.reshape(-1), vbits[:, 0], vbits[:, 1], scales[r0:r1]
 
     def _values(self, negative: np.ndarray, high: np.ndarray, scales: np.ndarray) -> np.ndarray:
         """A block's values: its chunk's high or low magnitude (`scales`, float32), signed."""
@@ -182,7 +184,7 @@ class Codec:
         """(flat indices, values) of a payload (x `coef`, a float32, when given: the same bits as
         multiplying the values), a block of chunks at a time; PayloadError if it does not decode.
         Indices past n (the last chunk's padding) are dropped."""
-        for _, _, flat, negative, high, scales in self._blocks(payload):
+        for flat, negative, high, scales in self._blocks(payload):
             vals = self._values(negative, high, scales if coef is None else coef * scales)
             keep = flat < self.n
             yield (flat, vals) if keep.all() else (flat[keep], vals[keep])
@@ -194,7 +196,7 @@ class Codec:
         # rounded; each chunk's values are only ±lo and ±hi, so it is fsum of count x square
         # terms, each square split (Veltkamp) into two 26-bit halves so count x half stays exact.
         terms = []
-        for _, _, flat, _, high, scales in self._blocks(payload):
+        for flat, _, high, scales in self._blocks(payload):
             keep = (flat < self.n).reshape(-1, self.k)
             n_high = np.count_nonzero(high.reshape(-1, self.k) & keep, axis=1).astype(np.float64)
             n_low = np.count_nonzero(keep, axis=1) - n_high
