@@ -5,13 +5,19 @@ its Δ is clipped by every honest node and excluded for the run on their word.""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
+from drift.diloco import ParamLayout
+from drift.protocol import RingMember
+from drift.recipe import Recipe
+from drift.sync import make_rule
 from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "sync_params": {"chunk": 1024, "k": 64}}
@@ -61,3 +67,51 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
     assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
+
+
+def _bits_gradient(rng: np.random.Generator, n: int, i: int) -> np.ndarray:
+    """Seeded float32s spread over 2^-27..2^(11+i) (a scale per 512 values), built from random
+    bits only: no libm function, so the same values on every machine."""
+    expo = rng.integers(100, 127, n, dtype=np.uint32) + np.repeat(rng.integers(0, 12, -(-n // 512)), 512)[:n]
+    sign = rng.integers(0, 2, n, dtype=np.uint32) << 31
+    mant = rng.integers(0, 1 << 23, n, dtype=np.uint32)
+    return (sign | ((expo + i).astype(np.uint32) << 23) | mant).view(np.float32)
+
+
+def _golden_case(chunk: int, k: int) -> str:
+    """sha256 over 4 nodes' payloads of 2 rounds (error feedback carried) and every node's
+    combined sum of them (clip 1: some are clipped), on seeded pseudo-gradients."""
+    layout = ParamLayout(("a", "b"), ((1000,), (301, chunk)))  # > 256 chunks (two blocks), a short last one
+    recipe = Recipe.model_validate(
+        {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
+        | {"sync": "sparse", "sync_params": {"chunk": chunk, "k": k}}
+    )
+    rng = np.random.default_rng(25)
+    ring = [RingMember(node_id=f"{i:064x}", ticket="t", weight=w) for i, w in enumerate([0.1, 0.2, 0.3, 0.4])]
+    rules = [make_rule(layout, recipe) for _ in ring]
+    h = hashlib.sha256()
+    for _ in range(2):
+        payloads = []
+        for i, rule in enumerate(rules):
+            payloads.append(rule.contribute(_bits_gradient(rng, layout.size, i), ring[i].weight))
+            h.update(payloads[-1])
+        out = np.empty(layout.size, np.float32)
+        for rule in rules:
+            combined = rule.combine(payloads, ring, out)
+            h.update(out.tobytes() + repr(combined.outliers).encode())
+            rule.apply(np.zeros(layout.size, np.float32), out)
+        h.update(repr([rules[0].codec.norm(p) for p in payloads]).encode())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize(
+    "chunk,k,digest",
+    [
+        (1024, 64, "9b500918406eb4476399f6cfe94b7d8041cf81f0975190dee228fe1cad7ad2d4"),
+        (512, 5, "ee235dc030ff02b3f6073e340eeedc771786d95de1d75197dcde0303018ef4f5"),
+    ],
+)
+def test_the_sparse_payloads_and_sum_are_the_bytes_they_always_were(chunk: int, k: int, digest: str) -> None:
+    # golden digests taken with the codec before it was optimized (2026-12-02, commit 9be399a): payloads and the
+    # combined sum must never change by a bit, or a swarm of mixed versions would disagree
+    assert _golden_case(chunk, k) == digest

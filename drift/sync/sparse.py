@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from drift.protocol import RingMember
     from drift.recipe import Recipe
 
-BLOCK_ROWS = 256  # chunks per piece of an encode/decode pass (a multiple of 8: bit fields stay byte-aligned)
+# chunks per piece of an encode/decode pass (a multiple of 8: bit fields stay byte-aligned); also
+# the norm's fsum blocks, so changing it would change a norm's last bit: a swarm would disagree
+BLOCK_ROWS = 256
 
 
 class SparseParams(Params):
@@ -89,18 +91,48 @@ class Codec:
         rows[: x.size - a] = x[a:]
         return rows.reshape(r1 - r0, self.chunk)
 
+    def _top_k(self, rows: np.ndarray, mags: np.ndarray, part: np.ndarray) -> np.ndarray:
+        """Each row's k largest |values|' columns, increasing: the set np.argpartition picks.
+        A row's k-th largest magnitude (a partition of the values, not of indices: twice as fast)
+        bounds them; a row where that bound ties (or a NaN) takes np.argpartition's own pick."""
+        k, c = self.k, self.chunk
+        np.abs(rows, out=mags)
+        np.copyto(part, mags)
+        part.partition(c - k, axis=1)
+        sel = mags >= part[:, c - k : c - k + 1]
+        ok = np.count_nonzero(sel, axis=1) == k
+        if ok.all():
+            return (np.flatnonzero(sel) & (c - 1)).reshape(-1, k)
+        idx = np.empty((rows.shape[0], k), np.int64)
+        idx[ok] = (np.flatnonzero(sel[ok]) & (c - 1)).reshape(-1, k)
+        tied = np.argpartition(mags[~ok], c - k, axis=1)[:, c - k :]
+        tied.sort(axis=1)
+        idx[~ok] = tied
+        return idx
+
+    def _median(self, mags: np.ndarray) -> np.ndarray:
+        """np.median(mags, axis=1, keepdims=True), the same bits (float32: the two middle values'
+        float32 sum, halved), without its overhead; np.median itself where a value is not finite."""
+        k = self.k
+        if not np.isfinite(mags).all():
+            return np.median(mags, axis=1, keepdims=True)
+        if k % 2:
+            return np.partition(mags, k // 2, axis=1)[:, k // 2 : k // 2 + 1]
+        p = np.partition(mags, [k // 2 - 1, k // 2], axis=1)
+        return (p[:, k // 2 - 1 : k // 2] + p[:, k // 2 : k // 2 + 1]) / np.float32(2)
+
     def encode(self, x: np.ndarray) -> bytes:
         """The payload of x (float32, n values): its chunked top-k, 2 bits a value."""
         out = np.zeros(self.nbytes, np.uint8)
         scales = out[: self.i_index].view("<f4").reshape(self.m, 2)
-        k, c = self.k, self.chunk
+        k = self.k
+        scratch = np.empty((2, min(self.m, BLOCK_ROWS), self.chunk), np.float32)
         for r0, r1 in self.blocks():
             rows = self._rows(x, r0, r1)
-            idx = np.argpartition(np.abs(rows), c - k, axis=1)[:, c - k :]
-            idx.sort(axis=1)
+            idx = self._top_k(rows, scratch[0, : r1 - r0], scratch[1, : r1 - r0])
             vals = np.take_along_axis(rows, idx, axis=1)
             mags = np.abs(vals)
-            high = mags > np.median(mags, axis=1, keepdims=True)
+            high = mags > self._median(mags)
             n_high = high.sum(axis=1)
             with np.errstate(invalid="ignore", divide="ignore"):
                 hi = np.where(n_high > 0, (mags * high).sum(axis=1) / np.maximum(n_high, 1), 0)
@@ -114,37 +146,65 @@ class Codec:
             out[a:b] = np.packbits(vbits.reshape(-1))
         return out.tobytes()
 
-    def pieces(self, payload: bytes):
-        """(flat indices, values) of a payload, a block of chunks at a time; PayloadError if it
-        does not decode. Indices past n (the last chunk's padding) are dropped."""
+    def _blocks(self, payload: bytes):
+        """(flat indices, negative, high, the chunks' scales) a block of chunks at a time, indices
+        past n still in; PayloadError if the payload does not decode."""
         if len(payload) != self.nbytes:
             raise PayloadError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
         buf = np.frombuffer(payload, np.uint8)
         scales = buf[: self.i_index].view("<f4").reshape(self.m, 2)
         if not (np.isfinite(scales).all() and (scales >= 0).all()):
             raise PayloadError("a chunk's magnitude is negative or not finite")
-        k, c = self.k, self.chunk
+        k, c, bits = self.k, self.chunk, self.bits
+        # index j of a block starts at bit j * bits: read the 3 bytes around it big-endian (bits <= 16)
+        starts = np.arange(min(self.m, BLOCK_ROWS) * k, dtype=np.int64) * bits
+        first, shift = starts >> 3, (24 - bits - (starts & 7)).astype(np.uint32)
         for r0, r1 in self.blocks():
-            rows = r1 - r0
-            a = self.i_index + r0 * k * self.bits // 8
-            ibits = np.unpackbits(buf[a:], count=rows * k * self.bits).reshape(rows, k, self.bits)
-            idx = (ibits.astype(np.uint32) << self.shifts).sum(axis=-1, dtype=np.uint32)
-            if k > 1 and not (np.diff(idx.astype(np.int64), axis=1) > 0).all():
+            n = (r1 - r0) * k
+            a = self.i_index + r0 * k * bits // 8
+            window = np.zeros(-(-n * bits // 8) + 2, np.uint32)
+            window[:-2] = buf[a : a + window.size - 2]
+            f = first[:n]
+            word = (window[f] << 16) | (window[f + 1] << 8) | window[f + 2]
+            idx = ((word >> shift[:n]) & (c - 1)).astype(np.int64).reshape(r1 - r0, k)
+            if k > 1 and not (idx[:, 1:] > idx[:, :-1]).all():
                 raise PayloadError("indices not increasing within a chunk")
             a = self.i_values + r0 * k * 2 // 8
-            vbits = np.unpackbits(buf[a:], count=rows * k * 2).reshape(rows, k, 2)
-            s = scales[r0:r1]
-            vals = np.where(vbits[..., 1] == 1, s[:, 1:2], s[:, 0:1]).astype(np.float32)
-            vals[vbits[..., 0] == 1] *= np.float32(-1)
-            flat = (idx.astype(np.int64) + (np.arange(r0, r1, dtype=np.int64) * c)[:, None]).reshape(-1)
-            vals = vals.reshape(-1)
+            vbits = np.unpackbits(buf[a:], count=n * 2).reshape(n, 2).view(bool)
+            idx += (np.arange(r0, r1, dtype=np.int64) * c)[:, None]
+            yield idx.reshape(-1), vbits[:, 0], vbits[:, 1], scales[r0:r1]
+
+    def _values(self, negative: np.ndarray, high: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """A block's values: its chunk's high or low magnitude (`scales`, float32), signed."""
+        vals = np.where(high.reshape(-1, self.k), scales[:, 1:2], scales[:, 0:1]).reshape(-1)
+        np.negative(vals, out=vals, where=negative)
+        return vals
+
+    def pieces(self, payload: bytes, coef: np.float32 | None = None):
+        """(flat indices, values) of a payload (x `coef`, a float32, when given: the same bits as
+        multiplying the values), a block of chunks at a time; PayloadError if it does not decode.
+        Indices past n (the last chunk's padding) are dropped."""
+        for flat, negative, high, scales in self._blocks(payload):
+            vals = self._values(negative, high, scales if coef is None else coef * scales)
             keep = flat < self.n
             yield (flat, vals) if keep.all() else (flat[keep], vals[keep])
 
     def norm(self, payload: bytes) -> float:
         """||decode(payload)||, the same to the bit on every machine (exact float64 terms, fsum);
         PayloadError if it does not decode."""
-        terms = [math.fsum((v.astype(np.float64) ** 2).tolist()) for _, v in self.pieces(payload)]
+        # A block's sum of squares is math.fsum of its values' exact float64 squares, correctly
+        # rounded; each chunk's values are only ±lo and ±hi, so it is fsum of count x square
+        # terms, each square split (Veltkamp) into two 26-bit halves so count x half stays exact.
+        terms = []
+        for flat, _, high, scales in self._blocks(payload):
+            keep = (flat < self.n).reshape(-1, self.k)
+            n_high = np.count_nonzero(high.reshape(-1, self.k) & keep, axis=1).astype(np.float64)
+            n_low = np.count_nonzero(keep, axis=1) - n_high
+            sq = scales.astype(np.float64) ** 2
+            big = sq * 134217729.0  # 2**27 + 1
+            top = big - (big - sq)
+            parts = (n_low * top[:, 0], n_low * (sq - top)[:, 0], n_high * top[:, 1], n_high * (sq - top)[:, 1])
+            terms.append(math.fsum(np.concatenate(parts).tolist()))
         return math.sqrt(math.fsum(terms))
 
 
@@ -205,9 +265,8 @@ class SparseLoCo(SyncRule):
             if m.node_id not in norms:
                 continue
             scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
-            coef = np.float32(m.weight * scale)
-            for flat, vals in self.codec.pieces(payload):
-                out[flat] += coef * vals
+            for flat, vals in self.codec.pieces(payload, np.float32(m.weight * scale)):
+                out[flat] += vals
         far = [i for i, v in norms.items() if v > self.params.outlier * median] if len(norms) >= 3 else []
         return Combined(outliers=bad + far)
 
