@@ -155,7 +155,7 @@ class Coordinator:
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
-        self.state_names = rule_class(self.recipe).state_names(self.recipe)  # the sync rule's shared state
+        self.state_names = rule_class(self.recipe).STATE  # the sync rule's shared state
         self.frozen = ""  # digest of the frozen base every node loaded (set at the start)
 
     # --- serving connections -------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A rule declares
   * `Params`: its hyperparameters (a pydantic model: the recipe's `sync_params`, checked when the
     recipe is read; a bad value is one line naming the field);
-  * `state_names(recipe)` and `state`: the outer state every node holds identically, as named flat
+  * `STATE` and `state`: the outer state every node holds identically, as named flat
     float32 arrays of θ's size (checksummed, transferred over drift-state/0, checkpointed and
     resumed by name, in this order);
   * `collective`: what carries the contributions: "ring" (an all-reduce of one dense vector,
@@ -56,16 +56,12 @@ class SyncRule:
     name: ClassVar[str]
     collective: ClassVar[Literal["ring", "allgather"]] = "ring"
     Params: ClassVar[type[Params]] = Params
+    STATE: ClassVar[tuple[str, ...]] = ()  # the shared state's arrays, in checksum/transfer/checkpoint order
 
     def __init__(self, layout: ParamLayout, recipe: Recipe):
         self.layout = layout
         self.params = self.Params.model_validate(recipe.sync_params)
-        self.state: dict[str, np.ndarray] = {n: np.zeros(layout.size, np.float32) for n in self.state_names(recipe)}
-
-    @classmethod
-    def state_names(cls, recipe: Recipe) -> tuple[str, ...]:
-        """The shared state's arrays, in checksum/transfer/checkpoint order."""
-        return ()
+        self.state: dict[str, np.ndarray] = {n: np.zeros(layout.size, np.float32) for n in self.STATE}
 
     def contribute(self, delta: np.ndarray, weight: float):
         raise NotImplementedError

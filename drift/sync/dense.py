@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 class DenseDiLoCo(SyncRule):
     name = "dense"
+    STATE = ("velocity",)
 
     def __init__(self, layout: ParamLayout, recipe: Recipe):
         super().__init__(layout, recipe)
@@ -32,10 +33,6 @@ class DenseDiLoCo(SyncRule):
         self.outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov, params=layout.params_size)
         self.state = {"velocity": self.outer.velocity}
         self.bounded = recipe.codec != "topk"  # top-k re-sparsifies at every hop: its sum has no norm bound
-
-    @classmethod
-    def state_names(cls, recipe: Recipe) -> tuple[str, ...]:
-        return ("velocity",)
 
     def contribute(self, delta: np.ndarray, weight: float) -> np.ndarray:
         """delta <- w * Δ, in place (the ring sums it). A node of weight 0 sends exact zeros
