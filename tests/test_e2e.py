@@ -52,7 +52,12 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     board.Reload()
     vals = {s.step: s.value for s in board.Scalars("loss/val")}
     assert vals[-1] == np.float32(initial)
-    assert [vals[r["round"]] for r in rounds] == [np.float32(r["val_loss"]) for r in rounds]
+    # A round with an evaluator (a node too slow to train, as under a loaded CI machine) leaves its
+    # val loss to the evaluator (`loss/val_evaluator`); the last round always has one.
+    assert all(r["val_loss"] is not None or r["evaluators"] for r in rounds)
+    scored = [r for r in rounds if r["val_loss"] is not None]
+    assert scored[-1] is rounds[-1]
+    assert [vals[r["round"]] for r in scored] == [np.float32(r["val_loss"]) for r in scored]
     assert len(board.Scalars("round/samples_per_s")) == 4 and len(board.Scalars("sync/MiB_sent")) == 4
 
     # `drift report` on the real run: three PNGs and a summary quoting the run's own figures.
