@@ -220,7 +220,9 @@ def test_a_connection_on_an_alpn_nobody_serves_does_not_stop_the_accept_loop(tin
 
     tally, rejected = run_async(main(), 120)
     assert tally.connections == tally.closed_by_server == 20
-    assert len(rejected) == 20 and all("handshake" in r for r in rejected), rejected
+    # at least one refusal each: under load a client's retransmitted Initial can reach the server as a second
+    # handshake after the first was refused (a CI run logged 21 for 20)
+    assert len(rejected) >= 20 and all("handshake" in r for r in rejected), rejected
 
 
 def test_live_table_and_log_lines_show_network_text_as_plain_text(
