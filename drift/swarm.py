@@ -150,7 +150,9 @@ class Swarm:
         if self.state_round.get(node) == last and not force:
             return None
         donors = sorted(
-            (i for i in self.members if self.state_round.get(i) == last and i != node), key=lambda i: -self.speed[i]
+            # (not a node on its way out: one banned this round is still a member until the round settles)
+            (i for i in self.members if self.state_round.get(i) == last and i != node and i not in self.banned),
+            key=lambda i: -self.speed[i],
         )
         tickets = [self.members[i].info.ring_ticket for i in donors]
         if own is not None:
