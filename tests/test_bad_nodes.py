@@ -19,12 +19,13 @@ from harness.simulate import Swarm
 SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 
 
-def _run(tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4) -> tuple[Swarm, list[dict]]:
+def _run(tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4, told: bool = False) -> tuple[Swarm, list[dict]]:
+    """`told`: the bad node is told it is out, so it leaves by itself (wait for it too)."""
     recipe = make_task_repo(tmp_path / "repo", min_nodes=nodes, rounds=rounds, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
+    bad = swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
     good = [swarm.join("0.02", name=f"good{i}") for i in range(nodes - 1)]
-    assert swarm.finish(leave=good) == 0, swarm.log()
+    assert swarm.finish(leave=[bad, *good] if told else good) == 0, swarm.log()
     assert swarm.node_exits()[1:] == [0] * (nodes - 1), swarm.node_logs()  # the good ones
     events = swarm.events()
     rounds_ = [e for e in events if e["event"] == "round"]
@@ -173,7 +174,7 @@ def test_node_that_tampers_what_it_forwards_is_proven_and_excluded_not_its_neigh
     # neighbour alone ended with another θ, sat out as the checksum minority and was struck (dropped
     # at the second), while the attacker kept 0 strikes. Now its right neighbour refuses the chunk
     # (the owner did not sign it) before θ moves, with the attacker's own signature as proof.
-    swarm, events = _run(tmp_path, "tamper-forward:1", nodes=3)
+    swarm, events = _run(tmp_path, "tamper-forward:1", nodes=3, told=True)
     found = [(e["name"], e["round"], e["reason"]) for e in events if e["event"] == "poisoner"]
     assert found == [("bad", 1, "forged")], found
     assert not [e for e in events if e["event"] in ("diverged", "false_accusation")]
