@@ -5,7 +5,11 @@
   * the binding of forwarded bytes to their owner (drift/ring.py): in a ring of --nodes, what one
     node does for it in a round: sha256 of every all-gather chunk it receives and of its own
     segment's, two Ed25519 verifications per chunk received and one signature per chunk sent
-    (the ring's own functions, ~1 MiB chunks of the codec's payload).
+    (the ring's own functions, ~1 MiB chunks of the codec's payload);
+  * in a ring of two (no majority), the preview: the checksum θ and the velocity will have after
+    the outer step, computed before it is applied (SyncRule.preview). It replaces the checksum
+    every other ring takes after the step (printed beside it), so what a ring of two adds is the
+    difference, plus one round trip to the coordinator (Commit).
 
 Prints one row per size and codec.
 
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drift import protocol as P
 from drift.compress import make_codec
-from drift.diloco import NesterovOuter, reduced_problem
+from drift.diloco import NesterovOuter, checksum, reduced_problem
 from drift.ring import CHUNK_BYTES, hop_message, owner_message, verify
 
 
@@ -73,13 +77,15 @@ def row(n: int, nodes: int) -> list[str]:
     ring = [P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.25, norm=1.0) for k in range(4)]
     check = best(lambda: reduced_problem(reduced, ring))
     outer = NesterovOuter(n)
+    preview = best(lambda: outer.preview(theta, reduced), 3)
+    hashed = best(lambda: checksum(theta, outer.velocity), 3)
     step = best(lambda: outer.step(theta, scratch))
     out = []
     for codec in ("int8", "fp32"):
         bind, mib = binding(n, codec, nodes)
         out.append(
             f"{n:>12,} {codec:>6} {check * 1e3:>9.1f} {bind * 1e3:>11.1f} {mib:>9.1f} {step * 1e3:>14.1f}"
-            f" {check / step:>8.0%} {bind / step:>8.0%}"
+            f" {check / step:>8.0%} {bind / step:>8.0%} {preview * 1e3:>11.1f} {hashed * 1e3:>12.1f}"
         )
     return out
 
@@ -91,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     print(
         f"{'θ values':>12} {'codec':>6} {'check ms':>9} {'binding ms':>11} {'wire MiB':>9} {'outer step ms':>14}"
-        f" {'check/':>8} {'binding/':>8}  (/: of the outer step; ring of {args.nodes})"
+        f" {'check/':>8} {'binding/':>8} {'preview ms':>11} {'checksum ms':>12}  (/: of the outer step; ring of {args.nodes})"
     )
     for n in map(int, args.sizes):
         print("\n".join(row(n, args.nodes)))

@@ -151,6 +151,54 @@ class NesterovOuter:
             theta[a:b] -= gc
         theta[self.params :] -= grad[self.params :]  # buffers: the weighted average of the nodes'
 
+    def preview(self, theta: np.ndarray, grad: np.ndarray) -> str:
+        """checksum(θ, velocity) as it would be after step(θ, grad), bit for bit, with nothing
+        changed (a two-node swarm compares it before either node applies the step)."""
+        v, mu = self.velocity, self.momentum
+        if mu == 0:
+            return sgd_preview(theta, grad, self.lr, self.params, v)
+        h = hashlib.blake2b(digest_size=12)
+        # The same float32 operations as step(), in scratch: θ's bytes first, then the velocity's
+        # (the checksum's order), so v*mu + g is computed twice rather than kept.
+        vc, gc = np.empty(min(CHUNK, self.params), np.float32), np.empty(min(CHUNK, self.params), np.float32)
+        for a in range(0, self.params, CHUNK):
+            b = min(a + CHUNK, self.params)
+            vs, gs = vc[: b - a], gc[: b - a]
+            np.multiply(v[a:b], mu, out=vs)
+            vs += grad[a:b]
+            if self.nesterov:
+                np.multiply(vs, mu, out=gs)
+                gs += grad[a:b]
+            else:
+                gs[...] = vs
+            gs *= self.lr
+            np.subtract(theta[a:b], gs, out=gs)
+            h.update(gs.view(np.uint8))
+        h.update((theta[self.params :] - grad[self.params :]).view(np.uint8))
+        for a in range(0, self.params, CHUNK):
+            b = min(a + CHUNK, self.params)
+            vs = vc[: b - a]
+            np.multiply(v[a:b], mu, out=vs)
+            vs += grad[a:b]
+            h.update(vs.view(np.uint8))
+        h.update(v[self.params :].view(np.uint8))
+        return h.hexdigest()
+
+
+def sgd_preview(theta: np.ndarray, grad: np.ndarray, lr: np.float32, params: int, *state: np.ndarray) -> str:
+    """checksum(θ, *state) as it would be after sgd_step(θ, grad, lr, params), computed a chunk
+    at a time into scratch: θ, `grad` and the state are left as they are."""
+    h = hashlib.blake2b(digest_size=12)
+    for a in range(0, theta.size, CHUNK):
+        b = min(a + CHUNK, theta.size)
+        g = grad[a:b].copy()
+        if a < params:  # (CHUNK divides nothing in particular: a chunk may hold params and buffers)
+            g[: params - a] *= lr
+        h.update((theta[a:b] - g).view(np.uint8))
+    for x in state:
+        h.update(np.ascontiguousarray(x).view(np.uint8))
+    return h.hexdigest()
+
 
 def checksum(theta: np.ndarray, *state: np.ndarray) -> str:
     """A short digest of the exact bytes of θ and then of the sync rule's shared state arrays, in

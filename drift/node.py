@@ -52,9 +52,9 @@ from drift.gather import Gather
 from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
 from drift.recipe import Data, Recipe
 from drift.repo import RepoError
-from drift.ring import Ring, RingError
+from drift.ring import ReduceStats, Ring, RingError
 from drift.state import StateError, StateServer, fetch_state, into_arrays
-from drift.sync import SyncRule, catch_up, make_rule
+from drift.sync import Combined, SyncRule, catch_up, make_rule
 from drift.transport import (
     CONTROL_ALPN,
     DATA_ALPN,
@@ -81,7 +81,7 @@ HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silenc
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
 JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, hangs up without a word
-SYNC_MESSAGES = (P.BarrierReady, P.Agreed)  # handled by the sync of a round, not by the round loop
+SYNC_MESSAGES = (P.BarrierReady, P.Agreed, P.Commit)  # handled by the sync of a round, not by the round loop
 
 
 class NodeError(Exception):
@@ -131,7 +131,19 @@ class Pending:
     report_val: bool = False
     applied: bool = False  # our own all-reduce succeeded: θ_global is (provisionally) the round's
     superseded: bool = False  # ... but the coordinator redid it without us: wait for Agreed
+    announced: Announced | None = None  # a ring of two: the step waits for the coordinator's Commit
     settled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Announced:
+    """An all-reduce whose outer step this node announced (BarrierReady.confirm) but has not
+    applied: what the step needs once the coordinator commits it."""
+
+    ready: P.BarrierReady
+    stats: ReduceStats
+    combined: Combined
+    checksum: str  # the θ it announced
 
 
 @dataclass
@@ -187,8 +199,9 @@ class Trainer:
         """The swarm's state as this node holds it: θ_global, then the rule's shared state arrays."""
         return (self.theta, *self.rule.state.values())
 
-    def publish(self, server: StateServer, rnd: int) -> None:
-        self.held, self.held_checksum = rnd, checksum(*self.arrays)
+    def publish(self, server: StateServer, rnd: int, known: str = "") -> None:
+        """Serve the state of round rnd; `known`: its checksum, when computed already (a preview)."""
+        self.held, self.held_checksum = rnd, known or checksum(*self.arrays)
         server.publish(rnd, self.arrays, self.held_checksum, self.layout)
 
 
@@ -790,6 +803,7 @@ class Session:
                     if reduce is not None:  # a newer ring for the same round: the attempt in flight is moot
                         reduce.cancel()
                         reduce = None
+                    p.announced = None  # (a redo: the step it announced was never applied)
                     if p.applied:
                         p.applied, p.superseded = False, True
                         p.settled.clear()
@@ -813,7 +827,13 @@ class Session:
                     if reduce is not None:
                         reduce.cancel()
                         reduce = None
+                    p.announced = None
                     await self._agreed(t, p, msg)
+                elif isinstance(msg, P.Commit):
+                    a = p.announced if p is not None and msg.round == p.round else None
+                    if a is not None and a.ready.ring_epoch == msg.ring_epoch:
+                        p.announced = None
+                        await self._apply(t, p, a.ready, a.stats, a.combined, a.checksum)
         except Exception as e:
             if not isinstance(e, Lost):
                 log.exception("the sync of round %s failed", t.pending.round if t.pending else "?")
@@ -884,9 +904,36 @@ class Session:
             log.warning("all-reduce of round %d: %s; not applying it", p.round, bad)
             await self.send(P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=bad[:500], poisoned=True))
             return
+        if ready.confirm:
+            # A ring of two: nobody could outvote a bad θ, so the step lands only once the
+            # coordinator has seen both members announce the same one (Commit); a redo finds θ as it was.
+            before = checksum(*t.arrays) if ready.recheck else ""
+            p.announced = Announced(ready, stats, combined, t.rule.preview(t.theta, t.delta))
+            await self.send(
+                P.RoundDone(
+                    round=p.round,
+                    ring_epoch=ready.ring_epoch,
+                    checksum=p.announced.checksum,
+                    announced=True,
+                    before=before,
+                    bytes_sent=stats.bytes_sent,
+                    reduce_s=stats.seconds,
+                    outliers=combined.outliers[: P.MAX_NODES],
+                )
+            )
+            return
+        await self._apply(t, p, ready, stats, combined)
+
+    async def _apply(
+        self, t: Trainer, p: Pending, ready: P.BarrierReady, stats: ReduceStats, combined: Combined, announced: str = ""
+    ) -> None:
+        """The outer step of an all-reduce that passed its checks (and, in a ring of two, was
+        committed: the checksum is the one announced, not hashed again; a step that lands another
+        θ is caught at the next round, whose step starts from a state that is not the agreed one):
+        θ moves, and the coordinator gets its checksum."""
         async with self.node.state.updating():
             t.rule.apply(t.theta, t.delta)
-            t.publish(self.node.state, p.round)
+            t.publish(self.node.state, p.round, announced)
         p.applied = True
         await self._catch_up(t)
         val = await self._evaluate_global(t) if p.report_val else None

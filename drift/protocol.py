@@ -362,6 +362,11 @@ class BarrierReady(_Msg):
     ring: Annotated[list[RingMember], Field(min_length=1, max_length=MAX_NODES)]  # ring order; weights sum to 1
     ring_epoch: Round = 0  # bumped on every retry: ring connections of older epochs are stale
     codec: Annotated[StrictStr, StringConstraints(max_length=16)] = "fp32"
+    # A ring of two has no majority to outvote a bad θ: its members announce the θ their outer
+    # step would give (RoundDone, `announced`) and apply it only on Commit. `recheck`: the attempt
+    # redoes one whose announcements disagreed; each also reports the state it steps from (`before`).
+    confirm: bool = False
+    recheck: bool = False
 
     @model_validator(mode="after")
     def _distinct(self) -> BarrierReady:
@@ -419,6 +424,17 @@ class RoundDone(_Msg):
     # sync rules that see every contribution (all-gather): members whose contribution was far
     # outside the others' (or did not decode); the coordinator excludes one a majority names
     outliers: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)
+    announced: bool = False  # (BarrierReady.confirm) the θ the step would give; not applied until Commit
+    before: Token = ""  # (BarrierReady.recheck) the checksum of the state this node's step starts from
+
+
+class Commit(_Msg):
+    """Coordinator -> the two members of a ring (BarrierReady.confirm): both announced the same
+    θ; apply the outer step now and report it (RoundDone)."""
+
+    type: Literal["Commit"] = "Commit"
+    round: Round
+    ring_epoch: Round
 
 
 class EvalResult(_Msg):
@@ -467,6 +483,7 @@ Message = Annotated[
     | BarrierReady
     | RingFailed
     | RoundDone
+    | Commit
     | EvalResult
     | Agreed
     | DataReport

@@ -126,6 +126,11 @@ class Round:
         self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
         self.forgers: set[str] = set()  # ring members proven to forward bytes their owner did not sign
         self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
+        # A ring of two (BarrierReady.confirm): its members announce θ before applying the step.
+        self.confirm = False  # this attempt's members announce first
+        self.committed = False  # ... and they announced the same θ: Commit sent, the real RoundDones follow
+        self.announced: dict[str, str] = {}  # what the committed members announced
+        self.earlier: dict[str, str] = {}  # the announcements that disagreed (then every redo rechecks)
         self.settled = False
         self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
         self.epoch0 = swarm.ring_epoch
@@ -218,7 +223,13 @@ class Round:
             case P.BarrierSync():
                 self.on_sync(i, msg)
             case P.RoundDone():
-                if msg.round == self.rnd and msg.ring_epoch == self.s.ring_epoch and i in self.part():
+                announcing = self.confirm and not self.committed
+                if (
+                    msg.round == self.rnd
+                    and msg.ring_epoch == self.s.ring_epoch
+                    and i in self.part()
+                    and msg.announced == announcing
+                ):
                     self.nodes[i].done = msg
                     if self.first_done_s is None:
                         self.first_done_s = time.monotonic() - self.t_ring
@@ -464,10 +475,18 @@ class Round:
             for i in order
         ]
         self.t_ring, self.first_done_s = time.monotonic(), None
+        self.confirm, self.committed, self.announced = len(self.ring) == 2, False, {}
         self.host.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
         await self.host.broadcast(
             [s.members[i] for i in part],
-            P.BarrierReady(round=self.rnd, ring=self.ring, codec=self.r.codec, ring_epoch=s.ring_epoch),
+            P.BarrierReady(
+                round=self.rnd,
+                ring=self.ring,
+                codec=self.r.codec,
+                ring_epoch=s.ring_epoch,
+                confirm=self.confirm,
+                recheck=self.confirm and bool(self.earlier),
+            ),
         )
 
     def done(self) -> dict[str, P.RoundDone]:
@@ -509,6 +528,8 @@ class Round:
             and all(i in done or self.nodes[i].behind for i in part)
             and done
         ):
+            if self.confirm:
+                return await self.pair_progress(now)
             diverged = self.minority()
             if not diverged:
                 self.cleared()
@@ -518,6 +539,52 @@ class Round:
             self.retry_reason = f"{len(diverged)} node(s) disagreed with the majority on θ"
         if self.retry_reason is None:
             return False
+        return await self.retry(now)
+
+    async def pair_progress(self, now: float) -> bool:
+        """A ring of two, every member reported (or is behind). Announcements: commit the θ they
+        agree on, else redo or drop by rules.pair_verdict; after Commit, the members' reports are
+        what they announced. True once settled."""
+        done = self.done()
+        if self.committed:
+            for i in [i for i, d in done.items() if d.checksum != self.announced.get(i)]:
+                why = f"its θ after round {self.rnd} is not the θ it announced"  # (honest code reports that one)
+                self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=done[i].checksum)
+                self.nodes[i].done, self.nodes[i].behind = None, True  # its Δ is in the sum; θ comes with Agreed
+                self.drops.append((i, why))
+            if not self.done():
+                raise RoundError(f"no node's θ after round {self.rnd} is the θ it announced")
+            self.cleared()
+            return True
+        verdict = rules.pair_verdict(
+            {i: d.checksum for i, d in done.items()},
+            {i: d.before for i, d in done.items()},
+            self.earlier,
+            self.s.checksums[self.s.newest()],
+        )
+        if verdict.action == "commit":
+            self.committed, self.announced = True, {i: d.checksum for i, d in done.items()}
+            for i in done:
+                self.nodes[i].done = None
+            self.t_ring, self.first_done_s = time.monotonic(), None  # the step's own deadline
+            await self.host.broadcast(
+                [self.peer(i) for i in done], P.Commit(round=self.rnd, ring_epoch=self.s.ring_epoch)
+            )
+            return False
+        detail = ", ".join(f"{self.name(i)}={d.checksum[:12]}" for i, d in done.items())
+        self.host.note("disagreed", round=self.rnd, ring_epoch=self.s.ring_epoch, verdict=verdict.action)
+        if verdict.action == "redo":
+            self.earlier = {i: d.checksum for i, d in done.items()}
+            self.retry_reason = f"the two nodes' outer steps would give different θ ({detail}); none applied it"
+        elif verdict.action == "drop":
+            for i, why in verdict.culprits.items():
+                self.sit_out(i, "diverged", why, strike=False)
+                self.drops.append((i, why))
+            self.retry_reason = f"{len(verdict.culprits)} node(s) disagreed with their own earlier state"
+        else:
+            raise RoundError(
+                f"the two nodes disagree on θ after round {self.rnd} again, and nothing tells which is right: {detail}"
+            )
         return await self.retry(now)
 
     async def retry(self, now: float) -> bool:

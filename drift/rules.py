@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from drift import protocol as P
@@ -166,6 +166,38 @@ def minority(checksums: Mapping[str, str]) -> list[str]:
     if 2 * n <= len(checksums):
         raise NoMajority()
     return [i for i, c in checksums.items() if c != top]
+
+
+@dataclass(frozen=True)
+class PairVerdict:
+    action: Literal["commit", "redo", "drop", "undecided"]
+    culprits: Mapping[str, str] = field(default_factory=dict)  # node -> why it is the broken one
+
+
+def pair_verdict(
+    announced: Mapping[str, str], before: Mapping[str, str], earlier: Mapping[str, str], agreed: str
+) -> PairVerdict:
+    """A ring of two has no majority, so its members announce the θ their outer step would give
+    (`announced`, node -> checksum) and nobody applies it yet. The same θ (or one announcer: the
+    other is behind): commit. Different, the first time: redo the round (nothing moved; in the
+    redo each member also reports the checksum of the state it steps from, `before`). Different
+    again (`earlier`: the first attempt's announcements): a member whose state is no longer the
+    `agreed` θ of the round before is the broken one, else one whose θ differs from what it
+    announced the first time; if that is both or neither, nobody can tell which θ is right."""
+    if len(set(announced.values())) <= 1:
+        return PairVerdict("commit")
+    if not earlier:
+        return PairVerdict("redo")
+    bad = {
+        i: "the state its outer step starts from is no longer the agreed θ"
+        for i in announced
+        if before.get(i) != agreed
+    }
+    if not bad:
+        bad = {i: "its outer step gives another θ each time" for i, c in announced.items() if earlier.get(i, c) != c}
+    if 0 < len(bad) < len(announced):
+        return PairVerdict("drop", bad)
+    return PairVerdict("undecided")
 
 
 def finished_by_majority(ring: list[str], done: set[str]) -> bool:

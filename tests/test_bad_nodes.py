@@ -184,3 +184,39 @@ def test_node_that_tampers_what_it_forwards_is_proven_and_excluded_not_its_neigh
     assert all(e["name"] == "bad" or e["reason"] == "deadline" for e in events if e["event"] == "sat_out")
     assert all(_weight(events, r, "bad") == 0 for r in (2, 3))  # out for the run
     assert swarm.node_exits()[0] not in (None, -9) and "excluded from this run" in (tmp_path / "bad.log").read_text()
+
+
+# A ring of two has no majority: its members announce θ before applying the outer step, and a
+# disagreement is redone (nothing was applied) rather than ending the run.
+
+
+def test_two_nodes_that_disagree_once_redo_the_round_and_both_go_on(tmp_path: Path) -> None:
+    _, events = _run(tmp_path, "announce-wrong:1")
+    dis = [(e["round"], e["verdict"]) for e in events if e["event"] == "disagreed"]
+    assert dis == [(1, "redo")], dis
+    assert any(e["event"] == "ring_retry" and e["round"] == 1 for e in events)
+    assert not [e for e in events if e["event"] in ("diverged", "sat_out", "node_left")]
+    assert _weight(events, 1, "bad") > 0 and _weight(events, 1, "good0") > 0  # both nodes' work counts
+
+
+def test_of_two_nodes_the_one_whose_state_changed_is_dropped_and_the_other_goes_on(tmp_path: Path) -> None:
+    _, events = _run(tmp_path, "corrupt-theta:1")
+    dis = [(e["round"], e["verdict"]) for e in events if e["event"] == "disagreed"]
+    assert dis == [(1, "redo"), (1, "drop")], dis
+    out = [(e["name"], e["reason"]) for e in events if e["event"] == "sat_out"]
+    assert out == [("bad", "diverged")], out
+    left = [e for e in events if e["event"] == "node_left"]
+    assert [e["name"] for e in left][:1] == ["bad"] and "agreed θ" in left[0]["reason"], left
+    assert _weight(events, 1, "bad") == 0 and _weight(events, 1, "good0") == 1.0
+
+
+def test_of_two_nodes_the_one_that_applies_another_step_than_it_announced_is_dropped_a_round_later(
+    tmp_path: Path,
+) -> None:
+    # Its θ after round 1 is not the θ it announced (and reported): round 2's step starts from it.
+    _, events = _run(tmp_path, "diverge:1")
+    dis = [(e["round"], e["verdict"]) for e in events if e["event"] == "disagreed"]
+    assert dis == [(2, "redo"), (2, "drop")], dis
+    left = [e for e in events if e["event"] == "node_left"]
+    assert [e["name"] for e in left][:1] == ["bad"] and "agreed θ" in left[0]["reason"], left
+    assert _weight(events, 2, "bad") == 0 and _weight(events, 3, "good0") == 1.0

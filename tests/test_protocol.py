@@ -37,6 +37,8 @@ SAMPLES = [
     ),
     P.BarrierReady(round=1, ring=[P.RingMember(node_id=A, ticket="t", weight=1.0)]),
     P.RoundDone(round=1, checksum="c"),
+    P.RoundDone(round=1, ring_epoch=2, checksum="c", announced=True, before="b"),
+    P.Commit(round=1, ring_epoch=2),
     P.RingFailed(round=1, ring_epoch=2, reason="gone"),
     P.EvalResult(after_round=1, val_loss=2.0, val_samples=8),
     P.ShardAssignment(

@@ -185,3 +185,23 @@ def test_a_false_accuser_alone_gets_nobody_caught_however_often_it_cries() -> No
     assert rules.caught(suspects, ["l", "f", "r", "x"]) == []
     suspects.setdefault("x", set()).update({"l", "r"})
     assert rules.caught(suspects, ["l", "f", "r", "x"]) == ["x"]
+
+
+def test_a_ring_of_two_commits_redoes_or_finds_the_broken_member() -> None:
+    v = rules.pair_verdict
+    assert v({"a": "x", "b": "x"}, {}, {}, "g").action == "commit"
+    assert v({"a": "x"}, {}, {}, "g").action == "commit"  # b is behind: a's θ stands
+    assert v({"a": "x", "b": "y"}, {}, {}, "g").action == "redo"  # the first disagreement: nothing moved
+    earlier = {"a": "x", "b": "y"}
+    assert v({"a": "x", "b": "x"}, {"a": "g", "b": "g"}, earlier, "g").action == "commit"  # a transient fault
+    # Again: the member whose state is not the agreed θ any more is the broken one ...
+    d = v({"a": "x", "b": "y"}, {"a": "g", "b": "h"}, earlier, "g")
+    assert (d.action, list(d.culprits)) == ("drop", ["b"])
+    assert v({"a": "x", "b": "z"}, {"a": "g", "b": ""}, earlier, "g").culprits.keys() == {"b"}  # one that withholds it
+    # ... else the one whose step gives another θ each time ...
+    d = v({"a": "x", "b": "z"}, {"a": "g", "b": "g"}, earlier, "g")
+    assert (d.action, list(d.culprits)) == ("drop", ["b"])
+    # ... and when that is both or neither, nobody can tell which θ is right.
+    assert v({"a": "x", "b": "y"}, {"a": "g", "b": "g"}, earlier, "g").action == "undecided"
+    assert v({"a": "w", "b": "z"}, {"a": "g", "b": "g"}, earlier, "g").action == "undecided"
+    assert v({"a": "x", "b": "y"}, {"a": "h", "b": "h"}, earlier, "g").action == "undecided"

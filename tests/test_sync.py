@@ -217,3 +217,22 @@ def test_tree_allgather_forwards_every_payload_to_its_place_with_any_number_of_m
         forwarded = [k, k, (k + 1) % 5, k]  # the places node k sends from, steps 0, 1 (two), 2
         carried = sum(len(out[i]) for i in forwarded)
         assert carried < stats.bytes_sent < carried + 400
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"outer_optimizer": {"momentum": 0.0}}, {"outer_optimizer": {"nesterov": False}}, {"sync": "sparse"}],
+)
+def test_preview_is_the_checksum_the_outer_step_leads_to_and_changes_nothing(fields: dict) -> None:
+    # (a ring of two compares it before either member applies the step: BarrierReady.confirm)
+    layout = ParamLayout(("a", "b", "buf"), ((1_500_000,), (600_001,), (7,)), n_buffers=1)  # 3 chunks
+    rule = make_rule(layout, recipe(**fields))
+    rng = np.random.default_rng(1)
+    theta, update = (rng.standard_normal(layout.size).astype(np.float32) for _ in range(2))
+    for x in rule.state.values():
+        x[: layout.params_size] = rng.standard_normal(layout.params_size)
+    held = checksum(theta, *rule.state.values())
+    announced = rule.preview(theta, update)
+    assert checksum(theta, *rule.state.values()) == held != announced
+    rule.apply(theta, update)
+    assert checksum(theta, *rule.state.values()) == announced

@@ -11,7 +11,10 @@ A rule declares
   * `contribute(delta, weight)`: what this node sends (for the ring: the vector to sum, in place);
   * `combine(result, ring, out)`: the round's update in `out`, from what the collective returned
     (the ring's sum, or every member's payload in ring order), plus what looked wrong;
-  * `apply(theta, update)`: θ and the rule's state after the round.
+  * `apply(theta, update)`: θ and the rule's state after the round;
+  * `preview(theta, update)`: the checksum apply would lead to, with nothing changed (a ring of
+    two compares it before either member applies: with no majority, that is how a bad step is
+    caught before it lands).
 
 Whether the outer step is waited for (blocking) or lands one round late while the next round
 trains is not the rule's business: the recipe's `overlap` says, and only the node and the
@@ -70,6 +73,10 @@ class SyncRule:
         raise NotImplementedError
 
     def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def preview(self, theta: np.ndarray, update: np.ndarray) -> str:
+        """checksum(θ, *state) as apply(θ, update) would leave them, bit for bit, changing nothing."""
         raise NotImplementedError
 
     def abandon(self) -> None:

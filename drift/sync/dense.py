@@ -52,3 +52,6 @@ class DenseDiLoCo(SyncRule):
     def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
         """The outer Nesterov step (`update` is used as scratch)."""
         self.outer.step(theta, update)
+
+    def preview(self, theta: np.ndarray, update: np.ndarray) -> str:
+        return self.outer.preview(theta, update)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field, model_validator
 
-from drift.diloco import CHUNK, ParamLayout, sgd_step
+from drift.diloco import CHUNK, ParamLayout, sgd_preview, sgd_step
 from drift.sync import Combined, Params, SyncRule
 
 if TYPE_CHECKING:
@@ -277,6 +277,9 @@ class SparseLoCo(SyncRule):
         if self._pending:
             self.ef, self._ef_next = self._ef_next, self.ef
             self._pending = False
+
+    def preview(self, theta: np.ndarray, update: np.ndarray) -> str:
+        return sgd_preview(theta, update, np.float32(self.params.lr), self.layout.params_size, *self.state.values())
 
     def abandon(self) -> None:
         self._pending = False

@@ -16,6 +16,10 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        reach the coordinator (a congested link): its retry arrives meanwhile
   lie-report           report, at that round's barrier, one of its units twice
   diverge              apply a different outer step in that round (θ no longer matches the swarm's)
+  announce-wrong       in a ring of two, announce a wrong θ for that round's outer step, once (a
+                       transient fault: the redo announces the honest one)
+  corrupt-theta        at that round's barrier its agreed θ changes in memory (one value + 1), so
+                       its outer step starts from another state than the swarm's
   withhold-done        from that round on, never send RoundDone (θ after the outer step), heartbeating
                        on as if busy: the coordinator must not wait for it forever
   other-task           claim another initial θ in its RepoCommit (it loaded a different task); ROUND
@@ -51,7 +55,7 @@ from drift import diloco
 from drift import protocol as P
 from drift.cli import main
 from drift.inner import InnerLoop
-from drift.node import Session
+from drift.node import Session, Trainer
 from drift.ring import Ring
 from drift.sync import rules
 from drift.transport import Channel, TransportError
@@ -233,6 +237,35 @@ elif kind in ("scale-ring", "flip-ring", "noise-ring"):
 
     for rule in rules().values():
         patch(rule, "contribute")(hostile)
+
+    @patch(Session, "_round")
+    async def _(orig, self, a):
+        Session.current_round = a.round
+        return await orig(self, a)
+elif kind == "announce-wrong":
+    wrong = [True]
+
+    @patch(rules()["dense"], "preview")
+    def _(orig, self, theta, update):
+        honest = orig(self, theta, update)
+        if Session.current_round == at and wrong:
+            wrong.pop()
+            return "0" * len(honest)  # once: a transient fault (the redo must find the honest θ)
+        return honest
+
+    @patch(Session, "_round")
+    async def _(orig, self, a):
+        Session.current_round = a.round
+        return await orig(self, a)
+elif kind == "corrupt-theta":
+    corrupt = [True]
+
+    @patch(Trainer, "pseudo_gradient")
+    def _(orig, self, local=None):
+        if Session.current_round == at and corrupt:
+            corrupt.pop()
+            self.theta[0] += np.float32(1.0)  # its agreed θ changed in memory (a bit flip, a bug)
+        return orig(self, local)
 
     @patch(Session, "_round")
     async def _(orig, self, a):
