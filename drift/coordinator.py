@@ -792,7 +792,8 @@ class Coordinator:
         """Ctrl-C during an all-reduce: the nodes may already hold the next θ (and serve only
         that one). Take the RoundDone reports that arrive within a moment; if every ring member
         agrees, the round counts and its θ can be checkpointed."""
-        for cur in [rd for rd in self.live if rd.ring is not None and not rd.settled]:
+        # (A ring of two that has not committed its step yet holds the round before: nothing to wait for.)
+        for cur in [rd for rd in self.live if rd.ring is not None and not rd.settled and not rd.announcing()]:
             deadline = time.monotonic() + INTERRUPT_FETCH_S
             while not cur.agreed() and time.monotonic() < deadline:
                 if (ev := await self._next_event(deadline - time.monotonic())) is None:

@@ -223,12 +223,11 @@ class Round:
             case P.BarrierSync():
                 self.on_sync(i, msg)
             case P.RoundDone():
-                announcing = self.confirm and not self.committed
                 if (
                     msg.round == self.rnd
                     and msg.ring_epoch == self.s.ring_epoch
                     and i in self.part()
-                    and msg.announced == announcing
+                    and msg.announced == self.announcing()
                 ):
                     self.nodes[i].done = msg
                     if self.first_done_s is None:
@@ -705,11 +704,17 @@ class Round:
             if self.s.strike(i, self.rnd):
                 self.drops.append((i, "it did not report θ after the all-reduce, again"))
 
+    def announcing(self) -> bool:
+        """A ring of two whose members announced (or will announce) a θ nobody has applied yet."""
+        return self.confirm and not self.committed
+
     def agreed(self) -> bool:
-        """Every ring member reported θ after the outer step (or is behind), and all the same θ."""
+        """Every ring member reported θ after the outer step (or is behind), and all the same θ.
+        (Never while a ring of two is announcing: an announced θ is not held by anyone.)"""
         part, done = self.part(), self.done()
         return (
-            bool(done)
+            not self.announcing()
+            and bool(done)
             and all(i in done or self.nodes[i].behind for i in part)
             and len({d.checksum for d in done.values()}) == 1
             and self.retry_reason is None

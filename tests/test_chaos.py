@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
-from conftest import check_exactly_once, drift_cmd, make_task_repo
+from conftest import WRAPPERS, check_exactly_once, drift_cmd, make_task_repo
 
 from harness.simulate import Swarm
 
@@ -125,6 +125,23 @@ def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> Non
     assert len(logs) == 2, logs
     for log in logs:
         assert "coordinator was stopped" in log.read_text(), log.read_text()
+
+
+def test_ctrl_c_while_two_nodes_announce_their_step_keeps_the_round_they_hold(tmp_path: Path) -> None:
+    """A ring of two announces the θ its outer step would give and applies it only on Commit.
+    A Ctrl-C in that window (one announcement still on its way) must not count the round as
+    done: the nodes still hold the round before, and that is the one checkpointed."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=400, checkpoint_every=1000, **SIM)
+    swarm = Swarm(recipe, tmp_path, session=True)
+    swarm.join("0.02", name="slow", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "slow-announce:2"})
+    swarm.join("0.02", name="fast")
+    swarm.wait_event(lambda e: e["event"] == "barrier" and e["round"] == 2)
+    os.killpg(swarm.coord.pid, signal.SIGINT)  # its announcement arrives while the coordinator stops
+    assert swarm.finish(timeout=120) == 130, swarm.log()
+    text = swarm.log()
+    assert "interrupted: checkpoint of round 1: " in text, text
+    assert (swarm.run_dir / "checkpoints" / "round-000001" / "manifest.json").exists()
+    assert not [e for e in swarm.events() if e["event"] == "round" and e["round"] >= 2]
 
 
 def test_ctrl_c_that_kills_the_nodes_too_names_the_checkpoint_resume_uses(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   diverge              apply a different outer step in that round (θ no longer matches the swarm's)
   announce-wrong       in a ring of two, announce a wrong θ for that round's outer step, once (a
                        transient fault: the redo announces the honest one)
+  slow-announce        in a ring of two, send the θ it announces for that round's outer step 3 s
+                       late (the window a Ctrl-C must not mistake for an applied step)
   corrupt-theta        at that round's barrier its agreed θ changes in memory (one value + 1), so
                        its outer step starts from another state than the swarm's
   withhold-done        from that round on, never send RoundDone (θ after the outer step), heartbeating
@@ -257,6 +259,13 @@ elif kind == "announce-wrong":
     async def _(orig, self, a):
         Session.current_round = a.round
         return await orig(self, a)
+elif kind == "slow-announce":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.RoundDone) and msg.announced and msg.round == at:
+            await asyncio.sleep(3.0)
+        await orig(self, msg)
 elif kind == "corrupt-theta":
     corrupt = [True]
 
