@@ -14,13 +14,24 @@
 Prints one row per size and codec.
 
     python3 benchmarks/bench_checks.py [--sizes 10.8e6 124e6] [--nodes 4]
+
+`--swarm`: the same checks timed where they run, in a real honest swarm on loopback (drift coord
+and --nodes drift join processes, a char GPT of ~10.8M parameters, int8): each node reports what
+its checks took in every round (RoundDone.check_s: the binding's hashes and signatures, the
+sum's bound, in a ring of two the preview), printed next to the round's wall-clock and its sync,
+and against a round of --h200-steps inner steps on an H200 (11 ms a step for this model at batch
+64 x 256, DESIGN.md), where the checks weigh the most.
+
+    python3 benchmarks/bench_checks.py --swarm [--nodes 4] [--rounds 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +39,7 @@ import nacl.signing
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 
 from drift import protocol as P
 from drift.compress import make_codec
@@ -90,11 +102,55 @@ def row(n: int, nodes: int) -> list[str]:
     return out
 
 
+def swarm(nodes: int, rounds: int, h200_steps: int) -> None:
+    """A real honest swarm; per round: wall-clock, the slowest node's sync, the checks' seconds."""
+    from harness.simulate import Swarm, make_task_repo
+
+    recipe = {
+        "name": "checks",
+        "task_config": {"block_size": 64, "n_layer": 6, "n_head": 6, "n_embd": 384},  # 10.7M parameters
+        "min_nodes": nodes,
+        "rounds": rounds,
+        "inner_steps": 4,
+        "unit_steps": 2,
+        "batch_size": 4,
+        "eval_batches": 1,
+        "codec": "int8",
+        "checkpoint_every": rounds,
+    }
+    with tempfile.TemporaryDirectory(prefix="drift-checks-") as tmp:
+        work = Path(tmp)
+        s = Swarm(make_task_repo(work / "repo", recipe), work)
+        for i in range(nodes):
+            s.join(name=f"n{i}")
+        if s.finish(timeout=1800) != 0:
+            raise SystemExit(s.log()[-3000:])
+        done = [e for e in s.events() if e["event"] == "round"]
+    print(f"{nodes} nodes, {len(done)} rounds: per round, the slowest node's sync and checks (ms)")
+    print(f"{'round':>5} {'wall s':>7} {'sync ms':>8} {'checks ms':>10} {'checks/sync':>12} {'checks/H200 round':>18}")
+    h200_s = h200_steps * 0.011
+    fractions = []
+    for e in done:
+        checks = max(n.get("check_s", 0.0) for n in e["nodes"].values())
+        sync = max(n.get("sync_s", 0.0) for n in e["nodes"].values())
+        fractions.append(checks / h200_s)
+        print(
+            f"{e['round']:>5} {e['seconds']:>7.2f} {sync * 1e3:>8.1f} {checks * 1e3:>10.1f} "
+            f"{checks / sync if sync else 0:>12.1%} {checks / h200_s:>18.2%}"
+        )
+    print(f"median checks / an H200 round of {h200_steps} steps ({h200_s:.2f} s): {statistics.median(fractions):.2%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=float, nargs="+", default=[10.8e6, 124e6])
     ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--swarm", action="store_true", help="time the checks in a real honest swarm instead")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--h200-steps", type=int, default=100)
     args = ap.parse_args()
+    if args.swarm:
+        return swarm(args.nodes, args.rounds, args.h200_steps)
     print(
         f"{'θ values':>12} {'codec':>6} {'check ms':>9} {'binding ms':>11} {'wire MiB':>9} {'outer step ms':>14}"
         f" {'check/':>8} {'binding/':>8} {'preview ms':>11} {'checksum ms':>12}  (/: of the outer step; ring of {args.nodes})"

@@ -144,6 +144,7 @@ class Announced:
     stats: ReduceStats
     combined: Combined
     checksum: str  # the θ it announced
+    check_s: float  # what the checks took (the preview among them)
 
 
 @dataclass
@@ -833,7 +834,7 @@ class Session:
                     a = p.announced if p is not None and msg.round == p.round else None
                     if a is not None and a.ready.ring_epoch == msg.ring_epoch:
                         p.announced = None
-                        await self._apply(t, p, a.ready, a.stats, a.combined, a.checksum)
+                        await self._apply(t, p, a.ready, a.stats, a.combined, a.check_s, a.checksum)
         except Exception as e:
             if not isinstance(e, Lost):
                 log.exception("the sync of round %s failed", t.pending.round if t.pending else "?")
@@ -904,11 +905,15 @@ class Session:
             log.warning("all-reduce of round %d: %s; not applying it", p.round, bad)
             await self.send(P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=bad[:500], poisoned=True))
             return
+        check_s = stats.check_seconds + combined.check_s
         if ready.confirm:
             # A ring of two: nobody could outvote a bad θ, so the step lands only once the
             # coordinator has seen both members announce the same one (Commit); a redo finds θ as it was.
+            t0 = time.perf_counter()
             before = checksum(*t.arrays) if ready.recheck else ""
-            p.announced = Announced(ready, stats, combined, t.rule.preview(t.theta, t.delta))
+            preview = t.rule.preview(t.theta, t.delta)
+            check_s += time.perf_counter() - t0  # (it replaces the checksum taken after the step)
+            p.announced = Announced(ready, stats, combined, preview, check_s)
             await self.send(
                 P.RoundDone(
                     round=p.round,
@@ -918,14 +923,22 @@ class Session:
                     before=before,
                     bytes_sent=stats.bytes_sent,
                     reduce_s=stats.seconds,
+                    check_s=check_s,
                     outliers=combined.outliers[: P.MAX_NODES],
                 )
             )
             return
-        await self._apply(t, p, ready, stats, combined)
+        await self._apply(t, p, ready, stats, combined, check_s)
 
     async def _apply(
-        self, t: Trainer, p: Pending, ready: P.BarrierReady, stats: ReduceStats, combined: Combined, announced: str = ""
+        self,
+        t: Trainer,
+        p: Pending,
+        ready: P.BarrierReady,
+        stats: ReduceStats,
+        combined: Combined,
+        check_s: float,
+        announced: str = "",
     ) -> None:
         """The outer step of an all-reduce that passed its checks (and, in a ring of two, was
         committed: the checksum is the one announced, not hashed again; a step that lands another
@@ -946,6 +959,7 @@ class Session:
                 metrics=t.inner.metrics() if val is not None else {},
                 bytes_sent=stats.bytes_sent,
                 reduce_s=stats.seconds,
+                check_s=check_s,
                 outliers=combined.outliers[: P.MAX_NODES],
             )
         )

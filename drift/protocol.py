@@ -421,6 +421,7 @@ class RoundDone(_Msg):
     metrics: Metrics = Field(default_factory=dict)  # the task's metrics beside val_loss
     bytes_sent: Count = 0
     reduce_s: Seconds = 0.0
+    check_s: Seconds = 0.0  # of that, the checks: bytes bound to their owner, the sum's bound, a preview
     # sync rules that see every contribution (all-gather): members whose contribution was far
     # outside the others' (or did not decode); the coordinator excludes one a majority names
     outliers: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)

@@ -180,6 +180,7 @@ class ReduceStats:
     bytes_received: int
     codec_seconds: float = 0.0  # encode + decode + accumulate, on this node
     codec: str = "fp32"
+    check_seconds: float = 0.0  # binding bytes to their owner (hashes, signatures), on this node
 
 
 def segment_bounds(n: int, parts: int) -> list[int]:
@@ -379,7 +380,7 @@ class Ring:
         self._residuals(x.size, codec)
         pool, slot_bytes = self._payload_pool(codec.encoded_nbytes(step_elems))
         residual, new_residual = (self.residual, self._residual_next) if codec.error_feedback else (None, None)
-        codec_s = 0.0
+        codec_s = check_s = 0.0
 
         steps = 2 * (n_nodes - 1)
         send_seg = [
@@ -395,14 +396,20 @@ class Ring:
 
         def sign(a: int, b: int, payload) -> tuple[bytes, bytes]:
             """The owner's message for chunk x[a:b] of its segment, and its signature."""
+            nonlocal check_s
+            t = time.perf_counter()
             owned = owner_message(
                 self.node_id, round_, generation, mine, a, b, x.size, hashlib.sha256(payload).digest()
             )
-            return owned, self._key.sign(owned).signature
+            signed = owned, self._key.sign(owned).signature
+            check_s += time.perf_counter() - t
+            return signed
 
         def check(g: int, c: int, a: int, b: int, frame: memoryview) -> tuple[memoryview, tuple[bytes, bytes]]:
             """An all-gather chunk's payload, once both signatures hold (else RingError naming the
             left neighbour, with proof when it signed bytes their owner did not)."""
+            nonlocal check_s
+            t = time.perf_counter()
             seg, left_id = recv_seg[g], left.peer_id
             owner_sig, hop_sig, payload = bytes(frame[:_SIG]), bytes(frame[_SIG : 2 * _SIG]), frame[2 * _SIG :]
             digest = hashlib.sha256(payload).digest()
@@ -429,6 +436,7 @@ class Ring:
                     suspect=left_id,
                     proof=proof,
                 )
+            check_s += time.perf_counter() - t
             return payload, (owned, owner_sig)
 
         def encode(a: int, b: int, owner: bool):
@@ -556,7 +564,12 @@ class Ring:
         if residual is not None:
             self.residual, self._residual_next = new_residual, residual
         return ReduceStats(
-            time.perf_counter() - t0, right.bytes_sent - sent0, left.bytes_received - recv0, codec_s, codec.name
+            time.perf_counter() - t0,
+            right.bytes_sent - sent0,
+            left.bytes_received - recv0,
+            codec_s,
+            codec.name,
+            check_s,
         )
 
     def _chunk_elems(self, codec: Codec) -> int:

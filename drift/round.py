@@ -851,6 +851,7 @@ class Round:
                         "idle_s": max(0.0, self.t_ready - nodes[i].t_sync),
                         "units_after_stop": nodes[i].units_after_stop,  # the one in flight (and one crossing StopRound)
                         "sync_s": done[i].reduce_s if i in done else 0.0,
+                        "check_s": done[i].check_s if i in done else 0.0,
                         "bytes_sent": done[i].bytes_sent if i in done else 0,
                         "role": "evaluate" if nodes[i].role == "evaluate" else "train",
                         "trained": [[u.epoch, u.id, u.lo, u.hi] for u in b.trained],

@@ -43,6 +43,7 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     for r in rounds:  # what `drift report` plots per node: time split and bytes
         for n in r["nodes"].values():
             assert n["busy_s"] > 0 and n["idle_s"] >= 0 and n["sync_s"] > 0 and n["bytes_sent"] > 0
+            assert 0 < n["check_s"] < n["sync_s"]  # the checks' share of it (benchmarks/bench_checks.py --swarm)
         assert sum(n["bytes_sent"] for n in r["nodes"].values()) == r["bytes_sent"]
 
     # TensorBoard event files beside metrics.jsonl: one scalar per round per metric.

@@ -51,6 +51,7 @@ class Combined:
 
     problem: str | None = None  # the result must not be applied (θ stays), and why
     outliers: list[str] = field(default_factory=list)  # members whose contribution was far outside the others'
+    check_s: float = 0.0  # seconds spent checking the result (not combining it): the cost of trust
 
 
 class SyncRule:

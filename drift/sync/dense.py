@@ -11,6 +11,7 @@ rules were files.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,7 +48,9 @@ class DenseDiLoCo(SyncRule):
         """The ring summed in place (result is out): refuse a sum larger than the members'
         reported norms allow (someone sent more than it reported)."""
         assert result is out
-        return Combined(reduced_problem(out, ring) if self.bounded else None)
+        t = time.perf_counter()
+        problem = reduced_problem(out, ring) if self.bounded else None
+        return Combined(problem, check_s=time.perf_counter() - t)
 
     def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
         """The outer Nesterov step (`update` is used as scratch)."""
