@@ -1,0 +1,90 @@
+"""Sync rules side by side in real swarms: val loss and bytes each node sent over the whole run.
+
+The default task (recipes/shakespeare.yaml: its model, batch, AdamW), a real `drift coord` and
+--nodes `drift join` processes on loopback, the same samples for every run (--samples, the first
+of the recipe's epoch order) and one lr schedule (5 % warmup, cosine to lr/10, as
+bench_vs_ddp.py). A run is RULE:H, e.g. `int8:25` (the dense rule, int8 ring, outer lr 1.3,
+momentum 0: the recipe's) or `sparse:10` (sync: sparse, its defaults but outer lr 2: top-64 of
+4,096, 2-bit values, error feedback 0.95, clip 1), trained for samples / (H x nodes x batch)
+rounds. Bytes are what the nodes counted sending (payload and framing of the collective), summed
+over the run and averaged over the nodes; the ratio is against the first run.
+
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py [--nodes 4] [--samples 32000] int8:25 sparse:10
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
+
+from drift.report import load_run
+from harness.simulate import Swarm, make_task_repo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recipe(rule: str, h: int, nodes: int, samples: int) -> dict:
+    r = yaml.safe_load((ROOT / "recipes" / "shakespeare.yaml").read_text())
+    r.pop("task")  # make_task_repo sets it
+    rounds = samples // (h * nodes * r["batch_size"])
+    r.update(
+        name=f"rules-{rule}-h{h}",
+        min_nodes=nodes,
+        rounds=rounds,
+        inner_steps=h,
+        unit_steps=min(h, r["unit_steps"]),
+        checkpoint_every=rounds,
+        lr_schedule={"warmup_samples": samples // 20, "min_lr": r["inner_optimizer"]["lr"] / 10},
+    )
+    if rule == "sparse":
+        r.update(sync="sparse", sync_params={"lr": 2.0})
+    elif rule != "int8":
+        raise SystemExit(f"unknown rule {rule!r} (int8 or sparse)")
+    return r
+
+
+def run(spec: str, nodes: int, samples: int, work: Path) -> tuple[str, int, int, float, float, float]:
+    rule, _, h = spec.partition(":")
+    rec = recipe(rule, int(h), nodes, samples)
+    t0 = time.monotonic()
+    swarm = Swarm(make_task_repo(work / "repo", rec), work)
+    for i in range(nodes):
+        swarm.join(name=f"n{i}")
+    if swarm.finish(timeout=3600) != 0:
+        raise SystemExit(f"{spec} failed:\n{swarm.log()[-3000:]}")
+    final = next(e for e in swarm.events() if e["event"] == "complete")["final_val_loss"]
+    return rule, int(h), rec["rounds"], final, load_run(swarm.run_dir).mib_per_node(), time.monotonic() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+", help="RULE:H, e.g. int8:25 sparse:10")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=32000)
+    a = ap.parse_args()
+    print(f"{a.nodes} nodes, {a.samples} samples, loopback")
+    print(
+        f"{'rule':>7} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'wall s':>7}"
+    )
+    first = None
+    for spec in a.runs:
+        with tempfile.TemporaryDirectory(prefix="drift-rules-") as tmp:
+            rule, h, rounds, val, mib, wall = run(spec, a.nodes, a.samples, Path(tmp))
+        first = first or (val, mib)
+        print(
+            f"{rule:>7} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"
+            f" {first[1] / mib:>6.1f}x {wall:>7.0f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
