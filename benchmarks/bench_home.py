@@ -1,6 +1,7 @@
-"""The home link: seconds per sync for the int8 ring, the sparse direct all-gather and the sparse
-tree all-gather, 4 nodes on asymmetric links (benchmarks/netns.py: 20 Mbit/s up, 100 Mbit/s down
-per node, + 20 ms each way), real iroh processes in network namespaces (needs root).
+"""The home link: seconds per sync for the int8 ring and the sparse direct all-gather, 4 nodes on
+asymmetric links (benchmarks/netns.py: 20 Mbit/s up, 100 Mbit/s down per node, + 20 ms each way),
+real iroh processes in network namespaces (needs root). (A tree all-gather, measured beside them
+in BENCHMARKS.md at commit cf30232, was removed from drift/gather.py since.)
 
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_home.py
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_home.py --sizes 124000000 --reps 2
@@ -83,7 +84,7 @@ async def _worker() -> None:
             nbytes = Codec(n, CHUNK, K).nbytes
             payload = rng.bytes(nbytes)
             t0 = time.perf_counter()
-            got, st = await gather.allgather(payload, members, rnd, nbytes, tree=op == "tree")
+            got, st = await gather.allgather(payload, members, rnd, nbytes)
             assert len(got) == len(members) and all(len(b) == nbytes for b in got)
         print(json.dumps({"t": time.perf_counter() - t0, "sent": st.bytes_sent}), flush=True)
     serving.cancel()
@@ -137,7 +138,7 @@ def main() -> int:
     cpu = {n: sparse_cpu_seconds(n, a.nodes) for n in a.sizes if n <= a.ring_max or n == min(a.sizes)}
     for n, (enc, comb) in cpu.items():
         print(f"  sparse CPU, θ {n / 1e6:.0f}M: encode {enc:.2f} s, decode + sum {a.nodes} payloads {comb:.2f} s")
-    plan = [(op, n) for n in a.sizes for op in (["ring"] if n <= a.ring_max else []) + ["direct", "tree"]]
+    plan = [(op, n) for n in a.sizes for op in (["ring"] if n <= a.ring_max else []) + ["direct"]]
     res: dict[tuple[str, int], list[dict]] = {}
     with Swarm(a.nodes, up=a.up, down=a.down, delay_ms=a.delay_ms) as sw:
         procs = [
@@ -184,8 +185,8 @@ def main() -> int:
     base = max(cpu)  # the sparse CPU work of bigger θ is scaled from it (linear in values)
     print(f"\n{'θ':>6} {'method':<14}{'transfer s':>11}{'+ CPU s':>9}{'s/sync':>9}{'MiB up/node':>13}{'wire MiB':>10}")
     for n in a.sizes:
-        for op in ("ring", "direct", "tree"):
-            label = {"ring": "int8 ring", "direct": "sparse direct", "tree": "sparse tree"}[op]
+        for op in ("ring", "direct"):
+            label = {"ring": "int8 ring", "direct": "sparse direct"}[op]
             if runs := res.get((op, n)):
                 t, sent, wire, how = (
                     statistics.median(r["t"] for r in runs),
