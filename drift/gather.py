@@ -5,36 +5,64 @@ receives every other member's, in one step: each node uploads N-1 payloads and d
 which no scheme that forwards payloads unchanged beats from the busiest node (BENCHMARKS.md,
 "the home link"; a tree of Bruck's steps, measured there, moved the same bytes and was removed).
 
+Each payload is signed by its owner (Ed25519, its node key) over ``payload_message``: the round,
+the attempt (the coordinator's ring epoch), the owner's id and sha256 of the payload. A receiver
+checks the signature before it keeps a payload, and reports what it got from each member to the
+coordinator (RoundDone.heard: the digest and the signature). So a member that sends different
+payloads to different members signs each of them, and two reports of different digests, both
+signed, prove it (drift.rules.equivocation); no member can make such proof against another,
+since it cannot sign in its name.
+
 One connection per sender, receiver and attempt. Its first frame is a header, then the payload in
 frames of at most CHUNK_BYTES, then the receiver answers ``ok`` and the sender hangs up::
 
-    >4s B I I Q = magic "DGTH", version, round, generation (the coordinator's ring epoch), payload bytes
+    >4s B I I Q 64s = magic "DGTH", version, round, generation (the coordinator's ring epoch),
+                      payload bytes, the owner's signature of payload_message
 
 Trust, as the ring's: only members this node verified connect or are connected to; a member has
 at most one connection waiting (a newer one replaces it); every frame is bounded by the size the
 rule expects (its payload size, or 0 for a member with nothing to send); every connect, read and
-write has a deadline, and a member that stalls or sends what was not expected fails the attempt
-with RingError naming it (`suspect`), which the node reports like a broken ring (RingFailed).
+write has a deadline, and a member that stalls, sends what was not expected or a payload it did
+not sign fails the attempt with RingError naming it (`suspect`), which the node reports like a
+broken ring (RingFailed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import struct
 import time
 from collections.abc import Callable
 
-from drift.protocol import MAX_ROUND, RingMember, printable
-from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, ReduceStats, RingError
+import nacl.signing
+
+from drift.protocol import MAX_ROUND, Heard, RingMember, printable
+from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, ReduceStats, RingError, verify
 from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
-_HEADER = struct.Struct(">4sBIIQ")
+_HEADER = struct.Struct(">4sBIIQ64s")
 _MAGIC = b"DGTH"
-_VERSION = 1
+_VERSION = 2  # 2: the owner's signature in the header (1 had none, and a tree mode)
+_SIGNED = struct.Struct(">4sII")  # "DGSG", round, generation
 
 log = logging.getLogger("drift.gather")
+
+
+def payload_message(owner: str, round_: int, generation: int, digest: bytes) -> bytes:
+    """What the owner of a payload signs: round, attempt, its id, sha256 of the payload."""
+    return _SIGNED.pack(b"DGSG", round_, generation) + bytes.fromhex(owner) + digest
+
+
+def signed_payload(owner: str, round_: int, generation: int, digest: str, sig: str) -> bool:
+    """True when `sig` (hex) is `owner`'s signature of the payload of sha256 `digest` (hex) in
+    this round and attempt (what RoundDone.heard reports)."""
+    try:
+        return verify(owner, payload_message(owner, round_, generation, bytes.fromhex(digest)), bytes.fromhex(sig))
+    except (ValueError, struct.error):
+        return False
 
 
 class Gather:
@@ -44,9 +72,10 @@ class Gather:
         self.endpoint = endpoint
         self.trusted = trusted
         self.node_id = endpoint.node_id
+        self._key = nacl.signing.SigningKey(bytes(endpoint.ep.secret_key().to_bytes()))  # its node id's key
         self.timeout = timeout
-        # member -> (round, generation, payload bytes, channel)
-        self._incoming: dict[str, tuple[int, int, int, Channel]] = {}
+        # member -> (round, generation, payload bytes, signature, channel)
+        self._incoming: dict[str, tuple[int, int, int, bytes, Channel]] = {}
         self._arrived = asyncio.Condition()
 
     async def handle_incoming(self, conn) -> None:
@@ -63,7 +92,7 @@ class Gather:
             head = await ch.recv_frame(_HEADER.size, timeout=t)
             if len(head) != _HEADER.size:
                 raise RingError(f"gather header of {len(head)} bytes")
-            magic, version, rnd, gen, size = _HEADER.unpack(head)
+            magic, version, rnd, gen, size, sig = _HEADER.unpack(head)
             if magic != _MAGIC or version != _VERSION or rnd > MAX_ROUND or gen > MAX_ROUND:
                 raise RingError("not a drift gather header")
         except Exception as e:
@@ -74,16 +103,22 @@ class Gather:
         async with self._arrived:
             old = self._incoming.pop(peer, None)
             if old is not None:
-                old[3].close("replaced by a newer connection")
-            self._incoming[peer] = (rnd, gen, size, ch)
+                old[4].close("replaced by a newer connection")
+            self._incoming[peer] = (rnd, gen, size, sig, ch)
             self._arrived.notify_all()
+
+    def header(self, round_: int, generation: int, payload: bytes) -> bytes:
+        """The header of our payload: its size and our signature of it."""
+        signed = payload_message(self.node_id, round_, generation, hashlib.sha256(payload).digest())
+        return _HEADER.pack(_MAGIC, _VERSION, round_, generation, len(payload), self._key.sign(signed).signature)
 
     async def allgather(
         self, payload: bytes, members: list[RingMember], round_: int, nbytes: int, generation: int = 0
     ) -> tuple[list[bytes], ReduceStats]:
-        """Every member's payload, in the members' order (this node's own at its place). Each is
-        `nbytes` long or empty (a member with nothing to send). RingError if any member's payload
-        does not arrive, whole and as expected, within the deadlines."""
+        """Every member's payload, in the members' order (this node's own at its place), and in
+        the stats what it got from each other member (`heard`). Each is `nbytes` long or empty (a
+        member with nothing to send), and signed by its sender. RingError if any member's payload
+        does not arrive, whole, signed and as expected, within the deadlines."""
         t0 = time.perf_counter()
         ids = [m.node_id for m in members]
         if unverified := [i for i in ids if i != self.node_id and not self.trusted(i)]:
@@ -91,10 +126,11 @@ class Gather:
         me = ids.index(self.node_id)
         out: list[bytes] = [b""] * len(members)
         out[me] = payload
+        heard: dict[int, Heard] = {}  # place -> what came from that member
         count = [0, 0]  # bytes sent, received
 
         async def recv_from(k: int, m: RingMember) -> None:
-            size, ch = await self._take(m.node_id, round_, generation)
+            size, sig, ch = await self._take(m.node_id, round_, generation)
             try:
                 if size not in (0, nbytes):
                     raise RingError(
@@ -103,14 +139,19 @@ class Gather:
                 out[k] = await self._receive(ch, m.node_id, size, count)
             finally:
                 ch.close("payload received")
+            digest = hashlib.sha256(out[k]).digest()
+            if not verify(m.node_id, payload_message(m.node_id, round_, generation, digest), sig):
+                raise RingError(f"{m.node_id[:10]} sent a payload it did not sign", suspect=m.node_id)
+            heard[k] = Heard(owner=m.node_id, digest=digest.hex(), sig=sig.hex())
 
-        head = _HEADER.pack(_MAGIC, _VERSION, round_, generation, len(payload))
+        head = self.header(round_, generation, payload)
         others = [(k, m) for k, m in enumerate(members) if k != me]
         try:
             await _all([self._send(m, head, payload, count) for _, m in others] + [recv_from(k, m) for k, m in others])
         except RingError as e:
             raise RingError(f"all-gather of round {round_} failed: {e}", suspect=e.suspect) from None
-        return out, ReduceStats(time.perf_counter() - t0, count[0], count[1], codec="sparse")
+        got = [heard[k] for k in sorted(heard)]
+        return out, ReduceStats(time.perf_counter() - t0, count[0], count[1], codec="sparse", heard=got)
 
     async def _send(self, m: RingMember, head: bytes, payload: bytes, count: list[int]) -> None:
         """Connect to `m`, send the header, then the payload in CHUNK_BYTES frames; wait for ok."""
@@ -133,8 +174,9 @@ class Gather:
         finally:
             ch.close("payload sent")
 
-    async def _take(self, peer: str, round_: int, generation: int) -> tuple[int, Channel]:
-        """(size, channel) of the connection `peer` opened for this round and attempt, once there."""
+    async def _take(self, peer: str, round_: int, generation: int) -> tuple[int, bytes, Channel]:
+        """(size, signature, channel) of the connection `peer` opened for this round and attempt,
+        once there."""
         try:
             async with self._arrived:
                 await asyncio.wait_for(

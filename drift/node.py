@@ -925,6 +925,7 @@ class Session:
                     reduce_s=stats.seconds,
                     check_s=check_s,
                     outliers=combined.outliers[: P.MAX_NODES],
+                    heard=stats.heard[: P.MAX_NODES],
                 )
             )
             return
@@ -961,6 +962,7 @@ class Session:
                 reduce_s=stats.seconds,
                 check_s=check_s,
                 outliers=combined.outliers[: P.MAX_NODES],
+                heard=stats.heard[: P.MAX_NODES],
             )
         )
         p.settled.set()

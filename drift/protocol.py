@@ -397,6 +397,15 @@ class Forgery(_Msg):
     hop_sig: Hex
 
 
+class Heard(_Msg):
+    """What a node got from one member in an all-gather: sha256 of the payload and the member's
+    signature of it (drift.gather.payload_message), which the coordinator checks itself."""
+
+    owner: NodeId
+    digest: Annotated[StrictStr, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    sig: Annotated[StrictStr, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+
+
 class RingFailed(_Msg):
     """Node -> coordinator: the all-reduce broke (a neighbour vanished?); waiting for a retry."""
 
@@ -425,6 +434,9 @@ class RoundDone(_Msg):
     # sync rules that see every contribution (all-gather): members whose contribution was far
     # outside the others' (or did not decode); the coordinator excludes one a majority names
     outliers: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)
+    # (all-gather) what it got from each other member: two signed digests of one member prove
+    # that it sent different payloads (drift.rules.equivocation)
+    heard: Annotated[list[Heard], Field(max_length=MAX_NODES)] = Field(default_factory=list)
     announced: bool = False  # (BarrierReady.confirm) the θ the step would give; not applied until Commit
     before: Token = ""  # (BarrierReady.recheck) the checksum of the state this node's step starts from
 

@@ -59,14 +59,14 @@ import struct
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nacl.exceptions
 import nacl.signing
 import numpy as np
 
 from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
-from drift.protocol import MAX_ROUND, Forgery, RingMember, printable
+from drift.protocol import MAX_ROUND, Forgery, Heard, RingMember, printable
 from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBBHIIIQI")
@@ -181,6 +181,7 @@ class ReduceStats:
     codec_seconds: float = 0.0  # encode + decode + accumulate, on this node
     codec: str = "fp32"
     check_seconds: float = 0.0  # binding bytes to their owner (hashes, signatures), on this node
+    heard: list[Heard] = field(default_factory=list)  # (all-gather) what came from each other member, signed
 
 
 def segment_bounds(n: int, parts: int) -> list[int]:

@@ -9,6 +9,7 @@ import typing
 import pytest
 
 from drift import protocol as P
+from drift.transport import MAX_CONTROL_FRAME
 
 A, B = "a" * 64, "b" * 64
 SAMPLES = [
@@ -38,6 +39,7 @@ SAMPLES = [
     P.BarrierReady(round=1, ring=[P.RingMember(node_id=A, ticket="t", weight=1.0)]),
     P.RoundDone(round=1, checksum="c"),
     P.RoundDone(round=1, ring_epoch=2, checksum="c", announced=True, before="b"),
+    P.RoundDone(round=1, checksum="c", heard=[P.Heard(owner=A, digest="d" * 64, sig="5" * 128)]),
     P.Commit(round=1, ring_epoch=2),
     P.RingFailed(round=1, ring_epoch=2, reason="gone"),
     P.EvalResult(after_round=1, val_loss=2.0, val_samples=8),
@@ -144,6 +146,23 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
         (_frame(type="TrainingReady", nodes=[A] * 1025), "nodes"),
         (_frame(type="TrainingReady", nodes=[A], signatures=[{"node_id": {"nested": 1}}]), "signatures"),
         (_frame(type="RoundDone", round=0, checksum="c" * 300), "checksum"),
+        (
+            _frame(type="RoundDone", round=0, checksum="c", heard=[{"owner": A, "digest": "d" * 63, "sig": "5" * 128}]),
+            "heard",
+        ),
+        (
+            _frame(type="RoundDone", round=0, checksum="c", heard=[{"owner": A, "digest": "d" * 64, "sig": "X" * 128}]),
+            "heard",
+        ),
+        (
+            _frame(
+                type="RoundDone",
+                round=0,
+                checksum="c",
+                heard=[{"owner": A, "digest": "d" * 64, "sig": "5" * 128}] * 1025,
+            ),
+            "heard",
+        ),
         (_frame(type="RoundDone", round=0, checksum="\u001b[31m"), "checksum"),
         (
             _frame(
@@ -167,6 +186,19 @@ def test_hostile_frames_raise_short_protocol_errors(frame: bytes, needle: str) -
         P.decode(frame)
     assert needle in str(e.value)
     assert len(str(e.value)) <= 300 and str(e.value).isprintable()
+
+
+def test_a_round_done_at_its_bounds_fits_a_control_frame() -> None:
+    # what a node of a swarm of MAX_NODES reports: every other member's digest and signature
+    others = [f"{i:064x}" for i in range(P.MAX_NODES)]
+    full = P.RoundDone(
+        round=P.MAX_ROUND,
+        checksum="c" * 64,
+        outliers=others,
+        heard=[P.Heard(owner=i, digest="d" * 64, sig="5" * 128) for i in others],
+    )
+    frame = P.encode(full)
+    assert len(frame) <= MAX_CONTROL_FRAME and P.decode(frame) == full
 
 
 def test_errors_quote_hostile_input_as_plain_text() -> None:

@@ -6,6 +6,7 @@ it (real iroh endpoints on loopback)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from conftest import run_async
 
 from drift import protocol as P
 from drift.diloco import ParamLayout, checksum
-from drift.gather import Gather
+from drift.gather import Gather, signed_payload
 from drift.recipe import Recipe, RecipeError, load_recipe
 from drift.ring import RingError
 from drift.sync import make_rule
@@ -188,6 +189,45 @@ def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None
         assert out == [bytes([i]) * 3_000_000 for i in range(3)]
         assert stats.bytes_sent > 2 * 3_000_000
     assert all(isinstance(e, RingError) and e.suspect == ring[2].node_id for e in stalled), stalled
+
+
+def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() -> None:
+    """Each node's stats.heard holds, per other member, sha256 of the payload it got and the
+    sender's signature (an empty payload of weight 0 too), valid for this round and attempt only.
+    A payload sent under the signature of other bytes fails the all-gather naming its sender."""
+
+    async def main():
+        eps = [await Endpoint.bind("local") for _ in range(3)]
+        gathers = [Gather(ep, timeout=3.0) for ep in eps]
+        serving = [asyncio.ensure_future(ep.serve({GATHER_ALPN: g.handle_incoming})) for ep, g in zip(eps, gathers)]
+        ring = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=w) for ep, w in zip(eps, [0.5, 0.5, 0])]
+        payloads = [b"a" * 1000, b"b" * 1000, b""]
+        try:
+            got = await asyncio.gather(*(g.allgather(p, ring, 4, 1000, 2) for g, p in zip(gathers, payloads)))
+            # node 2 sends node 0 its payload under the signature of node 1's bytes
+            refused = asyncio.ensure_future(gathers[0].allgather(payloads[0], ring, 5, 1000, 2))
+            forged = b"c" * 1000
+            await gathers[2]._send(ring[0], gathers[2].header(5, 2, payloads[1]), forged, [0, 0])
+            return got, (await asyncio.gather(refused, return_exceptions=True))[0], ring
+        finally:
+            for s in serving:
+                s.cancel()
+            for ep in eps:
+                await ep.close()
+
+    got, refused, ring = run_async(main(), 60)
+    for k, (out, stats) in enumerate(got):
+        assert out == [b"a" * 1000, b"b" * 1000, b""]
+        others = [i for i in range(3) if i != k]
+        assert [h.owner for h in stats.heard] == [ring[i].node_id for i in others]
+        for i, h in zip(others, stats.heard):
+            assert h.digest == hashlib.sha256(out[i]).hexdigest()
+            assert signed_payload(h.owner, 4, 2, h.digest, h.sig)
+            assert not signed_payload(h.owner, 4, 3, h.digest, h.sig)  # another attempt
+            assert not signed_payload(h.owner, 3, 2, h.digest, h.sig)  # another round
+            assert not signed_payload(ring[k].node_id, 4, 2, h.digest, h.sig)  # another signer
+    assert isinstance(refused, RingError) and refused.suspect == ring[2].node_id, refused
+    assert "did not sign" in str(refused)
 
 
 @pytest.mark.parametrize(
