@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from drift import protocol as P
 from drift import rules
+from drift.gather import signed_payload
 from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, UnitQueue, check_accounting
@@ -38,6 +39,7 @@ log = logging.getLogger("drift.coord")
 
 MAX_RING_RETRIES = 5
 FORGED = "it forwarded ring bytes that their owner did not sign (proven by its own signature)"
+EQUIVOCATED = "it sent different payloads to different members of one all-gather (proven by its own signatures)"
 
 
 class RoundError(Exception):
@@ -527,6 +529,8 @@ class Round:
             and all(i in done or self.nodes[i].behind for i in part)
             and done
         ):
+            if not self.committed:  # (after Commit the members report again what they announced)
+                self.equivocation()
             if self.confirm:
                 return await self.pair_progress(now)
             diverged = self.minority()
@@ -649,9 +653,10 @@ class Round:
 
     def convict(self, i: str, reason: str, why: str, sit_out: bool = True) -> None:
         """Node i did what no honest node does (sent more than its reported norm allows, was named
-        an outlier by most of the ring, forwarded bytes their owner did not sign): a `poisoner`
-        event, out of this round's ring (`sit_out`, its work redone) and of the run: dropped and
-        refused from now on (a smaller lie next time could pass the checks)."""
+        an outlier by most of the ring, forwarded bytes their owner did not sign, signed different
+        payloads for different members): a `poisoner` event, out of this round's ring (`sit_out`,
+        its work redone) and of the run: dropped and refused from now on (a smaller lie next time
+        could pass the checks)."""
         if i not in self.s.members or i in self.s.banned:
             return
         self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
@@ -730,6 +735,48 @@ class Round:
             raise RoundError(
                 f"replicas diverged after round {self.rnd} and no majority agrees on θ: {detail}"
             ) from None
+
+    def equivocation(self) -> None:
+        """Before the checksum majority: what the members' reports of the all-gather prove
+        (RoundDone.heard, rules.equivocation). A member that signed two different payloads for
+        this attempt is out for the run, like a forger, and its θ counts for nothing. The others
+        it split hold different θ, each as good as another (every honest payload is in each, and
+        one the equivocator signed), and each has applied its own, so the round cannot be redone
+        (a member that applied an attempt sits the retry out): the θ most of them hold is kept
+        (rules.kept) and those holding another are behind, not diverged: no strike, their Δ
+        counts (it is in the kept θ), θ comes with Agreed. A member that reports a payload its
+        owner did not sign made it up: a strike, as for any false accusation."""
+        rnd, epoch, ring = self.rnd, self.s.ring_epoch, [m.node_id for m in self.ring]
+        found = rules.equivocation(
+            {i: [(h.owner, h.digest, h.sig) for h in d.heard] for i, d in self.done().items()},
+            ring,
+            lambda owner, digest, sig: signed_payload(owner, rnd, epoch, digest, sig),
+        )
+        for i in found.false:
+            why = "it reported an all-gather payload that its owner did not sign"
+            log.warning("round %d: node %s: %s", rnd, self.name(i), why)
+            self.host.note("false_accusation", node_id=i, name=self.name(i), round=rnd)
+            if self.s.strike(i, rnd):
+                self.drops.append((i, f"{why}, again"))
+        if not found.equivocators:
+            return
+        for x in found.equivocators:
+            log.warning("round %d: node %s: %s", rnd, self.name(x), EQUIVOCATED)
+            self.convict(x, "equivocated", EQUIVOCATED, sit_out=False)
+            self.nodes[x].done, self.nodes[x].behind = None, True
+        rest = {i: d.checksum for i, d in self.done().items()}
+        if not rest:
+            raise RoundError(f"after round {rnd} only nodes that sent different payloads reported θ")
+        keep = rules.kept(rest, ring)
+        for i in [i for i, c in rest.items() if c != keep]:
+            log.warning(
+                "round %d: node %s holds another θ than the one kept (an equivocator's other payload); "
+                "it gets θ from a peer, no strike",
+                rnd,
+                self.name(i),
+            )
+            self.host.note("split", node_id=i, name=self.name(i), round=rnd, checksum=rest[i])
+            self.nodes[i].done, self.nodes[i].behind = None, True
 
     def sit_out_diverged(self, i: str) -> None:
         """A node whose θ disagrees with the majority's: out of the ring, its work redone."""

@@ -1,13 +1,14 @@
 """The round's rules as pure decisions over one record per node: who is in the ring, when the
 barrier opens, who is overdue, who stops early, who disagrees with the majority, whom both ring
-neighbours caught. No clocks, no I/O: the caller (drift.round) passes times in and acts on the
-answer, and tests/test_rules.py checks each rule in milliseconds.
+neighbours caught, who sent different payloads to different members. No clocks, no I/O: the
+caller (drift.round) passes times in and acts on the answer, and tests/test_rules.py checks each
+rule in milliseconds.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -166,6 +167,50 @@ def minority(checksums: Mapping[str, str]) -> list[str]:
     if 2 * n <= len(checksums):
         raise NoMajority()
     return [i for i, c in checksums.items() if c != top]
+
+
+@dataclass(frozen=True)
+class Equivocation:
+    equivocators: list[str]  # members proven to have signed two different payloads (ring order)
+    false: list[str]  # members that reported a payload its owner did not sign (ring order)
+
+
+def equivocation(
+    heard: Mapping[str, Iterable[tuple[str, str, str]]], ring: list[str], signed: Callable[[str, str, str], bool]
+) -> Equivocation:
+    """What the members' reports of one all-gather attempt prove. `heard`: reporter -> (owner,
+    sha256 of the payload it got from that owner, the owner's signature of it), per other ring
+    member; `signed(owner, digest, sig)`: whether that is the owner's signature of that digest for
+    this round and attempt (drift.gather.signed_payload). An owner of which two different digests
+    are reported, each signed, sent different payloads to different members: only it can sign in
+    its name, so no reporter can frame it. A report whose signature does not hold is made up by
+    its reporter (honest code reports only payloads whose signature it checked). Reports on
+    non-members or on the reporter itself are ignored; each distinct report is checked once."""
+    members = set(ring)
+    checked: dict[tuple[str, str, str], bool] = {}
+    digests: dict[str, set[str]] = {}
+    false: set[str] = set()
+    for i, reports in heard.items():
+        for report in reports:
+            owner, digest, _ = report
+            if owner == i or owner not in members:
+                continue
+            if report not in checked:
+                checked[report] = signed(*report)
+            if checked[report]:
+                digests.setdefault(owner, set()).add(digest)
+            else:
+                false.add(i)
+    return Equivocation([j for j in ring if len(digests.get(j, ())) > 1], [i for i in ring if i in false])
+
+
+def kept(checksums: Mapping[str, str], ring: list[str]) -> str:
+    """The θ a round keeps when an equivocator split the other members (their checksums): the
+    one most of them hold, on a tie the one of the first in ring order. Each is as good as
+    another: every honest member's payload is in it, and one that the equivocator signed."""
+    counts = Counter(checksums.values())
+    top = max(counts.values())
+    return next(checksums[i] for i in ring if i in checksums and counts[checksums[i]] == top)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,14 @@ network, milliseconds. The swarm tests show the same rules acting on real nodes.
 
 from __future__ import annotations
 
+import hashlib
+
+import nacl.signing
 import pytest
 
 from drift import protocol as P
 from drift import rules
+from drift.gather import payload_message, signed_payload
 from drift.rules import NodeRound
 
 
@@ -205,3 +209,84 @@ def test_a_ring_of_two_commits_redoes_or_finds_the_broken_member() -> None:
     assert v({"a": "x", "b": "y"}, {"a": "g", "b": "g"}, earlier, "g").action == "undecided"
     assert v({"a": "w", "b": "z"}, {"a": "g", "b": "g"}, earlier, "g").action == "undecided"
     assert v({"a": "x", "b": "y"}, {"a": "h", "b": "h"}, earlier, "g").action == "undecided"
+
+
+# --- who sent different payloads to different members (sync: sparse's all-gather) -------------
+
+RND, EPOCH = 3, 1
+
+
+def _keys(n: int) -> tuple[list[str], list[nacl.signing.SigningKey]]:
+    keys = [nacl.signing.SigningKey.generate() for _ in range(n)]
+    return [bytes(k.verify_key).hex() for k in keys], keys
+
+
+def _heard(key: nacl.signing.SigningKey, payload: bytes, rnd: int = RND, epoch: int = EPOCH) -> tuple[str, str, str]:
+    """(owner, digest, sig) of a payload as its owner signs it (drift.gather.Gather.header)."""
+    owner, digest = bytes(key.verify_key).hex(), hashlib.sha256(payload).digest()
+    sig = key.sign(payload_message(owner, rnd, epoch, digest)).signature
+    return owner, digest.hex(), sig.hex()
+
+
+def _signed(owner: str, digest: str, sig: str) -> bool:
+    return signed_payload(owner, RND, EPOCH, digest, sig)
+
+
+def test_a_member_that_signed_two_payloads_is_proven_and_nobody_else() -> None:
+    (x, a, b, c), (kx, ka, kb, kc) = _keys(4)
+    ring = [a, x, b, c]
+    own = {a: _heard(ka, b"A"), b: _heard(kb, b"B"), c: _heard(kc, b"C")}
+    one, other = _heard(kx, b"X"), _heard(kx, b"X, altered")  # x sent c another payload, and signed it
+    heard = {
+        a: [one, own[b], own[c]],
+        b: [own[a], one, own[c]],
+        c: [own[a], own[b], other],
+        x: [own[a], own[b], own[c]],
+    }
+    assert rules.equivocation(heard, ring, _signed) == rules.Equivocation([x], [])
+    # one reporter is proof enough: nobody but x can sign in x's name
+    assert rules.equivocation({c: [one, other]}, ring, _signed).equivocators == [x]
+    # the same payload reported by everyone proves nothing
+    same = {i: [r for j, r in own.items() if j != i] + [one] for i in (a, b, c)}
+    assert rules.equivocation(same, ring, _signed) == rules.Equivocation([], [])
+
+
+def test_a_report_its_owner_did_not_sign_is_a_false_accusation_not_proof() -> None:
+    (x, a, b), (kx, ka, _) = _keys(3)
+    ring = [x, a, b]
+    honest = _heard(ka, b"A")
+    lies = [
+        (a, hashlib.sha256(b"A, as b says").hexdigest(), honest[2]),  # a's signature, other bytes
+        _heard(ka, b"A before", rnd=RND - 1),  # a signed it, for the round before
+        _heard(ka, b"A before", epoch=EPOCH - 1),  # ... or for the attempt before
+        (a, *_heard(kx, b"A, as b says")[1:]),  # signed with another key
+        (a, "zz", "00"),  # garbage
+    ]
+    for lie in lies:
+        got = rules.equivocation({x: [honest], b: [lie, _heard(kx, b"X")]}, ring, _signed)
+        assert got == rules.Equivocation([], [b]), lie  # nobody frames a; b gets the strike
+
+
+def test_reports_on_oneself_or_a_non_member_are_ignored_and_each_report_is_checked_once() -> None:
+    (x, a, b, stranger), (kx, ka, kb, ks) = _keys(4)
+    checks: list[tuple[str, str, str]] = []
+
+    def counted(owner: str, digest: str, sig: str) -> bool:
+        checks.append((owner, digest, sig))
+        return _signed(owner, digest, sig)
+
+    ring = [x, a, b]
+    one = _heard(kx, b"X")
+    heard = {
+        a: [one, (a, "00" * 32, "00" * 64), _heard(ks, b"S"), (stranger, "00" * 32, "00" * 64)],
+        b: [one, _heard(kb, b"B, other"), _heard(ka, b"A")],
+    }
+    assert rules.equivocation(heard, ring, counted) == rules.Equivocation([], [])
+    assert sorted(checks) == sorted([one, _heard(ka, b"A")])
+
+
+def test_the_theta_kept_after_an_equivocation_is_the_most_held_then_the_first_in_ring_order() -> None:
+    assert rules.kept({"a": "p", "b": "q", "c": "p"}, ["b", "a", "c"]) == "p"
+    assert rules.kept({"a": "p", "b": "q"}, ["b", "a"]) == "q"
+    assert rules.kept({"a": "p", "b": "q"}, ["a", "b"]) == "p"
+    assert rules.kept({"a": "p"}, ["x", "a"]) == "p"
