@@ -1,7 +1,9 @@
 """`sync: sparse` in a real swarm: real `drift join` processes on loopback all-gather their
 sparse payloads (drift-gather/0), train (val falls) and stay bit-identical (a round is only
-recorded once every member reported the same checksum); and a node that sends 1000 x (or -10 x)
-its Δ is clipped by every honest node and excluded for the run on their word."""
+recorded once every member reported the same checksum); a node that sends 1000 x (or -10 x)
+its Δ is clipped by every honest node and excluded for the run on their word; and one that sends
+different payloads to different members is proven by its own signatures and excluded, while the
+honest node it misled is not struck."""
 
 from __future__ import annotations
 
@@ -67,6 +69,67 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
     assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
+
+
+def _hostile(tmp_path: Path, fault: str, told: bool = False) -> tuple[Swarm, list[dict]]:
+    """A 3-node sparse swarm of 3 rounds, one node with `fault` (tests/wrappers/fault_node.py):
+    the run completes, the honest ones stay to the end, every sample is trained once. `told`: the
+    bad node is told it is out, so it leaves by itself (wait for it too)."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    bad = swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
+    good = [swarm.join("0.02", name=f"good{i}") for i in range(2)]
+    assert swarm.finish(leave=[bad, *good] if told else good) == 0, swarm.log()
+    assert swarm.node_exits()[1:] == [0, 0], swarm.node_logs()
+    events = swarm.events()
+    assert len([e for e in events if e["event"] == "round"]) == 3
+    check_exactly_once(events, 2 * BATCH)
+    return swarm, events
+
+
+def _honest_untouched(events: list[dict]) -> None:
+    """No honest node was marked diverged, struck for a false accusation, made to sit out for
+    anything but being slow (a loaded machine: `deadline`), or dropped."""
+    assert not [e for e in events if e["event"] == "diverged"]
+    assert all(e["name"] == "bad" for e in events if e["event"] == "false_accusation")
+    assert all(e["name"] == "bad" or e["reason"] == "deadline" for e in events if e["event"] == "sat_out")
+    assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
+
+
+def test_a_node_that_sends_different_payloads_to_different_members_is_proven_and_excluded(tmp_path: Path) -> None:
+    # In round 1 it sends good1 or good0 (the larger id) a payload altered in its values, signed
+    # as its own, and the other the real one. Before, that node alone ended with another θ, sat
+    # out as the checksum minority and was struck (dropped at the second), while the attacker kept
+    # 0 strikes. Now both honest nodes report what they got, signed: two digests prove it.
+    swarm, events = _hostile(tmp_path, "equivocate:1", told=True)
+    found = [(e["name"], e["round"], e["reason"]) for e in events if e["event"] == "poisoner"]
+    assert found == [("bad", 1, "equivocated")], found
+    left = [e for e in events if e["event"] == "node_left"]
+    assert [e["name"] for e in left] == ["bad"] and "different payloads" in left[0]["reason"], left
+    # the attack split θ: one honest node held another θ than the one kept, and got it from a peer
+    split = [(e["name"], e["round"]) for e in events if e["event"] == "split"]
+    assert len(split) == 1 and split[0][0] in ("good0", "good1") and split[0][1] == 1, split
+    _honest_untouched(events)
+    assert not [e for e in events if e["event"] == "false_accusation"]
+    r1 = next(e for e in events if e["event"] == "round" and e["round"] == 1)
+    assert r1["nodes"]["good0"]["weight"] > 0 and r1["nodes"]["good1"]["weight"] > 0  # their work counts
+    r2 = next(e for e in events if e["event"] == "round" and e["round"] == 2)
+    assert r2["nodes"].get("bad", {"weight": 0.0})["weight"] == 0  # out for the run
+    assert "sent different payloads" in swarm.log()
+    assert swarm.node_exits()[0] not in (None, -9) and "excluded from this run" in (tmp_path / "bad.log").read_text()
+
+
+def test_a_node_that_reports_payloads_their_owners_did_not_sign_is_struck_not_believed(tmp_path: Path) -> None:
+    # From round 1 on it reports, as what the others sent it, their payloads of the round before:
+    # real signatures, of another round. Nobody is framed as an equivocator; it gets a strike
+    # each round, and at the second it is dropped.
+    _, events = _hostile(tmp_path, "false-heard:1")
+    false = [(e["name"], e["round"]) for e in events if e["event"] == "false_accusation"]
+    assert false == [("bad", 1), ("bad", 2)], false
+    assert not [e for e in events if e["event"] in ("poisoner", "split")]
+    left = [e for e in events if e["event"] == "node_left"]
+    assert [(e["name"], e["round"]) for e in left] == [("bad", 2)] and "again" in left[0]["reason"], left
+    _honest_untouched(events)
 
 
 def _bits_gradient(rng: np.random.Generator, n: int, i: int) -> np.ndarray:

@@ -11,6 +11,11 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        another node's segment, and sign what it sent (its hop signature holds, the
                        owner's does not): before, its right neighbour alone ended with another θ
   short-chunks         send every ring chunk of that round one byte short
+  equivocate           (sync: sparse) in that round's all-gather, send one peer (the one of the
+                       largest id) a payload altered in its values, signed as its own, and the
+                       others the real one: before, that peer alone ended with another θ
+  false-heard          (sync: sparse) from that round on, report in RoundDone.heard what the others
+                       sent the round before (their real signatures, of another round)
   blip-in-allreduce    the ring connections break at the first chunk of that round's first
                        all-reduce attempt (a network blip), and the report of it takes 4 s to
                        reach the coordinator (a congested link): its retry arrives meanwhile
@@ -56,6 +61,8 @@ import sim_node  # noqa: F401 - a simulated device when $DRIFT_SIM_STEP is set
 from drift import diloco
 from drift import protocol as P
 from drift.cli import main
+from drift.gather import _HEADER as gather_header
+from drift.gather import Gather
 from drift.inner import InnerLoop
 from drift.node import Session, Trainer
 from drift.ring import Ring
@@ -126,6 +133,36 @@ elif kind == "tamper-forward":
             signed = (signed[0][:-32] + hashlib.sha256(forged).digest(), signed[1])
             payload = forged
         await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed)
+elif kind == "equivocate":
+    misled: dict[int, str] = {}  # round -> the one peer that gets the other payload
+
+    @patch(Gather, "allgather")
+    async def _(orig, self, payload, members, round_, nbytes, generation=0):
+        if round_ == at:
+            misled[round_] = max((m.node_id for m in members if m.node_id != self.node_id), default="")
+        return await orig(self, payload, members, round_, nbytes, generation)
+
+    @patch(Gather, "_send")
+    async def _(orig, self, m, head, payload, count):
+        _, _, rnd, gen, _, _ = gather_header.unpack(head)
+        if payload and misled.get(rnd) == m.node_id:
+            other = bytearray(payload)
+            other[0] ^= 1  # the lowest bit of the first chunk's low magnitude: it still decodes
+            payload = bytes(other)
+            head = self.header(rnd, gen, payload)  # signed with its own key, as an honest payload is
+        await orig(self, m, head, payload, count)
+elif kind == "false-heard":
+    heard_before: list[list[P.Heard]] = [[]]
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.RoundDone) and msg.heard:
+            real = msg.heard
+            if msg.round >= at:
+                lie = heard_before[0] or [h.model_copy(update={"digest": "0" * 64}) for h in real]
+                msg = msg.model_copy(update={"heard": lie})
+            heard_before[0] = real
+        await orig(self, msg)
 elif kind == "short-chunks":
 
     @patch(Ring, "_send_chunk")
