@@ -128,6 +128,7 @@ class Gather:
         out[me] = payload
         heard: dict[int, Heard] = {}  # place -> what came from that member
         count = [0, 0]  # bytes sent, received
+        check = [0.0]  # seconds hashing, signing and verifying (RoundDone.check_s)
 
         async def recv_from(k: int, m: RingMember) -> None:
             size, sig, ch = await self._take(m.node_id, round_, generation)
@@ -139,19 +140,26 @@ class Gather:
                 out[k] = await self._receive(ch, m.node_id, size, count)
             finally:
                 ch.close("payload received")
+            t = time.perf_counter()
             digest = hashlib.sha256(out[k]).digest()
-            if not verify(m.node_id, payload_message(m.node_id, round_, generation, digest), sig):
+            signed = verify(m.node_id, payload_message(m.node_id, round_, generation, digest), sig)
+            check[0] += time.perf_counter() - t
+            if not signed:
                 raise RingError(f"{m.node_id[:10]} sent a payload it did not sign", suspect=m.node_id)
             heard[k] = Heard(owner=m.node_id, digest=digest.hex(), sig=sig.hex())
 
+        t = time.perf_counter()
         head = self.header(round_, generation, payload)
+        check[0] += time.perf_counter() - t
         others = [(k, m) for k, m in enumerate(members) if k != me]
         try:
             await _all([self._send(m, head, payload, count) for _, m in others] + [recv_from(k, m) for k, m in others])
         except RingError as e:
             raise RingError(f"all-gather of round {round_} failed: {e}", suspect=e.suspect) from None
         got = [heard[k] for k in sorted(heard)]
-        return out, ReduceStats(time.perf_counter() - t0, count[0], count[1], codec="sparse", heard=got)
+        return out, ReduceStats(
+            time.perf_counter() - t0, count[0], count[1], codec="sparse", check_seconds=check[0], heard=got
+        )
 
     async def _send(self, m: RingMember, head: bytes, payload: bytes, count: list[int]) -> None:
         """Connect to `m`, send the header, then the payload in CHUNK_BYTES frames; wait for ok."""

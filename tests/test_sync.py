@@ -220,6 +220,7 @@ def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() 
         assert out == [b"a" * 1000, b"b" * 1000, b""]
         others = [i for i in range(3) if i != k]
         assert [h.owner for h in stats.heard] == [ring[i].node_id for i in others]
+        assert stats.check_seconds > 0  # its hashes and signatures are reported (RoundDone.check_s)
         for i, h in zip(others, stats.heard):
             assert h.digest == hashlib.sha256(out[i]).hexdigest()
             assert signed_payload(h.owner, 4, 2, h.digest, h.sig)
