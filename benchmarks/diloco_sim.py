@@ -162,7 +162,9 @@ def main() -> None:
         land()
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  final  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
-    print(f"sent per node over the run: {sent / 2**20:.3f} MiB ({theta.size} values, {a.steps // H} rounds)")
+    print(
+        f"sent per node over the run: {sent / 2**20:.3f} MiB ({sent} bytes, {theta.size} values, {a.steps // H} rounds)"
+    )
 
 
 if __name__ == "__main__":
