@@ -30,11 +30,12 @@ HERE = Path(__file__).resolve().parent
 BATCH = 32  # recipes/shakespeare.yaml's batch_size
 
 
-def sim_args(n: int, rule: str, h: int, k: int, samples: int, chunk: int) -> list[str]:
+def sim_args(n: int, rule: str, h: int, k: int, samples: int, chunk: int, seed: int | None) -> list[str]:
     steps, rest = divmod(samples, n * BATCH)
     if rest or steps % h:
         raise SystemExit(f"{samples} samples: not whole rounds of H {h} at {n} nodes x batch {BATCH}")
     args = ["diloco", "--nodes", str(n), "--steps", str(steps), "--H", str(h), "--schedule", "--momentum", "0"]
+    args += [] if seed is None else ["--seed", str(seed)]
     if rule == "int8":
         return [*args, "--int8", "--outer-lr", "1.3"]
     return [*args, "--sync", "sparse", "--outer-lr", "2", "--clip", "1", "--k", str(k), "--chunk", str(chunk)]
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--sparse-H", type=int, nargs="*", default=[25, 10, 5], help="sparse runs at these H")
     ap.add_argument("--k", type=int, nargs="+", default=[64], help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--seed", type=int, help="θ0 and the sample order (default: the recipe's, 1337)")
     ap.add_argument("--results", default=str(HERE / "sparse_curve.jsonl"), help="JSON lines, read and appended")
     ap.add_argument("--lock", help="hold this file's flock during each run (a machine shared with others)")
     ap.add_argument("--table", action="store_true", help="run nothing: the table of --results for --nodes")
@@ -95,15 +97,16 @@ def main() -> None:
     grid = [(n, "int8", h, None) for n in a.nodes for h in a.dense_H]
     grid += [(n, "sparse", h, k) for n in a.nodes for h in a.sparse_H for k in a.k]
     for n, rule, h, k in [] if a.table else grid:
-        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk)
+        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed)
         if any(r["args"] == args for r in done):
             continue
-        r = {"N": n, "rule": rule, "H": h, "k": k, "samples": a.samples, "args": args, **run(args, a.lock)}
+        r = {"N": n, "rule": rule, "H": h, "k": k, "samples": a.samples, "seed": a.seed, "args": args}
+        r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(f"N {n} {rule} H {h} k {k}: val {r['val']:.4f}, {r['sent']} bytes, {r['wall_s']} s", file=sys.stderr)
-    table([r for r in done if r["N"] in a.nodes and r["samples"] == a.samples])
+    table([r for r in done if r["N"] in a.nodes and r["samples"] == a.samples and r.get("seed") == a.seed])
 
 
 if __name__ == "__main__":
