@@ -61,9 +61,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
     ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
+    ap.add_argument("--seed", type=int, default=None, help="θ0 and the sample order (default: the recipe's)")
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
+    r.seed = r.seed if a.seed is None else a.seed
     total = a.nodes * a.steps * r.batch_size
     if a.schedule:
         r.lr_schedule = LrSchedule(warmup_samples=total // 20, min_lr=r.inner_optimizer.lr / 10)
@@ -162,7 +164,9 @@ def main() -> None:
         land()
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  final  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
-    print(f"sent per node over the run: {sent / 2**20:.3f} MiB ({theta.size} values, {a.steps // H} rounds)")
+    print(
+        f"sent per node over the run: {sent / 2**20:.3f} MiB ({sent} bytes, {theta.size} values, {a.steps // H} rounds)"
+    )
 
 
 if __name__ == "__main__":

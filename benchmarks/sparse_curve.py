@@ -1,0 +1,113 @@
+"""The sparse rule's curve (issue 25): val loss against bytes sent per node over the run, per N, H
+and k, every run at the same total of samples, against the int8 ring at the same N.
+
+    python3 benchmarks/sparse_curve.py --nodes 2 4                       # the default grid at 2 and 4 nodes
+    python3 benchmarks/sparse_curve.py --nodes 4 --dense-H --sparse-H 10 --k 32 128   # add k at one H
+    python3 benchmarks/sparse_curve.py --nodes 2 4 8 16 --table          # print what --results holds
+
+Each run is one benchmarks/diloco_sim.py process, `--schedule`, outer momentum 0: dense = the
+int8-coded mean, outer lr 1.3, sent over a ring (2(N-1)/N payloads per node per round); sparse =
+drift's `sync: sparse` (error feedback 0.95, top-k of each `--chunk`, 2-bit values, clip 1),
+outer lr 2, all-gathered directly (N-1 payloads). Steps per replica = samples / (N x batch 32).
+Results are appended to `--results` (JSON lines) and a run already there is not run again.
+Printed, one row per run: val loss after the last round, MiB sent per node, how many times fewer
+bytes than int8 at the same N and H 25 (the recipe's H), and the loss against that run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import re
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BATCH = 32  # recipes/shakespeare.yaml's batch_size
+
+
+def sim_args(n: int, rule: str, h: int, k: int, samples: int, chunk: int, seed: int | None) -> list[str]:
+    steps, rest = divmod(samples, n * BATCH)
+    if rest or steps % h:
+        raise SystemExit(f"{samples} samples: not whole rounds of H {h} at {n} nodes x batch {BATCH}")
+    args = ["diloco", "--nodes", str(n), "--steps", str(steps), "--H", str(h), "--schedule", "--momentum", "0"]
+    args += [] if seed is None else ["--seed", str(seed)]
+    if rule == "int8":
+        return [*args, "--int8", "--outer-lr", "1.3"]
+    return [*args, "--sync", "sparse", "--outer-lr", "2", "--clip", "1", "--k", str(k), "--chunk", str(chunk)]
+
+
+def run(args: list[str], lock: str | None) -> dict:
+    with open(lock, "w") if lock else nullcontext() as f:
+        if f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # a shared machine: one benchmark at a time
+        t = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, str(HERE / "diloco_sim.py"), *args], capture_output=True, text=True, check=True
+        ).stdout
+    vals = [float(v) for v in re.findall(r"val (\S+)", out)]
+    sent, rounds = re.search(r"\((\d+) bytes, \d+ values, (\d+) rounds\)", out).groups()
+    return {
+        "val": vals[-1],
+        "vals": vals,
+        "sent": int(sent),
+        "rounds": int(rounds),
+        "wall_s": round(time.monotonic() - t),
+    }
+
+
+def table(results: list[dict]) -> None:
+    base = {r["N"]: r for r in results if r["rule"] == "int8" and r["H"] == 25}
+    print(
+        "| N | rule | H | k | rounds | val loss | MiB sent per node | × fewer bytes than int8 H 25 | loss vs int8 H 25 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    order = {"int8": 0, "sparse": 1}
+    for r in sorted(results, key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0)):
+        b = base.get(r["N"])
+        ratio = f"{b['sent'] / r['sent']:.1f}" if b else "–"
+        dloss = f"{100 * (r['val'] / b['val'] - 1):+.1f} %" if b else "–"
+        rule = "int8 ring" if r["rule"] == "int8" else "sparse all-gather"
+        k = r["k"] or "–"
+        print(
+            f"| {r['N']} | {rule} | {r['H']} | {k} | {r['rounds']} | {r['val']:.3f} | {r['sent'] / 2**20:.3f} | {ratio} | {dloss} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--samples", type=int, default=25600, help="total over all replicas (N x batch 32 x H divides it)")
+    ap.add_argument("--dense-H", type=int, nargs="*", default=[25, 10], help="int8 runs at these H")
+    ap.add_argument("--sparse-H", type=int, nargs="*", default=[25, 10, 5], help="sparse runs at these H")
+    ap.add_argument("--k", type=int, nargs="+", default=[64], help="sparse: values kept per chunk")
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--seed", type=int, help="θ0 and the sample order (default: the recipe's, 1337)")
+    ap.add_argument("--results", default=str(HERE / "sparse_curve.jsonl"), help="JSON lines, read and appended")
+    ap.add_argument("--lock", help="hold this file's flock during each run (a machine shared with others)")
+    ap.add_argument("--table", action="store_true", help="run nothing: the table of --results for --nodes")
+    a = ap.parse_args()
+
+    path = Path(a.results)
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    grid = [(n, "int8", h, None) for n in a.nodes for h in a.dense_H]
+    grid += [(n, "sparse", h, k) for n in a.nodes for h in a.sparse_H for k in a.k]
+    for n, rule, h, k in [] if a.table else grid:
+        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed)
+        if any(r["args"] == args for r in done):
+            continue
+        r = {"N": n, "rule": rule, "H": h, "k": k, "samples": a.samples, "seed": a.seed, "args": args}
+        r |= run(args, a.lock)
+        done.append(r)
+        with path.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(f"N {n} {rule} H {h} k {k}: val {r['val']:.4f}, {r['sent']} bytes, {r['wall_s']} s", file=sys.stderr)
+    table([r for r in done if r["N"] in a.nodes and r["samples"] == a.samples and r.get("seed") == a.seed])
+
+
+if __name__ == "__main__":
+    main()
