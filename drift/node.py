@@ -805,7 +805,7 @@ class Session:
                         reduce.cancel()
                         reduce = None
                     p.announced = None  # (a redo: the step it announced was never applied)
-                    if p.applied:
+                    if p.applied or p.superseded:  # never a second step on a θ that already moved
                         p.applied, p.superseded = False, True
                         p.settled.clear()
                         await self.send(

@@ -533,13 +533,10 @@ class Round:
                 self.equivocation()
             if self.confirm:
                 return await self.pair_progress(now)
-            diverged = self.minority()
-            if not diverged:
-                self.cleared()
-                return True
-            for i in diverged:
-                self.sit_out_diverged(i)
-            self.retry_reason = f"{len(diverged)} node(s) disagreed with the majority on θ"
+            for i in self.minority():
+                self.diverged(i)
+            self.cleared()
+            return True
         if self.retry_reason is None:
             return False
         return await self.retry(now)
@@ -600,7 +597,14 @@ class Round:
         for i in rules.caught(self.suspects, self.part()):
             if i in self.part():
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
+        # Members that applied the last attempt cannot redo it (announced steps were never applied)
+        applied = [] if self.announcing() else [i for i in self.part() if self.nodes[i].done is not None]
+        for i in applied:
+            self.sit_out(i, "retry", "it applied an earlier attempt of this all-reduce", strike=False)
         if not self.part():
+            if applied:
+                self.abandon(f"every member left had applied an attempt the others did not ({self.retry_reason})")
+                return True
             raise RoundError(f"every training node has left (round {self.rnd})")
         if self.s.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
             self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
@@ -778,10 +782,17 @@ class Round:
             self.host.note("split", node_id=i, name=self.name(i), round=rnd, checksum=rest[i])
             self.nodes[i].done, self.nodes[i].behind = None, True
 
-    def sit_out_diverged(self, i: str) -> None:
-        """A node whose θ disagrees with the majority's: out of the ring, its work redone."""
+    def diverged(self, i: str) -> None:
+        """A node whose θ after the step disagrees with the majority's: the majority's θ is kept
+        (its Δ is in it: the ring finished), and the node gets that θ with Agreed. The round is
+        not redone: every member has applied its step, and a step applied twice is not the round.
+        Disagreeing is a strike; twice, and the node is dropped."""
+        why = f"its θ after round {self.rnd} disagrees with the majority's"
+        log.warning("round %d: node %s: %s; it gets θ from a peer", self.rnd, self.name(i), why)
         self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.nodes[i].done.checksum)
-        self.sit_out(i, "diverged", f"its θ after round {self.rnd} disagrees with the majority's")
+        self.nodes[i].done, self.nodes[i].behind = None, True
+        if self.s.strike(i, self.rnd):
+            self.drops.append((i, f"{why}, again"))
 
     def sit_out(self, i: str, kind: str, why: str, strike: bool = True) -> None:
         """Out of this round's ring, its work redone; Agreed gives it θ when the round settles. A
