@@ -17,7 +17,8 @@ The same measurement on issue 25's many-tensor models (target: ≤ 3 bytes of RA
 beyond the plain loop, fixed cost ≤ 512 MiB): the char GPT of recipes/shakespeare_char.py at 8
 layers, 256 and 512 wide (θ 24 and 96 MiB; drift starts it from the task's init_params), and
 recipes/gpt2-small.yaml's model (recipes/gpt2_shakespeare.py, 86M parameters) at block 256 and
-batch 1; int8, outer momentum 0.9; `+overlap` runs a model with the recipe's `overlap: true`.
+batch 1; int8, outer momentum 0.9; `+overlap` runs a model with the recipe's `overlap: true`, `+sparse` with
+`sync: sparse` (its defaults: error feedback, no velocity).
 """
 
 from __future__ import annotations
@@ -51,16 +52,16 @@ MODELS = {  # name: (task file, task_config, batch)
 }
 
 
-def model_of(mode: str) -> tuple[str, dict, int, bool]:
-    """(task file, task_config, batch, overlap) of a --models entry such as char-512+overlap."""
+def model_of(mode: str) -> tuple[str, dict, int, str]:
+    """(task file, task_config, batch, flag) of a --models entry such as char-512+overlap."""
     name, _, flag = mode.partition("+")
-    if name not in MODELS or flag not in ("", "overlap"):
-        raise SystemExit(f"unknown model {mode!r}; known: {', '.join(MODELS)} (each may end in +overlap)")
-    return (*MODELS[name], flag == "overlap")
+    if name not in MODELS or flag not in ("", "overlap", "sparse"):
+        raise SystemExit(f"unknown model {mode!r}; known: {', '.join(MODELS)} (each may end in +overlap or +sparse)")
+    return (*MODELS[name], flag)
 
 
 def recipe(mode: str) -> dict:
-    task, cfg, batch, overlap = model_of(mode)
+    task, cfg, batch, flag = model_of(mode)
     return {
         "name": f"bench-{mode.replace('+', '-')}",
         "task": f"recipes/{task}",
@@ -73,7 +74,8 @@ def recipe(mode: str) -> dict:
         "eval_batches": 1,
         "codec": "int8",
         "outer_optimizer": {"lr": 0.7, "momentum": 0.9},
-        "overlap": overlap,
+        "overlap": flag == "overlap",
+        "sync": "sparse" if flag == "sparse" else "dense",
         "seed": 1,
         "stale_after_s": 600.0,
         "heartbeat_s": 2.0,
@@ -177,7 +179,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", default="bench")
     ap.add_argument("--mode", default="lora")
-    ap.add_argument("--models", default="lora,full", help=f"of {', '.join(MODELS)}, each may end in +overlap")
+    ap.add_argument(
+        "--models", default="lora,full", help=f"of {', '.join(MODELS)}, each may end in +overlap or +sparse"
+    )
     ap.add_argument("--steps", type=int, default=4 + ROUNDS * INNER)  # calibration + a node's share
     a = ap.parse_args()
     if a.role == "plain":

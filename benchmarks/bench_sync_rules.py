@@ -45,7 +45,7 @@ def recipe(rule: str, h: int, nodes: int, samples: int) -> dict:
         lr_schedule={"warmup_samples": samples // 20, "min_lr": r["inner_optimizer"]["lr"] / 10},
     )
     if rule == "sparse":
-        r.update(sync="sparse", sync_params={"lr": 2.0})
+        r.update(sync="sparse", sync_params={"lr": 2.0, "ef_decay": 0.95})
     elif rule != "int8":
         raise SystemExit(f"unknown rule {rule!r} (int8 or sparse)")
     return r

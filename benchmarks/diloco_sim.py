@@ -7,7 +7,7 @@
     python benchmarks/diloco_sim.py diloco --steps 500 --H 10 --schedule --sync sparse --outer-lr 2 --momentum 0
 
 The default recipe's task, AdamW and θ0 (drift's own TorchWorker), the recipe's epoch-0 sample
-order; `--nodes` replicas train H steps each from the same θ, then the outer step (drift's
+order (then epoch 1's, ...); `--nodes` replicas train H steps each from the same θ, then the outer step (drift's
 NesterovOuter) applies their mean pseudo-gradient. `--overlapped`: drift's OverlappedDiLoCo, the
 replicas train on from where they were while the mean lands `--land-after` steps into the next
 round, then move by what θ_global moved (catch_up). `--schedule`: bench_vs_ddp.py's inner lr
@@ -61,11 +61,17 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
     ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
+    ap.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error feedback's decay")
     ap.add_argument("--seed", type=int, default=None, help="θ0 and the sample order (default: the recipe's)")
+    ap.add_argument("--inner-lr", type=float, default=None, help="AdamW's lr (default: the recipe's)")
+    ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config, e.g. n_layer=8 n_embd=512")
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
     r.seed = r.seed if a.seed is None else a.seed
+    r.task_config.update({k: int(v) for k, v in (kv.split("=", 1) for kv in a.model)})
+    if a.inner_lr is not None:
+        r.inner_optimizer.lr = a.inner_lr
     total = a.nodes * a.steps * r.batch_size
     if a.schedule:
         r.lr_schedule = LrSchedule(warmup_samples=total // 20, min_lr=r.inner_optimizer.lr / 10)
@@ -78,7 +84,9 @@ def main() -> None:
         )
 
     w0 = worker()
-    order, B, N, H = epoch_order(w0.n_train, r.seed, 0), r.batch_size, a.nodes, a.H
+    epochs = -(-total // w0.n_train)  # a run longer than the data goes on into the next epoch's order
+    order = np.concatenate([epoch_order(w0.n_train, r.seed, e) for e in range(epochs)])
+    B, N, H = r.batch_size, a.nodes, a.H
     if a.mode != "diloco":  # one worker: ddp = batch N*B for `steps`; single = batch B for N*steps
         batch, steps = (N * B, a.steps) if a.mode == "ddp" else (B, N * a.steps)
         every = H if a.mode == "ddp" else N * H
@@ -95,7 +103,10 @@ def main() -> None:
     sent = 0  # bytes each node sends over the run
     if a.sync == "sparse":
         sr = r.model_copy(
-            update={"sync": "sparse", "sync_params": {"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip}}
+            update={
+                "sync": "sparse",
+                "sync_params": {"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip, "ef_decay": a.ef_decay},
+            }
         )
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
         ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=1 / N) for i in range(N)]

@@ -4,6 +4,9 @@ and k, every run at the same total of samples, against the int8 ring at the same
     python3 benchmarks/sparse_curve.py --nodes 2 4                       # the default grid at 2 and 4 nodes
     python3 benchmarks/sparse_curve.py --nodes 4 --dense-H --sparse-H 10 --k 32 128   # add k at one H
     python3 benchmarks/sparse_curve.py --nodes 2 4 8 16 --table          # print what --results holds
+    python3 benchmarks/sparse_curve.py --nodes 4 --dense-H --sparse-H 25 10 --sparse-lr 1.5 2 3 --ef-decay 0.9 0.95 1
+    python3 benchmarks/sparse_curve.py --nodes 2 --samples 12800 --dense-H 10 --sparse-H 10 5 --base-H 10 \
+        --model n_layer=7 n_head=8 n_embd=512 --inner-lr 1e-3 --results benchmarks/sparse_curve_22m.jsonl
 
 Each run is one benchmarks/diloco_sim.py process, `--schedule`, outer momentum 0: dense = the
 int8-coded mean, outer lr 1.3, sent over a ring (2(N-1)/N payloads per node per round); sparse =
@@ -28,17 +31,30 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BATCH = 32  # recipes/shakespeare.yaml's batch_size
+EF = 0.95  # the error-feedback decay of every run without --ef-decay (the rule's default was 0.95)
 
 
-def sim_args(n: int, rule: str, h: int, k: int, samples: int, chunk: int, seed: int | None) -> list[str]:
+def sim_args(
+    n: int,
+    rule: str,
+    h: int,
+    k: int,
+    samples: int,
+    chunk: int,
+    seed: int | None,
+    extra: list[str],
+    lr: float,
+    ef: float,
+) -> list[str]:
     steps, rest = divmod(samples, n * BATCH)
     if rest or steps % h:
         raise SystemExit(f"{samples} samples: not whole rounds of H {h} at {n} nodes x batch {BATCH}")
     args = ["diloco", "--nodes", str(n), "--steps", str(steps), "--H", str(h), "--schedule", "--momentum", "0"]
-    args += [] if seed is None else ["--seed", str(seed)]
+    args += ([] if seed is None else ["--seed", str(seed)]) + extra
     if rule == "int8":
         return [*args, "--int8", "--outer-lr", "1.3"]
-    return [*args, "--sync", "sparse", "--outer-lr", "2", "--clip", "1", "--k", str(k), "--chunk", str(chunk)]
+    args += ["--sync", "sparse", "--outer-lr", f"{lr:g}", "--clip", "1", "--k", str(k), "--chunk", str(chunk)]
+    return args + ([] if ef == EF else ["--ef-decay", f"{ef:g}"])
 
 
 def run(args: list[str], lock: str | None) -> dict:
@@ -60,19 +76,26 @@ def run(args: list[str], lock: str | None) -> dict:
     }
 
 
-def table(results: list[dict]) -> None:
-    base = {r["N"]: r for r in results if r["rule"] == "int8" and r["H"] == 25}
+def table(results: list[dict], base_h: int) -> None:
+    base = {r["N"]: r for r in results if r["rule"] == "int8" and r["H"] == base_h}
     print(
-        "| N | rule | H | k | rounds | val loss | MiB sent per node | × fewer bytes than int8 H 25 | loss vs int8 H 25 |"
+        f"| N | rule | H | k | rounds | val loss | MiB sent per node | × fewer bytes than int8 H {base_h} | loss vs int8 H {base_h} |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     order = {"int8": 0, "sparse": 1}
-    for r in sorted(results, key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0)):
+    tuned = len({(r.get("lr", 2.0), r.get("ef", EF)) for r in results if r["rule"] == "sparse"}) > 1
+    if tuned:
+        print("(sparse rows: outer lr / error-feedback decay after k)")
+    for r in sorted(
+        results, key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0, r.get("lr", 2.0), r.get("ef", EF))
+    ):
         b = base.get(r["N"])
         ratio = f"{b['sent'] / r['sent']:.1f}" if b else "–"
         dloss = f"{100 * (r['val'] / b['val'] - 1):+.1f} %" if b else "–"
         rule = "int8 ring" if r["rule"] == "int8" else "sparse all-gather"
         k = r["k"] or "–"
+        if tuned and r["rule"] == "sparse":
+            k = f"{k}, lr {r.get('lr', 2.0):g}, ef {r.get('ef', EF):g}"
         print(
             f"| {r['N']} | {rule} | {r['H']} | {k} | {r['rounds']} | {r['val']:.3f} | {r['sent'] / 2**20:.3f} | {ratio} | {dloss} |"
         )
@@ -86,27 +109,42 @@ def main() -> None:
     ap.add_argument("--sparse-H", type=int, nargs="*", default=[25, 10, 5], help="sparse runs at these H")
     ap.add_argument("--k", type=int, nargs="+", default=[64], help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--sparse-lr", type=float, nargs="+", default=[2.0], help="sparse: outer learning rates")
+    ap.add_argument("--ef-decay", type=float, nargs="+", default=[EF], help="sparse: error-feedback decays")
     ap.add_argument("--seed", type=int, help="θ0 and the sample order (default: the recipe's, 1337)")
     ap.add_argument("--results", default=str(HERE / "sparse_curve.jsonl"), help="JSON lines, read and appended")
     ap.add_argument("--lock", help="hold this file's flock during each run (a machine shared with others)")
+    ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config: a larger char GPT")
+    ap.add_argument("--inner-lr", type=float, help="AdamW's lr (default: the recipe's)")
+    ap.add_argument("--base-H", type=int, default=25, help="the int8 run the others are measured against")
     ap.add_argument("--table", action="store_true", help="run nothing: the table of --results for --nodes")
     a = ap.parse_args()
 
     path = Path(a.results)
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    grid = [(n, "int8", h, None) for n in a.nodes for h in a.dense_H]
-    grid += [(n, "sparse", h, k) for n in a.nodes for h in a.sparse_H for k in a.k]
-    for n, rule, h, k in [] if a.table else grid:
-        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed)
+    extra = (["--model", *a.model] if a.model else []) + ([] if a.inner_lr is None else ["--inner-lr", str(a.inner_lr)])
+    grid = [(n, "int8", h, None, None, None) for n in a.nodes for h in a.dense_H]
+    grid += [
+        (n, "sparse", h, k, lr, ef)
+        for n in a.nodes
+        for h in a.sparse_H
+        for k in a.k
+        for lr in a.sparse_lr
+        for ef in a.ef_decay
+    ]
+    for n, rule, h, k, lr, ef in [] if a.table else grid:
+        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or 0.0, ef or EF)
         if any(r["args"] == args for r in done):
             continue
-        r = {"N": n, "rule": rule, "H": h, "k": k, "samples": a.samples, "seed": a.seed, "args": args}
+        r = {"N": n, "rule": rule, "H": h, "k": k, "samples": a.samples, "seed": a.seed, "extra": extra, "args": args}
+        r |= {} if rule == "int8" else {"lr": lr, "ef": ef}
         r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(f"N {n} {rule} H {h} k {k}: val {r['val']:.4f}, {r['sent']} bytes, {r['wall_s']} s", file=sys.stderr)
-    table([r for r in done if r["N"] in a.nodes and r["samples"] == a.samples and r.get("seed") == a.seed])
+    same = [r for r in done if r["N"] in a.nodes and r["samples"] == a.samples and r.get("seed") == a.seed]
+    table([r for r in same if r.get("extra", []) == extra], a.base_H)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def _golden_case(chunk: int, k: int) -> str:
     layout = ParamLayout(("a", "b"), ((1000,), (301, chunk)))  # > 256 chunks (two blocks), a short last one
     recipe = Recipe.model_validate(
         {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
-        | {"sync": "sparse", "sync_params": {"chunk": chunk, "k": k}}
+        | {"sync": "sparse", "sync_params": {"chunk": chunk, "k": k, "ef_decay": 0.95, "lr": 1.0}}  # (as then)
     )
     rng = np.random.default_rng(25)
     ring = [RingMember(node_id=f"{i:064x}", ticket="t", weight=w) for i, w in enumerate([0.1, 0.2, 0.3, 0.4])]

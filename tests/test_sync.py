@@ -117,7 +117,7 @@ def test_error_feedback_keeps_what_the_payload_did_not_carry() -> None:
     np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)
     rule.contribute(d2.copy(), 0.5)
     rule.apply(np.zeros(LAYOUT.size, np.float32), np.zeros(LAYOUT.size, np.float32))
-    want = np.float32(0.95) * (d1 - sent) + d2 - _decoded(rule.codec, payload2)
+    want = np.float32(rule.params.ef_decay) * (d1 - sent) + d2 - _decoded(rule.codec, payload2)
     np.testing.assert_allclose(rule.ef, want, atol=1e-8)
     assert rule.contribute(d2.copy(), 0.0) == b""  # weight 0: nothing sent, nothing kept
 
@@ -139,9 +139,8 @@ def test_the_sum_is_the_same_bits_whatever_order_payloads_arrive_in() -> None:
         results.append(theta.tobytes())
     assert len(set(results)) == 1
     want = sum(m.weight * _decoded(make_rule(LAYOUT, loose).codec, p) for m, p in zip(ring, payloads))
-    np.testing.assert_allclose(
-        np.ones(LAYOUT.size, np.float32) - np.frombuffer(results[0], np.float32), want, atol=1e-7
-    )
+    moved = (np.ones(LAYOUT.size, np.float32) - np.frombuffer(results[0], np.float32)) / node.params.lr
+    np.testing.assert_allclose(moved, want, atol=1e-7)
 
 
 def test_a_contribution_far_outside_the_others_is_clipped_and_named() -> None:
