@@ -5,8 +5,7 @@ and k, every run at the same total of samples, against the int8 ring at the same
     python3 benchmarks/sparse_curve.py --nodes 4 --dense-H --sparse-H 10 --k 32 128   # add k at one H
     python3 benchmarks/sparse_curve.py --nodes 2 4 8 16 --table          # print what --results holds
     python3 benchmarks/sparse_curve.py --nodes 4 --dense-H --sparse-H 25 10 --sparse-lr 1.5 2 3 --ef-decay 0.9 0.95 1
-    python3 benchmarks/sparse_curve.py --nodes 2 --samples 12800 --dense-H 10 --sparse-H 10 5 --base-H 10 \
-        --model n_layer=7 n_head=8 n_embd=512 --inner-lr 1e-3 --results benchmarks/sparse_curve_22m.jsonl
+    python3 benchmarks/sparse_curve.py --nodes 2 --samples 12800 --dense-H 10 --sparse-H 10 5 --base-H 10 --model n_layer=7 n_head=8 n_embd=512 --inner-lr 1e-3 --results benchmarks/sparse_curve_22m.jsonl
 
 Each run is one benchmarks/diloco_sim.py process, `--schedule`, outer momentum 0: dense = the
 int8-coded mean, outer lr 1.3, sent over a ring (2(N-1)/N payloads per node per round); sparse =
