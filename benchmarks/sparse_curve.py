@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BATCH = 32  # recipes/shakespeare.yaml's batch_size
-EF = 0.95  # the error-feedback decay of every run without --ef-decay (the rule's default was 0.95)
+LR, EF = 2.0, 0.95  # the sparse runs' outer lr and error-feedback decay unless --sparse-lr, --ef-decay
 
 
 def sim_args(
@@ -82,11 +82,11 @@ def table(results: list[dict], base_h: int) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     order = {"int8": 0, "sparse": 1}
-    tuned = len({(r.get("lr", 2.0), r.get("ef", EF)) for r in results if r["rule"] == "sparse"}) > 1
+    tuned = len({(r["lr"], r["ef"]) for r in results if r["rule"] == "sparse"}) > 1
     if tuned:
         print("(sparse rows: outer lr / error-feedback decay after k)")
     for r in sorted(
-        results, key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0, r.get("lr", 2.0), r.get("ef", EF))
+        results, key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0, r["lr"] or 0, r["ef"] or 0)
     ):
         b = base.get(r["N"])
         ratio = f"{b['sent'] / r['sent']:.1f}" if b else "–"
@@ -94,7 +94,7 @@ def table(results: list[dict], base_h: int) -> None:
         rule = "int8 ring" if r["rule"] == "int8" else "sparse all-gather"
         k = r["k"] or "–"
         if tuned and r["rule"] == "sparse":
-            k = f"{k}, lr {r.get('lr', 2.0):g}, ef {r.get('ef', EF):g}"
+            k = f"{k}, lr {r['lr']:g}, ef {r['ef']:g}"
         print(
             f"| {r['N']} | {rule} | {r['H']} | {k} | {r['rounds']} | {r['val']:.3f} | {r['sent'] / 2**20:.3f} | {ratio} | {dloss} |"
         )
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--sparse-H", type=int, nargs="*", default=[25, 10, 5], help="sparse runs at these H")
     ap.add_argument("--k", type=int, nargs="+", default=[64], help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--sparse-lr", type=float, nargs="+", default=[2.0], help="sparse: outer learning rates")
+    ap.add_argument("--sparse-lr", type=float, nargs="+", default=[LR], help="sparse: outer learning rates")
     ap.add_argument("--ef-decay", type=float, nargs="+", default=[EF], help="sparse: error-feedback decays")
     ap.add_argument("--seed", type=int, help="θ0 and the sample order (default: the recipe's, 1337)")
     ap.add_argument("--results", default=str(HERE / "sparse_curve.jsonl"), help="JSON lines, read and appended")
@@ -121,6 +121,11 @@ def main() -> None:
 
     path = Path(a.results)
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    for r in done:  # rows from before the grid over lr and decay ran at the defaults
+        sparse = r["rule"] == "sparse"
+        r.setdefault("lr", LR if sparse else None)
+        r.setdefault("ef", EF if sparse else None)
+        r.setdefault("extra", [])
     extra = (["--model", *a.model] if a.model else []) + ([] if a.inner_lr is None else ["--inner-lr", str(a.inner_lr)])
     grid = [(n, "int8", h, None, None, None) for n in a.nodes for h in a.dense_H]
     grid += [
@@ -132,18 +137,18 @@ def main() -> None:
         for ef in a.ef_decay
     ]
     for n, rule, h, k, lr, ef in [] if a.table else grid:
-        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or 0.0, ef or EF)
+        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or LR, ef or EF)
         if any(r["args"] == args for r in done):
             continue
-        r = {"N": n, "rule": rule, "H": h, "k": k, "samples": a.samples, "seed": a.seed, "extra": extra, "args": args}
-        r |= {} if rule == "int8" else {"lr": lr, "ef": ef}
+        r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "samples": a.samples, "seed": a.seed}
+        r |= {"extra": extra, "args": args}
         r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(f"N {n} {rule} H {h} k {k}: val {r['val']:.4f}, {r['sent']} bytes, {r['wall_s']} s", file=sys.stderr)
     same = [r for r in done if r["N"] in a.nodes and r["samples"] == a.samples and r.get("seed") == a.seed]
-    table([r for r in same if r.get("extra", []) == extra], a.base_H)
+    table([r for r in same if r["extra"] == extra], a.base_H)
 
 
 if __name__ == "__main__":

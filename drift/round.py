@@ -327,8 +327,7 @@ class Round:
             why = "it accused a ring neighbour with proof that does not hold"
             log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
             self.host.note("false_accusation", node_id=i, name=self.name(i), round=self.rnd, accused=msg.suspect)
-            if self.s.strike(i, self.rnd):
-                self.drops.append((i, f"{why}, again"))
+            self.strike(i, why)
         elif msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
             if msg.proof is not None:
@@ -431,8 +430,8 @@ class Round:
                 # from the next round on use that.
                 s.slowed(i, r.batch_size / waited)
                 await self.host.send(self.peer(i), P.StopRound(round=self.rnd))
-                if alone and s.strike(i, self.rnd):
-                    self.drops.append((i, "it held the whole swarm up, again"))
+                if alone:
+                    self.strike(i, "it held the whole swarm up")
 
     async def barrier(self, now: float) -> bool:
         """Once every trainer synced (or sits out past its deadline), send the ring."""
@@ -455,8 +454,7 @@ class Round:
             log.warning("node %s: %s; its work this round is redone", self.name(i), why)
             self.host.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
             self.exclude(i)
-            if self.s.strike(i, self.rnd):
-                self.drops.append((i, f"{why}, again"))
+            self.strike(i, why)
         self.t_ready = now
         await self.send_ring()
         return False
@@ -550,7 +548,7 @@ class Round:
             for i in [i for i, d in done.items() if d.checksum != self.announced.get(i)]:
                 why = f"its θ after round {self.rnd} is not the θ it announced"  # (honest code reports that one)
                 self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=done[i].checksum)
-                self.nodes[i].done, self.nodes[i].behind = None, True  # its Δ is in the sum; θ comes with Agreed
+                self.fell_behind(i)
                 self.drops.append((i, why))
             if not self.done():
                 raise RoundError(f"no node's θ after round {self.rnd} is the θ it announced")
@@ -709,9 +707,8 @@ class Round:
                 now - self.t_ring,
             )
             self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
-            self.nodes[i].behind = True
-            if self.s.strike(i, self.rnd):
-                self.drops.append((i, "it did not report θ after the all-reduce, again"))
+            self.fell_behind(i)
+            self.strike(i, "it did not report θ after the all-reduce")
 
     def announcing(self) -> bool:
         """A ring of two whose members announced (or will announce) a θ nobody has applied yet."""
@@ -760,14 +757,13 @@ class Round:
             why = "it reported an all-gather payload that its owner did not sign"
             log.warning("round %d: node %s: %s", rnd, self.name(i), why)
             self.host.note("false_accusation", node_id=i, name=self.name(i), round=rnd)
-            if self.s.strike(i, rnd):
-                self.drops.append((i, f"{why}, again"))
+            self.strike(i, why)
         if not found.equivocators:
             return
         for x in found.equivocators:
             log.warning("round %d: node %s: %s", rnd, self.name(x), EQUIVOCATED)
             self.convict(x, "equivocated", EQUIVOCATED, sit_out=False)
-            self.nodes[x].done, self.nodes[x].behind = None, True
+            self.fell_behind(x)
         rest = {i: d.checksum for i, d in self.done().items()}
         if not rest:
             raise RoundError(f"after round {rnd} only nodes that sent different payloads reported θ")
@@ -780,7 +776,7 @@ class Round:
                 self.name(i),
             )
             self.host.note("split", node_id=i, name=self.name(i), round=rnd, checksum=rest[i])
-            self.nodes[i].done, self.nodes[i].behind = None, True
+            self.fell_behind(i)
 
     def diverged(self, i: str) -> None:
         """A node whose θ after the step disagrees with the majority's: the majority's θ is kept
@@ -790,7 +786,16 @@ class Round:
         why = f"its θ after round {self.rnd} disagrees with the majority's"
         log.warning("round %d: node %s: %s; it gets θ from a peer", self.rnd, self.name(i), why)
         self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.nodes[i].done.checksum)
+        self.fell_behind(i)
+        self.strike(i, why)
+
+    def fell_behind(self, i: str) -> None:
+        """Node i's Δ is in the round's θ but its own θ is not that θ (or it never said): the
+        round settles without its report, and it gets θ with Agreed."""
         self.nodes[i].done, self.nodes[i].behind = None, True
+
+    def strike(self, i: str, why: str) -> None:
+        """A strike for node i (Swarm.strike: they decay); one too many, and it is dropped for `why`."""
         if self.s.strike(i, self.rnd):
             self.drops.append((i, f"{why}, again"))
 
