@@ -4,12 +4,13 @@ The default task (recipes/shakespeare.yaml: its model, batch, AdamW), a real `dr
 --nodes `drift join` processes on loopback, the same samples for every run (--samples, the first
 of the recipe's epoch order) and one lr schedule (5 % warmup, cosine to lr/10, as
 bench_vs_ddp.py). A run is RULE:H, e.g. `int8:25` (the dense rule, int8 ring, outer lr 1.3,
-momentum 0: the recipe's) or `sparse:10` (sync: sparse, its defaults but outer lr 2: top-64 of
-4,096, 2-bit values, error feedback 0.95, clip 1), trained for samples / (H x nodes x batch)
-rounds. Bytes are what the nodes counted sending (payload and framing of the collective), summed
+momentum 0: the recipe's) or `sparse:10` (sync: sparse, its defaults but outer lr --sparse-lr,
+error-feedback decay --ef-decay and top --k of each --chunk: 2-bit values, clip 1), trained for
+samples / (H x nodes x batch) rounds. Bytes are what the nodes counted sending (payload and framing of the collective), summed
 over the run and averaged over the nodes; the ratio is against the first run.
 
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py [--nodes 4] [--samples 32000] int8:25 sparse:10
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 2 --samples 128000 --sparse-lr 3 --ef-decay 0.9 int8:25 sparse:25
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from harness.simulate import Swarm, make_task_repo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def recipe(rule: str, h: int, nodes: int, samples: int) -> dict:
+def recipe(rule: str, h: int, nodes: int, samples: int, sparse: dict) -> dict:
     r = yaml.safe_load((ROOT / "recipes" / "shakespeare.yaml").read_text())
     r.pop("task")  # make_task_repo sets it
     rounds = samples // (h * nodes * r["batch_size"])
@@ -45,15 +46,15 @@ def recipe(rule: str, h: int, nodes: int, samples: int) -> dict:
         lr_schedule={"warmup_samples": samples // 20, "min_lr": r["inner_optimizer"]["lr"] / 10},
     )
     if rule == "sparse":
-        r.update(sync="sparse", sync_params={"lr": 2.0, "ef_decay": 0.95})
+        r.update(sync="sparse", sync_params=sparse)
     elif rule != "int8":
         raise SystemExit(f"unknown rule {rule!r} (int8 or sparse)")
     return r
 
 
-def run(spec: str, nodes: int, samples: int, work: Path) -> tuple[str, int, int, float, float, float]:
+def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple[str, int, int, float, float, float]:
     rule, _, h = spec.partition(":")
-    rec = recipe(rule, int(h), nodes, samples)
+    rec = recipe(rule, int(h), nodes, samples, sparse)
     t0 = time.monotonic()
     swarm = Swarm(make_task_repo(work / "repo", rec), work)
     for i in range(nodes):
@@ -69,15 +70,20 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="RULE:H, e.g. int8:25 sparse:10")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--samples", type=int, default=32000)
+    ap.add_argument("--sparse-lr", type=float, default=2.0, help="sync: sparse's outer lr")
+    ap.add_argument("--ef-decay", type=float, default=0.95, help="sync: sparse's error-feedback decay")
+    ap.add_argument("--k", type=int, default=64, help="sync: sparse's values kept per chunk")
+    ap.add_argument("--chunk", type=int, default=4096, help="sync: sparse's chunk")
     a = ap.parse_args()
-    print(f"{a.nodes} nodes, {a.samples} samples, loopback")
+    sparse = {"lr": a.sparse_lr, "ef_decay": a.ef_decay, "k": a.k, "chunk": a.chunk}
+    print(f"{a.nodes} nodes, {a.samples} samples, loopback; sparse: {sparse}")
     print(
         f"{'rule':>7} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'wall s':>7}"
     )
     first = None
     for spec in a.runs:
         with tempfile.TemporaryDirectory(prefix="drift-rules-") as tmp:
-            rule, h, rounds, val, mib, wall = run(spec, a.nodes, a.samples, Path(tmp))
+            rule, h, rounds, val, mib, wall = run(spec, a.nodes, a.samples, sparse, Path(tmp))
         first = first or (val, mib)
         print(
             f"{rule:>7} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"

@@ -29,6 +29,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from drift.sync.sparse import Codec  # noqa: E402
+
 BATCH = 32  # recipes/shakespeare.yaml's batch_size
 LR, EF = 2.0, 0.95  # the sparse runs' outer lr and error-feedback decay unless --sparse-lr, --ef-decay
 
@@ -65,14 +69,26 @@ def run(args: list[str], lock: str | None) -> dict:
             [sys.executable, str(HERE / "diloco_sim.py"), *args], capture_output=True, text=True, check=True
         ).stdout
     vals = [float(v) for v in re.findall(r"val (\S+)", out)]
-    sent, rounds = re.search(r"\((\d+) bytes, \d+ values, (\d+) rounds\)", out).groups()
+    sent, values, rounds = re.search(r"\((\d+) bytes, (\d+) values, (\d+) rounds\)", out).groups()
     return {
         "val": vals[-1],
         "vals": vals,
         "sent": int(sent),
+        "values": int(values),
         "rounds": int(rounds),
         "wall_s": round(time.monotonic() - t),
     }
+
+
+def recount(r: dict) -> None:
+    """A sparse row's bytes in today's payload format. Rows run before 2026-12-03 (no "values")
+    hold the plain-index format's count (12 of log2(chunk) bits an index); Elias-Fano indices
+    carry the same values in fewer bytes, so only the count changes."""
+    chunk = int(r["args"][r["args"].index("--chunk") + 1])
+    payloads = r["rounds"] * (r["N"] - 1)
+    if "values" not in r:  # 8 + k (log2(chunk) + 2) / 8 bytes a chunk then (k a multiple of 4)
+        r["values"] = chunk * (r["sent"] // payloads // (8 + r["k"] * (chunk.bit_length() + 1) // 8))
+    r["sent"] = payloads * Codec(r["values"], chunk, r["k"]).nbytes
 
 
 def table(results: list[dict], base_h: int) -> None:
@@ -93,6 +109,9 @@ def table(results: list[dict], base_h: int) -> None:
         dloss = f"{100 * (r['val'] / b['val'] - 1):+.1f} %" if b else "–"
         rule = "int8 ring" if r["rule"] == "int8" else "sparse all-gather"
         k = r["k"] or "–"
+        chunk = int(r["args"][r["args"].index("--chunk") + 1]) if r["rule"] == "sparse" else 4096
+        if chunk != 4096:
+            k = f"{k} of {chunk}"
         if tuned and r["rule"] == "sparse":
             k = f"{k}, lr {r['lr']:g}, ef {r['ef']:g}"
         print(
@@ -117,6 +136,7 @@ def main() -> None:
     ap.add_argument("--inner-lr", type=float, help="AdamW's lr (default: the recipe's)")
     ap.add_argument("--base-H", type=int, default=25, help="the int8 run the others are measured against")
     ap.add_argument("--table", action="store_true", help="run nothing: the table of --results for --nodes")
+    ap.add_argument("--recount", action="store_true", help="sparse bytes in today's payload format (see recount)")
     a = ap.parse_args()
 
     path = Path(a.results)
@@ -148,7 +168,11 @@ def main() -> None:
             f.write(json.dumps(r) + "\n")
         print(f"N {n} {rule} H {h} k {k}: val {r['val']:.4f}, {r['sent']} bytes, {r['wall_s']} s", file=sys.stderr)
     same = [r for r in done if r["N"] in a.nodes and r["samples"] == a.samples and r.get("seed") == a.seed]
-    table([r for r in same if r["extra"] == extra], a.base_H)
+    rows = [r for r in same if r["extra"] == extra]
+    for r in rows if a.recount else []:
+        if r["rule"] == "sparse":
+            recount(r)
+    table(rows, a.base_H)
 
 
 if __name__ == "__main__":

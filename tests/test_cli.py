@@ -114,6 +114,13 @@ def test_recipe_used_by_default_is_valid(repo_root: Path) -> None:
     assert set(TINY_RECIPE) <= set(r.model_dump())
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "recipes").glob("*.yaml")))
+def test_every_shipped_recipe_loads(repo_root: Path, name: str) -> None:
+    from drift.recipe import load_recipe
+
+    load_recipe(repo_root / "recipes" / name)  # its fields, its sync rule's settings, its task file
+
+
 def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
     data = yaml.safe_load(tiny_recipe.read_text())
     data.pop("name")

@@ -86,7 +86,8 @@ def test_sparse_payload_carries_each_chunks_top_k_in_two_bits() -> None:
     codec = Codec(LAYOUT.size, 4096, 64)
     x = _delta(0)
     payload = codec.encode(x)
-    assert len(payload) == codec.nbytes == 3 * (8 + 64 * 12 // 8 + 64 * 2 // 8)  # ~0.23 bits a value
+    # per chunk: 2 magnitudes, 64 indices of 6 low bits and a span of 64 + 64 high bits, 2 bits a value
+    assert len(payload) == codec.nbytes == 3 * (8 + 64 * 6 // 8 + 128 // 8 + 64 * 2 // 8)  # ~0.17 bits a value
     got = _decoded(codec, payload)
     for a in range(0, x.size, 4096):
         chunk, dec = x[a : a + 4096], got[a : a + 4096]
@@ -99,9 +100,18 @@ def test_sparse_payload_carries_each_chunks_top_k_in_two_bits() -> None:
     with pytest.raises(PayloadError):
         next(codec.pieces(payload[:-1]))
     bad = bytearray(payload)
-    bad[codec.i_index : codec.i_index + 2] = b"\xff\xff"  # the first index is now 4095: not increasing
+    bad[codec.i_index : codec.i_index + 2] = b"\xff\xff"  # the first two indices' low bits: both 63
     with pytest.raises(PayloadError, match="increasing"):
         list(codec.pieces(bytes(bad)))
+    bad = bytearray(payload)
+    bad[codec.i_high] |= 0xFF  # the first chunk's span now holds more than 64 indices
+    with pytest.raises(PayloadError, match="does not hold 64"):
+        codec.norm(bytes(bad))
+    top = Codec(LAYOUT.size, 4096, 1)  # one index a chunk, 12 low bits and a span of 2 bits: "10" is high part 0
+    bad = bytearray(top.encode(x))
+    bad[top.i_high] = 0b01101010  # chunks 0-3's spans: "01" is high part 1, the index 4096 or more
+    with pytest.raises(PayloadError, match="past its chunk"):
+        list(top.pieces(bytes(bad)))
 
 
 def test_error_feedback_keeps_what_the_payload_did_not_carry() -> None:
