@@ -84,8 +84,7 @@ def recount(r: dict) -> None:
     """A sparse row's bytes in today's payload format. Rows run before 2026-12-03 (no "values")
     hold the plain-index format's count (12 of log2(chunk) bits an index); Elias-Fano indices
     carry the same values in fewer bytes, so only the count changes."""
-    chunk = int(r["args"][r["args"].index("--chunk") + 1])
-    payloads = r["rounds"] * (r["N"] - 1)
+    chunk, payloads = r["chunk"], r["rounds"] * (r["N"] - 1)
     if "values" not in r:  # 8 + k (log2(chunk) + 2) / 8 bytes a chunk then (k a multiple of 4)
         r["values"] = chunk * (r["sent"] // payloads // (8 + r["k"] * (chunk.bit_length() + 1) // 8))
     r["sent"] = payloads * Codec(r["values"], chunk, r["k"]).nbytes
@@ -109,9 +108,8 @@ def table(results: list[dict], base_h: int) -> None:
         dloss = f"{100 * (r['val'] / b['val'] - 1):+.1f} %" if b else "–"
         rule = "int8 ring" if r["rule"] == "int8" else "sparse all-gather"
         k = r["k"] or "–"
-        chunk = int(r["args"][r["args"].index("--chunk") + 1]) if r["rule"] == "sparse" else 4096
-        if chunk != 4096:
-            k = f"{k} of {chunk}"
+        if r["chunk"] not in (None, 4096):
+            k = f"{k} of {r['chunk']}"
         if tuned and r["rule"] == "sparse":
             k = f"{k}, lr {r['lr']:g}, ef {r['ef']:g}"
         print(
@@ -146,6 +144,7 @@ def main() -> None:
         r.setdefault("lr", LR if sparse else None)
         r.setdefault("ef", EF if sparse else None)
         r.setdefault("extra", [])
+        r["chunk"] = int(r["args"][r["args"].index("--chunk") + 1]) if sparse else None
     extra = (["--model", *a.model] if a.model else []) + ([] if a.inner_lr is None else ["--inner-lr", str(a.inner_lr)])
     grid = [(n, "int8", h, None, None, None) for n in a.nodes for h in a.dense_H]
     grid += [
@@ -161,7 +160,7 @@ def main() -> None:
         if any(r["args"] == args for r in done):
             continue
         r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "samples": a.samples, "seed": a.seed}
-        r |= {"extra": extra, "args": args}
+        r |= {"extra": extra, "args": args, "chunk": a.chunk if rule == "sparse" else None}
         r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:

@@ -114,6 +114,17 @@ def test_sparse_payload_carries_each_chunks_top_k_in_two_bits() -> None:
         list(top.pieces(bytes(bad)))
 
 
+@pytest.mark.parametrize("k", [9, 16])  # over half the chunk: indices have no low bits, only the span
+def test_a_payload_keeping_most_of_each_chunk_decodes_to_its_top_k(k: int) -> None:
+    codec = Codec(1000, 16, k)
+    x = _delta(3)[:1000]
+    got = _decoded(codec, codec.encode(x))
+    for a in range(0, 1000, 16):
+        chunk = np.abs(x[a : a + 16])
+        top = np.argsort(-chunk, kind="stable")[: min(k, chunk.size)]
+        assert set(np.flatnonzero(got[a : a + 16])) == set(top)
+
+
 def test_error_feedback_keeps_what_the_payload_did_not_carry() -> None:
     rule = make_rule(LAYOUT, recipe(sync="sparse"))
     d1, d2 = _delta(1), _delta(2)

@@ -86,6 +86,11 @@ class Codec:
         self.i_values = self.i_high + -(-self.m * self.span // 8)
         self.nbytes = self.i_values + -(-self.m * k * 2 // 8)
 
+    def _bytes(self, start: int, row_bits: int, r0: int, r1: int) -> slice:
+        """Rows [r0, r1) of the bit field at byte `start` that holds `row_bits` bits a chunk (r0 is
+        a block's first row: a multiple of 8, so its bits start on a byte)."""
+        return slice(start + r0 * row_bits // 8, start + -(-r1 * row_bits // 8))
+
     def blocks(self):
         for r0 in range(0, self.m, BLOCK_ROWS):
             yield r0, min(self.m, r0 + BLOCK_ROWS)
@@ -146,15 +151,12 @@ class Codec:
                 lo = np.where(n_high < k, (mags * ~high).sum(axis=1) / np.maximum(k - n_high, 1), 0)
             scales[r0:r1, 0], scales[r0:r1, 1] = lo, hi
             ibits = ((idx.astype(np.uint32)[..., None] >> self.shifts) & 1).astype(np.uint8)
-            a, b = self.i_index + r0 * k * self.low // 8, self.i_index + -(-r1 * k * self.low // 8)
-            out[a:b] = np.packbits(ibits.reshape(-1))
+            out[self._bytes(self.i_index, k * self.low, r0, r1)] = np.packbits(ibits.reshape(-1))
             upper = np.zeros((r1 - r0, self.span), np.uint8)
             np.put_along_axis(upper, (idx >> self.low) + np.arange(k), 1, axis=1)
-            a, b = self.i_high + r0 * self.span // 8, self.i_high + -(-r1 * self.span // 8)
-            out[a:b] = np.packbits(upper.reshape(-1))
+            out[self._bytes(self.i_high, self.span, r0, r1)] = np.packbits(upper.reshape(-1))
             vbits = np.stack([vals < 0, high], axis=-1).astype(np.uint8)
-            a, b = self.i_values + r0 * k * 2 // 8, self.i_values + -(-r1 * k * 2 // 8)
-            out[a:b] = np.packbits(vbits.reshape(-1))
+            out[self._bytes(self.i_values, k * 2, r0, r1)] = np.packbits(vbits.reshape(-1))
         return out.tobytes()
 
     def _blocks(self, payload: bytes):
@@ -172,24 +174,23 @@ class Codec:
         first, shift = starts >> 3, (24 - low - (starts & 7)).astype(np.uint32)
         for r0, r1 in self.blocks():
             n = (r1 - r0) * k
-            a = self.i_high + r0 * span // 8
-            upper = np.unpackbits(buf[a:], count=(r1 - r0) * span).reshape(r1 - r0, span)
+            upper = buf[self._bytes(self.i_high, span, r0, r1)]
+            upper = np.unpackbits(upper, count=(r1 - r0) * span).reshape(r1 - r0, span)
             if not (np.count_nonzero(upper, axis=1) == k).all():
                 raise PayloadError(f"a chunk's index span does not hold {k} indices")
             idx = (np.flatnonzero(upper).reshape(r1 - r0, k) % span - np.arange(k)) << low
-            if low:
-                a = self.i_index + r0 * k * low // 8
-                window = np.zeros(-(-n * low // 8) + 2, np.uint32)
-                window[:-2] = buf[a : a + window.size - 2]
-                f = first[:n]
-                word = (window[f] << 16) | (window[f + 1] << 8) | window[f + 2]
-                idx |= ((word >> shift[:n]) & ((1 << low) - 1)).astype(np.int64).reshape(r1 - r0, k)
+            low_bytes = buf[self._bytes(self.i_index, k * low, r0, r1)]  # none when low is 0 (k > chunk / 2)
+            window = np.zeros(low_bytes.size + 3, np.uint32)
+            window[: low_bytes.size] = low_bytes
+            f = first[:n]
+            word = (window[f] << 16) | (window[f + 1] << 8) | window[f + 2]
+            idx |= ((word >> shift[:n]) & ((1 << low) - 1)).astype(np.int64).reshape(r1 - r0, k)
             if k > 1 and not (idx[:, 1:] > idx[:, :-1]).all():
                 raise PayloadError("indices not increasing within a chunk")
             if not (idx[:, -1] < c).all():
                 raise PayloadError("an index past its chunk")
-            a = self.i_values + r0 * k * 2 // 8
-            vbits = np.unpackbits(buf[a:], count=n * 2).reshape(n, 2).view(bool)
+            vbits = buf[self._bytes(self.i_values, k * 2, r0, r1)]
+            vbits = np.unpackbits(vbits, count=n * 2).reshape(n, 2).view(bool)
             idx += (np.arange(r0, r1, dtype=np.int64) * c)[:, None]
             yield idx.reshape(-1), vbits[:, 0], vbits[:, 1], scales[r0:r1]
 
