@@ -87,7 +87,7 @@ def main() -> None:
         first = first or (val, mib)
         print(
             f"{rule:>7} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"
-            f" {first[1] / mib:>6.1f}x {wall:>7.0f}",
+            f" {first[1] / mib if mib else float('nan'):>6.1f}x {wall:>7.0f}",  # (one node sends nothing)
             flush=True,
         )
 

@@ -11,7 +11,10 @@ order (then epoch 1's, ...); `--nodes` replicas train H steps each from the same
 NesterovOuter) applies their mean pseudo-gradient. `--overlapped`: drift's OverlappedDiLoCo, the
 replicas train on from where they were while the mean lands `--land-after` steps into the next
 round, then move by what θ_global moved (catch_up). `--schedule`: bench_vs_ddp.py's inner lr
-(5 % warmup, cosine to lr/10 over the run, from the samples all replicas trained). It isolates the algorithm from the transport:
+(5 % warmup, cosine to lr/10 or `--min-lr` over the run, from the samples all replicas trained),
+held for a round at its mid-round value as drift's nodes hold it (a real node trains on the same
+samples at the same lr: one node's val loss matches a real swarm's to 4 digits for 8 rounds,
+then drifts only where a real round stopped a step early). It isolates the algorithm from the transport:
 bench_vs_ddp.py runs the same comparison with real processes over real links. Prints the val
 loss after every H steps per replica.
 
@@ -37,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from drift import protocol as P  # noqa: E402
 from drift.compress import make_codec  # noqa: E402
 from drift.diloco import NesterovOuter, ParamLayout, epoch_order  # noqa: E402
-from drift.recipe import LrSchedule, load_recipe  # noqa: E402
+from drift.recipe import Recipe, load_recipe  # noqa: E402
 from drift.sync import make_rule  # noqa: E402
 from workers import load_task  # noqa: E402
 from workers.torch_worker import TorchWorker  # noqa: E402
@@ -52,7 +55,8 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--schedule", action="store_true", help="warmup 5 %% + cosine to lr/10, as bench_vs_ddp.py")
+    ap.add_argument("--schedule", action="store_true", help="warmup 5 %% + cosine to --min-lr, as bench_vs_ddp.py")
+    ap.add_argument("--min-lr", type=float, default=0.1, help="--schedule: the cosine's end, a fraction of the lr")
     ap.add_argument("--overlapped", action="store_true", help="the outer step lands a round late (OverlappedDiLoCo)")
     ap.add_argument("--land-after", type=int, default=2, help="overlapped: inner steps before the mean lands")
     ap.add_argument("--sync", choices=["dense", "sparse"], default="dense")
@@ -68,14 +72,18 @@ def main() -> None:
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
-    r.seed = r.seed if a.seed is None else a.seed
-    r.task_config.update({k: int(v) for k, v in (kv.split("=", 1) for kv in a.model)})
+    run = {"rounds": a.steps // a.H, "inner_steps": a.H, "min_nodes": a.nodes, "round_samples": None}
+    if a.seed is not None:
+        run["seed"] = a.seed
     if a.inner_lr is not None:
-        r.inner_optimizer.lr = a.inner_lr
+        run["inner_optimizer"] = {**r.inner_optimizer.model_dump(), "lr": a.inner_lr}
     total = a.nodes * a.steps * r.batch_size
     if a.schedule:
-        r.lr_schedule = LrSchedule(warmup_samples=total // 20, min_lr=r.inner_optimizer.lr / 10)
-    r.rounds, r.inner_steps, r.min_nodes = a.steps // a.H, a.H, a.nodes  # inner_lr's span: the whole run
+        lr = a.inner_lr or r.inner_optimizer.lr
+        run["lr_schedule"] = {"warmup_samples": total // 20, "min_lr": lr * a.min_lr}
+    # validated again, so the round's budget (hence the schedule's span) is this run's
+    r = Recipe.model_validate(r.model_dump() | run)
+    r.task_config.update({k: int(v) for k, v in (kv.split("=", 1) for kv in a.model)})
     task = load_task(ROOT / r.task)
 
     def worker() -> TorchWorker:
@@ -139,8 +147,10 @@ def main() -> None:
     def train(i: int, w: TorchWorker, n: int) -> None:
         nonlocal pos
         w.set_params(layout.unflatten(local[i]))
+        # held for the round, from the swarm's progress (drift.inner)
+        lr = r.round_lr(pos - pos % (N * H * B))
         for _ in range(n):
-            w.set_lr(r.inner_lr(pos))
+            w.set_lr(lr)
             w.train_step(order[pos : pos + B])
             pos += B
         local[i] = layout.flatten(w.get_params())

@@ -13,7 +13,11 @@ drift's `sync: sparse` (error feedback 0.95, top-k of each `--chunk`, 2-bit valu
 outer lr 2, all-gathered directly (N-1 payloads). Steps per replica = samples / (N x batch 32).
 Results are appended to `--results` (JSON lines) and a run already there is not run again.
 Printed, one row per run: val loss after the last round, MiB sent per node, how many times fewer
-bytes than int8 at the same N and H 25 (the recipe's H), and the loss against that run.
+bytes than int8 at the same N and H 25 (the recipe's H), and the loss against that run (the best
+of them where several inner-lr schedules ran: `--min-lr 0.1 1` runs each at both).
+
+Rows run before 2026-12-03's fix to diloco_sim.py (its cosine spanned the recipe file's 3 nodes x
+H 25 a round, not the run's, so the inner lr barely decayed) are in sparse_curve_stretched.jsonl.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from drift.sync.sparse import Codec  # noqa: E402
 
 BATCH = 32  # recipes/shakespeare.yaml's batch_size
 LR, EF = 2.0, 0.95  # the sparse runs' outer lr and error-feedback decay unless --sparse-lr, --ef-decay
+MIN_LR = 0.1  # the inner lr's cosine ends at this fraction of it unless --min-lr
 
 
 def sim_args(
@@ -48,12 +53,14 @@ def sim_args(
     extra: list[str],
     lr: float,
     ef: float,
+    min_lr: float,
 ) -> list[str]:
     steps, rest = divmod(samples, n * BATCH)
     if rest or steps % h:
         raise SystemExit(f"{samples} samples: not whole rounds of H {h} at {n} nodes x batch {BATCH}")
     args = ["diloco", "--nodes", str(n), "--steps", str(steps), "--H", str(h), "--schedule", "--momentum", "0"]
     args += ([] if seed is None else ["--seed", str(seed)]) + extra
+    args += [] if min_lr == MIN_LR else ["--min-lr", f"{min_lr:g}"]
     if rule == "int8":
         return [*args, "--int8", "--outer-lr", "1.3"]
     args += ["--sync", "sparse", "--outer-lr", f"{lr:g}", "--clip", "1", "--k", str(k), "--chunk", str(chunk)]
@@ -91,7 +98,10 @@ def recount(r: dict) -> None:
 
 
 def table(results: list[dict], base_h: int) -> None:
-    base = {r["N"]: r for r in results if r["rule"] == "int8" and r["H"] == base_h}
+    base = {}  # per N, the best int8 run at H base_h (of every inner-lr schedule run)
+    for r in results:
+        if r["rule"] == "int8" and r["H"] == base_h and r["val"] < base.get(r["N"], {"val": float("inf")})["val"]:
+            base[r["N"]] = r
     print(
         f"| N | rule | H | k | rounds | val loss | MiB sent per node | × fewer bytes than int8 H {base_h} | loss vs int8 H {base_h} |"
     )
@@ -100,8 +110,12 @@ def table(results: list[dict], base_h: int) -> None:
     tuned = len({(r["lr"], r["ef"]) for r in results if r["rule"] == "sparse"}) > 1
     if tuned:
         print("(sparse rows: outer lr / error-feedback decay after k)")
+    schedules = len({r["min_lr"] for r in results}) > 1
+    if schedules:
+        print("(min lr: where the inner lr's cosine ends, x the lr)")
     for r in sorted(
-        results, key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0, r["lr"] or 0, r["ef"] or 0)
+        results,
+        key=lambda r: (r["N"], order[r["rule"]], -r["H"], r["k"] or 0, r["lr"] or 0, r["ef"] or 0, r["min_lr"]),
     ):
         b = base.get(r["N"])
         ratio = f"{b['sent'] / r['sent']:.1f}" if b else "–"
@@ -112,6 +126,8 @@ def table(results: list[dict], base_h: int) -> None:
             k = f"{k} of {r['chunk']}"
         if tuned and r["rule"] == "sparse":
             k = f"{k}, lr {r['lr']:g}, ef {r['ef']:g}"
+        if schedules:
+            k = f"{k}, min lr {r['min_lr']:g}"
         print(
             f"| {r['N']} | {rule} | {r['H']} | {k} | {r['rounds']} | {r['val']:.3f} | {r['sent'] / 2**20:.3f} | {ratio} | {dloss} |"
         )
@@ -127,6 +143,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--sparse-lr", type=float, nargs="+", default=[LR], help="sparse: outer learning rates")
     ap.add_argument("--ef-decay", type=float, nargs="+", default=[EF], help="sparse: error-feedback decays")
+    ap.add_argument("--min-lr", type=float, nargs="+", default=[MIN_LR], help="inner lr's cosine end, x the lr")
     ap.add_argument("--seed", type=int, help="θ0 and the sample order (default: the recipe's, 1337)")
     ap.add_argument("--results", default=str(HERE / "sparse_curve.jsonl"), help="JSON lines, read and appended")
     ap.add_argument("--lock", help="hold this file's flock during each run (a machine shared with others)")
@@ -144,22 +161,25 @@ def main() -> None:
         r.setdefault("lr", LR if sparse else None)
         r.setdefault("ef", EF if sparse else None)
         r.setdefault("extra", [])
+        r.setdefault("min_lr", MIN_LR)
         r["chunk"] = int(r["args"][r["args"].index("--chunk") + 1]) if sparse else None
     extra = (["--model", *a.model] if a.model else []) + ([] if a.inner_lr is None else ["--inner-lr", str(a.inner_lr)])
-    grid = [(n, "int8", h, None, None, None) for n in a.nodes for h in a.dense_H]
+    grid = [(n, "int8", h, None, None, None, m) for n in a.nodes for h in a.dense_H for m in a.min_lr]
     grid += [
-        (n, "sparse", h, k, lr, ef)
+        (n, "sparse", h, k, lr, ef, m)
         for n in a.nodes
         for h in a.sparse_H
         for k in a.k
         for lr in a.sparse_lr
         for ef in a.ef_decay
+        for m in a.min_lr
     ]
-    for n, rule, h, k, lr, ef in [] if a.table else grid:
-        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or LR, ef or EF)
+    for n, rule, h, k, lr, ef, m in [] if a.table else grid:
+        args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or LR, ef or EF, m)
         if any(r["args"] == args for r in done):
             continue
-        r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "samples": a.samples, "seed": a.seed}
+        r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "min_lr": m, "samples": a.samples}
+        r["seed"] = a.seed
         r |= {"extra": extra, "args": args, "chunk": a.chunk if rule == "sparse" else None}
         r |= run(args, a.lock)
         done.append(r)

@@ -168,7 +168,7 @@ class InnerLoop:
     async def run_round(self, a: P.ShardAssignment) -> RoundReport:
         self._round = a.round
         # The swarm's progress, not this node's: every node of a round trains at the same rate.
-        lr = self.recipe.inner_lr(a.progress + (self.recipe.round_samples or 0) // 2)
+        lr = self.recipe.round_lr(a.progress)
         self.worker.set_lr(lr)
         report = RoundReport(lr=lr)
         if a.report_val and a.round == 0:  # the loss before any training, for the record

@@ -220,6 +220,11 @@ class Recipe(_Strict):
         t = min(1.0, (samples - s.warmup_samples) / span)
         return s.min_lr + 0.5 * (lr - s.min_lr) * (1 + math.cos(math.pi * t))
 
+    def round_lr(self, progress: int) -> float:
+        """The inner lr a node holds for a round that starts after the swarm trained `progress`
+        samples: the schedule's value at the round's middle (every node of a round trains at it)."""
+        return self.inner_lr(progress + (self.round_samples or 0) // 2)
+
     @property
     def unit_samples(self) -> int:
         return self.unit_steps * self.batch_size
