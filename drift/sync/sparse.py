@@ -44,8 +44,9 @@ BLOCK_ROWS = 256
 class SparseParams(Params):
     chunk: int = Field(4096, ge=2, le=65536, description="values per top-k chunk (a power of two)")
     k: int = Field(64, ge=1, description="values sent per chunk")
-    # 0.9: better than 0.95 and 1 at every outer lr, 2 and 4 nodes, short runs and long (BENCHMARKS.md,
-    # "Tuning"); a larger lr (2-3) learned faster on the char GPTs, but a test's tiny model diverged at 2
+    # 0.9: better than 0.95 and 1 at every outer lr, 2 and 4 nodes (BENCHMARKS.md, "Tuning"; again
+    # with the corrected simulation: "The real swarms' gap, found"); a larger lr (3 at 2 nodes, 5 at
+    # 4) learned faster on the char GPTs, but a test's tiny model diverged at 2
     ef_decay: float = Field(0.9, ge=0, le=1, description="error feedback: e <- ef_decay * e + Δ")
     lr: float = Field(1.0, gt=0, description="outer learning rate (plain SGD on the clipped sum)")
     # 1, not 3: a liar under the outlier bound, clipped to 3 x, undid a 4-node run (BENCHMARKS.md)
