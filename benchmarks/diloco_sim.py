@@ -72,18 +72,20 @@ def main() -> None:
     a = ap.parse_args()
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
-    run = {"rounds": a.steps // a.H, "inner_steps": a.H, "min_nodes": a.nodes, "round_samples": None}
-    if a.seed is not None:
-        run["seed"] = a.seed
-    if a.inner_lr is not None:
-        run["inner_optimizer"] = {**r.inner_optimizer.model_dump(), "lr": a.inner_lr}
+    lr = a.inner_lr or r.inner_optimizer.lr
+    run = {
+        "rounds": a.steps // a.H,
+        "inner_steps": a.H,
+        "min_nodes": a.nodes,
+        "round_samples": None,  # derived again: the round's budget (hence the schedule's span) is this run's
+        "seed": r.seed if a.seed is None else a.seed,
+        "inner_optimizer": {**r.inner_optimizer.model_dump(), "lr": lr},
+        "task_config": r.task_config | {k: int(v) for k, v in (kv.split("=", 1) for kv in a.model)},
+    }
     total = a.nodes * a.steps * r.batch_size
     if a.schedule:
-        lr = a.inner_lr or r.inner_optimizer.lr
         run["lr_schedule"] = {"warmup_samples": total // 20, "min_lr": lr * a.min_lr}
-    # validated again, so the round's budget (hence the schedule's span) is this run's
     r = Recipe.model_validate(r.model_dump() | run)
-    r.task_config.update({k: int(v) for k, v in (kv.split("=", 1) for kv in a.model)})
     task = load_task(ROOT / r.task)
 
     def worker() -> TorchWorker:

@@ -98,10 +98,8 @@ def recount(r: dict) -> None:
 
 
 def table(results: list[dict], base_h: int) -> None:
-    base = {}  # per N, the best int8 run at H base_h (of every inner-lr schedule run)
-    for r in results:
-        if r["rule"] == "int8" and r["H"] == base_h and r["val"] < base.get(r["N"], {"val": float("inf")})["val"]:
-            base[r["N"]] = r
+    int8 = [r for r in results if r["rule"] == "int8" and r["H"] == base_h]
+    base = {r["N"]: r for r in sorted(int8, key=lambda r: -r["val"])}  # per N the best (of every schedule run)
     print(
         f"| N | rule | H | k | rounds | val loss | MiB sent per node | × fewer bytes than int8 H {base_h} | loss vs int8 H {base_h} |"
     )
@@ -179,8 +177,7 @@ def main() -> None:
         if any(r["args"] == args for r in done):
             continue
         r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "min_lr": m, "samples": a.samples}
-        r["seed"] = a.seed
-        r |= {"extra": extra, "args": args, "chunk": a.chunk if rule == "sparse" else None}
+        r |= {"seed": a.seed, "extra": extra, "args": args, "chunk": a.chunk if rule == "sparse" else None}
         r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:

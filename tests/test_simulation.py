@@ -44,7 +44,8 @@ def test_one_simulated_replica_ends_every_round_where_a_real_node_does(tmp_path:
     args = ["diloco", "--nodes", "1", "--steps", str(ROUNDS * H), "--H", str(H), "--schedule", "--momentum", "0"]
     args += ["--sync", "sparse", "--outer-lr", str(LR), "--ef-decay", str(EF), "--k", str(K), "--clip", "1"]
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "diloco_sim.py"), *args],
+        [sys.executable, "benchmarks/diloco_sim.py", *args],  # as typed in BENCHMARKS.md, from the clone
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
