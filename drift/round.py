@@ -254,13 +254,15 @@ class Round:
         n = self.nodes[i]
         now = time.monotonic()
         k = u.hi - u.lo
-        # Its speed by our clock, not its word: the unit's samples over the time since the last one
-        # (not round 0's first unit of the node asked for the val loss: it evaluated θ0 before it).
-        if not (n.trained == 0 and i == self.val_reporter and self.rnd == 0):
-            self.s.measured_speed(i, rules.clock_speed(k, n.t_unit, now))
+        # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
+        # val loss: it evaluated θ0 before it).
+        if n.trained == 0 and i == self.val_reporter and self.rnd == 0:
+            n.t_unit = now
+        elif (sps := n.measure(k, now)) is not None:
+            self.s.measured_speed(i, sps)
         n.trained += k
         n.units_after_stop += self.stop_sent
-        n.last_progress = n.t_unit = now
+        n.last_progress = now
         mon = self.host.monitor
         if mon and i in mon.nodes:
             v = mon.nodes[i]

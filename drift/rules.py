@@ -20,13 +20,17 @@ Role = Literal["train", "evaluate", "wait", "late"]
 # late: entered after the round started, only told how the round ended (catching up).
 
 
+SPEED_WINDOW_S = 0.05  # the shortest time a speed is measured over: the coordinator's clock is no finer under load
+
+
 @dataclass
 class NodeRound:
     """What one node did in one round, as the coordinator saw it."""
 
     role: Role
     last_progress: float = 0.0  # when it last showed progress (a grant, a finished unit)
-    t_unit: float = 0.0  # since when its current unit has been in the works (start, last finished unit)
+    t_unit: float = 0.0  # since when its unmeasured samples have been in the works (start, last measurement)
+    unmeasured: int = 0  # samples of units finished since t_unit, not yet in a speed measurement
     trained: int = 0  # samples of its granted units it reported trained so far (TrainProgress)
     units_after_stop: int = 0  # units it reported after the round's budget was handed out (StopRound)
     synced: P.BarrierSync | None = None  # its report at the barrier
@@ -42,6 +46,18 @@ class NodeRound:
     def counted(self) -> bool:
         """Its barrier report counts (synced, not excluded)."""
         return self.synced is not None and not self.excluded
+
+    def measure(self, samples: int, now: float) -> float | None:
+        """Count a finished unit of `samples`; the node's speed by our clock (samples over time
+        since the last measurement) once SPEED_WINDOW_S has passed, else None. Reports that queued
+        up on the way arrive together: two a millisecond apart would read as a node 1000x faster
+        (and every other node would evaluate), so they are measured with the ones after."""
+        self.unmeasured += samples
+        dt = now - self.t_unit
+        if dt < SPEED_WINDOW_S or self.unmeasured <= 0:
+            return None
+        sps, self.unmeasured, self.t_unit = self.unmeasured / dt, 0, now
+        return sps
 
 
 Records = Mapping[str, NodeRound]
@@ -287,10 +303,3 @@ def bound_claim(claim: float, others: list[float]) -> float:
         return claim
     every = sorted([*others, claim])
     return min(claim, every[(len(every) - 1) // 2])
-
-
-def clock_speed(samples: int, since: float, now: float) -> float | None:
-    """A node's speed by the coordinator's own clock: the samples of a finished unit over the time
-    since its previous one finished (or the round began). None when no time passed."""
-    dt = now - since
-    return samples / dt if dt > 0 and samples > 0 else None

@@ -127,9 +127,18 @@ def test_a_ring_member_silent_long_after_the_first_reported_is_behind() -> None:
     assert rules.reduce_overdue(["a", "b", "c"], recs, 1e9, 1.0, 4.0, 4.0) == []
 
 
-def test_speed_is_measured_by_our_clock() -> None:
-    assert rules.clock_speed(64, since=10.0, now=10.5) == 128.0
-    assert rules.clock_speed(64, since=10.0, now=10.0) is None
+def test_speed_is_measured_by_our_clock_and_queued_reports_do_not_make_a_node_look_faster() -> None:
+    n = NodeRound("train", t_unit=10.0)
+    assert n.measure(64, now=10.5) == 128.0
+    # Two reports that queued up on the way arrive 0.1 ms apart: not 320,000 samples/s, but
+    # counted with the next report, over the time since the last measurement.
+    assert n.measure(32, now=10.75) == 128.0
+    assert n.measure(32, now=10.7501) is None
+    assert n.measure(32, now=11.0) == 64 / 0.25
+    # Units of a few milliseconds are measured together, over at least SPEED_WINDOW_S.
+    times = [11.0 + 0.005 * j for j in range(1, 41)]
+    speeds = [s for t in times if (s := n.measure(32, now=t)) is not None]
+    assert speeds and all(abs(s - 6400) < 1e-6 * 6400 for s in speeds)
 
 
 def test_an_unmeasured_claim_is_at_most_the_median_claim() -> None:
