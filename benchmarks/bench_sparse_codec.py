@@ -67,17 +67,26 @@ def main() -> int:
     delta = pseudo_gradient(a.size, 0)
     t_encode = best(lambda: rule.codec.encode(delta), a.reps)
     t_norms = best(lambda: [rule.codec.norm(p) for p in payloads], a.reps)
-    out = np.empty(a.size, np.float32)
-    t_combine = best(lambda: rule.combine(payloads, ring, out), a.reps)
+    t_combine = best(lambda: rule.combine(payloads, ring), a.reps)
+    theta = np.zeros(a.size, np.float32)
+
+    def step() -> None:  # the update is kept by combine and consumed by apply
+        rule.combine(payloads, ring)
+        rule.apply(theta)
+
+    t_step = best(step, a.reps) - t_combine
     print(f"θ {a.size / 1e6:.0f}M values, {a.nodes} nodes, payload {len(payloads[0]) / 1e6:.2f} MB")
     print(f"  contribute (decay + encode + feedback)  {t_contribute:6.2f} s")
     print(f"    of which encode                        {t_encode:6.2f} s")
     print(f"  norms of {a.nodes} payloads                   {t_norms:6.2f} s")
-    print(f"  combine {a.nodes} payloads (norms + sum)      {t_combine:6.2f} s")
-    print(f"  a node's round: contribute + combine    {t_contribute + t_combine:6.2f} s")
+    print(f"  combine {a.nodes} payloads (norms + clip)     {t_combine:6.2f} s")
+    print(f"  apply (decode, sum, outer step)         {t_step:6.2f} s")
+    print(f"  a node's round: the three               {t_contribute + t_combine + t_step:6.2f} s")
     if a.digest:  # the payloads' bytes (a format), and the sum they decode to (the same across formats)
+        theta[...] = 0
+        step()  # outer lr 1 from θ = 0: θ is -sum, and 0 - θ gives the sum's bits back
         print(f"  payloads sha256 {hashlib.sha256(b''.join(payloads)).hexdigest()}")
-        print(f"  sum sha256      {hashlib.sha256(out.tobytes()).hexdigest()}")
+        print(f"  sum sha256      {hashlib.sha256(np.subtract(np.float32(0), theta).tobytes()).hexdigest()}")
     return 0
 
 

@@ -121,6 +121,7 @@ def main() -> None:
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
         ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=1 / N) for i in range(N)]
         per_round = (N - 1) * rules[0].payload_nbytes
+        scratch = np.zeros_like(theta)  # where the other replicas apply the same step
     else:
         codec = make_codec("int8" if a.int8 else "fp32")
         per_round = int(2 * (N - 1) / N * codec.encoded_nbytes(theta.size))
@@ -133,10 +134,9 @@ def main() -> None:
             deltas[0] = deltas[0] * np.float32(a.hostile)
         if a.sync == "sparse":
             payloads = [rule.contribute(d, 1 / N) for rule, d in zip(rules, deltas)]
-            update = np.empty_like(theta)
-            rules[0].combine(payloads, ring, update)
-            for rule in rules:
-                rule.apply(theta if rule is rules[0] else np.zeros_like(theta), update.copy())
+            for rule in rules:  # every replica's rule does what its node would (its error feedback moves on)
+                rule.combine(payloads, ring)
+                rule.apply(theta if rule is rules[0] else scratch)
             return
         if a.int8:
             deltas = [codec.decode(codec.encode(d), np.empty_like(d)) for d in deltas]

@@ -4,7 +4,7 @@ optimizer and the checksum every node reports. The sync rules built from them ar
 One outer round, as a node sees it:
     delta   = theta_global - theta_local            (how far this node's copy moved)
     avg     = sum_i w_i * delta_i                    (ring all-reduce; w_i = samples_i / total)
-    theta_global = rule.apply(theta_global, avg)     (e.g. the outer Nesterov step)
+    theta_global <- outer step with avg              (e.g. Nesterov SGD: drift/sync/dense.py)
 
 Invariant: every node applies the same float32 operations, in the same order, to the same
 inputs, so theta_global stays bit-identical across the swarm; the checksum proves it each round.

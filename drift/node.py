@@ -898,7 +898,7 @@ class Session:
             return
         if stats is None:
             return
-        combined = t.rule.combine(result, ready.ring, t.delta)
+        combined = t.rule.combine(result, ready.ring)
         if (bad := combined.problem) is not None:
             # Someone sent more than it reported: θ must not move. The coordinator redoes the
             # round without the culprit (it recomputes Δ from the snapshot for the retry).
@@ -911,7 +911,7 @@ class Session:
             # coordinator has seen both members announce the same one (Commit); a redo finds θ as it was.
             t0 = time.perf_counter()
             before = checksum(*t.arrays) if ready.recheck else ""
-            preview = t.rule.preview(t.theta, t.delta)
+            preview = t.rule.preview(t.theta)
             check_s += time.perf_counter() - t0  # (it replaces the checksum taken after the step)
             p.announced = Announced(ready, stats, combined, preview, check_s)
             await self.send(
@@ -946,7 +946,7 @@ class Session:
         θ is caught at the next round, whose step starts from a state that is not the agreed one):
         θ moves, and the coordinator gets its checksum."""
         async with self.node.state.updating():
-            t.rule.apply(t.theta, t.delta)
+            t.rule.apply(t.theta)
             t.publish(self.node.state, p.round, announced)
         p.applied = True
         await self._catch_up(t)

@@ -13,6 +13,7 @@ from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
 from drift.diloco import ParamLayout
+from drift.protocol import RingMember
 from drift.recipe import Recipe
 from drift.sync import catch_up, make_rule
 from harness.simulate import Swarm
@@ -32,8 +33,10 @@ def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
     blocking = make_rule(layout, Recipe.model_validate({**base, "sync": "blocking"}))
     overlapped = make_rule(layout, Recipe.model_validate({**base, "sync": "overlapped"}))
     t_block, t_over = theta.copy(), theta.copy()
-    blocking.apply(t_block, theta - local_at_barrier)  # the same reduced Δ on both
-    overlapped.apply(t_over, theta - local_at_barrier)
+    for rule, t in ((blocking, t_block), (overlapped, t_over)):  # the same reduced Δ on both
+        ring = [RingMember(node_id="0" * 64, ticket="t", weight=1.0)]
+        assert rule.combine(rule.contribute(theta - local_at_barrier, 1.0), ring).problem is None
+        rule.apply(t)
     assert np.array_equal(t_block, t_over)  # the outer step itself is DiLoCo's
     snap = local_at_barrier.copy()
     catch_up(t_over, snap)

@@ -162,11 +162,11 @@ def _golden_case(chunk: int, k: int) -> tuple[str, str]:
         for i, rule in enumerate(rules):
             payloads.append(rule.contribute(_bits_gradient(rng, layout.size, i), ring[i].weight))
             wire.update(payloads[-1])
-        out = np.empty(layout.size, np.float32)
         for rule in rules:
-            combined = rule.combine(payloads, ring, out)
-            sums.update(out.tobytes() + repr(combined.outliers).encode())
-            rule.apply(np.zeros(layout.size, np.float32), out)
+            combined = rule.combine(payloads, ring)
+            theta = np.zeros(layout.size, np.float32)
+            rule.apply(theta)  # outer lr 1 from θ = 0: θ is -sum, and 0 - θ gives the sum's bits back
+            sums.update(np.subtract(np.float32(0), theta).tobytes() + repr(combined.outliers).encode())
         sums.update(repr([rules[0].codec.norm(p) for p in payloads]).encode())
     return wire.hexdigest(), sums.hexdigest()
 

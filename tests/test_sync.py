@@ -130,14 +130,15 @@ def test_error_feedback_keeps_what_the_payload_did_not_carry() -> None:
     d1, d2 = _delta(1), _delta(2)
     payload = rule.contribute(d1.copy(), 0.5)
     assert rule.contribute(d1.copy(), 0.5) == payload  # a retried attempt sends the same bytes
-    rule.apply(np.zeros(LAYOUT.size, np.float32), np.zeros(LAYOUT.size, np.float32))  # the round is applied
+    rule.combine([payload], members(1))
+    rule.apply(np.zeros(LAYOUT.size, np.float32))  # the round is applied
     sent = _decoded(rule.codec, payload)
     np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)  # e = Δ - what was sent
     payload2 = rule.contribute(d2.copy(), 0.5)
     rule.abandon()  # this round's θ came from a peer: the buffer stays as it was
     np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)
-    rule.contribute(d2.copy(), 0.5)
-    rule.apply(np.zeros(LAYOUT.size, np.float32), np.zeros(LAYOUT.size, np.float32))
+    rule.combine([rule.contribute(d2.copy(), 0.5)], members(1))
+    rule.apply(np.zeros(LAYOUT.size, np.float32))
     want = np.float32(rule.params.ef_decay) * (d1 - sent) + d2 - _decoded(rule.codec, payload2)
     np.testing.assert_allclose(rule.ef, want, atol=1e-8)
     assert rule.contribute(d2.copy(), 0.0) == b""  # weight 0: nothing sent, nothing kept
@@ -153,10 +154,9 @@ def test_the_sum_is_the_same_bits_whatever_order_payloads_arrive_in() -> None:
         for k in order:
             arrived[k] = bytes(bytearray(payloads[k]))  # a fresh copy, as off the wire
         node = make_rule(LAYOUT, loose)
-        out = np.empty(LAYOUT.size, np.float32)
-        assert node.combine(arrived, ring, out).outliers == []
+        assert node.combine(arrived, ring).outliers == []
         theta = np.ones(LAYOUT.size, np.float32)
-        node.apply(theta, out)
+        node.apply(theta)
         results.append(theta.tobytes())
     assert len(set(results)) == 1
     want = sum(m.weight * _decoded(make_rule(LAYOUT, loose).codec, p) for m, p in zip(ring, payloads))
@@ -164,24 +164,32 @@ def test_the_sum_is_the_same_bits_whatever_order_payloads_arrive_in() -> None:
     np.testing.assert_allclose(moved, want, atol=1e-7)
 
 
+def _combined(rule, result: list[bytes], ring) -> tuple[list[str], np.ndarray]:
+    """The outliers combine names, and the update it leads to (outer lr 1 from θ = 0: θ is
+    -update, and 0 - θ gives its bits back)."""
+    assert rule.params.lr == 1
+    outliers = rule.combine(result, ring).outliers
+    theta = np.zeros(LAYOUT.size, np.float32)
+    rule.apply(theta)
+    return outliers, np.subtract(np.float32(0), theta)
+
+
 def test_a_contribution_far_outside_the_others_is_clipped_and_named() -> None:
     ring = members(4)
     honest = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(20 + i), 0.25) for i in range(3)]
     hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(1000) * _delta(23), 0.25)
     rule = make_rule(LAYOUT, recipe(sync="sparse"))
-    out = np.empty(LAYOUT.size, np.float32)
-    got = rule.combine([*honest, hostile], ring, out)
-    assert got.outliers == [ring[3].node_id]
+    outliers, out = _combined(rule, [*honest, hostile], ring)
+    assert outliers == [ring[3].node_id]
     norms = [rule.codec.norm(p) for p in honest]
     bound = 0.25 * (sum(norms) + rule.params.clip * sorted(norms)[1])  # its share clipped to clip x the median
     assert float(np.linalg.norm(out)) <= bound * (1 + 1e-5)
-    honest_only = np.empty(LAYOUT.size, np.float32)
-    rule.combine([*honest, b""], ring, honest_only)
+    _, honest_only = _combined(rule, [*honest, b""], ring)
     assert float(np.linalg.norm(out - honest_only)) <= 0.25 * rule.params.clip * sorted(norms)[1] * (1 + 1e-5)
     # A payload that does not decode adds nothing and is named too; two honest ones cannot tell.
-    got = rule.combine([*honest, hostile[:-3]], ring, out)
-    assert got.outliers == [ring[3].node_id] and np.array_equal(out, honest_only)
-    assert rule.combine([honest[0], hostile, b"", b""], ring, out).outliers == []
+    outliers, out = _combined(rule, [*honest, hostile[:-3]], ring)
+    assert outliers == [ring[3].node_id] and np.array_equal(out, honest_only)
+    assert rule.combine([honest[0], hostile, b"", b""], ring).outliers == []
 
 
 def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None:
@@ -260,11 +268,13 @@ def test_preview_is_the_checksum_the_outer_step_leads_to_and_changes_nothing(fie
     layout = ParamLayout(("a", "b", "buf"), ((1_500_000,), (600_001,), (7,)), n_buffers=1)  # 3 chunks
     rule = make_rule(layout, recipe(**fields))
     rng = np.random.default_rng(1)
-    theta, update = (rng.standard_normal(layout.size).astype(np.float32) for _ in range(2))
+    theta, delta = (rng.standard_normal(layout.size).astype(np.float32) for _ in range(2))
     for x in rule.state.values():
         x[: layout.params_size] = rng.standard_normal(layout.params_size)
+    sent = rule.contribute(delta, 1.0)  # a ring of one: the sum is what this node sent
+    assert rule.combine(sent if rule.collective == "ring" else [sent], members(1)).problem is None
     held = checksum(theta, *rule.state.values())
-    announced = rule.preview(theta, update)
+    announced = rule.preview(theta)
     assert checksum(theta, *rule.state.values()) == held != announced
-    rule.apply(theta, update)
+    rule.apply(theta)
     assert checksum(theta, *rule.state.values()) == announced

@@ -8,13 +8,16 @@ A rule declares
     resumed by name, in this order);
   * `collective`: what carries the contributions: "ring" (an all-reduce of one dense vector,
     drift/ring.py) or "allgather" (every member's payload reaches every member, drift/gather.py);
-  * `contribute(delta, weight)`: what this node sends (for the ring: the vector to sum, in place);
-  * `combine(result, ring, out)`: the round's update in `out`, from what the collective returned
-    (the ring's sum, or every member's payload in ring order), plus what looked wrong;
-  * `apply(theta, update)`: θ and the rule's state after the round;
-  * `preview(theta, update)`: the checksum apply would lead to, with nothing changed (a ring of
-    two compares it before either member applies: with no majority, that is how a bad step is
-    caught before it lands).
+  * the round's lifecycle, in this order (the rule keeps what one round needs in between):
+      `contribute(delta, weight)`: what this node sends, from its Δ (`delta`: the node's buffer,
+      which the rule may use until the round ends; for the ring: the vector to sum, in place);
+      `combine(result, ring)`: the round's update, from what the collective returned (the ring's
+      sum, or every member's payload in ring order), plus what looked wrong;
+      `preview(theta)`: the checksum apply would lead to, with nothing changed (a ring of two
+      compares it before either member applies: with no majority, that is how a bad step is
+      caught before it lands);
+      `apply(theta)`: θ and the rule's state after the round, or `abandon()`: the round's
+      contribution was not used here. A retried attempt starts again at `contribute`.
 
 Whether the outer step is waited for (blocking) or lands one round late while the next round
 trains is not the rule's business: the recipe's `overlap` says, and only the node and the
@@ -70,14 +73,14 @@ class SyncRule:
     def contribute(self, delta: np.ndarray, weight: float):
         raise NotImplementedError
 
-    def combine(self, result, ring: list[RingMember], out: np.ndarray) -> Combined:
+    def combine(self, result, ring: list[RingMember]) -> Combined:
         raise NotImplementedError
 
-    def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
+    def apply(self, theta: np.ndarray) -> None:
         raise NotImplementedError
 
-    def preview(self, theta: np.ndarray, update: np.ndarray) -> str:
-        """checksum(θ, *state) as apply(θ, update) would leave them, bit for bit, changing nothing."""
+    def preview(self, theta: np.ndarray) -> str:
+        """checksum(θ, *state) as apply(θ) would leave them, bit for bit, changing nothing."""
         raise NotImplementedError
 
     def abandon(self) -> None:

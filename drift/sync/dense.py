@@ -34,27 +34,29 @@ class DenseDiLoCo(SyncRule):
         self.outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov, params=layout.params_size)
         self.state = {"velocity": self.outer.velocity}
         self.bounded = recipe.codec != "topk"  # top-k re-sparsifies at every hop: its sum has no norm bound
+        self._sum: np.ndarray | None = None  # the round's: what contribute gave the ring, then the sum
 
     def contribute(self, delta: np.ndarray, weight: float) -> np.ndarray:
-        """delta <- w * Δ, in place (the ring sums it). A node of weight 0 sends exact zeros
+        """delta <- w * Δ, in place (the ring sums it there). A node of weight 0 sends exact zeros
         (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
         if weight == 0:
             delta[...] = 0
         else:
             delta *= np.float32(weight)
+        self._sum = delta
         return delta
 
-    def combine(self, result: np.ndarray, ring: list[RingMember], out: np.ndarray) -> Combined:
-        """The ring summed in place (result is out): refuse a sum larger than the members'
-        reported norms allow (someone sent more than it reported)."""
-        assert result is out
+    def combine(self, result: np.ndarray, ring: list[RingMember]) -> Combined:
+        """The ring summed in place: refuse a sum larger than the members' reported norms allow
+        (someone sent more than it reported)."""
+        assert result is self._sum
         t = time.perf_counter()
-        problem = reduced_problem(out, ring) if self.bounded else None
+        problem = reduced_problem(result, ring) if self.bounded else None
         return Combined(problem, check_s=time.perf_counter() - t)
 
-    def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
-        """The outer Nesterov step (`update` is used as scratch)."""
-        self.outer.step(theta, update)
+    def apply(self, theta: np.ndarray) -> None:
+        """The outer Nesterov step (the sum is used as scratch)."""
+        self.outer.step(theta, self._sum)
 
-    def preview(self, theta: np.ndarray, update: np.ndarray) -> str:
-        return self.outer.preview(theta, update)
+    def preview(self, theta: np.ndarray) -> str:
+        return self.outer.preview(theta, self._sum)

@@ -23,13 +23,14 @@ is numpy's, so torch, mlx and numpy workers produce the same payloads.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from drift.diloco import CHUNK, ParamLayout, sgd_preview, sgd_step
+from drift.diloco import CHUNK, ParamLayout
 from drift.sync import Combined, Params, SyncRule
 
 if TYPE_CHECKING:
@@ -239,36 +240,38 @@ class SparseLoCo(SyncRule):
         p = self.params
         self.codec = Codec(layout.size, p.chunk, p.k)
         self.ef: np.ndarray | None = None  # node-local error feedback (zeros until the first round)
-        self._ef_next: np.ndarray | None = None  # what it becomes once this round is applied
-        self._pending = False
+        self._ef_next: np.ndarray | None = None  # what it becomes once this round is applied (in Δ's buffer)
+        self._update: list[tuple[bytes, np.float32]] = []  # the round's: (payload, coefficient) in ring order
 
     @property
     def payload_nbytes(self) -> int:
         return self.codec.nbytes
 
     def contribute(self, delta: np.ndarray, weight: float) -> bytes:
-        """This round's payload: top-k of ef_decay * e + Δ (`delta` is left garbled). The buffer
-        changes only when the round is applied, so a retried attempt sends the same bytes."""
+        """This round's payload: top-k of ef_decay * e + Δ. `delta` becomes what e will be once
+        the round is applied (what the payload did not carry); e itself changes only then, so a
+        retried attempt sends the same bytes and an abandoned round leaves e as it was."""
+        self._ef_next = None
         if weight == 0:
-            self._pending = False
             return b""
         if self.ef is None:
-            self.ef, self._ef_next = np.zeros_like(delta), np.empty_like(delta)
-        d, e, nxt = np.float32(self.params.ef_decay), self.ef, self._ef_next
+            self.ef = np.zeros_like(delta)
+        d, scratch = np.float32(self.params.ef_decay), np.empty(min(CHUNK, delta.size), np.float32)
         for a in range(0, delta.size, CHUNK):
-            b = a + CHUNK
-            np.multiply(e[a:b], d, out=nxt[a:b])
-            nxt[a:b] += delta[a:b]
-        payload = self.codec.encode(nxt)
+            s = scratch[: min(CHUNK, delta.size - a)]
+            np.multiply(self.ef[a : a + CHUNK], d, out=s)
+            delta[a : a + CHUNK] += s
+        payload = self.codec.encode(delta)
         for flat, vals in self.codec.pieces(payload):
-            nxt[flat] -= vals
-        self._pending = True
+            delta[flat] -= vals
+        self._ef_next = delta
         return payload
 
-    def combine(self, result: list[bytes | None], ring: list[RingMember], out: np.ndarray) -> Combined:
-        """out <- Σ_i w_i · clip(decode(payload_i)) in ring order; members whose payload does not
-        decode add nothing, and they and any far outside the median are the outliers."""
-        out[...] = 0
+    def combine(self, result: list[bytes | None], ring: list[RingMember]) -> Combined:
+        """The update Σ_i w_i · clip(decode(payload_i)), kept as the payloads and their
+        coefficients (decoded again by preview and apply: no θ-sized sum); members whose payload
+        does not decode add nothing, and they and any far outside the median are the outliers."""
+        self._update = []
         bad, norms = [], {}
         for m, payload in zip(ring, result):
             if m.weight == 0 or not payload:
@@ -283,24 +286,46 @@ class SparseLoCo(SyncRule):
         median = ordered[(len(ordered) - 1) // 2]  # the lower one: with two, the smaller
         limit = self.params.clip * median
         for m, payload in zip(ring, result):
-            if m.node_id not in norms:
-                continue
-            scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
-            for flat, vals in self.codec.pieces(payload, np.float32(m.weight * scale)):
-                out[flat] += vals
+            if m.node_id in norms:
+                scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
+                self._update.append((payload, np.float32(m.weight * scale)))
         far = [i for i, v in norms.items() if v > self.params.outlier * median] if len(norms) >= 3 else []
         return Combined(outliers=bad + far)
 
-    def apply(self, theta: np.ndarray, update: np.ndarray) -> None:
+    def _steps(self, theta: np.ndarray):
+        """θ after the step, a block of chunks at a time: (a, b, θ[a:b]'s step, lr x the update
+        on the parameters and the update itself on the buffers). The members' values are added in
+        ring order, into a block of zeros: the same bits as one θ-sized sum."""
+        n, params, lr = theta.size, self.layout.params_size, np.float32(self.params.lr)
+        span = BLOCK_ROWS * self.codec.chunk
+        block = np.empty(min(span, n), np.float32)
+        streams = [self.codec.pieces(payload, coef) for payload, coef in self._update]
+        for a in range(0, n, span):
+            b = min(a + span, n)
+            step = block[: b - a]
+            step[...] = 0
+            for stream in streams:
+                flat, vals = next(stream)
+                step[flat - a] += vals
+            step[: max(0, params - a)] *= lr
+            yield a, b, step
+
+    def apply(self, theta: np.ndarray) -> None:
         """θ -= lr * update on the parameters, θ -= update on the buffers; the error feedback of
         this round becomes the node's."""
-        sgd_step(theta, update, np.float32(self.params.lr), self.layout.params_size)
-        if self._pending:
-            self.ef, self._ef_next = self._ef_next, self.ef
-            self._pending = False
+        for a, b, step in self._steps(theta):
+            theta[a:b] -= step
+        if self._ef_next is not None:
+            np.copyto(self.ef, self._ef_next)
+            self._ef_next = None
+        self._update = []
 
-    def preview(self, theta: np.ndarray, update: np.ndarray) -> str:
-        return sgd_preview(theta, update, np.float32(self.params.lr), self.layout.params_size, *self.state.values())
+    def preview(self, theta: np.ndarray) -> str:
+        h = hashlib.blake2b(digest_size=12)  # diloco.checksum's digest: θ, then the state (none)
+        for a, b, step in self._steps(theta):
+            h.update((theta[a:b] - step).view(np.uint8))
+        return h.hexdigest()
 
     def abandon(self) -> None:
-        self._pending = False
+        self._ef_next = None
+        self._update = []

@@ -286,8 +286,8 @@ elif kind == "announce-wrong":
     wrong = [True]
 
     @patch(rules()["dense"], "preview")
-    def _(orig, self, theta, update):
-        honest = orig(self, theta, update)
+    def _(orig, self, theta):
+        honest = orig(self, theta)
         if Session.current_round == at and wrong:
             wrong.pop()
             return "0" * len(honest)  # once: a transient fault (the redo must find the honest θ)
