@@ -3,14 +3,16 @@
 The default task (recipes/shakespeare.yaml: its model, batch, AdamW), a real `drift coord` and
 --nodes `drift join` processes on loopback, the same samples for every run (--samples, the first
 of the recipe's epoch order) and one lr schedule (5 % warmup, cosine to lr/10, as
-bench_vs_ddp.py). A run is RULE:H, e.g. `int8:25` (the dense rule, int8 ring, outer lr 1.3,
-momentum 0: the recipe's) or `sparse:10` (sync: sparse, its defaults but outer lr --sparse-lr,
+bench_vs_ddp.py). A run is RULE:H[:MIN], e.g. `int8:25` (the dense rule, int8 ring, outer lr 1.3,
+momentum 0: the recipe's) or `sparse:10:1` (sync: sparse, its defaults but outer lr --sparse-lr,
 error-feedback decay --ef-decay and top --k of each --chunk: 2-bit values, clip 1), trained for
-samples / (H x nodes x batch) rounds. Bytes are what the nodes counted sending (payload and framing of the collective), summed
+samples / (H x nodes x batch) rounds; MIN is where the inner lr's cosine ends, x the lr (0.1;
+1: no decay after the warmup). Bytes are what the nodes counted sending (payload and framing of the collective), summed
 over the run and averaged over the nodes; the ratio is against the first run.
 
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py [--nodes 4] [--samples 32000] int8:25 sparse:10
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 2 --samples 128000 --sparse-lr 3 --ef-decay 0.9 int8:25 sparse:25
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 4 --samples 128000 --sparse-lr 5 --ef-decay 0.9 --k 64 --chunk 16384 int8:25:0.5 sparse:10:1
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from harness.simulate import Swarm, make_task_repo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def recipe(rule: str, h: int, nodes: int, samples: int, sparse: dict) -> dict:
+def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: dict) -> dict:
     r = yaml.safe_load((ROOT / "recipes" / "shakespeare.yaml").read_text())
     r.pop("task")  # make_task_repo sets it
     rounds = samples // (h * nodes * r["batch_size"])
@@ -43,7 +45,7 @@ def recipe(rule: str, h: int, nodes: int, samples: int, sparse: dict) -> dict:
         inner_steps=h,
         unit_steps=min(h, r["unit_steps"]),
         checkpoint_every=rounds,
-        lr_schedule={"warmup_samples": samples // 20, "min_lr": r["inner_optimizer"]["lr"] / 10},
+        lr_schedule={"warmup_samples": samples // 20, "min_lr": r["inner_optimizer"]["lr"] * min_lr},
     )
     if rule == "sparse":
         r.update(sync="sparse", sync_params=sparse)
@@ -53,8 +55,8 @@ def recipe(rule: str, h: int, nodes: int, samples: int, sparse: dict) -> dict:
 
 
 def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple[str, int, int, float, float, float]:
-    rule, _, h = spec.partition(":")
-    rec = recipe(rule, int(h), nodes, samples, sparse)
+    rule, h, *rest = spec.split(":")
+    rec = recipe(rule, int(h), float(rest[0]) if rest else 0.1, nodes, samples, sparse)
     t0 = time.monotonic()
     swarm = Swarm(make_task_repo(work / "repo", rec), work)
     for i in range(nodes):
@@ -62,12 +64,14 @@ def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple[
     if swarm.finish(timeout=3600) != 0:
         raise SystemExit(f"{spec} failed:\n{swarm.log()[-3000:]}")
     final = next(e for e in swarm.events() if e["event"] == "complete")["final_val_loss"]
-    return rule, int(h), rec["rounds"], final, load_run(swarm.run_dir).mib_per_node(), time.monotonic() - t0
+    return spec, int(h), rec["rounds"], final, load_run(swarm.run_dir).mib_per_node(), time.monotonic() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("runs", nargs="+", help="RULE:H, e.g. int8:25 sparse:10")
+    ap.add_argument(
+        "runs", nargs="+", help="RULE:H[:MIN], e.g. int8:25 sparse:10:1 (MIN: the inner lr's end, x the lr)"
+    )
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--samples", type=int, default=32000)
     ap.add_argument("--sparse-lr", type=float, default=2.0, help="sync: sparse's outer lr")
@@ -78,7 +82,7 @@ def main() -> None:
     sparse = {"lr": a.sparse_lr, "ef_decay": a.ef_decay, "k": a.k, "chunk": a.chunk}
     print(f"{a.nodes} nodes, {a.samples} samples, loopback; sparse: {sparse}")
     print(
-        f"{'rule':>7} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'wall s':>7}"
+        f"{'run':>12} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'wall s':>7}"
     )
     first = None
     for spec in a.runs:
@@ -86,7 +90,7 @@ def main() -> None:
             rule, h, rounds, val, mib, wall = run(spec, a.nodes, a.samples, sparse, Path(tmp))
         first = first or (val, mib)
         print(
-            f"{rule:>7} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"
+            f"{rule:>12} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"
             f" {first[1] / mib if mib else float('nan'):>6.1f}x {wall:>7.0f}",  # (one node sends nothing)
             flush=True,
         )
