@@ -13,7 +13,8 @@ About 0.17 bits per value of θ per round with the defaults (64 of 4096), agains
 Shared state: none (θ only is checksummed). The error-feedback buffer is node-local: it is not
 in the checksum, not transferred and not checkpointed; a node that joins (or rejoins after a
 restart) starts with zeros, and a round whose θ a node took from a peer instead of applying it
-itself leaves its buffer as it was.
+itself leaves its buffer as it was. Memory: θ_global, Δ's buffer (which holds the next e from
+contribute to apply) and e, 3 x θ; the round's update stays as the payloads until it is applied.
 
 Every node computes the same result to the bit: decoding and the clip factors use only the
 payload bytes, the ring's weights and deterministic arithmetic (norms from exact float64 terms
