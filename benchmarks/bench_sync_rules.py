@@ -5,10 +5,12 @@ The default task (recipes/shakespeare.yaml: its model, batch, AdamW), a real `dr
 of the recipe's epoch order) and one lr schedule (5 % warmup, cosine to lr/10, as
 bench_vs_ddp.py). A run is RULE:H[:MIN], e.g. `int8:25` (the dense rule, int8 ring, outer lr 1.3,
 momentum 0: the recipe's) or `sparse:10:1` (sync: sparse, its defaults but outer lr --sparse-lr,
-error-feedback decay --ef-decay and top --k of each --chunk: 2-bit values, clip 1), trained for
+error-feedback decay --ef-decay and top --k of each --chunk: 2-bit values, --clip), trained for
 samples / (H x nodes x batch) rounds; MIN is where the inner lr's cosine ends, x the lr (0.1;
 1: no decay after the warmup). Bytes are what the nodes counted sending (payload and framing of the collective), summed
-over the run and averaged over the nodes; the ratio is against the first run.
+over the run and averaged over the nodes; the ratio is against the first run. "max w·N": per
+round, the largest node's weight (its share of the round's samples) times N, averaged over the
+rounds: 1 when the steal schedule split the work evenly.
 
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py [--nodes 4] [--samples 32000] int8:25 sparse:10
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 2 --samples 128000 --sparse-lr 3 --ef-decay 0.9 int8:25 sparse:25
@@ -54,7 +56,7 @@ def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: d
     return r
 
 
-def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple[str, int, int, float, float, float]:
+def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple:
     rule, h, *rest = spec.split(":")
     rec = recipe(rule, int(h), float(rest[0]) if rest else 0.1, nodes, samples, sparse)
     t0 = time.monotonic()
@@ -63,8 +65,13 @@ def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple[
         swarm.join(name=f"n{i}")
     if swarm.finish(timeout=3600) != 0:
         raise SystemExit(f"{spec} failed:\n{swarm.log()[-3000:]}")
-    final = next(e for e in swarm.events() if e["event"] == "complete")["final_val_loss"]
-    return spec, int(h), rec["rounds"], final, load_run(swarm.run_dir).mib_per_node(), time.monotonic() - t0
+    events = swarm.events()
+    final = next(e for e in events if e["event"] == "complete")["final_val_loss"]
+    # how uneven the work was: per round, the largest node weight over 1/N (1: equal shares)
+    rounds = [e for e in events if e["event"] == "round"]
+    uneven = sum(max(n["weight"] for n in r["nodes"].values()) * nodes for r in rounds) / len(rounds)
+    mib = load_run(swarm.run_dir).mib_per_node()
+    return spec, int(h), rec["rounds"], final, mib, uneven, time.monotonic() - t0
 
 
 def main() -> None:
@@ -78,20 +85,21 @@ def main() -> None:
     ap.add_argument("--ef-decay", type=float, default=0.95, help="sync: sparse's error-feedback decay")
     ap.add_argument("--k", type=int, default=64, help="sync: sparse's values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096, help="sync: sparse's chunk")
+    ap.add_argument("--clip", type=float, default=1.0, help="sync: sparse's clip (x the median norm)")
     a = ap.parse_args()
-    sparse = {"lr": a.sparse_lr, "ef_decay": a.ef_decay, "k": a.k, "chunk": a.chunk}
+    sparse = {"lr": a.sparse_lr, "ef_decay": a.ef_decay, "k": a.k, "chunk": a.chunk, "clip": a.clip}
     print(f"{a.nodes} nodes, {a.samples} samples, loopback; sparse: {sparse}")
     print(
-        f"{'run':>12} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'wall s':>7}"
+        f"{'run':>12} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'max w·N':>8} {'wall s':>7}"
     )
     first = None
     for spec in a.runs:
         with tempfile.TemporaryDirectory(prefix="drift-rules-") as tmp:
-            rule, h, rounds, val, mib, wall = run(spec, a.nodes, a.samples, sparse, Path(tmp))
+            rule, h, rounds, val, mib, uneven, wall = run(spec, a.nodes, a.samples, sparse, Path(tmp))
         first = first or (val, mib)
         print(
             f"{rule:>12} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"
-            f" {first[1] / mib if mib else float('nan'):>6.1f}x {wall:>7.0f}",  # (one node sends nothing)
+            f" {first[1] / mib if mib else float('nan'):>6.1f}x {uneven:>8.2f} {wall:>7.0f}",  # (one node sends nothing)
             flush=True,
         )
 
