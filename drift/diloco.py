@@ -204,8 +204,14 @@ def checksum(theta: np.ndarray, *state: np.ndarray) -> str:
     """A short digest of the exact bytes of θ and then of the sync rule's shared state arrays, in
     the rule's order: the swarm agrees on all of them each round, so a peer that hands over a
     poisoned velocity is caught too."""
+    return checksum_of((theta, *state))
+
+
+def checksum_of(pieces: Iterable[np.ndarray]) -> str:
+    """checksum() of the arrays' bytes one after another, given in pieces (a step's result a
+    block at a time, never the whole θ at once)."""
     h = hashlib.blake2b(digest_size=12)
-    for a in (theta, *state):
+    for a in pieces:
         h.update(np.ascontiguousarray(a).view(np.uint8))
     return h.hexdigest()
 

@@ -24,14 +24,14 @@ is numpy's, so torch, mlx and numpy workers produce the same payloads.
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from drift.diloco import CHUNK, ParamLayout
+from drift.diloco import CHUNK, ParamLayout, checksum_of
 from drift.sync import Combined, Params, SyncRule
 
 if TYPE_CHECKING:
@@ -322,10 +322,8 @@ class SparseLoCo(SyncRule):
         self._update = []
 
     def preview(self, theta: np.ndarray) -> str:
-        h = hashlib.blake2b(digest_size=12)  # diloco.checksum's digest: θ, then the state (none)
-        for a, b, step in self._steps(theta):
-            h.update((theta[a:b] - step).view(np.uint8))
-        return h.hexdigest()
+        stepped = (theta[a:b] - step for a, b, step in self._steps(theta))
+        return checksum_of(itertools.chain(stepped, self.state.values()))
 
     def abandon(self) -> None:
         self._ef_next = None
