@@ -10,16 +10,22 @@ samples / (H x nodes x batch) rounds; MIN is where the inner lr's cosine ends, x
 1: no decay after the warmup). Bytes are what the nodes counted sending (payload and framing of the collective), summed
 over the run and averaged over the nodes; the ratio is against the first run. "max w·N": per
 round, the largest node's weight (its share of the round's samples) times N, averaged over the
-rounds: 1 when the steal schedule split the work evenly.
+rounds: 1 when the steal schedule split the work evenly. `--schedule lockstep`: every node trains
+H steps a round (the simulation's split; a real run then matches it round by round).
 
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py [--nodes 4] [--samples 32000] int8:25 sparse:10
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 2 --samples 128000 --sparse-lr 3 --ef-decay 0.9 int8:25 sparse:25
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 4 --samples 128000 --sparse-lr 5 --ef-decay 0.9 --k 64 --chunk 16384 int8:25:0.5 sparse:10:1
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_sync_rules.py --nodes 4 --samples 128000 --sparse-lr 5 --ef-decay 0.9 --k 64 --chunk 16384 int8:25:0.5 sparse:10:1 int8:25:0.5 sparse:10:1
+
+A run named more than once is run again (a real swarm's schedule is not deterministic: the
+same run ends a few tenths of a percent apart): the last lines give each one's mean and spread.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +42,7 @@ from harness.simulate import Swarm, make_task_repo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: dict) -> dict:
+def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: dict, schedule: str = "steal") -> dict:
     r = yaml.safe_load((ROOT / "recipes" / "shakespeare.yaml").read_text())
     r.pop("task")  # make_task_repo sets it
     rounds = samples // (h * nodes * r["batch_size"])
@@ -47,6 +53,7 @@ def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: d
         inner_steps=h,
         unit_steps=min(h, r["unit_steps"]),
         checkpoint_every=rounds,
+        schedule=schedule,
         lr_schedule={"warmup_samples": samples // 20, "min_lr": r["inner_optimizer"]["lr"] * min_lr},
     )
     if rule == "sparse":
@@ -56,9 +63,9 @@ def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: d
     return r
 
 
-def run(spec: str, nodes: int, samples: int, sparse: dict, work: Path) -> tuple:
+def run(spec: str, nodes: int, samples: int, sparse: dict, schedule: str, work: Path) -> tuple:
     rule, h, *rest = spec.split(":")
-    rec = recipe(rule, int(h), float(rest[0]) if rest else 0.1, nodes, samples, sparse)
+    rec = recipe(rule, int(h), float(rest[0]) if rest else 0.1, nodes, samples, sparse, schedule)
     t0 = time.monotonic()
     swarm = Swarm(make_task_repo(work / "repo", rec), work)
     for i in range(nodes):
@@ -86,22 +93,31 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=64, help="sync: sparse's values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096, help="sync: sparse's chunk")
     ap.add_argument("--clip", type=float, default=1.0, help="sync: sparse's clip (x the median norm)")
+    ap.add_argument("--schedule", choices=["steal", "lockstep"], default="steal", help="the recipe's schedule")
     a = ap.parse_args()
     sparse = {"lr": a.sparse_lr, "ef_decay": a.ef_decay, "k": a.k, "chunk": a.chunk, "clip": a.clip}
-    print(f"{a.nodes} nodes, {a.samples} samples, loopback; sparse: {sparse}")
+    print(f"{a.nodes} nodes, {a.samples} samples, loopback, schedule {a.schedule}; sparse: {sparse}")
     print(
         f"{'run':>12} {'H':>3} {'rounds':>6} {'val loss':>9} {'vs first':>9} {'MiB sent/node':>14} {'fewer':>7} {'max w·N':>8} {'wall s':>7}"
     )
-    first = None
+    first, finals = None, {}
     for spec in a.runs:
         with tempfile.TemporaryDirectory(prefix="drift-rules-") as tmp:
-            rule, h, rounds, val, mib, uneven, wall = run(spec, a.nodes, a.samples, sparse, Path(tmp))
+            rule, h, rounds, val, mib, uneven, wall = run(spec, a.nodes, a.samples, sparse, a.schedule, Path(tmp))
         first = first or (val, mib)
         print(
             f"{rule:>12} {h:>3} {rounds:>6} {val:>9.3f} {val / first[0] - 1:>+9.1%} {mib:>14.3f}"
             f" {first[1] / mib if mib else float('nan'):>6.1f}x {uneven:>8.2f} {wall:>7.0f}",  # (one node sends nothing)
             flush=True,
         )
+        finals.setdefault(spec, []).append(val)
+    if any(len(v) > 1 for v in finals.values()):  # repeats: each run's mean and spread, against the first's
+        base = statistics.mean(finals[a.runs[0]])
+        for spec, vals in finals.items():
+            sd = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+            print(
+                f"{spec:>12} x{len(vals)}: mean {statistics.mean(vals):.4f} sd {sd:.4f} ({statistics.mean(vals) / base - 1:+.1%})"
+            )
 
 
 if __name__ == "__main__":

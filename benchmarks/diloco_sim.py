@@ -20,10 +20,13 @@ loss after every H steps per replica.
 
 `--sync sparse`: drift's sparse rule (drift/sync/sparse.py) instead: each replica's error feedback,
 chunked top-k payloads, decoded, clipped and summed as every node does (outer lr `--outer-lr`, no
-momentum). `--int8`: the dense mean of int8-coded Δs, as the ring's codec would send them. The
-`--hostile F`: replica 0 sends F x its Δ (what an attacker achieves within the
-sparse rule's clip). The last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per
-node per round, the direct all-gather N-1.
+momentum). `--int8`: the dense mean of int8-coded Δs, as the ring's codec would send them.
+`--uneven`: each round deals the replicas unequal steps, as the steal schedule does (H - 3 to
+H + 1 each, at random from a fixed seed, N x H in all: a real 4-node round at H 10 ranged 7 to 11),
+and weights each Δ by its share of the round's samples, as drift does. `--hostile F`: replica 0
+sends F x its Δ (what an attacker achieves within the sparse rule's clip). The last line counts
+what each node would send over the run: a ring sends 2(N-1)/N payloads per node per round, the
+direct all-gather N-1.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="dense: each Δ through drift's int8 codec")
     ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
+    ap.add_argument("--uneven", action="store_true", help="unequal steps per replica each round (the steal schedule)")
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
     ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
     ap.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error feedback's decay")
@@ -70,6 +74,8 @@ def main() -> None:
     ap.add_argument("--inner-lr", type=float, default=None, help="AdamW's lr (default: the recipe's)")
     ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config, e.g. n_layer=8 n_embd=512")
     a = ap.parse_args()
+    if a.uneven and a.overlapped:
+        ap.error("--uneven is for blocking rounds only")
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
     lr = a.inner_lr or r.inner_optimizer.lr
@@ -119,28 +125,30 @@ def main() -> None:
             }
         )
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
-        ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=1 / N) for i in range(N)]
         per_round = (N - 1) * rules[0].payload_nbytes
         scratch = np.zeros_like(theta)  # where the other replicas apply the same step
     else:
         codec = make_codec("int8" if a.int8 else "fp32")
         per_round = int(2 * (N - 1) / N * codec.encoded_nbytes(theta.size))
 
-    def step(deltas: list[np.ndarray]) -> None:
-        """θ_global after the round, from the replicas' Δs, by the rule."""
+    def step(deltas: list[np.ndarray], shares: np.ndarray) -> None:
+        """θ_global after the round, from the replicas' Δs and their shares of the round's samples, by the rule."""
         nonlocal sent
         sent += per_round
         if a.hostile is not None:
             deltas[0] = deltas[0] * np.float32(a.hostile)
         if a.sync == "sparse":
-            payloads = [rule.contribute(d, 1 / N) for rule, d in zip(rules, deltas)]
+            ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
+            payloads = [rule.contribute(d, w) for rule, d, w in zip(rules, deltas, shares)]
             for rule in rules:  # every replica's rule does what its node would (its error feedback moves on)
                 rule.combine(payloads, ring)
                 rule.apply(theta if rule is rules[0] else scratch)
             return
         if a.int8:
             deltas = [codec.decode(codec.encode(d), np.empty_like(d)) for d in deltas]
-        outer.step(theta, np.mean(deltas, axis=0))
+        outer.step(
+            theta, np.mean(deltas, axis=0) if not a.uneven else sum(np.float32(w) * d for w, d in zip(shares, deltas))
+        )
 
     local = [theta.copy() for _ in replicas]  # each replica's θ_local
     pending = None  # overlapped: (mean Δ, each replica's θ_local at the barrier)
@@ -157,15 +165,23 @@ def main() -> None:
             pos += B
         local[i] = layout.flatten(w.get_params())
 
+    even = np.full(N, 1 / N)
+
     def land() -> None:
         """The all-reduce of the round before lands: the outer step, then every replica keeps the
         progress it made since its barrier on top of the new θ_global (OverlappedDiLoCo.catch_up)."""
         deltas, snaps = pending
-        step(deltas)
+        step(deltas, even)
         for i in range(N):
             local[i] += theta - snaps[i]
 
+    deal = np.random.default_rng(7)
     for rnd in range(a.steps // H):
+        steps = np.full(N, H)
+        while a.uneven:  # the steal schedule's spread: unequal shares, the same round total
+            steps = deal.integers(H - 3, H + 2, N)
+            if steps.sum() == N * H:
+                break
         # pos: the samples all replicas trained (one after another here; at once in a swarm)
         first = min(a.land_after, H) if pending is not None else 0
         for i, w in enumerate(replicas):
@@ -174,12 +190,12 @@ def main() -> None:
             land()
             pending = None
         for i, w in enumerate(replicas):
-            train(i, w, H - first)
+            train(i, w, int(steps[i]) - first)
         deltas = [theta - x for x in local]
         if a.overlapped:
             pending = (deltas, [x.copy() for x in local])
         else:
-            step(deltas)
+            step(deltas, steps / steps.sum() if a.uneven else even)
             local = [theta.copy() for _ in replicas]
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  round {rnd}  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
