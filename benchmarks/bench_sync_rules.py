@@ -63,7 +63,9 @@ def recipe(rule: str, h: int, min_lr: float, nodes: int, samples: int, sparse: d
     return r
 
 
-def run(spec: str, nodes: int, samples: int, sparse: dict, schedule: str, work: Path) -> tuple:
+def run(
+    spec: str, nodes: int, samples: int, sparse: dict, schedule: str, work: Path
+) -> tuple[str, int, int, float, float, float, float]:
     rule, h, *rest = spec.split(":")
     rec = recipe(rule, int(h), float(rest[0]) if rest else 0.1, nodes, samples, sparse, schedule)
     t0 = time.monotonic()
