@@ -8,8 +8,8 @@ in BENCHMARKS.md at commit cf30232, was removed from drift/gather.py since.)
 
 θ is one flat float32 tensor of each size (benchmarks/bigtask.py's θ has the same bytes). The ring
 reduces a real θ-sized vector (int8, drift's default codec); the all-gathers carry payloads of the
-sparse rule's exact size (drift/sync/sparse.py, top-64 of 4,096, 2-bit values: 0.234 bits per
-value), whose content does not change what the wire carries. So a 1B θ fits this machine for the
+sparse rule's exact size (drift/sync/sparse.py, top-64 of 4,096, a sign bit a value: 0.14 bits per
+value of θ), whose content does not change what the wire carries. So a 1B θ fits this machine for the
 sparse rows (30 MB per payload); a 1B ring needs 4 × 4 GB of θ and ~10 minutes per sync on these
 links: it runs only with --ring-max (parameters), else it is computed from the ring's measured
 bytes per second and printed as computed. The sparse rule's CPU work (encode one θ, decode and sum

@@ -8,7 +8,8 @@ scale spread over orders of magnitude, like a real Δ's layers.
     python3 benchmarks/bench_sparse_codec.py --size 10000000 --digest             # also sha256 of payloads and sum
 
 Printed: seconds per part (best of --reps) and, with --digest, sha256 of the payloads (must not
-change when the codec is made faster) and of the combined sum (must not change with the format).
+change when the codec is made faster) and of the combined sum (must not change with a lossless
+format change, such as the Elias-Fano indices; it did with the one-bit values).
 """
 
 from __future__ import annotations

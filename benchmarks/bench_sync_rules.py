@@ -5,7 +5,7 @@ The default task (recipes/shakespeare.yaml: its model, batch, AdamW), a real `dr
 of the recipe's epoch order) and one lr schedule (5 % warmup, cosine to lr/10, as
 bench_vs_ddp.py). A run is RULE:H[:MIN], e.g. `int8:25` (the dense rule, int8 ring, outer lr 1.3,
 momentum 0: the recipe's) or `sparse:10:1` (sync: sparse, its defaults but outer lr --sparse-lr,
-error-feedback decay --ef-decay and top --k of each --chunk: 2-bit values, --clip), trained for
+error-feedback decay --ef-decay and top --k of each --chunk: a sign bit a value, --clip), trained for
 samples / (H x nodes x batch) rounds; MIN is where the inner lr's cosine ends, x the lr (0.1;
 1: no decay after the warmup). Bytes are what the nodes counted sending (payload and framing of the collective), summed
 over the run and averaged over the nodes; the ratio is against the first run. "max w·N": per

@@ -21,8 +21,8 @@ loss after every H steps per replica.
 `--sync sparse`: drift's sparse rule (drift/sync/sparse.py) instead: each replica's error feedback,
 chunked top-k payloads, decoded, clipped and summed as every node does (outer lr `--outer-lr`, no
 momentum). `--int8`: the dense mean of int8-coded Δs, as the ring's codec would send them.
-`--uneven`: each round deals the replicas unequal steps, as the steal schedule does (H - 3 to
-H + 1 each, at random from a fixed seed, N x H in all: a real 4-node round at H 10 ranged 7 to 11),
+`--uneven [DEAL]`: each round deals the replicas unequal steps, as the steal schedule does (H - 3
+to H + 1 each, at random from the seed DEAL, 7 by default, N x H in all: a real 4-node round at H 10 ranged 7 to 11),
 and weights each Δ by its share of the round's samples, as drift does. `--hostile F`: replica 0
 sends F x its Δ (what an attacker achieves within the sparse rule's clip). The last line counts
 what each node would send over the run: a ring sends 2(N-1)/N payloads per node per round, the
@@ -66,7 +66,14 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="dense: each Δ through drift's int8 codec")
     ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
-    ap.add_argument("--uneven", action="store_true", help="unequal steps per replica each round (the steal schedule)")
+    ap.add_argument(
+        "--uneven",
+        type=int,
+        nargs="?",
+        const=7,
+        metavar="DEAL",
+        help="unequal steps per replica each round (the steal schedule), dealt from this seed (default 7)",
+    )
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
     ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
     ap.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error feedback's decay")
@@ -74,7 +81,7 @@ def main() -> None:
     ap.add_argument("--inner-lr", type=float, default=None, help="AdamW's lr (default: the recipe's)")
     ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config, e.g. n_layer=8 n_embd=512")
     a = ap.parse_args()
-    if a.uneven and a.overlapped:
+    if a.uneven is not None and a.overlapped:
         ap.error("--uneven is for blocking rounds only")
 
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
@@ -147,7 +154,8 @@ def main() -> None:
         if a.int8:
             deltas = [codec.decode(codec.encode(d), np.empty_like(d)) for d in deltas]
         outer.step(
-            theta, np.mean(deltas, axis=0) if not a.uneven else sum(np.float32(w) * d for w, d in zip(shares, deltas))
+            theta,
+            np.mean(deltas, axis=0) if a.uneven is None else sum(np.float32(w) * d for w, d in zip(shares, deltas)),
         )
 
     local = [theta.copy() for _ in replicas]  # each replica's θ_local
@@ -175,10 +183,10 @@ def main() -> None:
         for i in range(N):
             local[i] += theta - snaps[i]
 
-    deal = np.random.default_rng(7)
+    deal = np.random.default_rng(a.uneven)
     for rnd in range(a.steps // H):
         steps = np.full(N, H)
-        while a.uneven:  # the steal schedule's spread: unequal shares, the same round total
+        while a.uneven is not None:  # the steal schedule's spread: unequal shares, the same round total
             steps = deal.integers(H - 3, H + 2, N)
             if steps.sum() == N * H:
                 break
@@ -195,7 +203,7 @@ def main() -> None:
         if a.overlapped:
             pending = (deltas, [x.copy() for x in local])
         else:
-            step(deltas, steps / steps.sum() if a.uneven else even)
+            step(deltas, steps / steps.sum() if a.uneven is not None else even)
             local = [theta.copy() for _ in replicas]
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  round {rnd}  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)

@@ -9,7 +9,7 @@ and k, every run at the same total of samples, against the int8 ring at the same
 
 Each run is one benchmarks/diloco_sim.py process, `--schedule`, outer momentum 0: dense = the
 int8-coded mean, outer lr 1.3, sent over a ring (2(N-1)/N payloads per node per round); sparse =
-drift's `sync: sparse` (error feedback 0.95, top-k of each `--chunk`, 2-bit values, clip 1),
+drift's `sync: sparse` (error feedback 0.95, top-k of each `--chunk`, a sign bit a value, clip 1),
 outer lr 2, all-gathered directly (N-1 payloads). Steps per replica = samples / (N x batch 32).
 Results are appended to `--results` (JSON lines) and a run already there is not run again.
 Printed, one row per run: val loss after the last round, MiB sent per node, how many times fewer
@@ -40,6 +40,7 @@ from drift.sync.sparse import Codec  # noqa: E402
 BATCH = 32  # recipes/shakespeare.yaml's batch_size
 LR, EF = 2.0, 0.95  # the sparse runs' outer lr and error-feedback decay unless --sparse-lr, --ef-decay
 MIN_LR = 0.1  # the inner lr's cosine ends at this fraction of it unless --min-lr
+FORMAT = "sign"  # the payload's values: a sign bit each (rows without "format": 2 bits, two magnitudes a chunk)
 
 
 def sim_args(
@@ -88,13 +89,17 @@ def run(args: list[str], lock: str | None) -> dict:
 
 
 def recount(r: dict) -> None:
-    """A sparse row's bytes in today's payload format. Rows run before 2026-12-03 (no "values")
+    """A 2-bit sparse row's bytes with Elias-Fano indices. Rows run before 2026-12-03 (no "values")
     hold the plain-index format's count (12 of log2(chunk) bits an index); Elias-Fano indices
-    carry the same values in fewer bytes, so only the count changes."""
+    carry the same values in fewer bytes, so only the count changes. (Rows of today's format, a
+    sign bit a value, are counted as sent.)"""
     chunk, payloads = r["chunk"], r["rounds"] * (r["N"] - 1)
+    if r.get("format") == FORMAT:
+        return
     if "values" not in r:  # 8 + k (log2(chunk) + 2) / 8 bytes a chunk then (k a multiple of 4)
         r["values"] = chunk * (r["sent"] // payloads // (8 + r["k"] * (chunk.bit_length() + 1) // 8))
-    r["sent"] = payloads * Codec(r["values"], chunk, r["k"]).nbytes
+    c = Codec(r["values"], chunk, r["k"])  # its index fields; then two float32 magnitudes and 2 bits a value
+    r["sent"] = payloads * (8 * c.m + (c.i_values - c.i_index) + -(-c.m * c.k * 2 // 8))
 
 
 def table(results: list[dict], base_h: int) -> None:
@@ -122,6 +127,8 @@ def table(results: list[dict], base_h: int) -> None:
         k = r["k"] or "–"
         if r["chunk"] not in (None, 4096):
             k = f"{k} of {r['chunk']}"
+        if r["rule"] == "sparse" and r.get("format") != FORMAT:
+            k = f"{k}, 2-bit"
         if tuned and r["rule"] == "sparse":
             k = f"{k}, lr {r['lr']:g}, ef {r['ef']:g}"
         if schedules:
@@ -147,6 +154,9 @@ def main() -> None:
     ap.add_argument("--lock", help="hold this file's flock during each run (a machine shared with others)")
     ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config: a larger char GPT")
     ap.add_argument("--inner-lr", type=float, help="AdamW's lr (default: the recipe's)")
+    ap.add_argument(
+        "--uneven", type=int, metavar="DEAL", help="diloco_sim's --uneven DEAL: shares as the steal schedule deals"
+    )
     ap.add_argument("--base-H", type=int, default=25, help="the int8 run the others are measured against")
     ap.add_argument("--table", action="store_true", help="run nothing: the table of --results for --nodes")
     ap.add_argument("--recount", action="store_true", help="sparse bytes in today's payload format (see recount)")
@@ -162,6 +172,7 @@ def main() -> None:
         r.setdefault("min_lr", MIN_LR)
         r["chunk"] = int(r["args"][r["args"].index("--chunk") + 1]) if sparse else None
     extra = (["--model", *a.model] if a.model else []) + ([] if a.inner_lr is None else ["--inner-lr", str(a.inner_lr)])
+    extra += [] if a.uneven is None else ["--uneven", str(a.uneven)]
     grid = [(n, "int8", h, None, None, None, m) for n in a.nodes for h in a.dense_H for m in a.min_lr]
     grid += [
         (n, "sparse", h, k, lr, ef, m)
@@ -174,10 +185,11 @@ def main() -> None:
     ]
     for n, rule, h, k, lr, ef, m in [] if a.table else grid:
         args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or LR, ef or EF, m)
-        if any(r["args"] == args for r in done):
-            continue
+        if any(r["args"] == args and r.get("format") == (FORMAT if rule == "sparse" else None) for r in done):
+            continue  # (a sparse row of the 2-bit format is run again in today's)
         r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "min_lr": m, "samples": a.samples}
         r |= {"seed": a.seed, "extra": extra, "args": args, "chunk": a.chunk if rule == "sparse" else None}
+        r |= {"format": FORMAT} if rule == "sparse" else {}
         r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:

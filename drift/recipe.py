@@ -101,7 +101,7 @@ class Recipe(_Strict):
     sync: str = Field(
         "dense",
         description="the sync rule (drift/sync/): dense (DiLoCo: w·Δ all-reduced around a ring, outer "
-        "Nesterov) or sparse (SparseLoCo-class: chunked top-k of error feedback, 2-bit values, all-gathered); "
+        "Nesterov) or sparse (SparseLoCo-class: chunked top-k of error feedback, a sign bit a value, all-gathered); "
         "blocking / overlapped name dense (overlapped: with overlap on)",
     )
     sync_params: dict[str, Any] = Field(default_factory=dict, description="the sync rule's own hyperparameters")

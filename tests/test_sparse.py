@@ -177,19 +177,19 @@ def _golden_case(chunk: int, k: int) -> tuple[str, str]:
         (
             1024,
             64,
-            "2e0c4107d19032d866de0e519cc936c0880cb6f1ab5f401c63013448d5d88e6b",
-            "00f3afe7f2fd85eb2ad005bef80469c67ab9a589606866ff0b924ea9787b82a2",
+            "7af874cee66a12d9de39ebf86c31cbf69d6dd452da1a58dc55c59e3b54972849",
+            "3c95988df6dc2505b12e924c0ba2a52abdbe4ea699e2a23e474bf057911b67bc",
         ),
         (
             512,
             5,
-            "828613bda9757dc5df6b8bb1158005044037b70a0c08e28148bdbed6919b0c30",
-            "67d8ffea0087569cb8924673b1afc18eee255edef504b785e8e7795eff0941b1",
+            "1f54da2a8ac5a083f2358c955c90401a1122ba27e0ba3b9e992e0c7cc5597592",
+            "fd349bbdd6d37fa6bd9ed5dbd0f86b17b9c5dc75b60115aac6d55caa5dc37e51",
         ),
     ],
 )
-def test_the_sparse_payloads_and_sum_are_the_bytes_they_always_were(chunk: int, k: int, wire: str, sums: str) -> None:
-    # the sums' digests are as first taken (2026-12-02, commit 9be399a's codec) and stayed through its speedup and
-    # the Elias-Fano indices (2026-12-03: lossless); the payloads' are the Elias-Fano format's. Neither may change
-    # by a bit, or a swarm of mixed versions would disagree
+def test_the_sparse_payloads_and_sum_are_pinned_to_the_bit(chunk: int, k: int, wire: str, sums: str) -> None:
+    # the one-bit format's (2026-12-03: a sign a value and one bfloat16 magnitude a chunk, where the values had 2
+    # bits and two float32 magnitudes). Neither may change by a bit unless the format does on purpose: a swarm
+    # whose nodes encode or sum differently disagrees
     assert _golden_case(chunk, k) == (wire, sums)

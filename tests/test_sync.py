@@ -19,7 +19,7 @@ from drift.gather import Gather, signed_payload
 from drift.recipe import Recipe, RecipeError, load_recipe
 from drift.ring import RingError
 from drift.sync import make_rule
-from drift.sync.sparse import Codec, PayloadError
+from drift.sync.sparse import Codec, PayloadError, from_bfloat16, to_bfloat16
 from drift.transport import GATHER_ALPN, Endpoint
 
 BASE = {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
@@ -82,23 +82,27 @@ def _decoded(codec: Codec, payload: bytes) -> np.ndarray:
     return out
 
 
-def test_sparse_payload_carries_each_chunks_top_k_in_two_bits() -> None:
+def test_sparse_payload_carries_each_chunks_top_k_in_a_bit_each() -> None:
     codec = Codec(LAYOUT.size, 4096, 64)
     x = _delta(0)
     payload = codec.encode(x)
-    # per chunk: 2 magnitudes, 64 indices of 6 low bits and a span of 64 + 64 high bits, 2 bits a value
-    assert len(payload) == codec.nbytes == 3 * (8 + 64 * 6 // 8 + 128 // 8 + 64 * 2 // 8)  # ~0.17 bits a value
+    # per chunk: a bfloat16 magnitude, 64 indices of 6 low bits and a span of 64 + 64 high bits, a sign bit a value
+    assert len(payload) == codec.nbytes == 3 * (2 + 64 * 6 // 8 + 128 // 8 + 64 // 8)  # ~0.14 bits a value
     got = _decoded(codec, payload)
     for a in range(0, x.size, 4096):
         chunk, dec = x[a : a + 4096], got[a : a + 4096]
         top = np.argsort(-np.abs(chunk), kind="stable")[: min(64, chunk.size)]
         assert set(np.flatnonzero(dec)) <= set(top)  # only top-k positions carry a value
         assert np.array_equal(np.sign(dec[top]), np.sign(chunk[top]))  # with their signs
-        assert len(np.unique(np.abs(dec[top]))) <= 2  # and one of the chunk's two magnitudes
+        assert len(np.unique(np.abs(dec[top]))) == 1  # and the chunk's one magnitude: its top-k's mean |value|
+        assert np.abs(dec[top][0]) == pytest.approx(np.abs(chunk[top]).mean(), rel=2**-8)
     assert np.dot(got, x) > 0.5 * np.linalg.norm(got) * np.linalg.norm(x[np.abs(x) >= np.sort(np.abs(x))[-192]])
     assert codec.norm(payload) == pytest.approx(float(np.linalg.norm(got)), rel=1e-6)
     with pytest.raises(PayloadError):
         next(codec.pieces(payload[:-1]))
+    for bits in (b"\x80\xbf", b"\xc0\x7f", b"\x80\x7f"):  # the first chunk's magnitude: -1, NaN, +inf
+        with pytest.raises(PayloadError, match="magnitude"):
+            codec.norm(bits + payload[2:])
     bad = bytearray(payload)
     bad[codec.i_index : codec.i_index + 2] = b"\xff\xff"  # the first two indices' low bits: both 63
     with pytest.raises(PayloadError, match="increasing"):
@@ -112,6 +116,13 @@ def test_sparse_payload_carries_each_chunks_top_k_in_two_bits() -> None:
     bad[top.i_high] = 0b01101010  # chunks 0-3's spans: "01" is high part 1, the index 4096 or more
     with pytest.raises(PayloadError, match="past its chunk"):
         list(top.pieces(bytes(bad)))
+
+
+def test_a_chunks_magnitude_travels_as_bfloat16_rounded_to_nearest_even() -> None:
+    x = np.array([1, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -2.5, 3e-39, 0], np.float32)
+    bits = to_bfloat16(x)
+    assert bits.tolist() == [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xC020, 0x0021, 0]  # ties to even; subnormals kept
+    assert from_bfloat16(bits).tolist() == [1, 1, 1 + 2**-6, 1 + 2**-7, -2.5, from_bfloat16(np.uint16([0x21]))[0], 0]
 
 
 @pytest.mark.parametrize("k", [9, 16])  # over half the chunk: indices have no low bits, only the span

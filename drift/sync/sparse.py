@@ -1,14 +1,16 @@
 """`sync: sparse`: a rule of the SparseLoCo class (arXiv 2508.15706). Each node keeps an
 error-feedback buffer e; every round e <- ef_decay * e + Δ, it sends the `k` largest |values| of
 every `chunk` values of e (chunked top-k; in-chunk indices Elias-Fano coded: 8 bits each for 64
-of 4096, where plain indices take 12), each as 2 bits (its sign, and whether it is above the
-chunk's median magnitude: two float32 magnitudes per chunk), and keeps what the payload did not
-carry: e <- e - decode(payload).
+of 4096, where plain indices take 12), each as its sign alone (1 bit; the chunk's one magnitude,
+the mean |value| of its top-k, rides along as a bfloat16), and keeps what the payload did not
+carry: e <- e - decode(payload). SparseLoCo sends 2 bits a value; here the bit saved buys a
+fifth more values in the same bytes, which learned as well or better (what one magnitude gets
+wrong stays in e and goes out later; BENCHMARKS.md, "One bit a value").
 Payloads are all-gathered (sums of sparse vectors are not sparse, so no ring): every member
 decodes every payload, clips each to `clip` x the round's median contribution norm, and adds
 w_i x them in ring order; θ -= lr x that (buffers: the plain weighted sum).
 
-About 0.17 bits per value of θ per round with the defaults (64 of 4096), against 8.15 for int8.
+About 0.14 bits per value of θ per round with the defaults (64 of 4096), against 8.15 for int8.
 
 Shared state: none (θ only is checksummed). The error-feedback buffer is node-local: it is not
 in the checksum, not transferred and not checkpointed; a node that joins (or rejoins after a
@@ -64,17 +66,28 @@ class SparseParams(Params):
         return self
 
 
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16's bits (uint16), rounded to nearest, ties to even."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bfloat16(b: np.ndarray) -> np.ndarray:
+    """bfloat16's bits (uint16) -> float32, exactly."""
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
 class PayloadError(Exception):
     """A payload that does not decode (wrong size, indices out of order, a bad scale)."""
 
 
 class Codec:
     """The payload format: for m = ceil(n / chunk) chunks, in order
-        m x 2 float32 (little-endian): the chunk's low and high magnitude,
+        m x 1 bfloat16 (little-endian): the chunk's magnitude,
         m x k x `low` bits: each index's low bits (MSB first, packed),
         m x `span` bits: each chunk's high parts, Elias-Fano: the chunk's j-th index sets bit
             (index >> low) + j of its span, so a span holds exactly k ones,
-        m x k x 2 bits: sign (1 = negative), high (1 = the high magnitude).
+        m x k bits: each value's sign (1 = negative).
     Indices increase within a chunk; low = floor(log2(chunk / k)), span = k + chunk >> low: about
     2 + low bits an index (8 for 64 of 4096). A payload of 0 bytes carries nothing (weight 0)."""
 
@@ -84,10 +97,10 @@ class Codec:
         self.span = k + (chunk >> self.low)
         self.m = max(1, -(-n // chunk))
         self.shifts = np.arange(self.low - 1, -1, -1, dtype=np.uint32)
-        self.i_index = 8 * self.m
+        self.i_index = 2 * self.m
         self.i_high = self.i_index + -(-self.m * k * self.low // 8)
         self.i_values = self.i_high + -(-self.m * self.span // 8)
-        self.nbytes = self.i_values + -(-self.m * k * 2 // 8)
+        self.nbytes = self.i_values + -(-self.m * k // 8)
 
     def _bytes(self, start: int, row_bits: int, r0: int, r1: int) -> slice:
         """Rows [r0, r1) of the bit field at byte `start` that holds `row_bits` bits a chunk (r0 is
@@ -125,50 +138,32 @@ class Codec:
         idx[~ok] = tied
         return idx
 
-    def _median(self, mags: np.ndarray) -> np.ndarray:
-        """np.median(mags, axis=1, keepdims=True), the same bits (float32: the two middle values'
-        float32 sum, halved), without its overhead; np.median itself where a value is not finite."""
-        k = self.k
-        if not np.isfinite(mags).all():
-            return np.median(mags, axis=1, keepdims=True)
-        if k % 2:
-            return np.partition(mags, k // 2, axis=1)[:, k // 2 : k // 2 + 1]
-        p = np.partition(mags, [k // 2 - 1, k // 2], axis=1)
-        return (p[:, k // 2 - 1 : k // 2] + p[:, k // 2 : k // 2 + 1]) / np.float32(2)
-
     def encode(self, x: np.ndarray) -> bytes:
-        """The payload of x (float32, n values): its chunked top-k, 2 bits a value."""
+        """The payload of x (float32, n values): its chunked top-k, a bit a value."""
         out = np.zeros(self.nbytes, np.uint8)
-        scales = out[: self.i_index].view("<f4").reshape(self.m, 2)
+        scales = out[: self.i_index].view("<u2")
         k = self.k
         scratch = np.empty((2, min(self.m, BLOCK_ROWS), self.chunk), np.float32)
         for r0, r1 in self.blocks():
             rows = self._rows(x, r0, r1)
             idx = self._top_k(rows, scratch[0, : r1 - r0], scratch[1, : r1 - r0])
             vals = np.take_along_axis(rows, idx, axis=1)
-            mags = np.abs(vals)
-            high = mags > self._median(mags)
-            n_high = high.sum(axis=1)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                hi = np.where(n_high > 0, (mags * high).sum(axis=1) / np.maximum(n_high, 1), 0)
-                lo = np.where(n_high < k, (mags * ~high).sum(axis=1) / np.maximum(k - n_high, 1), 0)
-            scales[r0:r1, 0], scales[r0:r1, 1] = lo, hi
+            scales[r0:r1] = to_bfloat16(np.abs(vals).sum(axis=1) / np.float32(k))
             ibits = ((idx.astype(np.uint32)[..., None] >> self.shifts) & 1).astype(np.uint8)
             out[self._bytes(self.i_index, k * self.low, r0, r1)] = np.packbits(ibits.reshape(-1))
             upper = np.zeros((r1 - r0, self.span), np.uint8)
             np.put_along_axis(upper, (idx >> self.low) + np.arange(k), 1, axis=1)
             out[self._bytes(self.i_high, self.span, r0, r1)] = np.packbits(upper.reshape(-1))
-            vbits = np.stack([vals < 0, high], axis=-1).astype(np.uint8)
-            out[self._bytes(self.i_values, k * 2, r0, r1)] = np.packbits(vbits.reshape(-1))
+            out[self._bytes(self.i_values, k, r0, r1)] = np.packbits((vals < 0).reshape(-1))
         return out.tobytes()
 
     def _blocks(self, payload: bytes):
-        """(flat indices, negative, high, the chunks' scales) a block of chunks at a time, indices
+        """(flat indices, negative, the chunks' magnitudes) a block of chunks at a time, indices
         past n still in; PayloadError if the payload does not decode."""
         if len(payload) != self.nbytes:
             raise PayloadError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
         buf = np.frombuffer(payload, np.uint8)
-        scales = buf[: self.i_index].view("<f4").reshape(self.m, 2)
+        scales = from_bfloat16(buf[: self.i_index].view("<u2"))
         if not (np.isfinite(scales).all() and (scales >= 0).all()):
             raise PayloadError("a chunk's magnitude is negative or not finite")
         k, c, low, span = self.k, self.chunk, self.low, self.span
@@ -192,14 +187,13 @@ class Codec:
                 raise PayloadError("indices not increasing within a chunk")
             if not (idx[:, -1] < c).all():
                 raise PayloadError("an index past its chunk")
-            vbits = buf[self._bytes(self.i_values, k * 2, r0, r1)]
-            vbits = np.unpackbits(vbits, count=n * 2).reshape(n, 2).view(bool)
+            negative = np.unpackbits(buf[self._bytes(self.i_values, k, r0, r1)], count=n).view(bool)
             idx += (np.arange(r0, r1, dtype=np.int64) * c)[:, None]
-            yield idx.reshape(-1), vbits[:, 0], vbits[:, 1], scales[r0:r1]
+            yield idx.reshape(-1), negative, scales[r0:r1]
 
-    def _values(self, negative: np.ndarray, high: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        """A block's values: its chunk's high or low magnitude (`scales`, float32), signed."""
-        vals = np.where(high.reshape(-1, self.k), scales[:, 1:2], scales[:, 0:1]).reshape(-1)
+    def _values(self, negative: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        """A block's values: its chunk's magnitude (`scales`, float32), signed."""
+        vals = np.repeat(scales, self.k)
         np.negative(vals, out=vals, where=negative)
         return vals
 
@@ -207,8 +201,8 @@ class Codec:
         """(flat indices, values) of a payload (x `coef`, a float32, when given: the same bits as
         multiplying the values), a block of chunks at a time; PayloadError if it does not decode.
         Indices past n (the last chunk's padding) are dropped."""
-        for flat, negative, high, scales in self._blocks(payload):
-            vals = self._values(negative, high, scales if coef is None else coef * scales)
+        for flat, negative, scales in self._blocks(payload):
+            vals = self._values(negative, scales if coef is None else coef * scales)
             keep = flat < self.n
             yield (flat, vals) if keep.all() else (flat[keep], vals[keep])
 
@@ -216,18 +210,12 @@ class Codec:
         """||decode(payload)||, the same to the bit on every machine (exact float64 terms, fsum);
         PayloadError if it does not decode."""
         # A block's sum of squares is math.fsum of its values' exact float64 squares, correctly
-        # rounded; each chunk's values are only ±lo and ±hi, so it is fsum of count x square
-        # terms, each square split (Veltkamp) into two 26-bit halves so count x half stays exact.
+        # rounded; each chunk's values are ± its magnitude, so it is fsum of count x square terms,
+        # each square (exact: a bfloat16's 8 bits squared) times the count, exact too.
         terms = []
-        for flat, _, high, scales in self._blocks(payload):
-            keep = (flat < self.n).reshape(-1, self.k)
-            n_high = np.count_nonzero(high.reshape(-1, self.k) & keep, axis=1).astype(np.float64)
-            n_low = np.count_nonzero(keep, axis=1) - n_high
-            sq = scales.astype(np.float64) ** 2
-            big = sq * 134217729.0  # 2**27 + 1
-            top = big - (big - sq)
-            parts = (n_low * top[:, 0], n_low * (sq - top)[:, 0], n_high * top[:, 1], n_high * (sq - top)[:, 1])
-            terms.append(math.fsum(np.concatenate(parts).tolist()))
+        for flat, _, scales in self._blocks(payload):
+            count = np.count_nonzero((flat < self.n).reshape(-1, self.k), axis=1)
+            terms.append(math.fsum((count * scales.astype(np.float64) ** 2).tolist()))
         return math.sqrt(math.fsum(terms))
 
 
