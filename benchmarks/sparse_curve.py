@@ -94,7 +94,7 @@ def recount(r: dict) -> None:
     carry the same values in fewer bytes, so only the count changes. (Rows of today's format, a
     sign bit a value, are counted as sent.)"""
     chunk, payloads = r["chunk"], r["rounds"] * (r["N"] - 1)
-    if r.get("format") == FORMAT:
+    if r["format"] == FORMAT:
         return
     if "values" not in r:  # 8 + k (log2(chunk) + 2) / 8 bytes a chunk then (k a multiple of 4)
         r["values"] = chunk * (r["sent"] // payloads // (8 + r["k"] * (chunk.bit_length() + 1) // 8))
@@ -127,7 +127,7 @@ def table(results: list[dict], base_h: int) -> None:
         k = r["k"] or "–"
         if r["chunk"] not in (None, 4096):
             k = f"{k} of {r['chunk']}"
-        if r["rule"] == "sparse" and r.get("format") != FORMAT:
+        if r["format"] not in (None, FORMAT):
             k = f"{k}, 2-bit"
         if tuned and r["rule"] == "sparse":
             k = f"{k}, lr {r['lr']:g}, ef {r['ef']:g}"
@@ -159,7 +159,9 @@ def main() -> None:
     )
     ap.add_argument("--base-H", type=int, default=25, help="the int8 run the others are measured against")
     ap.add_argument("--table", action="store_true", help="run nothing: the table of --results for --nodes")
-    ap.add_argument("--recount", action="store_true", help="sparse bytes in today's payload format (see recount)")
+    ap.add_argument(
+        "--recount", action="store_true", help="2-bit sparse rows' bytes with Elias-Fano indices (see recount)"
+    )
     a = ap.parse_args()
 
     path = Path(a.results)
@@ -171,6 +173,7 @@ def main() -> None:
         r.setdefault("extra", [])
         r.setdefault("min_lr", MIN_LR)
         r["chunk"] = int(r["args"][r["args"].index("--chunk") + 1]) if sparse else None
+        r.setdefault("format", "2-bit" if sparse else None)  # rows from before the sign-bit format
     extra = (["--model", *a.model] if a.model else []) + ([] if a.inner_lr is None else ["--inner-lr", str(a.inner_lr)])
     extra += [] if a.uneven is None else ["--uneven", str(a.uneven)]
     grid = [(n, "int8", h, None, None, None, m) for n in a.nodes for h in a.dense_H for m in a.min_lr]
@@ -185,11 +188,12 @@ def main() -> None:
     ]
     for n, rule, h, k, lr, ef, m in [] if a.table else grid:
         args = sim_args(n, rule, h, k or 0, a.samples, a.chunk, a.seed, extra, lr or LR, ef or EF, m)
-        if any(r["args"] == args and r.get("format") == (FORMAT if rule == "sparse" else None) for r in done):
+        fmt = FORMAT if rule == "sparse" else None
+        if any(r["args"] == args and r["format"] == fmt for r in done):
             continue  # (a sparse row of the 2-bit format is run again in today's)
         r = {"N": n, "rule": rule, "H": h, "k": k, "lr": lr, "ef": ef, "min_lr": m, "samples": a.samples}
         r |= {"seed": a.seed, "extra": extra, "args": args, "chunk": a.chunk if rule == "sparse" else None}
-        r |= {"format": FORMAT} if rule == "sparse" else {}
+        r["format"] = fmt
         r |= run(args, a.lock)
         done.append(r)
         with path.open("a") as f:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field, model_validator
 
+from drift.compress import Bf16
 from drift.diloco import CHUNK, ParamLayout, checksum_of
 from drift.sync import Combined, Params, SyncRule
 
@@ -66,24 +67,13 @@ class SparseParams(Params):
         return self
 
 
-def to_bfloat16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16's bits (uint16), rounded to nearest, ties to even."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def from_bfloat16(b: np.ndarray) -> np.ndarray:
-    """bfloat16's bits (uint16) -> float32, exactly."""
-    return (b.astype(np.uint32) << 16).view(np.float32)
-
-
 class PayloadError(Exception):
     """A payload that does not decode (wrong size, indices out of order, a bad scale)."""
 
 
 class Codec:
     """The payload format: for m = ceil(n / chunk) chunks, in order
-        m x 1 bfloat16 (little-endian): the chunk's magnitude,
+        m x 1 bfloat16 (drift.compress's bf16: little-endian, nearest even): the chunk's magnitude,
         m x k x `low` bits: each index's low bits (MSB first, packed),
         m x `span` bits: each chunk's high parts, Elias-Fano: the chunk's j-th index sets bit
             (index >> low) + j of its span, so a span holds exactly k ones,
@@ -101,6 +91,7 @@ class Codec:
         self.i_high = self.i_index + -(-self.m * k * self.low // 8)
         self.i_values = self.i_high + -(-self.m * self.span // 8)
         self.nbytes = self.i_values + -(-self.m * k // 8)
+        self.bf16 = Bf16()
 
     def _bytes(self, start: int, row_bits: int, r0: int, r1: int) -> slice:
         """Rows [r0, r1) of the bit field at byte `start` that holds `row_bits` bits a chunk (r0 is
@@ -141,14 +132,13 @@ class Codec:
     def encode(self, x: np.ndarray) -> bytes:
         """The payload of x (float32, n values): its chunked top-k, a bit a value."""
         out = np.zeros(self.nbytes, np.uint8)
-        scales = out[: self.i_index].view("<u2")
         k = self.k
         scratch = np.empty((2, min(self.m, BLOCK_ROWS), self.chunk), np.float32)
         for r0, r1 in self.blocks():
             rows = self._rows(x, r0, r1)
             idx = self._top_k(rows, scratch[0, : r1 - r0], scratch[1, : r1 - r0])
             vals = np.take_along_axis(rows, idx, axis=1)
-            scales[r0:r1] = to_bfloat16(np.abs(vals).sum(axis=1) / np.float32(k))
+            self.bf16.encode(np.abs(vals).sum(axis=1) / np.float32(k), out[2 * r0 : 2 * r1])
             ibits = ((idx.astype(np.uint32)[..., None] >> self.shifts) & 1).astype(np.uint8)
             out[self._bytes(self.i_index, k * self.low, r0, r1)] = np.packbits(ibits.reshape(-1))
             upper = np.zeros((r1 - r0, self.span), np.uint8)
@@ -163,7 +153,7 @@ class Codec:
         if len(payload) != self.nbytes:
             raise PayloadError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
         buf = np.frombuffer(payload, np.uint8)
-        scales = from_bfloat16(buf[: self.i_index].view("<u2"))
+        scales = self.bf16.decode(buf[: self.i_index], np.empty(self.m, np.float32))
         if not (np.isfinite(scales).all() and (scales >= 0).all()):
             raise PayloadError("a chunk's magnitude is negative or not finite")
         k, c, low, span = self.k, self.chunk, self.low, self.span
