@@ -53,6 +53,9 @@ def _commands(text: str) -> tuple[list[str], list[str]]:
                 if not m:
                     continue
                 cmd = " ".join(m.group(1).split())
+                for q in "'\"":  # the end of a quoted command line: bash -c 'drift ...'
+                    if cmd.count(q) % 2:
+                        cmd = cmd.removesuffix(q)
                 bare = len(cmd.split()) == (2 if cmd.startswith("drift ") else 1)
                 if cmd.startswith("benchmarks/X.py"):  # CONTRIBUTING's placeholder
                     continue
