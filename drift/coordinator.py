@@ -41,6 +41,7 @@ from drift.transport import (
     TransportError,
     TransportTimeout,
     close_conn,
+    join_ticket,
     parse_ticket,
     peer_of,
 )
@@ -161,7 +162,7 @@ class Coordinator:
     # --- serving connections -------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Bind and start accepting; returns the join ticket."""
+        """Bind and start accepting; returns the join ticket (shown to the owner only: it admits)."""
         if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
             raise CoordinatorError(why)
         if self.recipe.init_weights is not None and self.resume is None:
@@ -178,7 +179,7 @@ class Coordinator:
             self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
         self._spawn(self._accept_loop())
         self._spawn(self._ping())
-        return self.endpoint.ticket()
+        return join_ticket(self.endpoint.ticket(), self.run_id)
 
     async def _open_data(self) -> DataServer:
         """recipe data: open the task's dataset here and digest every sample (the manifest)."""
@@ -335,7 +336,7 @@ class Coordinator:
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
             if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
-                await self._refuse(ch, conn, "the run has ended")
+                await self._refuse(ch, conn, "this run has finished")
                 return
             if (why := self.swarm.banned.get(ch.peer_id)) is not None:
                 await self._refuse(ch, conn, f"excluded from this run: {why}")
@@ -361,6 +362,11 @@ class Coordinator:
                 raise P.ProtocolError("NodeInfo.node_id is not the id of the connecting endpoint")
             if str(parse_ticket(info.ring_ticket).id()) != ch.peer_id:  # neighbours dial it: it must be this node
                 raise P.ProtocolError("NodeInfo.ring_ticket names another endpoint")
+            if info.run is not None and info.run != self.run_id:  # an earlier run's ticket (--keep-key)
+                await self._refuse(
+                    ch, conn, f"this run has finished (run {info.run}); ask its owner for the current join command"
+                )
+                return
             peer = Peer(info, ch)
             await ch.send_frame(
                 P.encode(

@@ -71,7 +71,10 @@ def parse_addr(addr: str) -> tuple[str, int] | None:
 
 def slim(rec: dict[str, Any]) -> dict[str, Any]:
     """An event as the page needs it: a round's per-node unit lists (exactly-once bookkeeping,
-    the bulk of a round event) left out."""
+    the bulk of a round event) left out, and the join command older runs recorded (its ticket
+    admits to the run: a page is shown to people who are not to join)."""
+    if rec.get("event") == "run" and ("join" in rec or "coordinator" in rec):
+        rec = {k: v for k, v in rec.items() if k not in ("join", "coordinator")}
     nodes = rec.get("nodes")
     if rec.get("event") != "round" or not isinstance(nodes, dict):
         return rec
