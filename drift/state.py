@@ -5,7 +5,7 @@ ALPN ``drift-state/0``, peer to peer.
 Every training node serves its own live θ and state (no copies: a node keeps nothing twice)
 to the members of the run. A transfer streams them in bounded chunks, so there is no size cap and
 neither side ever holds a second copy; the node's outer step waits while a transfer is reading
-(`StateServer.updating`). Either side gives a transfer up once it falls behind MIN_RATE (after
+(`StateServer.updating`), and a transfer asked for meanwhile waits for the outer step. Either side gives a transfer up once it falls behind MIN_RATE (after
 SLACK_S), so a slow or stalling donor cannot hold a fetch, and a slow reader cannot hold a
 donor's outer step, for longer than SLACK_S + size / MIN_RATE. The receiver checks the checksum the coordinator agreed on for that
 round, over θ and the state arrays, before it uses any of it: a peer cannot slip in another state.
@@ -72,6 +72,7 @@ class StateServer:
         self._by_peer: dict[str, int] = {}  # the same per peer (MAX_CLIENTS_PER_PEER)
         self._reading = 0  # transfers streaming the arrays right now
         self._writing = False
+        self._writers = 0  # updating() calls waiting for the transfers in flight to end
         self._cond = asyncio.Condition()
 
     def publish(self, rnd: int, arrays: tuple[np.ndarray, ...], checksum: str, layout: ParamLayout) -> None:
@@ -82,9 +83,16 @@ class StateServer:
     @contextlib.asynccontextmanager
     async def updating(self) -> AsyncIterator[None]:
         """Hold off transfers while the published arrays change (the outer step, a fetch into
-        them): wait for those in flight to end, then keep new ones waiting until we are done."""
+        them): wait for those in flight to end, then keep new ones waiting until we are done.
+        A transfer asked for while we wait starts after us: a member that keeps asking cannot
+        hold the outer step longer than the transfers already in flight (each bounded by MIN_RATE)."""
         async with self._cond:
-            await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+            self._writers += 1
+            try:
+                await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+            finally:
+                self._writers -= 1
+                self._cond.notify_all()  # (a cancelled wait: the transfers held off may go)
             self._writing = True
         try:
             yield
@@ -139,7 +147,7 @@ class StateServer:
     async def _serve(self, ch: Channel) -> None:
         rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing)
+            await self._cond.wait_for(lambda: not self._writing and not self._writers)
             cur = self.current
             if cur is not None and cur.round == rnd:
                 self._reading += 1
