@@ -44,6 +44,7 @@ from drift.transport import (
     join_ticket,
     parse_ticket,
     peer_of,
+    source_of,
 )
 from drift.weights import WeightsError, load_weights
 
@@ -54,6 +55,7 @@ LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model firs
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
 MAX_JOINING_PER_PEER = 4  # of those, from one node id (a node that rejoins may overlap its old try)
+MAX_JOINING_PER_SOURCE = 16  # of those, from one IP address (ids are free: one machine cannot fill them all)
 MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
 TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
 MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
@@ -153,6 +155,7 @@ class Coordinator:
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
+        self._joining_by_source: dict[str, int] = {}  # the same, per IP address (MAX_JOINING_PER_SOURCE)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
@@ -323,16 +326,19 @@ class Coordinator:
         except AuthError as e:
             await self._stranger(conn, peer_id, str(e))
             return
-        if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER or self._joining_conns >= MAX_JOINING:
-            why = (
-                f"refused: {MAX_JOINING_PER_PEER} connections from this node are already joining"
-                if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER
-                else f"refused: {MAX_JOINING} connections are already joining"
-            )
-            self._drop(None, conn, why)
+        source = source_of(conn)
+        if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER:
+            self._drop(None, conn, f"refused: {MAX_JOINING_PER_PEER} connections from this node are already joining")
+            return
+        if self._joining_by_source.get(source, 0) >= MAX_JOINING_PER_SOURCE:
+            self._drop(None, conn, f"refused: {MAX_JOINING_PER_SOURCE} connections from {source} are already joining")
+            return
+        if self._joining_conns >= MAX_JOINING:
+            self._drop(None, conn, f"refused: {MAX_JOINING} connections are already joining")
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1
+        self._joining_by_source[source] = self._joining_by_source.get(source, 0) + 1
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
             if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
@@ -419,6 +425,8 @@ class Coordinator:
             self._joining_conns -= 1
             if (left := self._joining_by_peer.pop(peer_id) - 1) > 0:
                 self._joining_by_peer[peer_id] = left
+            if (left := self._joining_by_source.pop(source) - 1) > 0:
+                self._joining_by_source[source] = left
             if ch is not None and self._handshaking.get(ch.peer_id) is ch:
                 del self._handshaking[ch.peer_id]
         # From here on every frame of this node feeds the round loop. Liveness is stamped here, as

@@ -322,6 +322,22 @@ def peer_of(conn: iroh.Connection) -> str:
         return "unknown peer"
 
 
+def source_of(conn: iroh.Connection) -> str:
+    """Where a connection comes from, as a cost can be charged to it: the remote IP address of
+    its path (node ids are free to make; addresses are not), or "relay" for one that came through
+    a relay, which hides the sender's address ("unknown" if it is already gone)."""
+    try:
+        paths = conn.paths()
+    except Exception:
+        return "unknown"
+    path = next((p for p in paths if p.is_selected), paths[0] if paths else None)
+    if path is None:
+        return "unknown"
+    if not path.is_ip:
+        return "relay"
+    return path.remote_addr.rsplit(":", 1)[0].strip("[]")
+
+
 def close_conn(conn: iroh.Connection, why: str, code: int = 1) -> None:
     """Close a connection with a reason (its first 100 bytes); one already gone is no error."""
     try:
