@@ -59,6 +59,10 @@ MAX_JOINING_PER_SOURCE = 16  # of those, from one IP address (ids are free: one 
 MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
 TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
 MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
+# A node's DataReports become log lines and metrics events: at most this many per node a window
+# (an honest node sends one "fetched" a round and a few others); the rest are counted, not kept.
+MAX_DATA_REPORTS = 20
+DATA_REPORT_WINDOW_S = 60.0
 
 
 class CoordinatorError(Exception):
@@ -158,6 +162,7 @@ class Coordinator:
         self._joining_by_source: dict[str, int] = {}  # the same, per IP address (MAX_JOINING_PER_SOURCE)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
+        self._data_reports: dict[str, tuple[float, int, int]] = {}  # node -> (window start, kept, left out)
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
         self.state_names = rule_class(self.recipe).STATE  # the sync rule's shared state
         self.frozen = ""  # digest of the frozen base every node loaded (set at the start)
@@ -228,7 +233,11 @@ class Coordinator:
         """A node about the served data: logged (but the totals), and an event in metrics.jsonl. A
         node that holds a copy ("holds") is named to every node as a holder after us; what it
         serves is checked against the manifest like ours, so a liar is only passed over."""
+        if not self._report_due(peer):
+            return
         if msg.kind == "holds" and self.data is not None:
+            if peer.id in self.data_holders:  # (each time would tell every node again)
+                return
             log.info("node %s holds a copy of the data and serves it too", peer.info.name)
             self.data_holders[peer.id] = peer.info.ring_ticket
             self._holders_changed()
@@ -236,6 +245,22 @@ class Coordinator:
             log.warning("node %s: data %s: %s", peer.info.name, msg.kind.replace("_", " "), msg.reason)
         fields = msg.model_dump(exclude={"type", "kind"})
         self.note(f"data_{msg.kind}", node_id=peer.id, name=peer.info.name, **fields)
+
+    def _report_due(self, peer: Peer) -> bool:
+        """Whether a node's DataReport is within MAX_DATA_REPORTS this window; those beyond are
+        counted, and the count is one line and one event when the next window starts."""
+        now = time.monotonic()
+        start, n, held = self._data_reports.get(peer.id, (now, 0, 0))
+        if now - start >= DATA_REPORT_WINDOW_S:
+            if held:
+                log.warning(
+                    "node %s: %d data reports over %d a minute left out", peer.info.name, held, MAX_DATA_REPORTS
+                )
+                self.note("data_reports_left_out", node_id=peer.id, name=peer.info.name, count=held)
+            start, n, held = now, 0, 0
+        due = n < MAX_DATA_REPORTS
+        self._data_reports[peer.id] = (start, n + due, held + (not due))
+        return due
 
     def _member(self, peer: str) -> bool:
         """Who may fetch θ or samples from us: admitted nodes, and those in their handshake."""
