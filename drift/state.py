@@ -29,7 +29,17 @@ import numpy as np
 
 from drift.diloco import ParamLayout
 from drift.protocol import MAX_ROUND, printable
-from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
+from drift.transport import (
+    STATE_ALPN,
+    Channel,
+    DropFn,
+    Endpoint,
+    TransportError,
+    TransportTimeout,
+    close_conn,
+    parse_ticket,
+    peer_of,
+)
 
 log = logging.getLogger("drift.state")
 
@@ -48,6 +58,23 @@ MAX_VALUES = 1 << 40  # values in θ a receiver will accept at all (it also chec
 
 class StateError(Exception):
     """No peer could hand over the state asked for."""
+
+
+class _Lied(StateError):
+    """A donor sent a state that is not the one the swarm agreed on (its checksum differs)."""
+
+
+# What a node learned about donors, per its node id, for as long as the process lives: donor id
+# -> "lied" (sent another state: never asked again) or "failed" (too slow, hung up, garbled:
+# asked after the others). A success clears "failed".
+_DONORS: dict[str, dict[str, str]] = {}
+
+
+def _donor_id(ticket: str) -> str:
+    try:
+        return str(parse_ticket(ticket).id())
+    except TransportError:
+        return ticket
 
 
 @dataclass
@@ -266,7 +293,12 @@ async def fetch_state(
     exactly those: same-sized tensors in another order would otherwise load mislabeled.
     `arrays`: how many arrays of θ's size come (θ and the rule's state arrays)."""
     errors = []
-    for ticket in tickets:
+    known = _DONORS.setdefault(endpoint.node_id, {})
+    for ticket in sorted(tickets, key=lambda t: known.get(_donor_id(t)) == "failed"):  # (a stable sort)
+        donor = _donor_id(ticket)
+        if known.get(donor) == "lied":
+            errors.append(f"{donor[:10]}: not asked: it sent a state that was not the swarm's before")
+            continue
         try:
             ch = await endpoint.connect(ticket, STATE_ALPN, timeout=timeout)
             try:
@@ -310,9 +342,11 @@ async def fetch_state(
             finally:
                 ch.close("state received")
             if h.hexdigest() != want_checksum:
-                raise StateError(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
+                raise _Lied(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
+            known.pop(donor, None)
             return got_layout
         except (StateError, TransportError) as e:
+            known[donor] = "lied" if isinstance(e, _Lied) else "failed"
             errors.append(f"{ticket[:20]}...: {e}")
     raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors or ["no peer to ask"]))
 

@@ -214,3 +214,50 @@ def test_a_member_that_keeps_asking_cannot_hold_the_outer_step() -> None:
                 await e.close()
 
     assert run_async(main()) == ["outer step"]
+
+
+def test_a_donor_that_lied_once_is_not_asked_again() -> None:
+    """A donor serves another velocity under the swarm's checksum: the fetch goes on to an honest
+    donor, and the next fetch (another round, the liar named first again) does not ask it at all,
+    so it cannot cost the node its deadline a second time."""
+    theta, velocity = _state(4)
+    agreed = checksum(theta, velocity)
+    bad = velocity.copy()
+    bad[0] += 1.0
+    liar, honest = _serving(3, theta, bad, announced=agreed), _serving(3, theta, velocity)
+    asked: list[str] = []
+
+    async def main() -> list[np.ndarray]:
+        eps = [await Endpoint.bind("local", alpns=(STATE_ALPN,)) for _ in range(2)]
+
+        def counting(server: StateServer, name: str):
+            async def handle(conn) -> None:
+                asked.append(name)
+                await server.handle(conn)
+
+            return handle
+
+        serving = [
+            asyncio.ensure_future(ep.serve({STATE_ALPN: counting(server, name)}))
+            for ep, server, name in zip(eps, (liar, honest), ("liar", "honest"))
+        ]
+        client = await Endpoint.bind("local")
+        liar.allowed = honest.allowed = lambda peer: peer == client.node_id
+        got = []
+        try:
+            for rnd in (3, 4):
+                for server in (liar, honest):
+                    server.publish(rnd, (theta, bad if server is liar else velocity), agreed, LAYOUT)
+                into = np.full(LAYOUT.size, np.nan, np.float32), np.full(LAYOUT.size, np.nan, np.float32)
+                await fetch_state(client, [e.ticket() for e in eps], rnd, agreed, into_arrays(*into), timeout=10)
+                got.append(into[1])
+            return got
+        finally:
+            for t in serving:
+                t.cancel()
+            for e in (*eps, client):
+                await e.close()
+
+    got = run_async(main())
+    assert all(np.array_equal(v, velocity) for v in got)
+    assert asked == ["liar", "honest", "honest"]
