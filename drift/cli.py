@@ -7,6 +7,7 @@ traceback; set DRIFT_DEBUG=1 to see the traceback anyway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from auth import AuthError, KeyLock, default_key_path, load_or_create_key
+from auth import AuthError, KeyLock, NodeKey, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.dashboard import Dashboard, DashboardError, parse_addr
 from drift.inner import Steps
@@ -26,7 +27,7 @@ from drift.node import NodeError, NodeOptions
 from drift.recipe import RecipeError, load_recipe, repo_root
 from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
-from drift.transport import TransportError, parse_ticket
+from drift.transport import TransportError, mark_finished, parse_ticket, ticket_run
 from drift.wandb_log import WandbError, WandbLog
 
 USER_ERRORS = (
@@ -142,7 +143,13 @@ def id_(key: Path | None, coord: bool, device: str | None) -> None:
     "--key",
     type=click.Path(path_type=Path),
     default=None,
-    help="The coordinator's key file [default: ~/.drift/coord.key; with --local: RUN_DIR/keys/coord.key].",
+    help="The coordinator's key file, kept across runs [default: a fresh key each run, so an old ticket admits to nothing].",
+)
+@click.option(
+    "--keep-key",
+    is_flag=True,
+    help="Use ~/.drift/coord.key (created on first use) for every run: the coordinator's id stays the same "
+    "(`drift id --coord`); an earlier run's ticket is still refused.",
 )
 @click.option(
     "--resume",
@@ -165,6 +172,7 @@ def coord(
     network: str | None,
     threads: int | None,
     key: Path | None,
+    keep_key: bool,
     resume: bool,
     dashboard: str,
 ) -> None:
@@ -186,7 +194,7 @@ def coord(
     mode = network or r.network
     if local and network is None and mode in ("auto", "relay"):
         mode = "local"  # --local nodes are on this machine: loopback, nothing leaves it
-    coord_key = _key(key or (run_dir / "keys" / "coord.key" if local else None), "coord")
+    coord_key = _key(key, "coord") if key or keep_key else NodeKey.generate()
     try:
         pin = r.commit.lower() if r.commit and is_commit_id(r.commit.lower()) else None
         commit = pin or (resolve_commit(root, r.commit) if r.commit else _git_head(root))
@@ -240,7 +248,7 @@ async def _coord(
         mode=mode,
         commit=commit,
         monitor=monitor,
-        key=coord_key.seed if coord_key else None,
+        key=coord_key.seed,
         tree=tree_of(root, commit) if commit else None,
         extra_allowed=tuple(k.node_id for k in node_keys),
         resume=checkpoint,
@@ -282,8 +290,6 @@ async def _coord(
             sync=r.sync,
             codec=r.codec,
             commit=commit,
-            coordinator=coordinator.endpoint.node_id,
-            join=join,
             resumed_after=checkpoint.round if checkpoint is not None else None,
         )
         monitor.say(f"run {coordinator.run_id}: {r.name}, {r.rounds} rounds, waiting for {r.min_nodes} node(s)")
@@ -391,6 +397,8 @@ async def _coord(
         monitor.close()
         if board is not None:
             board.close()
+        with contextlib.suppress(OSError):
+            mark_finished(coordinator.run_id)
 
 
 def _say_reach(monitor: Monitor, endpoint, mode: str, local: int) -> None:
@@ -493,6 +501,7 @@ def join(
     """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
     try:
         parse_ticket(ticket)
+        ticket_run(ticket)
     except TransportError as e:
         _fail(str(e))
     from drift.ranks import RanksError, rank_devices

@@ -41,8 +41,10 @@ from drift.transport import (
     TransportError,
     TransportTimeout,
     close_conn,
+    join_ticket,
     parse_ticket,
     peer_of,
+    source_of,
 )
 from drift.weights import WeightsError, load_weights
 
@@ -53,9 +55,14 @@ LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model firs
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
 MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
 MAX_JOINING_PER_PEER = 4  # of those, from one node id (a node that rejoins may overlap its old try)
+MAX_JOINING_PER_SOURCE = 16  # of those, from one IP address (ids are free: one machine cannot fill them all)
 MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
 TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
 MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
+# A node's DataReports become log lines and metrics events: at most this many per node a window
+# (an honest node sends one "fetched" a round and a few others); the rest are counted, not kept.
+MAX_DATA_REPORTS = 20
+DATA_REPORT_WINDOW_S = 60.0
 
 
 class CoordinatorError(Exception):
@@ -152,8 +159,10 @@ class Coordinator:
         self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
+        self._joining_by_source: dict[str, int] = {}  # the same, per IP address (MAX_JOINING_PER_SOURCE)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
+        self._data_reports: dict[str, tuple[float, int, int]] = {}  # node -> (window start, kept, left out)
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
         self.state_names = rule_class(self.recipe).STATE  # the sync rule's shared state
         self.frozen = ""  # digest of the frozen base every node loaded (set at the start)
@@ -161,7 +170,7 @@ class Coordinator:
     # --- serving connections -------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Bind and start accepting; returns the join ticket."""
+        """Bind and start accepting; returns the join ticket (shown to the owner only: it admits)."""
         if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
             raise CoordinatorError(why)
         if self.recipe.init_weights is not None and self.resume is None:
@@ -178,7 +187,7 @@ class Coordinator:
             self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
         self._spawn(self._accept_loop())
         self._spawn(self._ping())
-        return self.endpoint.ticket()
+        return join_ticket(self.endpoint.ticket(), self.run_id)
 
     async def _open_data(self) -> DataServer:
         """recipe data: open the task's dataset here and digest every sample (the manifest)."""
@@ -224,7 +233,11 @@ class Coordinator:
         """A node about the served data: logged (but the totals), and an event in metrics.jsonl. A
         node that holds a copy ("holds") is named to every node as a holder after us; what it
         serves is checked against the manifest like ours, so a liar is only passed over."""
+        if not self._report_due(peer):
+            return
         if msg.kind == "holds" and self.data is not None:
+            if peer.id in self.data_holders:  # (each time would tell every node again)
+                return
             log.info("node %s holds a copy of the data and serves it too", peer.info.name)
             self.data_holders[peer.id] = peer.info.ring_ticket
             self._holders_changed()
@@ -232,6 +245,22 @@ class Coordinator:
             log.warning("node %s: data %s: %s", peer.info.name, msg.kind.replace("_", " "), msg.reason)
         fields = msg.model_dump(exclude={"type", "kind"})
         self.note(f"data_{msg.kind}", node_id=peer.id, name=peer.info.name, **fields)
+
+    def _report_due(self, peer: Peer) -> bool:
+        """Whether a node's DataReport is within MAX_DATA_REPORTS this window; those beyond are
+        counted, and the count is one line and one event when the next window starts."""
+        now = time.monotonic()
+        start, n, held = self._data_reports.get(peer.id, (now, 0, 0))
+        if now - start >= DATA_REPORT_WINDOW_S:
+            if held:
+                log.warning(
+                    "node %s: %d data reports over %d a minute left out", peer.info.name, held, MAX_DATA_REPORTS
+                )
+                self.note("data_reports_left_out", node_id=peer.id, name=peer.info.name, count=held)
+            start, n, held = now, 0, 0
+        due = n < MAX_DATA_REPORTS
+        self._data_reports[peer.id] = (start, n + due, held + (not due))
+        return due
 
     def _member(self, peer: str) -> bool:
         """Who may fetch θ or samples from us: admitted nodes, and those in their handshake."""
@@ -322,20 +351,23 @@ class Coordinator:
         except AuthError as e:
             await self._stranger(conn, peer_id, str(e))
             return
-        if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER or self._joining_conns >= MAX_JOINING:
-            why = (
-                f"refused: {MAX_JOINING_PER_PEER} connections from this node are already joining"
-                if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER
-                else f"refused: {MAX_JOINING} connections are already joining"
-            )
-            self._drop(None, conn, why)
+        source = source_of(conn)
+        if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER:
+            self._drop(None, conn, f"refused: {MAX_JOINING_PER_PEER} connections from this node are already joining")
+            return
+        if self._joining_by_source.get(source, 0) >= MAX_JOINING_PER_SOURCE:
+            self._drop(None, conn, f"refused: {MAX_JOINING_PER_SOURCE} connections from {source} are already joining")
+            return
+        if self._joining_conns >= MAX_JOINING:
+            self._drop(None, conn, f"refused: {MAX_JOINING} connections are already joining")
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1
+        self._joining_by_source[source] = self._joining_by_source.get(source, 0) + 1
         try:
             ch = await Endpoint.accept_channel(conn, timeout=HANDSHAKE_TIMEOUT)
             if self._finished:  # (a --local node started just before a Ctrl-C need not wait to be killed)
-                await self._refuse(ch, conn, "the run has ended")
+                await self._refuse(ch, conn, "this run has finished")
                 return
             if (why := self.swarm.banned.get(ch.peer_id)) is not None:
                 await self._refuse(ch, conn, f"excluded from this run: {why}")
@@ -361,6 +393,11 @@ class Coordinator:
                 raise P.ProtocolError("NodeInfo.node_id is not the id of the connecting endpoint")
             if str(parse_ticket(info.ring_ticket).id()) != ch.peer_id:  # neighbours dial it: it must be this node
                 raise P.ProtocolError("NodeInfo.ring_ticket names another endpoint")
+            if info.run is not None and info.run != self.run_id:  # an earlier run's ticket (--keep-key)
+                await self._refuse(
+                    ch, conn, f"this run has finished (run {info.run}); ask its owner for the current join command"
+                )
+                return
             peer = Peer(info, ch)
             await ch.send_frame(
                 P.encode(
@@ -413,6 +450,8 @@ class Coordinator:
             self._joining_conns -= 1
             if (left := self._joining_by_peer.pop(peer_id) - 1) > 0:
                 self._joining_by_peer[peer_id] = left
+            if (left := self._joining_by_source.pop(source) - 1) > 0:
+                self._joining_by_source[source] = left
             if ch is not None and self._handshaking.get(ch.peer_id) is ch:
                 del self._handshaking[ch.peer_id]
         # From here on every frame of this node feeds the round loop. Liveness is stamped here, as

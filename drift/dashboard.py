@@ -38,9 +38,14 @@ from urllib.parse import parse_qs, urlsplit
 log = logging.getLogger("drift.dashboard")
 
 PAGE = Path(__file__).with_name("dashboard.html")
-MAX_CLIENTS = 32  # open connections at once; more get 503 and are closed
+MAX_CLIENTS = 32  # requests with the page's token served at once; more get 503 and are closed
 MAX_REQUEST = 8192  # bytes of request line and headers
 REQUEST_TIMEOUT = 5.0  # to send the request line and headers (a client that trickles is closed)
+# Connections still sending their request (no token seen yet) hold no client slot. At most this
+# many wait at once, and this many from one address; a newer one pushes out the oldest, so
+# trickling connections cannot keep the owner's browser (which sends its request at once) out.
+MAX_PENDING = 32
+MAX_PENDING_PER_SOURCE = 8
 CLIENT_QUEUE = 512  # events waiting for one event-stream client; one that falls further behind is dropped
 WRITE_TIMEOUT = 10.0  # a client that does not read for this long is dropped
 KEEPALIVE_S = 15.0  # an event-stream comment this often: dead connections are noticed
@@ -71,7 +76,10 @@ def parse_addr(addr: str) -> tuple[str, int] | None:
 
 def slim(rec: dict[str, Any]) -> dict[str, Any]:
     """An event as the page needs it: a round's per-node unit lists (exactly-once bookkeeping,
-    the bulk of a round event) left out."""
+    the bulk of a round event) left out, and the join command older runs recorded (its ticket
+    admits to the run: a page is shown to people who are not to join)."""
+    if rec.get("event") == "run" and ("join" in rec or "coordinator" in rec):
+        rec = {k: v for k, v in rec.items() if k not in ("join", "coordinator")}
     nodes = rec.get("nodes")
     if rec.get("event") != "round" or not isinstance(nodes, dict):
         return rec
@@ -158,7 +166,8 @@ class Dashboard:
         self._progress: dict[str, bytes] = {}  # node id -> its newest progress event (SSE message)
         self._next_id = 0
         self._clients: set[_Client] = set()
-        self._open = 0  # connections being served
+        self._open = 0  # requests with the token being served (MAX_CLIENTS)
+        self._pending: dict[asyncio.StreamWriter, str] = {}  # connections still sending their request, oldest first
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
@@ -228,12 +237,25 @@ class Dashboard:
 
     # --- HTTP ----------------------------------------------------------------------------------
 
+    def _wait_for_request(self, writer: asyncio.StreamWriter) -> None:
+        """Count a new connection as pending, pushing out the oldest one of its address (or of
+        all) when there are too many."""
+        source = str((writer.get_extra_info("peername") or ("?",))[0])
+        mine = [w for w, src in self._pending.items() if src == source]
+        if len(mine) >= MAX_PENDING_PER_SOURCE:
+            self._push_out(mine[0])
+        elif len(self._pending) >= MAX_PENDING:
+            self._push_out(next(iter(self._pending)))
+        self._pending[writer] = source
+
+    def _push_out(self, writer: asyncio.StreamWriter) -> None:
+        self._pending.pop(writer, None)
+        writer.transport.abort()  # its readuntil ends; its task returns
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open += 1
+        served = False
         try:
-            if self._open > MAX_CLIENTS:
-                await self._respond(writer, 503, "text/plain", b"too many clients\n")
-                return
+            self._wait_for_request(writer)
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
             except (asyncio.LimitOverrunError, ValueError):
@@ -241,6 +263,8 @@ class Dashboard:
                 return
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 return
+            finally:
+                self._pending.pop(writer, None)
             lines = head.decode("latin-1").split("\r\n")
             parts = lines[0].split(" ")
             if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -257,6 +281,11 @@ class Dashboard:
             if not hmac.compare_digest(token.encode(), self.token.encode()):
                 await self._respond(writer, 403, "text/plain", b"this page needs the token in the URL drift printed\n")
                 return
+            if self._open >= MAX_CLIENTS:
+                await self._respond(writer, 503, "text/plain", b"too many clients\n")
+                return
+            self._open += 1
+            served = True
             headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
             body = method == "GET"
             if target.path == "/":
@@ -270,7 +299,7 @@ class Dashboard:
         except (ConnectionError, asyncio.TimeoutError):
             pass
         finally:
-            self._open -= 1
+            self._open -= served
             writer.close()
 
     async def _respond(

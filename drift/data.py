@@ -69,6 +69,7 @@ TIMEOUT = 20.0  # connecting, and each frame
 IDLE_S = 300.0  # a client connection with no request for this long is closed by the holder
 MIN_RATE = 256 << 10  # bytes/s: a transfer slower than this (after TIMEOUT) is given up
 MAX_CLIENTS = 64
+MAX_CLIENTS_PER_PEER = 4  # of those, from one peer: one member cannot hold every slot
 RETRY_S = (0.5, 10.0)  # backoff between rounds of asking every holder, while none can serve
 SYNC_PATIENCE_S = 3600.0  # batch() outside the prefetch path waits at most this long for data
 
@@ -290,6 +291,7 @@ class DataServer:
         self.root = blob_root(self.blob)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drift-data")  # batch() one at a time
         self._clients = 0
+        self._by_peer: dict[str, int] = {}  # connections served now, per peer (MAX_CLIENTS_PER_PEER)
 
     async def handle(
         self,
@@ -307,9 +309,12 @@ class DataServer:
                 (on_stranger or drop)(peer, "data request refused: not a member of this run")
                 close_conn(conn, "not a member of this run")
                 return
+            if self._by_peer.get(peer, 0) >= MAX_CLIENTS_PER_PEER:
+                raise DataError(f"refused: {MAX_CLIENTS_PER_PEER} data connections from this peer already")
             if self._clients >= MAX_CLIENTS:
                 raise DataError("refused: too many data clients")
             self._clients += 1
+            self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
             try:
                 ch = await Endpoint.accept_channel(conn, timeout=TIMEOUT)
                 while True:
@@ -320,6 +325,8 @@ class DataServer:
                     await self._answer(ch, _parse_request(frame))
             finally:
                 self._clients -= 1
+                if (left := self._by_peer.pop(peer) - 1) > 0:
+                    self._by_peer[peer] = left
         except Exception as e:
             drop(
                 peer, P.printable(e if isinstance(e, (DataError, TransportError)) else f"{type(e).__name__}: {e}", 300)

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import nacl.signing
 
 from drift.protocol import MAX_ROUND, Heard, RingMember, printable
-from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, ReduceStats, RingError, verify
+from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, MIN_RATE, ReduceStats, RingError, recv_by, verify
 from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBIIQ64s")
@@ -200,8 +200,9 @@ class Gather:
         wait for the sender to hang up and count the bytes received."""
         try:
             parts, got = [], 0
+            until = time.monotonic() + self.timeout + size / MIN_RATE  # for the whole payload, not each frame
             while got < size:
-                frame = await ch.recv_frame(min(CHUNK_BYTES, size - got), self.timeout)
+                frame = await recv_by(ch, min(CHUNK_BYTES, size - got), self.timeout, until, "the payload")
                 if not frame:
                     raise RingError(f"{peer[:10]} sent an empty frame", suspect=peer)
                 parts.append(frame)

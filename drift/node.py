@@ -70,6 +70,8 @@ from drift.transport import (
     close_conn,
     mode_for_ticket,
     parse_ticket,
+    run_finished,
+    ticket_run,
 )
 from drift.weights import placement
 from workers import BackendError, Choice, TaskError, trim_heap
@@ -406,6 +408,10 @@ class Session:
         try:
             self.ctl = await node.endpoint.connect(self.opts.ticket, CONTROL_ALPN)
         except TransportError as e:
+            if (run := ticket_run(self.opts.ticket)) is not None and run_finished(run):
+                raise NodeError(
+                    f"this run has finished (run {run}); ask its owner for the current join command"
+                ) from None
             raise Lost(str(e)) from None
         self._tasks.append(asyncio.ensure_future(self._read_control()))
         try:
@@ -477,6 +483,7 @@ class Session:
                 device=choice.device,
                 device_name=choice.device_name,
                 ring_ticket=node.endpoint.ticket(),
+                run=ticket_run(opts.ticket),
             )
         )
         cfg = await self.expect(P.TrainConfig, timeout=HANDSHAKE_TIMEOUT)

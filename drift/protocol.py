@@ -131,6 +131,7 @@ class NodeInfo(_Msg):
     device_name: Text = ""
     ring_ticket: Ticket  # where ring neighbours reach this node (drift-ring/0)
     samples_per_s: Rate | None = None  # calibrated on the real task; None until measured
+    run: Token | None = None  # the run its join ticket names (None: a bare endpoint ticket)
 
 
 class TrainConfig(_Msg):

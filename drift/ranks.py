@@ -126,13 +126,12 @@ def start_group(
     """Rank 0's worker (built here) and one process per further device, joined into one DDP
     group: the RankGroup the node trains with. RankError / BackendError / TaskError if any
     rank cannot start (the others are stopped)."""
-    import torch.distributed as dist
 
-    from workers.ddp import COLLECTIVE_TIMEOUT, HOST, Rank, RankGroup
+    from workers.ddp import Rank, RankGroup, listen_store
 
     if threads is None and devices[0] == "cpu":  # the ranks share this machine's cores
         threads = max(1, (os.cpu_count() or 1) // len(devices))
-    store = dist.TCPStore(HOST, 0, len(devices), is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store = listen_store(len(devices))
     ranks: list[Rank] = []
     try:
         for i, device in enumerate(devices[1:], start=1):

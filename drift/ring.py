@@ -86,6 +86,9 @@ MAX_HELLO = 4096
 PENDING_WAIT = 30.0
 MAX_PENDING = 8
 MAX_POOLED = 16  # free payload buffers kept between chunks and rounds (~1 MiB each)
+# A pass (and a gather payload) must also keep up this rate overall, after `timeout`: a neighbour
+# that sends each chunk just before its own timeout cannot stretch a pass to chunks x timeout.
+MIN_RATE = 1 << 20  # bytes/s
 
 log = logging.getLogger("drift.ring")
 
@@ -391,6 +394,8 @@ class Ring:
             (r - s - 1) % n_nodes if s < n_nodes - 1 else (r - (s - n_nodes + 1)) % n_nodes for s in range(steps)
         ]
         owner_step = n_nodes - 2  # the last reduce-scatter receive completes the segment we own
+        received = codec.encoded_nbytes(x.size) + 2 * _SIG * sum(map(len, seg_chunks))  # per half, at most
+        until = time.monotonic() + self.timeout + 2 * received / MIN_RATE
 
         ids = [m.node_id for m in members]
         mine = (r + 1) % n_nodes  # the segment this node completes, signs and sends first in all-gather
@@ -509,7 +514,7 @@ class Ring:
             for g in range(steps):
                 gather = g >= n_nodes - 1
                 for c, (a, b) in enumerate(seg_chunks[recv_seg[g]]):
-                    frame = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size, 2 * _SIG * gather)
+                    frame = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size, until, 2 * _SIG * gather)
                     t = time.perf_counter()
                     signed = None
                     if gather:  # the owner's bytes, as it signed them, or nothing
@@ -620,14 +625,24 @@ class Ring:
             await ch.send_parts([head, owner_sig + hop_sig, payload], timeout=self.timeout)
 
     async def _recv_chunk(
-        self, ch: Channel, codec: Codec, round_: int, step: int, chunk: int, n: int, total: int, extra: int = 0
+        self,
+        ch: Channel,
+        codec: Codec,
+        round_: int,
+        step: int,
+        chunk: int,
+        n: int,
+        total: int,
+        until: float,
+        extra: int = 0,
     ) -> memoryview:
-        """A chunk's bytes after its header (`extra` bytes of signatures, then the payload)."""
+        """A chunk's bytes after its header (`extra` bytes of signatures, then the payload), by
+        the pass's deadline `until` (time.monotonic()) at the latest."""
         nbytes = codec.encoded_nbytes(n)
         # The cap admits any codec's chunk of our chunk size, so that a peer with another codec or
         # vector size gets a diagnosis from its header rather than a bare "frame too big".
         cap = _HEADER.size + extra + max(nbytes, 8 * self.chunk_elems)
-        frame = await ch.recv_frame(cap, timeout=self.timeout)
+        frame = await recv_by(ch, cap, self.timeout, until, "the all-reduce")
         if len(frame) < _HEADER.size:
             raise RingError(f"ring chunk of {len(frame)} bytes is shorter than its header", suspect=ch.peer_id)
         got = _HEADER.unpack_from(frame)
@@ -641,6 +656,20 @@ class Ring:
                 diff = f"frame of {len(frame)} bytes, expected {_HEADER.size + extra + nbytes}"
             raise RingError(f"unexpected ring chunk: {diff}", suspect=ch.peer_id)
         return memoryview(frame)[_HEADER.size :]
+
+
+async def recv_by(ch: Channel, cap: int, timeout: float, until: float, what: str) -> bytes:
+    """One frame within `timeout`, and by `until` (time.monotonic()), the deadline of the whole
+    transfer it is part of: TransportTimeout naming `what` once that has passed."""
+    try:
+        left = until - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout("")
+        return await ch.recv_frame(cap, timeout=min(timeout, left))
+    except TransportTimeout:
+        if time.monotonic() < until:
+            raise
+        raise TransportTimeout(f"{what} did not arrive within {timeout:g}s + {MIN_RATE >> 20} MiB/s") from None
 
 
 def _parse_hello(frame: bytes) -> int:

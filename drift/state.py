@@ -5,7 +5,7 @@ ALPN ``drift-state/0``, peer to peer.
 Every training node serves its own live θ and state (no copies: a node keeps nothing twice)
 to the members of the run. A transfer streams them in bounded chunks, so there is no size cap and
 neither side ever holds a second copy; the node's outer step waits while a transfer is reading
-(`StateServer.updating`). Either side gives a transfer up once it falls behind MIN_RATE (after
+(`StateServer.updating`), and a transfer asked for meanwhile waits for the outer step. Either side gives a transfer up once it falls behind MIN_RATE (after
 SLACK_S), so a slow or stalling donor cannot hold a fetch, and a slow reader cannot hold a
 donor's outer step, for longer than SLACK_S + size / MIN_RATE. The receiver checks the checksum the coordinator agreed on for that
 round, over θ and the state arrays, before it uses any of it: a peer cannot slip in another state.
@@ -29,7 +29,17 @@ import numpy as np
 
 from drift.diloco import ParamLayout
 from drift.protocol import MAX_ROUND, printable
-from drift.transport import STATE_ALPN, Channel, DropFn, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
+from drift.transport import (
+    STATE_ALPN,
+    Channel,
+    DropFn,
+    Endpoint,
+    TransportError,
+    TransportTimeout,
+    close_conn,
+    parse_ticket,
+    peer_of,
+)
 
 log = logging.getLogger("drift.state")
 
@@ -48,6 +58,23 @@ MAX_VALUES = 1 << 40  # values in θ a receiver will accept at all (it also chec
 
 class StateError(Exception):
     """No peer could hand over the state asked for."""
+
+
+class _Lied(StateError):
+    """A donor sent a state that is not the one the swarm agreed on (its checksum differs)."""
+
+
+# What a node learned about donors, per its node id, for as long as the process lives: donor id
+# -> "lied" (sent another state: never asked again) or "failed" (too slow, hung up, garbled:
+# asked after the others). A success clears "failed".
+_DONORS: dict[str, dict[str, str]] = {}
+
+
+def _donor_id(ticket: str) -> str:
+    try:
+        return str(parse_ticket(ticket).id())
+    except TransportError:
+        return ticket
 
 
 @dataclass
@@ -72,6 +99,7 @@ class StateServer:
         self._by_peer: dict[str, int] = {}  # the same per peer (MAX_CLIENTS_PER_PEER)
         self._reading = 0  # transfers streaming the arrays right now
         self._writing = False
+        self._writers = 0  # updating() calls waiting for the transfers in flight to end
         self._cond = asyncio.Condition()
 
     def publish(self, rnd: int, arrays: tuple[np.ndarray, ...], checksum: str, layout: ParamLayout) -> None:
@@ -82,9 +110,16 @@ class StateServer:
     @contextlib.asynccontextmanager
     async def updating(self) -> AsyncIterator[None]:
         """Hold off transfers while the published arrays change (the outer step, a fetch into
-        them): wait for those in flight to end, then keep new ones waiting until we are done."""
+        them): wait for those in flight to end, then keep new ones waiting until we are done.
+        A transfer asked for while we wait starts after us: a member that keeps asking cannot
+        hold the outer step longer than the transfers already in flight (each bounded by MIN_RATE)."""
         async with self._cond:
-            await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+            self._writers += 1
+            try:
+                await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+            finally:
+                self._writers -= 1
+                self._cond.notify_all()  # (a cancelled wait: the transfers held off may go)
             self._writing = True
         try:
             yield
@@ -139,7 +174,7 @@ class StateServer:
     async def _serve(self, ch: Channel) -> None:
         rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing)
+            await self._cond.wait_for(lambda: not self._writing and not self._writers)
             cur = self.current
             if cur is not None and cur.round == rnd:
                 self._reading += 1
@@ -258,7 +293,12 @@ async def fetch_state(
     exactly those: same-sized tensors in another order would otherwise load mislabeled.
     `arrays`: how many arrays of θ's size come (θ and the rule's state arrays)."""
     errors = []
-    for ticket in tickets:
+    known = _DONORS.setdefault(endpoint.node_id, {})
+    for ticket in sorted(tickets, key=lambda t: known.get(_donor_id(t)) == "failed"):  # (a stable sort)
+        donor = _donor_id(ticket)
+        if known.get(donor) == "lied":
+            errors.append(f"{donor[:10]}: not asked: it sent a state that was not the swarm's before")
+            continue
         try:
             ch = await endpoint.connect(ticket, STATE_ALPN, timeout=timeout)
             try:
@@ -302,9 +342,11 @@ async def fetch_state(
             finally:
                 ch.close("state received")
             if h.hexdigest() != want_checksum:
-                raise StateError(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
+                raise _Lied(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
+            known.pop(donor, None)
             return got_layout
         except (StateError, TransportError) as e:
+            known[donor] = "lied" if isinstance(e, _Lied) else "failed"
             errors.append(f"{ticket[:20]}...: {e}")
     raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors or ["no peer to ask"]))
 

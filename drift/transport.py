@@ -21,12 +21,14 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import iroh
 import numpy as np
 from iroh import iroh_ffi
 
+from auth import drift_home
 from drift.protocol import ProtocolError, printable
 
 CONTROL_ALPN = b"drift/0"
@@ -103,10 +105,44 @@ install_copy_fix()
 # --- tickets ----------------------------------------------------------------------------------
 
 
+_RUN = re.compile(r"[0-9a-f]{1,32}")
+
+
+def join_ticket(ticket: str, run_id: str) -> str:
+    """The ticket `drift coord` prints: its endpoint's ticket, then `.RUN_ID`. A node names that run
+    when it joins, so a later run under the same key (--keep-key) refuses it: the run has finished."""
+    return f"{ticket}.{run_id}"
+
+
+def ticket_run(ticket: str) -> str | None:
+    """The run a join ticket names (None for a bare endpoint ticket); TransportError if garbled."""
+    _, dot, run = ticket.strip().partition(".")
+    if dot and not _RUN.fullmatch(run):
+        raise TransportError(f"malformed ticket: {printable(run[:40])!r} after the '.' is no run id")
+    return run if dot else None
+
+
+def _finished_marker(run_id: str) -> Path:
+    return drift_home() / "finished" / run_id
+
+
+def mark_finished(run_id: str) -> None:
+    """Note on this machine that a run is over: a node here that joins it later is told so (its
+    coordinator, gone with a fresh key, answers nothing)."""
+    path = _finished_marker(run_id)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.touch()
+
+
+def run_finished(run_id: str) -> bool:
+    """A run this machine's coordinator finished (mark_finished)."""
+    return bool(_RUN.fullmatch(run_id)) and _finished_marker(run_id).exists()
+
+
 def parse_ticket(ticket: str) -> iroh.EndpointAddr:
-    """Parse a join ticket, raising TransportError that quotes what was given."""
+    """Parse a join ticket (with or without its run), raising TransportError that quotes what was given."""
     try:
-        return iroh.EndpointTicket.from_string(ticket.strip()).endpoint_addr()
+        return iroh.EndpointTicket.from_string(ticket.strip().partition(".")[0]).endpoint_addr()
     except Exception as e:  # IrohError, plus anything odd the binding raises on garbage
         shown = ticket if len(ticket) <= 24 else ticket[:24] + "..."
         raise TransportError(
@@ -284,6 +320,22 @@ def peer_of(conn: iroh.Connection) -> str:
         return str(conn.remote_id())
     except Exception:
         return "unknown peer"
+
+
+def source_of(conn: iroh.Connection) -> str:
+    """Where a connection comes from, as a cost can be charged to it: the remote IP address of
+    its path (node ids are free to make; addresses are not), or "relay" for one that came through
+    a relay, which hides the sender's address ("unknown" if it is already gone)."""
+    try:
+        paths = conn.paths()
+    except Exception:
+        return "unknown"
+    path = next((p for p in paths if p.is_selected), paths[0] if paths else None)
+    if path is None:
+        return "unknown"
+    if not path.is_ip:
+        return "relay"
+    return path.remote_addr.rsplit(":", 1)[0].strip("[]")
 
 
 def close_conn(conn: iroh.Connection, why: str, code: int = 1) -> None:

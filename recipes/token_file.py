@@ -23,6 +23,27 @@ MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")
 DEFAULTS: dict[str, Any] = {"data_dir": "data", "vocab_size": None, "block_size": 64}
 
 
+class _PlainData(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, strings, numbers): a pickle that names any
+    class or function (the way a pickle runs code) is refused, not imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}: only plain data is read")
+
+
+def _meta_vocab_size(meta: Path) -> int:
+    """nanoGPT's meta.pkl ({"vocab_size": N, "itos": ..., "stoi": ...}): its vocab_size, read as
+    plain data. The directory is named by a recipe, which may come from someone else's repo."""
+    try:
+        with open(meta, "rb") as f:
+            got = _PlainData(f).load()
+        return int(got["vocab_size"])
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, IndexError) as e:
+        raise ValueError(
+            f"token_file: {meta}: not a nanoGPT meta.pkl ({e}); set task_config vocab_size instead"
+        ) from None
+
+
 def _config(cfg: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(cfg) - set(DEFAULTS) - set(MODEL_KEYS))
     if unknown:
@@ -41,8 +62,7 @@ class TokenFile:
         self.n_val = max(0, (tokens["val"] - 1) // block_size)
         meta = data_dir / "meta.pkl"
         if vocab_size is None and meta.is_file():
-            with open(meta, "rb") as f:
-                vocab_size = int(pickle.load(f)["vocab_size"])
+            vocab_size = _meta_vocab_size(meta)
         self.vocab_size = int(vocab_size or 65536)
         self._offsets = np.arange(block_size + 1)
 

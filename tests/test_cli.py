@@ -174,3 +174,97 @@ def test_relative_paths_from_another_directory(tiny_recipe: Path, tmp_path: Path
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (cwd / "myrun" / "metrics.jsonl").exists() and list((cwd / "myrun" / "repos").glob("*/*/recipes"))
+
+
+def _files_holding(root: Path, needles: list[str]) -> list[str]:
+    """Every file under `root` (logs, metrics, TensorBoard, checkpoints, pages) holding a needle."""
+    found = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            data = p.read_bytes()
+            found += [f"{p.relative_to(root)}: {n[:16]}" for n in needles if n.encode() in data]
+    return found
+
+
+def _first_ticket(proc: subprocess.Popen) -> tuple[str, str]:
+    """What `drift coord` printed up to its dashboard line, and the ticket in it."""
+    seen = ""
+    while "dashboard:" not in seen:
+        line = proc.stdout.readline()
+        assert line, seen
+        seen += line
+    return seen, re.search(r"--ticket (\S+)", seen).group(1)
+
+
+def test_the_ticket_is_shown_once_and_admits_to_its_own_run_only(tiny_recipe: Path, tmp_path: Path) -> None:
+    """The join command is on the owner's terminal once; no file of the run (metrics.jsonl, the
+    nodes' logs, TensorBoard, checkpoints), neither page (live, `drift report`'s) holds the ticket or
+    the coordinator's id (with iroh's discovery an id is enough to dial it). Every run has a fresh
+    key unless kept; a finished run's ticket is refused with "this run has finished", also by a
+    later run under a kept key."""
+    import json
+    import urllib.request
+
+    data = yaml.safe_load(tiny_recipe.read_text())
+    data.update(min_nodes=2, rounds=2)
+    tiny_recipe.write_text(yaml.safe_dump(data))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        drift_cmd("coord", str(tiny_recipe), "--local", "2", "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(400, proc.kill)
+    watchdog.start()
+    try:
+        seen, ticket = _first_ticket(proc)
+        url = re.search(r"dashboard:\s+(\S+)", seen).group(1)
+        snap = urllib.request.urlopen(url.replace("/?", "/snapshot.json?"), timeout=30).read().decode()
+        assert json.loads(snap)["events"][0]["event"] == "run"
+        seen += proc.stdout.read()
+        assert proc.wait() == 0, seen
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    endpoint_part, run_id = ticket.rsplit(".", 1)
+    coord_id = str(parse_ticket(ticket).id())
+    needles = [endpoint_part, coord_id]
+    assert seen.count(endpoint_part) == 1, seen  # the owner's terminal: once
+    assert not [n for n in needles if n in snap]  # the live page
+    out = _drift("report", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    assert (run_dir / "dashboard.html").exists()
+    assert _files_holding(run_dir, needles) == []
+
+    # the finished run's ticket: nothing answers it (a fresh key), and this machine knows why
+    line = _one_line_error(_drift("join", "--repo", str(tiny_recipe.parents[1]), "--ticket", ticket))
+    assert line == f"drift: error: this run has finished (run {run_id}); ask its owner for the current join command"
+
+    # a fresh key every run, unless kept; a kept key's later run refuses the earlier run's ticket
+    ids, tickets = [], []
+    for args in ((), ("--keep-key",), ("--keep-key",)):
+        coord = subprocess.Popen(
+            drift_cmd("coord", str(tiny_recipe), "--run-dir", str(tmp_path / f"r{len(ids)}"), *args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            _, t = _first_ticket(coord)
+            ids.append(str(parse_ticket(t).id()))
+            tickets.append(t)
+            if len(tickets) == 3:
+                # The second --keep-key run is up: the first one's ticket, as it reaches this one
+                # (its addresses are this run's, as iroh's discovery finds the same id here).
+                old_run = tickets[1].rsplit(".", 1)[1]
+                old = f"{t.rsplit('.', 1)[0]}.{old_run}"
+                line = _one_line_error(_drift("join", "--repo", str(tiny_recipe.parents[1]), "--ticket", old))
+                assert line.endswith(
+                    f"this run has finished (run {old_run}); ask its owner for the current join command"
+                )
+        finally:
+            coord.send_signal(signal.SIGINT)
+            coord.communicate(timeout=60)
+    assert coord_id != ids[0] != ids[1] and ids[1] == ids[2] and tickets[1] != tickets[2]

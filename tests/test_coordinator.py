@@ -83,3 +83,21 @@ def test_bad_frames_are_dropped_and_coordinator_keeps_serving(tiny_recipe: Path,
     assert f"exceeds the {MAX_CONTROL_FRAME}-byte cap" in text
     assert "expected NodeInfo first, got Ping" in text
     assert "not the id of the connecting endpoint" in text
+
+
+def test_a_node_flooding_data_reports_fills_no_disk(tiny_recipe: Path, tmp_path: Path) -> None:
+    """A member sends a thousand DataReports (each with a reason of the longest size allowed):
+    metrics.jsonl keeps MAX_DATA_REPORTS of them, not one event each."""
+    from drift.coordinator import MAX_DATA_REPORTS
+    from drift.monitor import Monitor
+    from drift.swarm import Peer
+
+    monitor = Monitor(tmp_path / "run", live=False)
+    coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run", monitor=monitor)
+    info = P.NodeInfo(node_id="ab" * 32, name="flood", backend="torch", device="cpu", ring_ticket="t")
+    flood = Peer(info, ch=None)
+    for _ in range(1000):
+        coord.data_report(flood, P.DataReport(kind="bad_chunk", round=0, reason="x" * P.MAX_TEXT))
+    monitor.close()
+    events = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"data_bad_chunk"' in e for e in events) == MAX_DATA_REPORTS

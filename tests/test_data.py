@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from conftest import ROOT, WRAPPERS, check_exactly_once, drift_cmd
 
@@ -239,3 +240,31 @@ def test_a_node_with_a_copy_serves_the_others_when_the_coordinator_cannot(tmp_pa
     a_log = (tmp_path / "a.log").read_text()
     assert "this machine has the holder's data" in a_log and "Traceback" not in a_log
     assert "not on this machine" in (tmp_path / "b.log").read_text()
+
+
+def test_a_meta_pkl_is_read_as_plain_data_only(tmp_path: Path) -> None:
+    """token_file reads nanoGPT's meta.pkl for the vocabulary size; one that would run code when
+    unpickled (its directory is named by a recipe: someone else's repo) is refused, not run."""
+    import pickle
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import token_file
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    for split in ("train", "val"):
+        np.arange(100, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
+    cfg = {"data_dir": str(tmp_path), "block_size": 8}
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65, "itos": {0: "a"}, "stoi": {"a": 0}}))
+    assert token_file.make_dataset(cfg).vocab_size == 65  # nanoGPT's own meta.pkl
+
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {ran}",))
+
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": Payload()}))
+    with pytest.raises(ValueError, match=r"meta.pkl: not a nanoGPT meta.pkl \(it names (posix|os)\.system"):
+        token_file.make_dataset(cfg)
+    assert not ran.exists()

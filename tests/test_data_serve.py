@@ -12,6 +12,8 @@ from conftest import run_async
 
 from drift import protocol as P
 from drift.data import (
+    MAX_CLIENTS,
+    MAX_CLIENTS_PER_PEER,
     DataClient,
     DataError,
     DataServer,
@@ -21,7 +23,7 @@ from drift.data import (
     ServedDataset,
     build_manifest,
 )
-from drift.transport import DATA_ALPN, Endpoint, Throttle
+from drift.transport import DATA_ALPN, Endpoint, Throttle, parse_ticket
 
 
 class Tokens:
@@ -173,5 +175,42 @@ def test_a_stranger_knocking_again_and_again_is_one_line(tmp_path: Path) -> None
             server.close()
             await ep.close()
             await client_ep.close()
+
+    run_async(main())
+
+
+def test_one_member_cannot_hold_every_data_slot(tmp_path: Path) -> None:
+    """A member opens as many drift-data/0 connections as the holder serves at once and idles on
+    them: it gets MAX_CLIENTS_PER_PEER, the rest are refused with a line, and another member is
+    served."""
+
+    async def main() -> None:
+        ds = Tokens()
+        m = build_manifest(ds)
+        lines: list[str] = []
+        hog, member = await Endpoint.bind("local"), await Endpoint.bind("local")
+        server = DataServer(ds, m, allowed=lambda peer: peer in (hog.node_id, member.node_id))
+        ep = await Endpoint.bind("local", alpns=(DATA_ALPN,))
+        serving = asyncio.ensure_future(
+            ep.serve({DATA_ALPN: lambda conn: server.handle(conn, on_drop=lambda peer, why: lines.append(why))})
+        )
+        try:
+            addr = parse_ticket(ep.ticket())
+            held = [await asyncio.wait_for(hog.ep.connect(addr, DATA_ALPN), 10) for _ in range(MAX_CLIENTS)]
+            while server._clients + len(lines) < len(held):  # the holder has seen each of them
+                await asyncio.sleep(0.02)
+            assert server._clients == MAX_CLIENTS_PER_PEER
+            src = P.DataSource(root=m.root, size=len(server.blob), tickets=[ep.ticket()])
+            client = await DataClient.open(member, src, tmp_path, 1 << 20)
+            await client.fetch("train", np.arange(4))
+            client.close()
+            assert lines == [f"refused: {MAX_CLIENTS_PER_PEER} data connections from this peer already"] * (
+                MAX_CLIENTS - MAX_CLIENTS_PER_PEER
+            )
+        finally:
+            serving.cancel()
+            server.close()
+            for e in (ep, hog, member):
+                await e.close()
 
     run_async(main())

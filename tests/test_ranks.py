@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -159,3 +160,94 @@ def test_bad_device_lists_are_one_line(args: tuple[str, ...], needle: str, repo_
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("drift: error: ") and needle in lines[0], out.stderr
+
+
+_GROUP_IN_NAMESPACE = """
+import sys
+from pathlib import Path
+import psutil
+from drift.ranks import start_group
+from drift.recipe import load_recipe
+recipe_path = Path(sys.argv[1])
+recipe = load_recipe(recipe_path)
+work = recipe_path.parents[1]
+group = start_group(work, work / recipe.task, recipe, ["cpu", "cpu"], threads=1)
+me = psutil.Process()
+ports = {c.laddr.port for p in (me, *me.children(recursive=True)) for c in p.net_connections("tcp")
+         if c.status == psutil.CONN_LISTEN}
+print(*sorted(ports), flush=True)
+sys.stdin.read()
+group.close()
+"""
+
+_KNOCK = """
+import datetime, socket, sys
+import torch.distributed as dist
+host, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+for port in ports:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError:
+        continue
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    print("reached", port, store.list_keys(), flush=True)
+    store.set("rank0_addr", "10.83.0.2")  # an attacker's own address
+print("done", flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="creates two network namespaces: run this test as root (e.g. sudo -E python3 -m pytest tests/test_ranks.py)",
+)
+def test_the_ranks_rendezvous_cannot_be_reached_from_another_network_namespace(tmp_path: Path) -> None:
+    """`--nproc 2` in one namespace (a machine), a client in another joined to it by a veth pair:
+    none of the node's listening TCP ports (its rendezvous store among them) can be reached, so no
+    one off the machine can read or overwrite the group's keys (rank 0's address)."""
+    recipe_path = make_task_repo(tmp_path / "repo")
+    tag = os.getpid() % 100000
+    machine, other = f"dr{tag}a", f"dr{tag}b"
+    made: list[str] = []
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+    group = None
+    try:
+        for ns in (machine, other):
+            ip("netns", "add", ns)
+            made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        # the pair is made inside the two namespaces: nothing is added to the root one; no routes
+        ip("link", "add", "eth0", "netns", machine, "type", "veth", "peer", "name", "eth0", "netns", other)
+        for ns, addr in ((machine, "10.83.0.1"), (other, "10.83.0.2")):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        group = subprocess.Popen(
+            ["ip", "netns", "exec", machine, sys.executable, "-c", _GROUP_IN_NAMESPACE, str(recipe_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        ports = group.stdout.readline().split()
+        assert ports, "the group did not start"
+        knock = subprocess.run(
+            ["ip", "netns", "exec", other, sys.executable, "-c", _KNOCK, "10.83.0.1", *ports],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert knock.stdout.strip() == "done", (ports, knock.stdout, knock.stderr[-2000:])
+    finally:
+        if group is not None:
+            group.stdin.close()
+            try:
+                group.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                group.kill()
+                group.wait()
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -10,9 +11,10 @@ from conftest import run_async
 
 from drift.compress import CODECS, make_codec, relative_error
 from drift.diloco import NesterovOuter, checksum
+from drift.gather import Gather
 from drift.protocol import RingMember
 from drift.ring import Ring, RingError, segment_bounds
-from drift.transport import RING_ALPN, Endpoint
+from drift.transport import GATHER_ALPN, RING_ALPN, Endpoint, TransportError
 from workers.torch_codec import TorchCodecKernels
 
 
@@ -335,3 +337,86 @@ def test_proof_of_forgery_holds_against_the_forwarder_and_against_nobody_else() 
     other = honest.model_copy(update={"round": 8})  # or claims another round, chunk or range
     assert not proves_forgery(other, owner.node_id)
     assert not proves_forgery(honest, NodeKey.generate().node_id)  # or names another owner
+
+
+def test_a_payload_in_one_byte_frames_cannot_outlast_its_deadline() -> None:
+    """A member sends its (signed, valid) gather payload one byte a frame, each frame well within
+    the per-read timeout: the payload as a whole has a deadline (timeout + size / MIN_RATE), so the
+    all-gather fails naming it instead of waiting size x timeout."""
+    size = 40
+
+    async def main() -> tuple[RingError | None, str]:
+        a_ep, b_ep = await Endpoint.bind("local"), await Endpoint.bind("local")
+        a, b = Gather(a_ep, timeout=1.0), Gather(b_ep, timeout=1.0)
+
+        async def b_takes(conn) -> None:  # b reads a's payload as an honest member does, and answers ok
+            ch = await Endpoint.accept_channel(conn, timeout=10)
+            await ch.recv_frame(1024, timeout=10)
+            await ch.recv_frame(size, timeout=10)
+            await ch.send_frame(b"ok", 10)
+            with contextlib.suppress(TransportError):
+                await ch.recv_frame(0, 10)
+
+        serving = [
+            asyncio.ensure_future(a_ep.serve({GATHER_ALPN: a.handle_incoming})),
+            asyncio.ensure_future(b_ep.serve({GATHER_ALPN: b_takes})),
+        ]
+        members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in (a_ep, b_ep)]
+        try:
+            gathering = asyncio.ensure_future(a.allgather(bytes(size), members, 0, size))
+            ch = await b_ep.connect(a_ep.ticket(), GATHER_ALPN)
+            payload = bytes(range(size))
+            await ch.send_frame(b.header(0, 0, payload))  # its own, signed: nothing wrong but the pace
+            for i in range(size):
+                if gathering.done():
+                    break
+                await ch.send_frame(payload[i : i + 1])
+                await asyncio.sleep(0.2)
+            try:
+                await gathering
+            except RingError as e:
+                return e, b_ep.node_id
+            return None, b_ep.node_id
+        finally:
+            for t in serving:
+                t.cancel()
+            for e in (a_ep, b_ep):
+                await e.close()
+
+    err, trickler = run_async(main())
+    assert err is not None, "a payload trickled one byte a frame was taken"
+    assert "the payload did not arrive within 1s + 1 MiB/s" in str(err), err
+    assert err.suspect == trickler
+
+
+class _Dawdler(Ring):
+    """A hostile ring member: honest bytes, each chunk sent just within the receiver's timeout."""
+
+    async def _send_chunk(self, *args, **kwargs) -> None:
+        await asyncio.sleep(0.3)
+        await super()._send_chunk(*args, **kwargs)
+
+
+def test_a_neighbour_that_sends_each_chunk_just_in_time_cannot_stretch_a_pass() -> None:
+    """Every chunk of a pass arrives within the per-read timeout (1 s), but the pass has many
+    (16 a segment): it has a deadline as a whole (timeout + its bytes / MIN_RATE), so the node
+    after the dawdler fails it naming the dawdler instead of waiting chunks x timeout."""
+    size = 2 * 16 * 64  # 2 nodes, 16 chunks of 64 values a segment
+
+    async def main() -> tuple[BaseException | None, str]:
+        eps = [await Endpoint.bind("local") for _ in range(2)]
+        rings = [Ring(eps[0], timeout=1.0, chunk_bytes=256), _Dawdler(eps[1], timeout=60.0, chunk_bytes=256)]
+        tasks = [asyncio.ensure_future(e.serve({RING_ALPN: r.handle_incoming})) for e, r in zip(eps, rings)]
+        members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=0.5) for e in eps]
+        try:
+            got = await asyncio.gather(
+                *(r.allreduce_sum(np.ones(size, np.float32), members, 0) for r in rings), return_exceptions=True
+            )
+            return (got[0] if isinstance(got[0], BaseException) else None), eps[1].node_id
+        finally:
+            await _close(eps, rings, tasks)
+
+    err, dawdler = run_async(main())
+    assert isinstance(err, RingError), "a pass stretched to chunks x timeout was waited for"
+    assert "the all-reduce did not arrive within 1s + 1 MiB/s" in str(err), err
+    assert err.suspect == dawdler

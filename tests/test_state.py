@@ -5,13 +5,14 @@ in another θ or another velocity (the checksum the swarm agreed on covers both)
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
 from conftest import run_async
 
 from drift.diloco import ParamLayout, checksum
-from drift.state import CHUNK_BYTES, StateError, StateServer, fetch_state, into_arrays
+from drift.state import CHUNK_BYTES, MAX_HEADER, StateError, StateServer, fetch_state, into_arrays
 from drift.transport import STATE_ALPN, Endpoint
 
 LAYOUT = ParamLayout(("a", "b", "bn.running_mean"), ((3, 4), (5,), (2,)), n_buffers=1)
@@ -165,3 +166,98 @@ def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest
     ck = load_checkpoint(path)
     assert ck.names == big.names and ck.manifest["buffers"] == 1
     assert np.array_equal(ck.theta_flat, theta) and np.array_equal(ck.state_flat["velocity"], velocity)
+
+
+def test_a_member_that_keeps_asking_cannot_hold_the_outer_step() -> None:
+    """A reader holds a transfer open (it stops reading after the header) when the outer step
+    comes: the step waits for it. A second request made meanwhile (a member that keeps asking) is
+    not started before the step: once the first reader is done the step goes, and the second gets
+    the next round's answer instead of holding the step for its own transfer."""
+    big = ParamLayout(("w",), ((8_000_000,),))  # 61 MiB in all: more than the stream lets through unread
+    theta, velocity = _state(6, big)
+    server = _serving(4, theta, velocity, big)
+    total = 2 * theta.nbytes
+
+    async def main() -> list[str]:
+        ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
+        serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
+        a, b = await Endpoint.bind("local"), await Endpoint.bind("local")
+        server.allowed = lambda peer: peer in (a.node_id, b.node_id)
+        order: list[str] = []
+        try:
+            first = await a.connect(ep.ticket(), STATE_ALPN)
+            await first.send_frame(b'{"round": 4}')
+            assert json.loads(await first.recv_frame(MAX_HEADER))["round"] == 4  # and reads no further
+
+            async def outer_step() -> None:
+                async with server.updating():
+                    order.append("outer step")
+                    server.publish(5, (theta, velocity), checksum(theta, velocity), big)
+
+            step = asyncio.ensure_future(outer_step())
+            await asyncio.sleep(0)  # the step waits for the transfer in flight
+            second = await b.connect(ep.ticket(), STATE_ALPN)
+            await second.send_frame(b'{"round": 4}')
+            answer = asyncio.ensure_future(second.recv_frame(MAX_HEADER, timeout=60))
+            await asyncio.sleep(0.5)  # (without the fix the second transfer starts here)
+            got = 0
+            while got < total:
+                got += len(await first.recv_frame(CHUNK_BYTES, timeout=60))
+            # the second reader was held off, then told the round moved on (without the fix: round
+            # 4's header, and the step would wait on for a reader that never reads)
+            assert json.loads(await answer) == {"error": "have round 5"}
+            await asyncio.wait_for(step, 60)
+            return order
+        finally:
+            serving.cancel()
+            for e in (a, b, ep):
+                await e.close()
+
+    assert run_async(main()) == ["outer step"]
+
+
+def test_a_donor_that_lied_once_is_not_asked_again() -> None:
+    """A donor serves another velocity under the swarm's checksum: the fetch goes on to an honest
+    donor, and the next fetch (another round, the liar named first again) does not ask it at all,
+    so it cannot cost the node its deadline a second time."""
+    theta, velocity = _state(4)
+    agreed = checksum(theta, velocity)
+    bad = velocity.copy()
+    bad[0] += 1.0
+    liar, honest = _serving(3, theta, bad, announced=agreed), _serving(3, theta, velocity)
+    asked: list[str] = []
+
+    async def main() -> list[np.ndarray]:
+        eps = [await Endpoint.bind("local", alpns=(STATE_ALPN,)) for _ in range(2)]
+
+        def counting(server: StateServer, name: str):
+            async def handle(conn) -> None:
+                asked.append(name)
+                await server.handle(conn)
+
+            return handle
+
+        serving = [
+            asyncio.ensure_future(ep.serve({STATE_ALPN: counting(server, name)}))
+            for ep, server, name in zip(eps, (liar, honest), ("liar", "honest"))
+        ]
+        client = await Endpoint.bind("local")
+        liar.allowed = honest.allowed = lambda peer: peer == client.node_id
+        got = []
+        try:
+            for rnd in (3, 4):
+                for server in (liar, honest):
+                    server.publish(rnd, (theta, bad if server is liar else velocity), agreed, LAYOUT)
+                into = np.full(LAYOUT.size, np.nan, np.float32), np.full(LAYOUT.size, np.nan, np.float32)
+                await fetch_state(client, [e.ticket() for e in eps], rnd, agreed, into_arrays(*into), timeout=10)
+                got.append(into[1])
+            return got
+        finally:
+            for t in serving:
+                t.cancel()
+            for e in (*eps, client):
+                await e.close()
+
+    got = run_async(main())
+    assert all(np.array_equal(v, velocity) for v in got)
+    assert asked == ["liar", "honest", "honest"]

@@ -20,7 +20,7 @@ from conftest import run_async
 
 from auth import NodeKey
 from drift import protocol as P
-from drift.coordinator import MAX_JOINING, MAX_JOINING_PER_PEER, Coordinator
+from drift.coordinator import MAX_JOINING, MAX_JOINING_PER_PEER, MAX_JOINING_PER_SOURCE, Coordinator
 from drift.diloco import ParamLayout, checksum
 from drift.monitor import Monitor
 from drift.recipe import load_recipe
@@ -90,6 +90,47 @@ def test_idle_connections_of_one_endpoint_do_not_lock_out_a_joining_node(
     else:  # 4 of its connections hold slots; each one more is refused with a line
         assert 1 <= len(about_flood) <= IDLE - MAX_JOINING_PER_PEER, about_flood
         assert all("connections from this node are already joining" in e["reason"] for e in about_flood)
+
+
+async def _bind_at(host: str) -> Endpoint:
+    """An endpoint of a fresh id on a loopback address of its own (127.0.0.2: another machine)."""
+    opts = iroh.EndpointOptions(
+        preset=iroh.preset_minimal(), bind_addr=f"{host}:0", alpns=[], secret_key=NodeKey.generate().seed
+    )
+    return Endpoint(await iroh.Endpoint.bind(opts), "local")
+
+
+def test_fresh_ids_from_one_address_do_not_lock_out_a_joining_node(tiny_recipe: Path, tmp_path: Path) -> None:
+    """No allowlist: one machine makes 16 node ids (free) and holds 4 joining connections with
+    each, as many as there are joining slots in all. It gets MAX_JOINING_PER_SOURCE of them; a
+    node from another address is still served."""
+    recipe = load_recipe(tiny_recipe)
+    run_dir = tmp_path / "run"
+    ids = MAX_JOINING // MAX_JOINING_PER_PEER
+
+    async def main():
+        monitor = Monitor(run_dir, live=False)
+        coord = Coordinator(recipe, run_dir, monitor=monitor)
+        ticket = await coord.start()
+        flood = [await _bind_at("127.0.0.2") for _ in range(ids)]
+        node = await Endpoint.bind("local")
+        try:
+            held = [c for ep in flood for c in await _idle_connections(ep, ticket, CONTROL_ALPN, MAX_JOINING_PER_PEER)]
+            while coord._joining_conns + len(coord.rejected) < len(held):  # it has seen each of them
+                await asyncio.sleep(0.02)
+            answer = await _hello(node, ticket)
+            return coord._joining_conns, list(coord.rejected), answer
+        finally:
+            await coord.close()
+            monitor.close()
+            for ep in (*flood, node):
+                await ep.close()
+
+    holding, rejected, answer = run_async(main(), 120)
+    assert isinstance(answer, P.TrainConfig), answer  # admitted to the handshake, not "already joining"
+    assert holding == MAX_JOINING_PER_SOURCE + 1 < MAX_JOINING  # the flood's share, and the node
+    assert len(rejected) == MAX_JOINING - MAX_JOINING_PER_SOURCE, rejected
+    assert all(f"{MAX_JOINING_PER_SOURCE} connections from 127.0.0.2 are already joining" in r for r in rejected)
 
 
 def test_strangers_on_the_state_alpn_cost_a_member_nothing() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +41,29 @@ HOST = "127.0.0.1"
 START_TIMEOUT_S = 600.0  # a rank builds its worker (the task's dataset and model) in this time
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a wedged collective ends the rank's process
 GRACE_S = 10.0  # how long a failed step waits for the watchdog to name the rank that died
+
+
+def listen_store(world: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on 127.0.0.1 only: torch's own TCPStore server binds
+    every interface, where anyone who can reach this machine could read and overwrite the group's
+    keys (rank 0's address among them). A socket bound here is handed to it instead."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, 0))
+        sock.listen(max(16, world))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(
+        HOST,
+        port,
+        world,
+        is_master=True,
+        timeout=COLLECTIVE_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),  # the store's server owns the socket from here on
+    )
 
 
 class RankError(BackendError):
