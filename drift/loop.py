@@ -137,6 +137,7 @@ class DiLoCo(NodeThread):
             raise NodeError("drift.DiLoCo needs the ticket `drift coord` printed (ticket=... or $DRIFT_TICKET)")
         if samples is None or samples < 1:
             raise NodeError("drift.DiLoCo needs samples=N: how many training samples the indices are into")
+        optimizer = _torch_optimizer(optimizer)
         main = getattr(sys.modules.get("__main__"), "__file__", None)
         if not main:
             raise NodeError("drift.DiLoCo runs from a script file (python train.py), whose repo the swarm checks")
@@ -163,6 +164,12 @@ class DiLoCo(NodeThread):
             raise SystemExit(1) from None
         finally:
             self._lock.release()
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a wrapper (accelerate's AcceleratedOptimizer), whose step hooks fire."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if type(optimizer).__name__ == "AcceleratedOptimizer" and inner is not None else optimizer
 
 
 USER_ERRORS = (NodeError, RepoError, TransportError, RingError, AuthError)

@@ -1,0 +1,121 @@
+"""The trainers people already use, each joining a two-node swarm as recipes/trainers/ shows: a
+Hugging Face Trainer (drift.hf.DriftCallback), a Lightning Trainer (drift.lightning.DriftCallback)
+and an accelerate loop over `DataLoader(batch_sampler=swarm.batches())`. Each script is committed
+into a fresh git repo as written, run as two processes against a real `drift coord`; the two
+replicas' final weights must be bit-identical and the swarm's validation loss must fall."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, git
+
+pytestmark = pytest.mark.swarm
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+EXAMPLES = ROOT / "recipes" / "trainers"
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "project"
+    shutil.copytree(EXAMPLES, repo / "recipes" / "trainers", ignore=shutil.ignore_patterns("__pycache__"))
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "trainers")
+    return repo
+
+
+def _coord(tmp_path: Path, repo: Path, recipe: str) -> tuple[subprocess.Popen, str]:
+    with open(tmp_path / "coord.log", "w") as log:
+        coord = subprocess.Popen(
+            [sys.executable, "-m", "drift", "coord", f"recipes/trainers/{recipe}", "--run-dir", str(tmp_path / "run")],
+            cwd=repo,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**ENV, "DRIFT_HOME": str(tmp_path / "coord-home")},
+        )
+    deadline = time.monotonic() + 60
+    while not (m := re.search(r"--ticket (\S+)", (tmp_path / "coord.log").read_text())):
+        if time.monotonic() > deadline or coord.poll() is not None:
+            coord.kill()
+            raise AssertionError((tmp_path / "coord.log").read_text())
+        time.sleep(0.1)
+    return coord, m.group(1)
+
+
+def _swarm(tmp_path: Path, recipe: str, script: str, outs: list[Path]) -> list[dict]:
+    """Two nodes run `script TICKET OUT`; the coordinator's events once all three exited 0."""
+    repo = _repo(tmp_path)
+    coord, ticket = _coord(tmp_path, repo, recipe)
+    nodes = []
+    try:
+        for i, out in enumerate(outs):
+            nodes.append(
+                subprocess.Popen(
+                    [sys.executable, f"recipes/trainers/{script}", ticket, str(out)],
+                    cwd=repo,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**ENV, "DRIFT_HOME": str(tmp_path / f"home-{i}")},  # each node its own key
+                )
+            )
+        logs = [n.communicate(timeout=280)[0] for n in nodes]
+        assert coord.wait(timeout=60) == 0, (tmp_path / "coord.log").read_text()
+    finally:
+        for p in [coord, *nodes]:
+            if p.poll() is None:
+                p.kill()
+    for n, log in zip(nodes, logs):
+        assert n.returncode == 0, log
+        assert "run complete: 3 rounds" in log, log
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _trained_together(events: list[dict], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:  # the replicas agree bit for bit: both hold the swarm's θ after the last round
+        assert torch.equal(a[name], b[name]), name
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [e["round"] for e in rounds] == [0, 1, 2]
+    assert all(e["samples"] > 0 for e in rounds)
+    initial = next(e for e in events if e["event"] == "initial")["val_loss"]
+    assert rounds[-1]["val_loss"] < initial  # trained, and the swarm's θ got better
+
+
+def _added_lines(script: str) -> list[str]:
+    text = (EXAMPLES / script).read_text().splitlines()
+    return [ln for ln in text if ln.rstrip().endswith("# drift") or "# drift (" in ln]
+
+
+def test_hugging_face_trainer_joins_a_swarm_with_a_callback(tmp_path: Path) -> None:
+    assert 1 <= len(_added_lines("hf_trainer.py")) <= 6
+    outs = [tmp_path / "out-0", tmp_path / "out-1"]
+    events = _swarm(tmp_path, "hf.yaml", "hf_trainer.py", outs)
+    a, b = (load_file(str(o / "model.safetensors")) for o in outs)
+    _trained_together(events, a, b)
+
+
+def test_lightning_trainer_joins_a_swarm_with_a_callback(tmp_path: Path) -> None:
+    assert 1 <= len(_added_lines("lightning_trainer.py")) <= 6
+    outs = [tmp_path / "theta-0.pt", tmp_path / "theta-1.pt"]
+    events = _swarm(tmp_path, "lightning.yaml", "lightning_trainer.py", outs)
+    _trained_together(events, *(torch.load(o) for o in outs))
+
+
+def test_accelerate_loop_joins_a_swarm_through_the_batch_sampler(tmp_path: Path) -> None:
+    assert 1 <= len(_added_lines("accelerate_loop.py")) <= 6
+    outs = [tmp_path / "theta-0.pt", tmp_path / "theta-1.pt"]
+    events = _swarm(tmp_path, "accelerate.yaml", "accelerate_loop.py", outs)
+    _trained_together(events, *(torch.load(o) for o in outs))
