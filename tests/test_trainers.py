@@ -119,3 +119,12 @@ def test_accelerate_loop_joins_a_swarm_through_the_batch_sampler(tmp_path: Path)
     outs = [tmp_path / "theta-0.pt", tmp_path / "theta-1.pt"]
     events = _swarm(tmp_path, "accelerate.yaml", "accelerate_loop.py", outs)
     _trained_together(events, *(torch.load(o) for o in outs))
+    # swarm.log: each node's loss and its own metric reach the coordinator's events, bounded
+    logs = [e for e in events if e["event"] == "log"]
+    assert {e["node_id"] for e in logs} == {e["node_id"] for e in events if e["event"] == "node_joined"}
+    assert all(set(e["metrics"]) == {"loss", "progress"} for e in logs), logs
+    for node in {e["node_id"] for e in logs}:  # swarm.progress: the run's fraction done, for a schedule
+        seen = [e["metrics"]["progress"] for e in logs if e["node_id"] == node]
+        assert seen == sorted(seen) and seen[0] >= 0 and 0.5 < seen[-1] <= 1, seen
+    # the logged loss is the loop's train loss: the rounds report it (an own loop's was "-")
+    assert all(e["train_loss"] is not None for e in events if e["event"] == "round")

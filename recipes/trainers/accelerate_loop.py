@@ -26,11 +26,11 @@ def val_loss(model):
 
 
 with drift.DiLoCo(model, optimizer, ticket=sys.argv[1], samples=len(x), evaluate=val_loss) as swarm:  # drift
-    for xb, yb in DataLoader(
-        TensorDataset(x, y), batch_sampler=swarm.batches()
-    ):  # drift (was: batch_size=32, shuffle=True)
+    loader = DataLoader(TensorDataset(x, y), batch_sampler=swarm.batches())  # drift (was: batch_size=32, shuffle=True)
+    for step, (xb, yb) in enumerate(loader):
         loss = nn.functional.cross_entropy(model(xb), yb)
         accelerator.backward(loss)
+        swarm.log(step=step, loss=loss.item(), progress=swarm.progress.fraction)  # drift
         optimizer.step()  # the node's share of a round ends here: θ is averaged, written back
         optimizer.zero_grad()
 torch.save(accelerator.unwrap_model(model).state_dict(), sys.argv[2])

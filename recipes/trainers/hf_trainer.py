@@ -27,6 +27,6 @@ args = TrainingArguments(
     use_cpu=True,
 )
 swarm = DriftCallback(ticket=sys.argv[1], eval_dataset=val)  # drift
-trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[swarm])  # drift (was: no callbacks)
+trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[swarm])  # drift (+ callbacks)
 trainer.train()
 trainer.save_model()

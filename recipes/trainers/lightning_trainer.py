@@ -37,7 +37,7 @@ def val_loss(module):
 module = Rings()
 swarm = DriftCallback(ticket=sys.argv[1], evaluate=val_loss)  # drift
 trainer = L.Trainer(
-    callbacks=[swarm], accelerator="cpu", logger=False, enable_checkpointing=False
-)  # drift (was: no callbacks)
+    accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[swarm]
+)  # drift (+ callbacks)
 trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
 torch.save(module.state_dict(), sys.argv[2])
