@@ -567,12 +567,32 @@ def status(as_json: bool) -> None:
 )
 def sample(run_dir: Path, prompt: str, length: int, repo: Path | None) -> None:
     """Print text from the newest checkpoint of RUN_DIR (a task that defines sample(model, prompt, n))."""
-    from drift.sample import SampleError, sample_text
+    from drift.sample import SampleError, repo_of, sample_text
 
     try:
-        click.echo(sample_text(run_dir, prompt, length, repo or repo_root(Path.cwd())))
+        click.echo(sample_text(run_dir, prompt, length, repo or repo_of(run_dir)))
     except SampleError as e:
         _fail(str(e))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="Where the files go [RUN_DIR/export].")
+@click.option("--merge", is_flag=True, help="A LoRA model: write the base with the adapter merged in, not the adapter.")
+@click.option(
+    "--repo", type=click.Path(path_type=Path), default=None, help="The task's repo [the one holding RUN_DIR]."
+)
+def export(run_dir: Path, out: Path | None, merge: bool, repo: Path | None) -> None:
+    """Write the newest checkpoint of RUN_DIR as files loadable without drift (safetensors; save_pretrained)."""
+    from drift.export import export as write
+    from drift.sample import SampleError, repo_of
+
+    out = out or run_dir / "export"
+    try:
+        names = write(run_dir, out, repo or repo_of(run_dir), merge)
+    except SampleError as e:
+        _fail(str(e))
+    click.echo(f"{out}: {', '.join(names)}")
 
 
 @main.command()

@@ -1,0 +1,102 @@
+"""`drift export`: a LoRA run's newest checkpoint as a peft adapter (and, with --merge, a plain
+transformers folder) that transformers/peft load in a Python that cannot import drift; the repo is
+found from the run directory (not the current one); a run without a checkpoint is one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, git
+
+pytestmark = pytest.mark.swarm
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+RECIPE = {
+    "name": "lora-tiny",
+    "task": "recipes/lora_llama.py",
+    "task_config": {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32, "lora_r": 4},
+    "min_nodes": 2,
+    "rounds": 1,
+    "inner_steps": 2,
+    "batch_size": 4,
+    "unit_steps": 1,
+    "eval_batches": 1,
+    "network": "local",
+}
+LOAD = """
+import sys
+sys.modules["drift"] = None  # this Python cannot import drift
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+out = sys.argv[1]
+merged = LlamaForCausalLM.from_pretrained(out + "/merged")
+adapter = load_file(out + "/adapter/adapter_model.safetensors")
+base = LlamaForCausalLM(merged.config)
+model = PeftModel.from_pretrained(base, out + "/adapter")
+lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+assert len(lora) == len(adapter) > 0, (len(lora), len(adapter))
+assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # trained: B starts at zero
+print("loaded", len(adapter), sum(p.numel() for p in merged.parameters()))
+"""
+
+
+def test_export_writes_an_adapter_and_merged_weights_loadable_without_drift(tmp_path: Path) -> None:
+    repo = tmp_path / "project"
+    (repo / "recipes").mkdir(parents=True)
+    for task in (ROOT / "recipes").glob("*.py"):  # lora_llama.py and the tasks it builds on
+        shutil.copy(task, repo / "recipes" / task.name)
+    (repo / "lora.yaml").write_text(yaml.safe_dump(RECIPE))
+    (repo / ".gitignore").write_text("runs/\n")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "lora")
+    run = subprocess.run(
+        [sys.executable, "-m", "drift", "coord", "lora.yaml", "--local", "2", "--run-dir", "runs/lora"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=ENV,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    elsewhere = tmp_path / "elsewhere"  # export from another folder: the repo comes from the run dir
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    for args in ([str(out / "adapter")], [str(out / "merged"), "--merge"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "drift", "export", str(repo / "runs" / "lora"), "--out", *args],
+            cwd=elsewhere,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ENV,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "merged" / "config.json").is_file()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    loaded = subprocess.run(
+        [sys.executable, "-I", "-c", LOAD, str(out)], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.startswith("loaded "), loaded.stdout
+
+
+def test_export_of_a_run_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "drift", "export", str(tmp_path / "run")], capture_output=True, text=True, env=ENV
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("drift: error:") and "no checkpoint" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "run" / "export").exists()  # nothing half-written
