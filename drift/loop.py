@@ -190,7 +190,13 @@ class DiLoCo(NodeThread):
         except ValueError as e:
             raise ValueError(f"swarm.log: {e.errors()[0]['msg']} ({', '.join(self._pending)})") from None
         self._logged, self._pending = now, {}
-        asyncio.run_coroutine_threadsafe(session.send(msg), loop)  # a lost coordinator: the node says so
+        if self.code is not None or loop.is_closed():
+            return  # the node has left the swarm (the run ended): nobody to tell
+        coro = session.send(msg)
+        try:
+            asyncio.run_coroutine_threadsafe(coro, loop)  # a lost coordinator: the node says so
+        except RuntimeError:  # the node's loop closed just now
+            coro.close()
 
     @property
     def progress(self) -> Progress:
