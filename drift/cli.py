@@ -537,10 +537,21 @@ def join(
 
 
 @main.command()
+@click.argument("run_dir", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for machines).")
-def status(as_json: bool) -> None:
-    """What this machine can train with: GPUs, Apple Silicon, CPU, and the backends installed."""
+def status(run_dir: Path | None, as_json: bool) -> None:
+    """What this machine can train with (GPUs, Apple Silicon, CPU, the backends installed); with
+    RUN_DIR, how that run stands: round, nodes, losses, ETA."""
     import json
+
+    if run_dir is not None:
+        from drift.status import StatusError, run_status
+
+        try:
+            click.echo("\n".join(run_status(run_dir)))
+        except StatusError as e:
+            _fail(str(e))
+        return
 
     from rich.console import Console
 

@@ -90,8 +90,10 @@ def _trained_together(events: list[dict], a: dict[str, torch.Tensor], b: dict[st
     rounds = [e for e in events if e["event"] == "round"]
     assert [e["round"] for e in rounds] == [0, 1, 2]
     assert all(e["samples"] > 0 for e in rounds)
-    initial = next(e for e in events if e["event"] == "initial")["val_loss"]
-    assert rounds[-1]["val_loss"] < initial  # trained, and the swarm's θ got better
+    # trained, and the swarm's θ got better: the last val loss is below the first one the run
+    # reported (θ's initial one; under heavy load the coordinator may get round 0's first)
+    vals = [e["val_loss"] for e in events if e["event"] in ("initial", "round") and e.get("val_loss") is not None]
+    assert rounds[-1]["val_loss"] is not None and len(vals) >= 2 and vals[-1] < vals[0], vals
 
 
 def _added_lines(script: str) -> list[str]:
@@ -128,3 +130,42 @@ def test_accelerate_loop_joins_a_swarm_through_the_batch_sampler(tmp_path: Path)
         assert seen == sorted(seen) and seen[0] >= 0 and 0.5 < seen[-1] <= 1, seen
     # the logged loss is the loop's train loss: the rounds report it (an own loop's was "-")
     assert all(e["train_loss"] is not None for e in events if e["event"] == "round")
+    _status_tells(tmp_path / "run", events)
+
+
+def _status(run_dir: Path) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "drift", "status", str(run_dir)], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def _status_tells(run_dir: Path, events: list[dict]) -> None:
+    """`drift status RUN_DIR` on the finished run, and on the run as it stood after round 1."""
+    last = next(e for e in events if e["event"] == "round" and e["round"] == 2)
+    out = _status(run_dir)
+    assert out[0].startswith(f"{run_dir}: finished"), out
+    assert out[1].startswith(f"round 3/3 done  train loss {last['train_loss']:.4f}  val loss {last['val_loss']:.4f}"), (
+        out
+    )
+    assert out[2].startswith("run complete: 3 rounds"), out
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    cut = next(i for i, ln in enumerate(lines) if json.loads(ln).get("event") == "round") + 1
+    live = run_dir.parent / "live"
+    live.mkdir()
+    (live / "metrics.jsonl").write_text("\n".join(lines[:cut]) + "\n")
+    out = _status(live)
+    assert out[0].startswith(f"{live}: training round 2/3"), out
+    assert out[1].startswith("round 1/3 done"), out
+    assert out[2].startswith("nodes 2"), out
+    assert out[3].startswith("ETA "), out
+
+
+def test_status_of_a_folder_that_is_no_run_is_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "drift", "status", str(tmp_path)], capture_output=True, text=True, env=ENV
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"drift: error: {tmp_path}: not a run directory"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
