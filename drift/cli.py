@@ -24,7 +24,7 @@ from drift.inner import Steps
 from drift.monitor import Monitor, RunDirError
 from drift.node import NodeError, NodeOptions
 from drift.recipe import RecipeError, load_recipe, repo_root
-from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
+from drift.repo import RepoCache, RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError, parse_ticket
 from drift.wandb_log import WandbError, WandbLog
@@ -145,6 +145,13 @@ def id_(key: Path | None, coord: bool, device: str | None) -> None:
     help="The coordinator's key file [default: ~/.drift/coord.key; with --local: RUN_DIR/keys/coord.key].",
 )
 @click.option(
+    "--min-nodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Start with this many nodes, not the recipe's min_nodes (round_samples stays the recipe's; "
+    "--min-nodes 1 --local 1: a swarm of one, for debugging).",
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="Continue from the newest checkpoint that verifies (in --run-dir, else the newest runs/NAME-*).",
@@ -165,6 +172,7 @@ def coord(
     network: str | None,
     threads: int | None,
     key: Path | None,
+    min_nodes: int | None,
     resume: bool,
     dashboard: str,
 ) -> None:
@@ -178,6 +186,8 @@ def coord(
         r = load_recipe(recipe)
     except RecipeError as e:
         _fail(str(e))
+    if min_nodes is not None:
+        r = r.model_copy(update={"min_nodes": min_nodes})  # round_samples was set from the recipe's
     root = repo_root(recipe)
     checkpoint = None
     if resume:
@@ -198,6 +208,21 @@ def coord(
             f"committed code (git init && git commit there, or set commit:)"
         )
     sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint, page_addr)))
+
+
+def is_script(task: Path) -> bool:
+    """A task file defines a model factory (make_model, ...); a script that trains in its own loop
+    (drift.DiLoCo, a trainer's DriftCallback) defines none."""
+    import ast
+
+    from workers.base import MODEL_FACTORIES
+
+    try:
+        tree = ast.parse(task.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False  # the node says what is wrong with it
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return not names & {f for fs in MODEL_FACTORIES.values() for f in fs}
 
 
 def _find_checkpoint(name: str, run_dir: Path | None):
@@ -233,7 +258,12 @@ async def _coord(
     monitor = Monitor(run_dir, round_samples=r.round_samples or 0)
     page = Dashboard() if page_addr else None
     board: WandbLog | None = None
-    node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
+    script = is_script(root / r.task)  # a user's own loop (drift.DiLoCo): --local runs it as `python SCRIPT TICKET`
+    # a script's node takes its key from $DRIFT_HOME/node.key: one home a node
+    node_keys = [
+        load_or_create_key(run_dir / "keys" / (f"node-{i}/node.key" if script else f"node-{i}.key"))
+        for i in range(local)
+    ]
     coordinator = Coordinator(
         r,
         run_dir,
@@ -326,6 +356,17 @@ async def _coord(
                     "--cache-dir",
                     str(run_dir / "repos"),
                 ]
+                env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())}
+                cwd = None
+                if script:  # the script as a user runs it, in a clean checkout of the commit
+                    try:
+                        cwd = RepoCache(root, run_dir / "repos").checkout(commit)
+                    except RepoError as e:
+                        monitor.say(f"drift: error: --local: {e}")
+                        stop.set()
+                        break
+                    cmd = [sys.executable, str(cwd / r.task), ticket]
+                    env.update(DRIFT_TICKET=ticket, DRIFT_HOME=str(node_keys[i].path.parent))
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
@@ -337,7 +378,8 @@ async def _coord(
                                 stdout=fh,
                                 stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())},
+                                cwd=cwd,
+                                env=env,
                             ),
                             logf,
                         )

@@ -169,3 +169,27 @@ def test_status_of_a_folder_that_is_no_run_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr.startswith(f"drift: error: {tmp_path}: not a run directory"), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("local,min_nodes", [(1, ["--min-nodes", "1"]), (2, [])], ids=["solo", "local-2"])
+def test_coord_local_runs_an_own_loop_script(tmp_path: Path, local: int, min_nodes: list[str]) -> None:
+    """`drift coord own-loop.yaml --local N` runs README's own-loop script as N nodes (`python
+    train.py TICKET`); `--min-nodes 1 --local 1` is a swarm of one on this machine, for debugging."""
+    from tests.test_own_loop import _repo as own_loop_repo
+
+    repo = own_loop_repo(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "drift", "coord", "own-loop.yaml", "--local", str(local), *min_nodes],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**ENV, "DRIFT_HOME": str(tmp_path / "home")},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    run_dir = next((repo / "runs").glob("own-loop-*"))
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len([e for e in events if e["event"] == "node_joined"]) == local
+    assert [e["round"] for e in events if e["event"] == "round"] == [0, 1, 2]
+    for i in range(local):
+        assert "run complete: 3 rounds" in (run_dir / f"node-{i}.log").read_text()
