@@ -192,6 +192,7 @@ def coord(
     checkpoint = None
     if resume:
         run_dir, checkpoint = _find_checkpoint(r.name, run_dir)
+        r = _resumed_recipe(r, recipe, checkpoint)
     run_dir = run_dir or Path("runs").resolve() / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = network or r.network
     if local and network is None and mode in ("auto", "relay"):
@@ -208,6 +209,30 @@ def coord(
             f"committed code (git init && git commit there, or set commit:)"
         )
     sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint, page_addr)))
+
+
+def _resumed_recipe(r, path: Path, checkpoint):
+    """--resume: the recipe, keeping the checkpoint's round_samples unless the file sets its own
+    (a run resumed with fewer nodes trains rounds of the same size), and a warning per field
+    that differs from the checkpoint's recipe."""
+    import yaml
+
+    before = checkpoint.manifest.get("recipe")
+    if not isinstance(before, dict):
+        return r  # a checkpoint from an older drift: nothing to compare
+    try:
+        told = "round_samples" in (yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        told = True
+    if not told and isinstance(before.get("round_samples"), int) and before["round_samples"] != r.round_samples:
+        r = r.model_copy(update={"round_samples": before["round_samples"]})
+    now = r.model_dump(mode="json", exclude={"wandb"})
+    changed = [k for k in sorted(set(now) | set(before)) if now.get(k) != before.get(k)]
+    for k in changed:
+        click.echo(
+            f"drift: warning: --resume: {k} is {now.get(k)!r}, the checkpoint's run had {before.get(k)!r}", err=True
+        )
+    return r
 
 
 def is_script(task: Path) -> bool:

@@ -705,6 +705,7 @@ class Coordinator:
             **self._model_fields(),  # what builds the model again (drift sample)
             "run_id": self.run_id,
             "queue": self.positions[rnd],
+            "recipe": self.recipe.model_dump(mode="json", exclude={"wandb"}),  # --resume says what changed
         }
         self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta))
 

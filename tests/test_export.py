@@ -4,6 +4,7 @@ found from the run directory (not the current one); a run without a checkpoint i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -49,8 +50,10 @@ print("loaded", len(adapter), sum(p.numel() for p in merged.parameters()))
 """
 
 
-def test_export_writes_an_adapter_and_merged_weights_loadable_without_drift(tmp_path: Path) -> None:
-    repo = tmp_path / "project"
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-round LoRA run (two --local nodes) in its repo: REPO/runs/lora."""
+    repo = tmp_path_factory.mktemp("export") / "project"
     (repo / "recipes").mkdir(parents=True)
     for task in (ROOT / "recipes").glob("*.py"):  # lora_llama.py and the tasks it builds on
         shutil.copy(task, repo / "recipes" / task.name)
@@ -68,6 +71,11 @@ def test_export_writes_an_adapter_and_merged_weights_loadable_without_drift(tmp_
         env=ENV,
     )
     assert run.returncode == 0, run.stdout + run.stderr
+    return repo
+
+
+def test_export_writes_an_adapter_and_merged_weights_loadable_without_drift(tmp_path: Path, lora_run: Path) -> None:
+    repo = lora_run
     elsewhere = tmp_path / "elsewhere"  # export from another folder: the repo comes from the run dir
     elsewhere.mkdir()
     out = tmp_path / "out"
@@ -100,3 +108,31 @@ def test_export_of_a_run_without_a_checkpoint_is_one_line(tmp_path: Path) -> Non
     assert done.stderr.startswith("drift: error:") and "no checkpoint" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "run" / "export").exists()  # nothing half-written
+
+
+FEWER = ["--local", "1", "--min-nodes", "1"]
+
+
+def test_resume_with_fewer_nodes_keeps_round_samples_and_warns_of_the_changed_recipe(lora_run: Path) -> None:
+    repo = lora_run
+    (repo / "lora.yaml").write_text(yaml.safe_dump({**RECIPE, "rounds": 2}))  # one round more
+    git(repo, "commit", "-q", "-am", "one round more")
+    run = subprocess.run(
+        [sys.executable, "-m", "drift", "coord", "lora.yaml", "--resume", "--run-dir", "runs/lora", *FEWER],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=ENV,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    warned = [ln for ln in run.stderr.splitlines() if ln.startswith("drift: warning: --resume:")]
+    assert any(ln.startswith("drift: warning: --resume: rounds is 2, the checkpoint's run had 1") for ln in warned), (
+        warned
+    )
+    assert any(ln.startswith("drift: warning: --resume: min_nodes is 1, the checkpoint's run had 2") for ln in warned)
+    assert not any("round_samples" in ln for ln in warned), warned  # kept: 2 nodes × 2 steps × 4
+    events = [json.loads(line) for line in (repo / "runs" / "lora" / "metrics.jsonl").read_text().splitlines()]
+    runs = [e for e in events if e["event"] == "run"]
+    assert len(runs) == 2 and runs[-1]["round_samples"] == runs[0]["round_samples"] == 16, runs
+    assert [e["round"] for e in events if e["event"] == "round"] == [0, 1]
