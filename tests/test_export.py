@@ -136,3 +136,19 @@ def test_resume_with_fewer_nodes_keeps_round_samples_and_warns_of_the_changed_re
     runs = [e for e in events if e["event"] == "run"]
     assert len(runs) == 2 and runs[-1]["round_samples"] == runs[0]["round_samples"] == 16, runs
     assert [e["round"] for e in events if e["event"] == "round"] == [0, 1]
+
+
+def test_export_never_writes_into_a_folder_that_holds_files(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("keep")
+    done = subprocess.run(
+        [sys.executable, "-m", "drift", "export", str(tmp_path / "run"), "--out", str(taken)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert done.returncode == 1
+    assert done.stderr == f"drift: error: {taken} exists and is not empty: give another --out\n"
+    assert [p.name for p in taken.iterdir()] == ["mine.txt"]

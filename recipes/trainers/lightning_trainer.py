@@ -36,8 +36,6 @@ def val_loss(module):
 
 module = Rings()
 swarm = DriftCallback(ticket=sys.argv[1], evaluate=val_loss)  # drift
-trainer = L.Trainer(
-    accelerator="cpu", logger=False, enable_checkpointing=False, callbacks=[swarm]
-)  # drift (+ callbacks)
+trainer = L.Trainer(logger=False, enable_checkpointing=False, callbacks=[swarm])  # drift (+ callbacks)
 trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
 torch.save(module.state_dict(), sys.argv[2])
