@@ -25,7 +25,7 @@ from drift.inner import Steps
 from drift.monitor import Monitor, RunDirError
 from drift.node import NodeError, NodeOptions
 from drift.recipe import RecipeError, load_recipe, repo_root
-from drift.repo import RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
+from drift.repo import RepoCache, RepoError, dirty_files, is_commit_id, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError, mark_finished, parse_ticket, ticket_run
 from drift.wandb_log import WandbError, WandbLog
@@ -152,6 +152,13 @@ def id_(key: Path | None, coord: bool, device: str | None) -> None:
     "(`drift id --coord`); an earlier run's ticket is still refused.",
 )
 @click.option(
+    "--min-nodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Start with this many nodes, not the recipe's min_nodes (round_samples stays the recipe's; "
+    "--min-nodes 1 --local 1: a swarm of one, for debugging).",
+)
+@click.option(
     "--resume",
     is_flag=True,
     help="Continue from the newest checkpoint that verifies (in --run-dir, else the newest runs/NAME-*).",
@@ -173,6 +180,7 @@ def coord(
     threads: int | None,
     key: Path | None,
     keep_key: bool,
+    min_nodes: int | None,
     resume: bool,
     dashboard: str,
 ) -> None:
@@ -186,10 +194,13 @@ def coord(
         r = load_recipe(recipe)
     except RecipeError as e:
         _fail(str(e))
+    if min_nodes is not None:
+        r = r.model_copy(update={"min_nodes": min_nodes})  # round_samples was set from the recipe's
     root = repo_root(recipe)
     checkpoint = None
     if resume:
         run_dir, checkpoint = _find_checkpoint(r.name, run_dir)
+        r = _resumed_recipe(r, recipe, checkpoint)
     run_dir = run_dir or Path("runs").resolve() / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = network or r.network
     if local and network is None and mode in ("auto", "relay"):
@@ -206,6 +217,45 @@ def coord(
             f"committed code (git init && git commit there, or set commit:)"
         )
     sys.exit(_run(_coord(r, recipe, root, run_dir, mode, local, threads, coord_key, commit, checkpoint, page_addr)))
+
+
+def _resumed_recipe(r, path: Path, checkpoint):
+    """--resume: the recipe, keeping the checkpoint's round_samples unless the file sets its own
+    (a run resumed with fewer nodes trains rounds of the same size), and a warning per field
+    that differs from the checkpoint's recipe."""
+    import yaml
+
+    before = checkpoint.manifest.get("recipe")
+    if not isinstance(before, dict):
+        return r  # a checkpoint from an older drift: nothing to compare
+    try:
+        told = "round_samples" in (yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        told = True
+    if not told and isinstance(before.get("round_samples"), int) and before["round_samples"] != r.round_samples:
+        r = r.model_copy(update={"round_samples": before["round_samples"]})
+    now = r.model_dump(mode="json", exclude={"wandb"})
+    changed = [k for k in sorted(set(now) | set(before)) if now.get(k) != before.get(k)]
+    for k in changed:
+        click.echo(
+            f"drift: warning: --resume: {k} is {now.get(k)!r}, the checkpoint's run had {before.get(k)!r}", err=True
+        )
+    return r
+
+
+def is_script(task: Path) -> bool:
+    """A task file defines a model factory (make_model, ...); a script that trains in its own loop
+    (drift.DiLoCo, a trainer's DriftCallback) defines none."""
+    import ast
+
+    from workers.base import MODEL_FACTORIES
+
+    try:
+        tree = ast.parse(task.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False  # the node says what is wrong with it
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return not names & {f for fs in MODEL_FACTORIES.values() for f in fs}
 
 
 def _find_checkpoint(name: str, run_dir: Path | None):
@@ -241,7 +291,12 @@ async def _coord(
     monitor = Monitor(run_dir, round_samples=r.round_samples or 0)
     page = Dashboard() if page_addr else None
     board: WandbLog | None = None
-    node_keys = [load_or_create_key(run_dir / "keys" / f"node-{i}.key") for i in range(local)]
+    script = is_script(root / r.task)  # a user's own loop (drift.DiLoCo): --local runs it as `python SCRIPT TICKET`
+    # a script's node takes its key from $DRIFT_HOME/node.key: one home a node
+    node_keys = [
+        load_or_create_key(run_dir / "keys" / (f"node-{i}/node.key" if script else f"node-{i}.key"))
+        for i in range(local)
+    ]
     coordinator = Coordinator(
         r,
         run_dir,
@@ -332,6 +387,17 @@ async def _coord(
                     "--cache-dir",
                     str(run_dir / "repos"),
                 ]
+                env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())}
+                cwd = None
+                if script:  # the script as a user runs it, in a clean checkout of the commit
+                    try:
+                        cwd = RepoCache(root, run_dir / "repos").checkout(commit)
+                    except RepoError as e:
+                        monitor.say(f"drift: error: --local: {e}")
+                        stop.set()
+                        break
+                    cmd = [sys.executable, str(cwd / r.task), ticket]
+                    env.update(DRIFT_TICKET=ticket, DRIFT_HOME=str(node_keys[i].path.parent))
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
@@ -343,7 +409,8 @@ async def _coord(
                                 stdout=fh,
                                 stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())},
+                                cwd=cwd,
+                                env=env,
                             ),
                             logf,
                         )
@@ -546,10 +613,21 @@ def join(
 
 
 @main.command()
+@click.argument("run_dir", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for machines).")
-def status(as_json: bool) -> None:
-    """What this machine can train with: GPUs, Apple Silicon, CPU, and the backends installed."""
+def status(run_dir: Path | None, as_json: bool) -> None:
+    """What this machine can train with (GPUs, Apple Silicon, CPU, the backends installed); with
+    RUN_DIR, how that run stands: round, nodes, losses, ETA."""
     import json
+
+    if run_dir is not None:
+        from drift.status import StatusError, run_status
+
+        try:
+            click.echo("\n".join(run_status(run_dir)))
+        except StatusError as e:
+            _fail(str(e))
+        return
 
     from rich.console import Console
 
@@ -576,12 +654,32 @@ def status(as_json: bool) -> None:
 )
 def sample(run_dir: Path, prompt: str, length: int, repo: Path | None) -> None:
     """Print text from the newest checkpoint of RUN_DIR (a task that defines sample(model, prompt, n))."""
-    from drift.sample import SampleError, sample_text
+    from drift.sample import SampleError, repo_of, sample_text
 
     try:
-        click.echo(sample_text(run_dir, prompt, length, repo or repo_root(Path.cwd())))
+        click.echo(sample_text(run_dir, prompt, length, repo or repo_of(run_dir)))
     except SampleError as e:
         _fail(str(e))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=None, help="Where the files go [RUN_DIR/export].")
+@click.option("--merge", is_flag=True, help="A LoRA model: write the base with the adapter merged in, not the adapter.")
+@click.option(
+    "--repo", type=click.Path(path_type=Path), default=None, help="The task's repo [the one holding RUN_DIR]."
+)
+def export(run_dir: Path, out: Path | None, merge: bool, repo: Path | None) -> None:
+    """Write the newest checkpoint of RUN_DIR as files loadable without drift (safetensors; save_pretrained)."""
+    from drift.export import export as write
+    from drift.sample import SampleError, repo_of
+
+    out = out or run_dir / "export"
+    try:
+        names = write(run_dir, out, repo or repo_of(run_dir), merge)
+    except SampleError as e:
+        _fail(str(e))
+    click.echo(f"{out}: {', '.join(names)}")
 
 
 @main.command()

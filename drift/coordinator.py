@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import Counter, deque
@@ -144,6 +145,7 @@ class Coordinator:
         self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
         self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
         self.data_holders: dict[str, str] = {}  # node id -> ticket: members that serve a copy of it too
+        self._logged: dict[str, float] = {}  # node id -> when its last NodeLog was kept
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""  # why the last checkpoint could not be fetched
@@ -228,6 +230,14 @@ class Coordinator:
 
     def _holders_changed(self) -> None:
         self._spawn(self.broadcast(list(self.ready.values()), P.DataHolders(tickets=self._data_tickets())))
+
+    def node_log(self, peer: Peer, msg: P.NodeLog) -> None:
+        """A member's own metrics: a `log` event (metrics.jsonl, dashboard, W&B, TensorBoard), at
+        most one a node every LOG_EVERY_S (a faster node's extra ones are dropped)."""
+        now = time.monotonic()
+        if now - self._logged.get(peer.id, -math.inf) >= P.LOG_EVERY_S:
+            self._logged[peer.id] = now
+            self.note("log", node_id=peer.id, name=peer.info.name, step=msg.step, metrics=msg.metrics)
 
     def data_report(self, peer: Peer, msg: P.DataReport) -> None:
         """A node about the served data: logged (but the totals), and an event in metrics.jsonl. A
@@ -645,6 +655,8 @@ class Coordinator:
                     pass
                 case P.DataReport():
                     self.data_report(peer, msg)
+                case P.NodeLog():
+                    self.node_log(peer, msg)
                 case P.RoundDone() | P.RingFailed() | P.BarrierSync() if prev is not None and msg.round == prev.rnd:
                     await prev.on_message(peer, msg)  # overlapped: the round still being reduced
                 case _:
@@ -732,6 +744,7 @@ class Coordinator:
             **self._model_fields(),  # what builds the model again (drift sample)
             "run_id": self.run_id,
             "queue": self.positions[rnd],
+            "recipe": self.recipe.model_dump(mode="json", exclude={"wandb"}),  # --resume says what changed
         }
         self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta))
 

@@ -29,7 +29,9 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,7 @@ class DiLoCo(NodeThread):
             raise NodeError("drift.DiLoCo needs the ticket `drift coord` printed (ticket=... or $DRIFT_TICKET)")
         if samples is None or samples < 1:
             raise NodeError("drift.DiLoCo needs samples=N: how many training samples the indices are into")
+        optimizer = _torch_optimizer(optimizer)
         main = getattr(sys.modules.get("__main__"), "__file__", None)
         if not main:
             raise NodeError("drift.DiLoCo runs from a script file (python train.py), whose repo the swarm checks")
@@ -152,7 +155,60 @@ class DiLoCo(NodeThread):
         if name:
             opts.name = name
         super().__init__(opts)
-        self._hook = optimizer.register_step_post_hook(lambda *_: self.stepped())
+        self._loss = math.nan  # the loss logged last (swarm.log(loss=...)): each step reports it
+        self._logged, self._pending, self._step = -math.inf, {}, 0
+        self._round, self._round_steps, self._fraction = -1, 0, 0.0
+        self._hook = optimizer.register_step_post_hook(lambda *_: self._stepped())
+
+    def _stepped(self) -> None:
+        session = self.node.session if self.node is not None else None
+        rnd = session.round if session is not None else -1
+        if rnd > self._round:  # a later round: count its steps afresh
+            self._round, self._round_steps = rnd, 0
+        self._round_steps += 1
+        self.stepped(self._loss)
+
+    def log(self, step: int, **metrics: float) -> None:
+        """Report this loop's metrics at its `step` (train loss as `loss=`, and up to 15 of your
+        own) to the coordinator: its metrics.jsonl (`log` events), dashboard, W&B and TensorBoard.
+        Call it as often as you like: at most one report a LOG_EVERY_S leaves, the newest values."""
+        for name, value in metrics.items():
+            if not isinstance(value, (int, float)) and not hasattr(value, "item"):
+                raise TypeError(f"swarm.log: {name}={value!r} is not a number")
+            value = float(value)
+            if math.isfinite(value):
+                self._pending[name] = value
+        if "loss" in self._pending:
+            self._loss = self._pending["loss"]
+        self._step = max(0, int(step))
+        now = time.monotonic()
+        session, loop = (self.node.session if self.node is not None else None), self._loop
+        if now - self._logged < P.LOG_EVERY_S or session is None or session.round < 0 or loop is None:
+            return
+        try:
+            msg = P.NodeLog(step=self._step, metrics=dict(list(self._pending.items())[: P.MAX_METRICS]))
+        except ValueError as e:
+            raise ValueError(f"swarm.log: {e.errors()[0]['msg']} ({', '.join(self._pending)})") from None
+        self._logged, self._pending = now, {}
+        if self.code is not None or loop.is_closed():
+            return  # the node has left the swarm (the run ended): nobody to tell
+        coro = session.send(msg)
+        try:
+            asyncio.run_coroutine_threadsafe(coro, loop)  # a lost coordinator: the node says so
+        except RuntimeError:  # the node's loop closed just now
+            coro.close()
+
+    @property
+    def progress(self) -> Progress:
+        """Where the swarm stands, for a schedule (e.g. a cosine LR over `progress.fraction`)."""
+        t = self.node.trainer if self.node is not None else None
+        if t is None:
+            return Progress(0, 0, 0, 0, 0.0)
+        recipe, rnd = t.recipe, max(self._round, 0)
+        within = min(1.0, self._round_steps / recipe.inner_steps) if self._round >= 0 else 0.0
+        total = recipe.rounds * (recipe.round_samples or 0)
+        self._fraction = max(self._fraction, min(1.0, (rnd + within) / recipe.rounds))  # never goes back
+        return Progress(rnd, recipe.rounds, rnd * (recipe.round_samples or 0), total, self._fraction)
 
     def __exit__(self, kind, exc, tb) -> None:
         self._hook.remove()
@@ -163,6 +219,25 @@ class DiLoCo(NodeThread):
             raise SystemExit(1) from None
         finally:
             self._lock.release()
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The swarm's progress as a node sees it: the round in hand (0-based) of `rounds`; `samples`
+    the swarm trained before it, of `total` (rounds × round_samples); `fraction` of the run done
+    (rounds done, plus this node's steps into the round in hand over inner_steps), 0..1."""
+
+    round: int
+    rounds: int
+    samples: int
+    total: int
+    fraction: float
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a wrapper (accelerate's AcceleratedOptimizer), whose step hooks fire."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if type(optimizer).__name__ == "AcceleratedOptimizer" and inner is not None else optimizer
 
 
 USER_ERRORS = (NodeError, RepoError, TransportError, RingError, AuthError)

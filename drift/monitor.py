@@ -262,6 +262,8 @@ def scalars(rec: dict[str, Any]) -> list[tuple[int, dict[str, float | None]]]:
                 },
             )
         ]
+    if kind == "log":  # a node's own metrics (swarm.log), at its own step
+        return [(rec["step"], {f"log/{printable(rec['name'], MAX_NAME)}/{k}": v for k, v in rec["metrics"].items()})]
     if kind == "initial":
         return [(-1, {"loss/val": rec["val_loss"], **_task_metrics(rec)})]
     if kind == "val":

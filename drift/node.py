@@ -217,6 +217,7 @@ class Node:
         self.coordinator = ""  # the coordinator's id, from the ticket
         self.state = StateServer(allowed=lambda peer: peer in self.members or peer == self.coordinator)
         self.trainer: Trainer | None = None
+        self.session: Session | None = None  # the connection in hand (drift.DiLoCo's log sends on it)
         self.data: DataClient | None = None  # recipe data: the samples come from a holder
         self.data_server: DataServer | None = None  # ... or this node holds a copy and serves it too
         self.admitted = False  # this node trained in the swarm (so a refusal may be transient)
@@ -254,7 +255,7 @@ class Node:
         delay = REJOIN_BACKOFF_S[0]
         tries = 0
         while True:
-            session = Session(self)
+            session = self.session = Session(self)
             try:
                 return await session.run()
             except Lost as e:

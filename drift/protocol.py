@@ -479,6 +479,18 @@ class TrainComplete(_Msg):
     final_val_loss: Loss | None = None
 
 
+class NodeLog(_Msg):
+    """Node -> coordinator: a user's own loop's metrics (`swarm.log(step=..., loss=...)`), a few
+    finite numbers; the coordinator keeps at most one a node every LOG_EVERY_S."""
+
+    type: Literal["NodeLog"] = "NodeLog"
+    step: Count
+    metrics: Annotated[dict[MetricName, Annotated[float, Field(allow_inf_nan=False)]], Field(max_length=MAX_METRICS)]
+
+
+LOG_EVERY_S = 0.5
+
+
 Message = Annotated[
     NodeInfo
     | TrainConfig
@@ -502,6 +514,7 @@ Message = Annotated[
     | Agreed
     | DataReport
     | DataHolders
+    | NodeLog
     | TrainComplete,
     Field(discriminator="type"),
 ]

@@ -248,21 +248,7 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     written.append(_save(fig, out / "nodes.png"))
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for r in runs:
-        names = sorted({n for x in r.rounds for n in x.get("nodes", {})})
-        for name in names if len(runs) == 1 else [None]:
-            pts = [(x["round"], _mib(x, name)) for x in r.rounds]
-            if not any(mib for _, mib in pts):
-                continue  # sent nothing (a single node): nothing to draw on a log axis
-            ax.plot(*zip(*pts), marker=".", label=name if len(runs) == 1 else f"{r.label} (mean per node)")
-    ax.set(xlabel="round", ylabel="MiB sent", yscale="log", title="bytes sent per node and round")
-    ax.grid(alpha=0.3, which="both")
-    if ax.lines:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no node sent anything", transform=ax.transAxes, ha="center")
-    written.append(_save(fig, out / "bytes.png"))
+    written.append(_save(bytes_figure(runs), out / "bytes.png"))
     written.append(_utilization_plot(runs, out / "utilization.png"))
     names = sorted({k for r in runs for k in r.metric_curves()})
     if names:
@@ -277,6 +263,36 @@ def write_report(runs: list[Run], out: Path) -> list[Path]:
             ax.legend()
         written.append(_save(fig, out / "metrics.png"))
     return written
+
+
+def bytes_figure(runs: list[Run]):
+    """bytes.png: MiB each node sent per round, on a log axis labelled in plain numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # as write_report: names are text, not math
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in runs:
+        names = sorted({n for x in r.rounds for n in x.get("nodes", {})})
+        for name in names if len(runs) == 1 else [None]:
+            pts = [(x["round"], _mib(x, name)) for x in r.rounds]
+            if not any(mib for _, mib in pts):
+                continue  # sent nothing (a single node): nothing to draw on a log axis
+            ax.plot(*zip(*pts), marker=".", label=name if len(runs) == 1 else f"{r.label} (mean per node)")
+    ax.set(xlabel="round", ylabel="MiB sent", yscale="log", title="bytes sent per node and round")
+    ax.grid(alpha=0.3, which="both")
+    if ax.lines:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no node sent anything", transform=ax.transAxes, ha="center")
+    # text.parse_math is off (node names are not math), so the log axis's default "$10^{-1}$"
+    # labels would show raw: plain numbers instead
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    return fig
 
 
 def _utilization_plot(runs: list[Run], path: Path) -> Path:

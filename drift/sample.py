@@ -18,10 +18,8 @@ class SampleError(Exception):
     """Why no text can be drawn; one line for the user."""
 
 
-def sample_text(run_dir: Path, prompt: str, n: int, repo: Path) -> str:
-    """The task's sample(model, prompt, n) on the newest checkpoint that verifies in run_dir."""
-    import torch
-
+def load_model(run_dir: Path, repo: Path):
+    """The task's model with θ of the newest checkpoint that verifies in run_dir, and that checkpoint."""
     from workers import load_task
     from workers.torch_worker import TorchWorker
 
@@ -36,24 +34,42 @@ def sample_text(run_dir: Path, prompt: str, n: int, repo: Path) -> str:
         raise SampleError(f"{path}: task file not found (give the task's repo with --repo)")
     try:
         task = load_task(path, root=repo)
-        fn = getattr(task, "sample", None)
-        if not callable(fn):
-            raise SampleError(f"task {m['task']} defines no sample(model, prompt, n)")
         worker = TorchWorker(task, m.get("task_config") or {}, {}, device="cpu", seed=int(m.get("seed", 0)))
         layout = ParamLayout(ck.names, ck.shapes, int(m.get("buffers", 0)))
         params, buffers = layout.split(layout.unflatten(ck.theta_flat))
         worker.set_params(params)
         if buffers:
             worker.set_buffers(buffers)
-        if worker.frozen_checksum() != m.get("frozen_base", ""):
-            raise SampleError(f"{ck.path}: the task builds another frozen base than this checkpoint was trained on")
-        worker.model.eval()
-        with torch.no_grad():
-            text = fn(worker.model, prompt, n)
-    except SampleError:
-        raise
     except (ValueError, TypeError, ImportError, KeyError) as e:
         raise SampleError(f"{ck.path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if worker.frozen_checksum() != m.get("frozen_base", ""):
+        raise SampleError(f"{ck.path}: the task builds another frozen base than this checkpoint was trained on")
+    worker.model.eval()
+    return task, worker.model, ck
+
+
+def sample_text(run_dir: Path, prompt: str, n: int, repo: Path) -> str:
+    """The task's sample(model, prompt, n) on the newest checkpoint that verifies in run_dir."""
+    import torch
+
+    task, model, ck = load_model(run_dir, repo)
+    name = ck.manifest["task"]
+    fn = getattr(task, "sample", None)
+    if not callable(fn):
+        raise SampleError(f"task {name} defines no sample(model, prompt, n)")
+    try:
+        with torch.no_grad():
+            text = fn(model, prompt, n)
+    except (ValueError, TypeError, KeyError) as e:
+        raise SampleError(f"{ck.path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(text, str):
-        raise SampleError(f"task {m['task']}: sample() returned {type(text).__name__}, not text")
+        raise SampleError(f"task {name}: sample() returned {type(text).__name__}, not text")
     return text
+
+
+def repo_of(run_dir: Path) -> Path:
+    """The git repo a run's task comes from: the one holding the run directory, else the current one."""
+    from drift.recipe import repo_root
+
+    root = repo_root(Path(run_dir).resolve() / "metrics.jsonl")
+    return root if (root / ".git").exists() else repo_root(Path.cwd() / "metrics.jsonl")

@@ -43,6 +43,8 @@ class WandbLog:
             )
             run.define_metric("round")
             run.define_metric("*", step_metric="round")
+            run.define_metric("log/step")  # swarm.log's metrics, at the node's own step
+            run.define_metric("log/*", step_metric="log/step")
         except Exception as e:  # no login, a bad entity, ...: W&B says what
             raise WandbError(f"wandb: {e}") from None
         return cls(run)
@@ -51,7 +53,7 @@ class WandbLog:
         for step, values in scalars(rec):
             logged = {k: float(v) for k, v in values.items() if v is not None}
             if logged:
-                self.run.log({"round": step, **logged})
+                self.run.log({"log/step" if rec["event"] == "log" else "round": step, **logged})
 
     def close(self) -> None:
         self.run.finish()

@@ -50,6 +50,7 @@ SAMPLES = [
     P.TrainConfig(run_id="r", recipe={}, data=P.DataSource(root="ab", size=100, tickets=["t"])),
     P.DataReport(kind="bad_chunk", round=2, samples=3, holder=A, reason="3 samples failed their digest"),
     P.DataHolders(tickets=["t", "u"]),
+    P.NodeLog(step=12, metrics={"loss": 2.5, "acc/top1": 0.5}),
     P.TrainComplete(rounds=3, final_val_loss=1.0),
 ]
 
@@ -288,3 +289,18 @@ def test_random_and_mutated_frames_only_ever_raise_protocol_error() -> None:
         except P.ProtocolError as e:
             assert str(e).isprintable() and len(str(e)) <= 300
     assert decoded < 6000  # most of them are garbage, and were refused as such
+
+
+@pytest.mark.parametrize(
+    "metrics,needle",
+    [
+        ({f"m{i}": 1.0 for i in range(P.MAX_METRICS + 1)}, "metrics"),  # a few keys, not a flood
+        ({"loss": "NaN"}, "metrics"),
+        ({"x" * 33: 1.0}, "metrics"),
+        ({"a b": 1.0}, "metrics"),
+    ],
+)
+def test_a_node_log_is_bounded(metrics: dict, needle: str) -> None:
+    frame = json.dumps({"v": P.SCHEMA_VERSION, "type": "NodeLog", "step": 1, "metrics": metrics}).encode()
+    with pytest.raises(P.ProtocolError, match=needle):
+        P.decode(frame)

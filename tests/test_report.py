@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import drift_cmd
 
-from drift.report import ReportError, load_run, write_report
+from drift.report import ReportError, bytes_figure, load_run, write_report
 
 
 def _write(run_dir: Path, events: list[dict], tail: str = "") -> Path:
@@ -187,3 +187,13 @@ def test_runs_without_step_s_have_no_utilization(tmp_path: Path) -> None:
     run = load_run(_write(tmp_path / "old", EVENTS))  # rounds written before step_s existed
     assert run.utilization() == {} and all(u == {} for _, u in run.round_utilization())
     assert (write_report([run], tmp_path / "out")[-1]).name == "utilization.png"
+
+
+def test_bytes_axis_is_labelled_in_plain_numbers(tmp_path: Path) -> None:
+    # text.parse_math is off (names are text): the log axis must not show raw "$\\mathdefault{10^{-1}}$"
+    events = [*EVENTS[:3], _round(0, 12.0, 3.0, a=100_000, b=3_000_000), _round(1, 14.0, 2.0, a=50_000, b=9_000_000)]
+    fig = bytes_figure([load_run(_write(tmp_path / "r", events))])
+    fig.canvas.draw()
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]
+    assert labels and all("$" not in lb and "mathdefault" not in lb for lb in labels), labels
+    assert {"0.1", "1"} <= set(labels), labels
