@@ -194,3 +194,13 @@ def test_the_suites_time_is_stated_in_one_place() -> None:
         text = _SUITE_TIME_HOME.sub("", (ROOT / name).read_text())
         elsewhere += [f"{name}: {' '.join(m.group(0).split())!r}" for m in _SUITE_TIME.finditer(text)]
     assert not elsewhere, "the suite's time, again (it lives in CONTRIBUTING.md, Suite time):\n" + "\n".join(elsewhere)
+
+
+def test_readme_trainer_scripts_are_the_tested_files() -> None:
+    """Each script README shows under "Bring your own trainer" is, byte for byte, the file in
+    recipes/trainers/ that tests/test_trainers.py runs."""
+    blocks = re.findall(r"```python\n(# (\w+\.py) .*?)\n```", (ROOT / "README.md").read_text(), re.S)
+    shown = {name: text for text, name in blocks if (ROOT / "recipes" / "trainers" / name).is_file()}
+    assert sorted(shown) == sorted(p.name for p in (ROOT / "recipes" / "trainers").glob("*.py"))
+    for name, text in shown.items():
+        assert text == (ROOT / "recipes" / "trainers" / name).read_text().rstrip(), name
