@@ -378,7 +378,7 @@ class BaseServer:
 @dataclass
 class Fetched:
     manifest: Manifest
-    cached: int  # tensors found in the cache
+    cached: int  # tensors found in the cache (or equal to one fetched before them)
     fetched: int  # tensors fetched now
     bytes: int  # tensor bytes fetched now
 
@@ -460,10 +460,9 @@ async def fetch_base(
     manifest: Manifest | None = None if blob is None else Manifest.decode(blob)
     if manifest is not None:
         check(manifest)
-    cached = 0 if manifest is None else sum(cache.has(t) for t in manifest.tensors)
+    if manifest is not None and all(cache.has(t) for t in manifest.tensors):
+        return Fetched(manifest, len(manifest.tensors), 0, 0)
     fetched = nbytes = 0
-    if manifest is not None and cached == len(manifest.tensors):
-        return Fetched(manifest, cached, 0, 0)
     for ticket in src.tickets:
         try:
             ch = await endpoint.connect(ticket, BASE_ALPN, timeout=TIMEOUT)
@@ -481,7 +480,6 @@ async def fetch_base(
                 manifest = Manifest.decode(blob)
                 check(manifest)  # before a single tensor: a file that does not fit is refused here
                 cache.write(src.root, [blob])
-                cached = sum(cache.has(t) for t in manifest.tensors)
             for i, t in enumerate(manifest.tensors):
                 if cache.has(t):
                     continue
@@ -497,7 +495,7 @@ async def fetch_base(
                     raise BaseError(f"tensor {t.name}: its bytes do not match the manifest's digest {t.digest[:12]}")
                 cache.write(t.digest, parts)
                 fetched, nbytes = fetched + 1, nbytes + n
-            return Fetched(manifest, cached, fetched, nbytes)
+            return Fetched(manifest, len(manifest.tensors) - fetched, fetched, nbytes)
         except TransportError as e:
             errors.append(f"{ticket[:20]}...: {e}")
         except Misfit:

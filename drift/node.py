@@ -602,7 +602,7 @@ class Session:
             raise await self._refuse(f"the coordinator's init_weights: {e}") from None
         self.opts.say(
             f"init_weights: {len(got.manifest.tensors)} tensors (manifest {src.root[:12]}): "
-            f"{got.cached} from the cache, {got.fetched} fetched ({got.bytes} bytes)"
+            f"{got.fetched} fetched ({got.bytes} bytes), {got.cached} already here"
         )
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
