@@ -463,11 +463,12 @@ async def fetch_base(
     if manifest is not None and all(cache.has(t) for t in manifest.tensors):
         return Fetched(manifest, len(manifest.tensors), 0, 0)
     fetched = nbytes = 0
-    for ticket in src.tickets:
+    for i, ticket in enumerate(src.tickets):
+        who = "the coordinator" if i == 0 else f"holder {ticket[:20]}..."
         try:
             ch = await endpoint.connect(ticket, BASE_ALPN, timeout=TIMEOUT)
         except TransportError as e:
-            errors.append(f"{ticket[:20]}...: {e}")
+            errors.append(f"init_weights from {who}: {e}")
             continue
         try:
             if manifest is None:
@@ -480,7 +481,7 @@ async def fetch_base(
                 manifest = Manifest.decode(blob)
                 check(manifest)  # before a single tensor: a file that does not fit is refused here
                 cache.write(src.root, [blob])
-            for i, t in enumerate(manifest.tensors):
+            for j, t in enumerate(manifest.tensors):
                 if cache.has(t):
                     continue
                 h, parts = hashlib.blake2b(digest_size=DIGEST), []
@@ -489,23 +490,23 @@ async def fetch_base(
                     h.update(frame)
                     parts.append(frame)
 
-                await ch.send_frame(json.dumps({"get": i}).encode())
+                await ch.send_frame(json.dumps({"get": j}).encode())
                 n = await _read(ch, t.size, take)
                 if n != t.size or h.hexdigest() != t.digest:
-                    raise BaseError(f"tensor {t.name}: its bytes do not match the manifest's digest {t.digest[:12]}")
+                    raise BaseError(
+                        f"tensor {t.name}: its bytes do not match the manifest's digest {t.digest[:12]}; refused"
+                    )
                 cache.write(t.digest, parts)
                 fetched, nbytes = fetched + 1, nbytes + n
             return Fetched(manifest, len(manifest.tensors) - fetched, fetched, nbytes)
-        except TransportError as e:
-            errors.append(f"{ticket[:20]}...: {e}")
         except Misfit:
             raise  # the file does not fit this model: no other holder changes that
-        except BaseError as e:
-            errors.append(f"{ticket[:20]}...: {e}")
+        except (BaseError, TransportError) as e:
+            errors.append(f"init_weights from {who}: {e}")
         finally:
             with contextlib.suppress(Exception):
                 ch.close("done")
-    raise BaseError("no holder could hand over init_weights: " + "; ".join(errors or ["no holder to ask"]))
+    raise BaseError("; ".join(errors or ["no holder to ask"]))
 
 
 def tensors(cache: BaseCache, manifest: Manifest, places: list[Place]) -> Iterator[tuple[Place, np.ndarray]]:
@@ -523,7 +524,8 @@ async def take(
 ) -> Fetched:
     """A node's side: the file's frozen tensors into `worker`'s model, and (when `src.theta`) its
     trainable ones into θ₀ (`theta`, laid out by `layout`). The manifest is checked against this
-    model before any tensor is fetched; BaseError (Misfit: it does not fit) otherwise."""
+    model before any tensor is fetched; BaseError (Misfit: it does not fit) otherwise, a line
+    that says so."""
     shapes = dict(zip(layout.names, layout.shapes, strict=True))
     frozen = worker.frozen_shapes()
     plan: list[Place] = []
@@ -531,7 +533,10 @@ async def take(
     def check(m: Manifest) -> None:
         plan[:] = fit(m.tensors, shapes, frozen)
 
-    got = await fetch_base(endpoint, src, cache, check)
+    try:
+        got = await fetch_base(endpoint, src, cache, check)
+    except Misfit as e:
+        raise Misfit(f"init_weights do not fit this model: {e}") from None
     where = {name: sl for name, sl, _ in layout.slices()}
     for p, a in tensors(cache, got.manifest, plan):
         if not p.theta:

@@ -599,7 +599,7 @@ class Session:
         try:
             got = await take(self.node.endpoint, src, t.worker, t.layout, t.theta, BaseCache(drift_home() / "base"))
         except BaseError as e:
-            raise await self._refuse(f"the coordinator's init_weights: {e}") from None
+            raise await self._refuse(str(e)) from None
         self.opts.say(
             f"init_weights: {len(got.manifest.tensors)} tensors (manifest {src.root[:12]}): "
             f"{got.fetched} fetched ({got.bytes} bytes), {got.cached} already here"

@@ -173,7 +173,10 @@ def test_a_corrupted_tensor_from_the_holder_is_refused(tmp_path: Path) -> None:
     cache = tmp_path / "home" / "base"
     got, _ = _serve(server, cache)
     assert isinstance(got, BaseError)
-    assert f"tensor w: its bytes do not match the manifest's digest {w.tensor.digest[:12]}" in str(got)
+    assert (
+        str(got)
+        == f"init_weights from the coordinator: tensor w: its bytes do not match the manifest's digest {w.tensor.digest[:12]}; refused"
+    )
     assert not (cache / w.tensor.digest).exists() and not list(cache.glob(".*"))
 
 
