@@ -5,6 +5,7 @@ refused, and a node's cache that makes a second fetch free."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,7 @@ def test_the_manifest_digests_every_floating_tensor_as_stored(tmp_path: Path) ->
             fh.seek(s.offset)
             data = fh.read(s.tensor.size)
         assert np.array_equal(as_float32(s.tensor, data), tensors[s.tensor.name].float().numpy())
+        assert s.tensor.digest == hashlib.blake2b(data, digest_size=16).hexdigest()  # of the bytes as stored
     # another value anywhere is another root
     other = Manifest(tuple(s.tensor for s in read_weights(_file(tmp_path, {**tensors, "w": tensors["w"] + 1}))))
     assert other.root != m.root
