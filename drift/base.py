@@ -412,12 +412,14 @@ class BaseCache:
         p = self.path(t.digest)
         return p.is_file() and p.stat().st_size == t.size
 
-    def write(self, key: str, parts: Iterator[bytes] | list[bytes]) -> None:
+    @contextlib.contextmanager
+    def writing(self, key: str) -> Iterator[Any]:
+        """A file to write `key`'s bytes to: in place (fsynced, renamed) once the block ends, gone
+        if it raises."""
         tmp = self.root / f".{key}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as fh:
-                for part in parts:
-                    fh.write(part)
+                yield fh
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path(key))
@@ -480,23 +482,24 @@ async def fetch_base(
                     raise BaseError("its manifest is not the one the coordinator announced")
                 manifest = Manifest.decode(blob)
                 check(manifest)  # before a single tensor: a file that does not fit is refused here
-                cache.write(src.root, [blob])
+                with cache.writing(src.root) as fh:
+                    fh.write(blob)
             for j, t in enumerate(manifest.tensors):
                 if cache.has(t):
                     continue
-                h, parts = hashlib.blake2b(digest_size=DIGEST), []
+                h = hashlib.blake2b(digest_size=DIGEST)
+                with cache.writing(t.digest) as fh:  # streamed to disk: a tensor is never held whole
 
-                def take(frame: bytes, h=h, parts=parts) -> None:
-                    h.update(frame)
-                    parts.append(frame)
+                    def take(frame: bytes, h=h, fh=fh) -> None:
+                        h.update(frame)
+                        fh.write(frame)
 
-                await ch.send_frame(json.dumps({"get": j}).encode())
-                n = await _read(ch, t.size, take)
-                if n != t.size or h.hexdigest() != t.digest:
-                    raise BaseError(
-                        f"tensor {t.name}: its bytes do not match the manifest's digest {t.digest[:12]}; refused"
-                    )
-                cache.write(t.digest, parts)
+                    await ch.send_frame(json.dumps({"get": j}).encode())
+                    n = await _read(ch, t.size, take)
+                    if n != t.size or h.hexdigest() != t.digest:
+                        raise BaseError(
+                            f"tensor {t.name}: its bytes do not match the manifest's digest {t.digest[:12]}; refused"
+                        )
                 fetched, nbytes = fetched + 1, nbytes + n
             return Fetched(manifest, len(manifest.tensors) - fetched, fetched, nbytes)
         except Misfit:
