@@ -132,7 +132,7 @@ class Coordinator:
         self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
         self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
-        # A resumed checkpoint's θ, to members; initial weights also to nodes in the handshake.
+        # A resumed checkpoint's θ, to members (init_weights: self.base, drift/base.py).
         self.state = StateServer(allowed=self._member)
         self.base: BaseServer | None = None  # recipe init_weights: θ₀ and/or the frozen base, served by us
         self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
