@@ -16,10 +16,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from auth import Admission, AuthError
 from drift import protocol as P
+from drift.base import MIN_RATE as BASE_MIN_RATE
+from drift.base import BaseError, BaseServer, task_state
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
 from drift.data import DataError, DataServer, open_holder
 from drift.diloco import ParamLayout, checksum
@@ -31,6 +31,7 @@ from drift.state import StateError, StateServer, fetch_state
 from drift.swarm import Peer, Swarm
 from drift.sync import rule_class
 from drift.transport import (
+    BASE_ALPN,
     CONTROL_ALPN,
     DATA_ALPN,
     MAX_CONTROL_FRAME,
@@ -47,7 +48,6 @@ from drift.transport import (
     peer_of,
     source_of,
 )
-from drift.weights import WeightsError, load_weights
 
 log = logging.getLogger("drift.coord")
 
@@ -140,9 +140,9 @@ class Coordinator:
         self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
         self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
-        # A resumed checkpoint's θ, to members; initial weights also to nodes in the handshake.
+        # A resumed checkpoint's θ, to members (init_weights: self.base, drift/base.py).
         self.state = StateServer(allowed=self._member)
-        self.init: P.StateSource | None = None  # where nodes fetch θ₀ of recipe.init_weights (from us)
+        self.base: BaseServer | None = None  # recipe init_weights: θ₀ and/or the frozen base, served by us
         self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
         self.data_holders: dict[str, str] = {}  # node id -> ticket: members that serve a copy of it too
         self._logged: dict[str, float] = {}  # node id -> when its last NodeLog was kept
@@ -175,18 +175,12 @@ class Coordinator:
         """Bind and start accepting; returns the join ticket (shown to the owner only: it admits)."""
         if (why := self.admission.unreachable()) is not None:  # e.g. fewer allowlisted nodes than needed
             raise CoordinatorError(why)
-        if self.recipe.init_weights is not None and self.resume is None:
-            try:
-                layout, theta = load_weights(Path(self.recipe.init_weights))
-            except WeightsError as e:
-                raise CoordinatorError(f"init_weights: {e}") from None
-            arrays = (theta, *(np.zeros(theta.size, np.float32) for _ in self.state_names))  # a fresh outer state
-            self.state.publish(-1, arrays, checksum(*arrays), layout)
+        if self.recipe.init_weights is not None:
+            self.base = await self._open_base()
         if self.recipe.data is not None:
             self.data = await self._open_data()
-        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=(CONTROL_ALPN, STATE_ALPN, DATA_ALPN))
-        if (cur := self.state.current) is not None and cur.round == -1:
-            self.init = P.StateSource(round=-1, checksum=cur.checksum, tickets=[self.endpoint.ticket()])
+        alpns = (CONTROL_ALPN, STATE_ALPN, DATA_ALPN, BASE_ALPN)
+        self.endpoint = await Endpoint.bind(self.mode, secret_key=self.key, alpns=alpns)
         self._spawn(self._accept_loop())
         self._spawn(self._ping())
         return join_ticket(self.endpoint.ticket(), self.run_id)
@@ -216,6 +210,29 @@ class Coordinator:
             m.n["val"],
             m.layout.record,
             server.root,
+        )
+        return server
+
+    async def _open_base(self) -> BaseServer:
+        """recipe init_weights: digest the file, and refuse it here if it does not fit the task's model."""
+        from workers import load_task
+
+        root = self.repo or Path.cwd()
+
+        def build() -> BaseServer:
+            try:
+                shapes = task_state(load_task(root / self.recipe.task, root=root), self.recipe.task_config)
+            except (FileNotFoundError, ImportError, ValueError):
+                shapes = None  # the nodes load it, and say what is wrong
+            return BaseServer.open(Path(self.recipe.init_weights), shapes, allowed=self._member)
+
+        try:
+            server = await asyncio.get_running_loop().run_in_executor(None, build)
+        except BaseError as e:
+            raise CoordinatorError(f"init_weights: {e}") from None
+        m = server.manifest
+        log.info(
+            "init_weights: serving %d tensors, %.1f MiB (manifest %s)", len(m.tensors), m.size / 2**20, server.root
         )
         return server
 
@@ -289,6 +306,11 @@ class Coordinator:
             {
                 CONTROL_ALPN: self._serve,
                 STATE_ALPN: lambda conn: self.state.handle(conn, on_drop=self._dropped, on_stranger=self._refusals),
+                **(
+                    {BASE_ALPN: lambda conn: self.base.handle(conn, on_drop=self._dropped, on_stranger=self._refusals)}
+                    if self.base
+                    else {}
+                ),
                 **(
                     {DATA_ALPN: lambda conn: self.data.handle(conn, on_drop=self._dropped, on_stranger=self._refusals)}
                     if self.data
@@ -415,12 +437,15 @@ class Coordinator:
                         run_id=self.run_id,
                         recipe=self.recipe.model_dump(mode="json"),
                         commit=self.commit,
-                        init=self.init,
+                        base=None
+                        if self.base is None
+                        else self.base.source([self.endpoint.ticket()], self.resume is None),
                         data=self.data_source(),
                     )
                 )
             )
-            rc = await self._next_message(ch, LOAD_TIMEOUT)  # the node loads the task first: it heartbeats
+            load_s = LOAD_TIMEOUT + (0 if self.base is None else self.base.manifest.size / BASE_MIN_RATE)
+            rc = await self._next_message(ch, load_s)  # the node loads the task (and init_weights) first: it heartbeats
             if isinstance(rc, P.TrainingCancel):  # the node refused the code it was asked to run
                 await self._auth_failed(
                     ch, conn, peer.id, f"node {info.name} ({peer.id[:10]}) refused to run: {rc.reason}", tell=False

@@ -29,7 +29,6 @@ of the worker frees goes back to the OS (workers.trim_heap) instead of staying i
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import os
@@ -46,6 +45,7 @@ import numpy as np
 
 from auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift import protocol as P
+from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
@@ -73,7 +73,6 @@ from drift.transport import (
     run_finished,
     ticket_run,
 )
-from drift.weights import placement
 from workers import BackendError, Choice, TaskError, trim_heap
 
 log = logging.getLogger("drift.node")
@@ -552,8 +551,8 @@ class Session:
                 "",
             )
             t.read_local(theta)
-            if cfg.init is not None:
-                await self._initial_weights(t, cfg.init)
+            if cfg.base is not None:
+                await self._init_weights(t, cfg.base)
             log.info(
                 "loaded %s: %d values (%d in buffers), %s on %s",
                 recipe.task,
@@ -602,40 +601,17 @@ class Session:
 
         self._tasks.append(asyncio.ensure_future(say()))
 
-    async def _initial_weights(self, t: Trainer, src: P.StateSource) -> None:
-        """θ₀ <- the coordinator's initial weights (drift-state/0), each tensor placed by name into
-        this node's layout, checksum-verified; a refusal naming what differs if they do not fit."""
-        misfit: list[str] = []
-
-        def sink(sent: ParamLayout):
-            plan = placement(sent, t.layout)
-            if isinstance(plan, str):
-                misfit.append(plan)
-                raise StateError(plan)
-            starts = [a for a, _, _ in plan]
-            view = memoryview(t.theta).cast("B")
-
-            def write(which: int, offset: int, data: memoryview) -> None:
-                if which >= 1:  # the outer state of a fresh start: zeros (the checksum covers them)
-                    if np.frombuffer(data, np.uint8).any():
-                        raise StateError("the initial outer state is not zero")
-                    return
-                i, done = bisect.bisect_right(starts, offset) - 1, 0
-                while done < len(data):
-                    a, n, d = plan[i]
-                    at = offset + done
-                    take = min(len(data) - done, a + n - at)
-                    view[d + at - a : d + at - a + take] = data[done : done + take]
-                    done, i = done + take, i + 1
-
-            return write
-
+    async def _init_weights(self, t: Trainer, src: P.BaseSource) -> None:
+        """recipe init_weights from the coordinator (drift/base.py): the frozen base into the model,
+        θ₀ into t.theta; cached under $DRIFT_HOME/base, so a second run fetches nothing."""
         try:
-            await fetch_state(self.node.endpoint, src.tickets, -1, src.checksum, sink, arrays=len(t.arrays))
-        except StateError as e:
-            why = misfit[0] if misfit else str(e)
-            raise await self._refuse(f"the coordinator's init_weights do not fit this model: {why}") from None
-        log.info("took θ₀ (init_weights) from the coordinator")
+            got = await take(self.node.endpoint, src, t.worker, t.layout, t.theta, BaseCache(drift_home() / "base"))
+        except BaseError as e:
+            raise await self._refuse(str(e)) from None
+        self.opts.say(
+            f"init_weights: {len(got.manifest.tensors)} tensors (manifest {src.root[:12]}): "
+            f"{got.fetched} fetched ({got.bytes} bytes), {got.cached} already here"
+        )
 
     # --- trust: the code we run, and who we run it with ----------------------------------------
 

@@ -141,7 +141,7 @@ class TrainConfig(_Msg):
     run_id: Token
     recipe: dict[str, Any]  # the validated recipe (see recipe.py), as plain data
     commit: Token | None = None  # repo commit every node must run
-    init: StateSource | None = None  # θ₀ from the coordinator's initial weights (recipe init_weights)
+    base: BaseSource | None = None  # recipe init_weights: θ₀ and/or the frozen base, from the coordinator
     data: DataSource | None = None  # the task's samples, for a node that lacks them (recipe data:)
 
 
@@ -225,6 +225,16 @@ class StateSource(_Msg):
     round: RoundOrInitial  # θ after this round's outer step (-1: the initial θ)
     checksum: Token
     tickets: Annotated[list[Ticket], Field(max_length=MAX_NODES + 1)]  # peers that hold it, tried in order
+
+
+class BaseSource(_Msg):
+    """Where a node fetches the weights of recipe init_weights (ALPN drift-base/0): the digest of
+    their manifest (each tensor's name, dtype, shape and digest) and their size."""
+
+    root: Token
+    size: Count  # bytes of all the tensors
+    tickets: Annotated[list[Ticket], Field(min_length=1, max_length=MAX_NODES + 1)]  # holders, tried in order
+    theta: bool = True  # the file's trainable tensors are θ₀ (not when resuming: the checkpoint's θ is)
 
 
 class DataSource(_Msg):

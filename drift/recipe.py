@@ -82,8 +82,9 @@ class Recipe(_Strict):
     task_config: dict[str, Any] = Field(default_factory=dict)
     init_weights: str | None = Field(
         None,
-        description="θ₀ from a safetensors file or a save_pretrained directory (relative to the recipe "
-        "file), read by the coordinator only: nodes fetch it over drift-state/0",
+        description="a safetensors file or a save_pretrained directory (relative to the recipe file) on the "
+        "coordinator only: its trainable tensors are θ₀, its frozen ones a LoRA's base; nodes fetch it once over "
+        "drift-base/0, verified, and keep it in $DRIFT_HOME/base",
     )
     min_nodes: int = Field(1, ge=1)
     rounds: int = Field(ge=1)

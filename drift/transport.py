@@ -36,6 +36,7 @@ RING_ALPN = b"drift-ring/0"
 STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
 GATHER_ALPN = b"drift-gather/0"  # a sync rule's payload, to every member of the round (drift/gather.py)
 DATA_ALPN = b"drift-data/0"  # the task's samples for a node that lacks the data (drift/data.py)
+BASE_ALPN = b"drift-base/0"  # recipe init_weights: θ₀ and the frozen base, from the coordinator (drift/base.py)
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
 MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused

@@ -6,8 +6,11 @@ drift's θ is the trainable state only: the swarm sends, averages, transfers and
 adapters, and checks once at join that every node built the same frozen base. With the defaults
 (4 layers, 512 wide): 17.1M parameters, of which 65,536 train.
 
-A real fine-tune loads its base with `LlamaForCausalLM.from_pretrained(...)` in make_model; each
-node then needs the same base, which the frozen-base digest checks at join.
+A real fine-tune ships its base from one machine: `init_weights: path/to/base` in the recipe (a
+save_pretrained directory of the Llama, on the coordinator only); every node fetches it once,
+verified, into this model's frozen parameters. Or each node loads it itself with
+`LlamaForCausalLM.from_pretrained(...)` in make_model; the frozen-base digest checks at join that
+they all did the same.
 
     make_dataset(cfg) -> ByteDataset     # batch(split, indices) -> {"input_ids", "labels"}
     make_model(cfg) -> PeftModel         # model(**batch).loss: the default loss

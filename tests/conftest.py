@@ -45,6 +45,7 @@ TINY_RECIPE = {
 # The fast tier (`pytest -m "not swarm"`; its time: CONTRIBUTING.md): modules that run in-process (real iroh
 # on loopback, real codecs and rules) and start no `drift` process. Every other module is `swarm`.
 FAST_MODULES = {
+    "test_base",
     "test_compress",
     "test_coordinator",
     "test_data_serve",

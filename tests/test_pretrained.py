@@ -1,5 +1,5 @@
 """Initial weights on one machine (recipe init_weights): the coordinator reads them, nodes fetch
-θ₀ over drift-state/0, checksum-verified, and place it by name."""
+θ₀ over drift-base/0, digest-verified, and place it by name (tests/test_base.py: in process)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from safetensors.numpy import save_file
 
 from drift.diloco import ParamLayout, checksum
 from drift.recipe import RecipeError, load_recipe
-from drift.weights import WeightsError, load_weights, placement
 from workers import load_task
 from workers.torch_worker import TorchWorker
 
@@ -51,37 +50,6 @@ def test_nodes_start_from_the_coordinators_weights(tmp_path: Path) -> None:
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     assert initial == pytest.approx(expected, rel=1e-4)
     assert [e["round"] for e in events if e["event"] == "round"] == [0, 1]
-
-
-def test_a_save_pretrained_directory_is_read_by_name(tmp_path: Path) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    model.save_pretrained(tmp_path / "tiny")
-    layout, theta = load_weights(tmp_path / "tiny")
-    params = {n: p.detach().numpy() for n, p in model.named_parameters()}  # tied lm_head appears once
-    assert sorted(layout.names) == sorted(params)
-    mine = ParamLayout.of(params)
-    plan = placement(layout, mine)
-    assert isinstance(plan, list) and len(plan) == len(params)
-    out = np.empty(mine.size, np.float32)
-    for a, n, d in plan:
-        out.view(np.uint8)[d : d + n] = theta.view(np.uint8)[a : a + n]
-    assert np.array_equal(out, mine.flatten(params))
-
-
-def test_weights_that_do_not_fit_say_what_differs(tmp_path: Path) -> None:
-    a = ParamLayout.of({"w": np.zeros((2, 3)), "b": np.zeros(3)})
-    assert "1 missing (e.g. b)" in placement(ParamLayout.of({"w": np.zeros((2, 3))}), a)
-    assert "not in the model (e.g. x)" in placement(
-        ParamLayout.of({"w": np.zeros((2, 3)), "b": np.zeros(3), "x": np.zeros(1)}), a
-    )
-    assert "shape [3, 2]" in placement(ParamLayout.of({"w": np.zeros((3, 2)), "b": np.zeros(3)}), a)
-    with pytest.raises(WeightsError, match="no such file"):
-        load_weights(tmp_path / "nothing")
-    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(WeightsError, match="not a safetensors file"):
-        load_weights(tmp_path / "bad.safetensors")
 
 
 def test_a_recipe_naming_missing_weights_is_one_line(tmp_path: Path) -> None:

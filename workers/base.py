@@ -76,6 +76,14 @@ class Worker(Protocol):
         """A digest of the frozen parameters ("" when there are none): equal on every node."""
         ...
 
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The frozen parameters' shapes by name (empty when every parameter trains)."""
+        ...
+
+    def set_frozen(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy these frozen parameters (a pretrained base, by name) into the model."""
+        ...
+
     def get_params(self) -> dict[str, np.ndarray]:
         """A copy of every parameter as a float32, C-contiguous array (the caller may keep them)."""
         ...
@@ -148,6 +156,13 @@ class ParamsOnly:
     def frozen_checksum(self) -> str:
         """No frozen base here: every parameter trains."""
         return ""
+
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def set_frozen(self, tensors: dict[str, np.ndarray]) -> None:
+        if tensors:
+            raise TaskError(f"no frozen parameter here: {next(iter(tensors))}")
 
     def iter_state(self) -> Iterator[tuple[str, np.ndarray]]:
         """Every parameter (no buffers here), as float32 copies."""

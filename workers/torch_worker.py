@@ -212,6 +212,16 @@ class TorchWorker:
             (n, p.detach().to("cpu", torch.float32).contiguous().numpy()) for n, p in self._frozen.items()
         )
 
+    def frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The frozen parameters' shapes by name."""
+        return {n: tuple(p.shape) for n, p in self._frozen.items()}
+
+    def set_frozen(self, tensors: dict[str, np.ndarray]) -> None:
+        """Copy these frozen parameters (a pretrained base, by name) into the model, in place."""
+        shapes = self.frozen_shapes()
+        check_params({n: shapes.get(n, ()) for n in tensors}, tensors, "frozen parameter")
+        _copy_into({n: self._frozen[n] for n in tensors}, tensors)
+
     def get_params(self) -> dict[str, np.ndarray]:
         """A float32 C-contiguous copy of every trainable parameter."""
         return _copies(self._params)
