@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 
 from drift.transport import CONTROL_ALPN, RING_ALPN, STATE_ALPN, Endpoint
 from harness import hostile

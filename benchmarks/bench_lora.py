@@ -35,8 +35,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the harness
 
 from bench_scale import Sampler, kill_all, own_hwm, read_json  # noqa: E402
 

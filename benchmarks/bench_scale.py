@@ -58,9 +58,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))  # the harness
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_SIZES = "10M,124M,500M,1B"

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +55,6 @@ MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) a
 MAX_JOINING_PER_PEER = 4  # of those, from one node id (a node that rejoins may overlap its old try)
 MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
 TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
-MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
 
 
 class CoordinatorError(Exception):
@@ -149,7 +148,6 @@ class Coordinator:
         self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
         self.positions: dict[int, dict] = {}  # the data position after each settled round
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
-        self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
@@ -264,7 +262,6 @@ class Coordinator:
         peer = peer[:10] if len(peer) == 64 else P.printable(peer, 64)  # a node id, else an address
         why = P.printable(why, 300)
         log.warning("dropping connection from %s: %s", peer, why)
-        self.rejected.append(why)
         if self.monitor:
             self.monitor.event("connection_dropped", peer=peer, reason=why)
 

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from conftest import ROOT, WRAPPERS, check_exactly_once, drift_cmd
 
 from harness.simulate import Swarm, git
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 BLOCK = 16
 UNIT_SAMPLES = 2 * 8  # unit_steps * batch_size

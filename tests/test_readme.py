@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
+
 
 def readme_main_command(readme: Path) -> str:
     """The first indented (4 spaces) or fenced code line that is not the test command."""
