@@ -8,6 +8,7 @@ honest node it misled is not struck."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +53,8 @@ def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
     assert all(0 < n["bytes_sent"] < 4096 for r in rounds for n in r["nodes"].values()), rounds
 
 
-# (x1000, scale-ring, is caught as surely as -10 x: only the norm counts; kept out for the suite's time)
 @pytest.mark.swarm
-@pytest.mark.parametrize("attack", ["flip-ring", "noise-ring"])
+@pytest.mark.parametrize("attack", ["scale-ring", "flip-ring", "noise-ring"])
 def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_excluded(tmp_path: Path, attack: str) -> None:
     # 3 honest nodes + 1 that puts 1000 x (or -10 x, or noise of 10 x the norm of) its Δ into its
     # error feedback from round 1 on. Every honest node clips it to the median contribution
@@ -68,17 +68,17 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     events = swarm.events()
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     vals = [e["val_loss"] for e in events if e["event"] == "round" and e["val_loss"] is not None]
-    assert vals and max(vals) < initial, (initial, vals)  # θ was never poisoned
+    # θ was never poisoned: every round's val loss is below the one before (with clipping off,
+    # round 1's -10 x Δ raised it, 4.11 -> 4.51, and x1000 to 776)
+    assert len(vals) >= 3 and all(b < a for a, b in itertools.pairwise([initial, *vals])), (initial, vals)
     found = {e["name"]: e["round"] for e in events if e["event"] == "poisoner"}
     assert set(found) <= {"bad"}, found  # no honest node is ever blamed
-    if attack == "flip-ring":
-        # -10 x Δ enters its error feedback, which holds its honest past: its payload stays under
-        # `outlier` (6) x the median, here for the whole run at clip 1 (named in rounds 1-3 at
-        # clip 3). Clipped to the median, it never poisons θ (above), but it is not excluded.
-        return
-    assert "bad" in found, found  # named by most of the ring
-    later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
-    assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
+    # -10 x Δ enters its error feedback, which holds its honest past: its payload may stay under
+    # `outlier` (6) x the median for the whole run, clipped (the val loss above) but not named
+    if attack != "flip-ring":
+        assert "bad" in found, found  # named by most of the ring
+        later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
+        assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
 
 
