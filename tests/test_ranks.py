@@ -19,6 +19,8 @@ from conftest import drift_cmd, make_task_repo
 
 from harness.simulate import Swarm
 
+pytestmark = pytest.mark.swarm  # starts drift processes (a node's ranks too; tests/conftest.py)
+
 
 def _end(swarm: Swarm) -> None:
     """Whatever a test leaves running of its swarm is killed."""
@@ -80,7 +82,6 @@ def test_two_ranks_step_as_one_worker_on_the_whole_batch(tmp_path: Path) -> None
         group.close()
 
 
-@pytest.mark.swarm
 def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
     """`drift join --nproc 2` beside a plain node: one identity, one ring member, every round's
     checksum agreed by both, and its ranks gone when the run ends."""
@@ -110,7 +111,6 @@ def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
     assert "Traceback" not in (tmp_path / "ranked.log").read_text()
 
 
-@pytest.mark.swarm
 def test_a_rank_that_dies_ends_its_node_with_one_line(tmp_path: Path) -> None:
     """A rank killed while its node waits in a swarm: the node says which rank and how, exits 1."""
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2)
@@ -139,7 +139,6 @@ def _dead_ticket() -> str:
     return asyncio.run(make())
 
 
-@pytest.mark.swarm
 @pytest.mark.parametrize(
     "args,needle",
     [
