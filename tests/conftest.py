@@ -1,4 +1,6 @@
-"""Shared fixtures: the repo root, a tiny task repo made with real git, a helper to run asyncio."""
+"""Shared fixtures: the repo root, a tiny task repo made with real git, a helper to run asyncio;
+the tiers (`swarm`) and what a test needs beyond the test extra (`root`, `chromium`). The harness
+(swarms of real processes, hostile peers) is benchmarks/harness, on pytest's pythonpath."""
 
 from __future__ import annotations
 

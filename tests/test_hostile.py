@@ -1,6 +1,6 @@
 """Nothing from the network can crash the coordinator or a node.
 
-Real iroh endpoints on loopback throw hostile connections and frames (tests/harness/hostile.py) at each
+Real iroh endpoints on loopback throw hostile connections and frames (benchmarks/harness/hostile.py) at each
 ALPN: the coordinator's drift/0, a state server's drift-state/0, a node ring's drift-ring/0, and
 an ALPN nobody serves. Each bad connection must end in one dropped-connection line with its
 reason, closed, while the server goes on serving: a real handshake, a state fetch, an all-reduce,
