@@ -14,12 +14,9 @@ Detection is bounded by `stale_after_s` (heartbeats stop; a killed process sends
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 
 from harness.simulate import Swarm, make_task_repo
 

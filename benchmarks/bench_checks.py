@@ -30,16 +30,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import nacl.signing
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 
 from drift import protocol as P
 from drift.compress import make_codec

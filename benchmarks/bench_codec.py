@@ -14,13 +14,9 @@ back (encode); the payload there, the values back (decode).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drift.compress import make_codec
 from workers.torch_codec import TorchCodecKernels

@@ -32,20 +32,19 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "recipes"))
 
 from netns import Swarm  # noqa: E402
 
 
 def make_repo(path: Path, served: bool, rounds: int) -> Path:
-    from shakespeare_char import CharDataset, load_text
+    from workers import load_task
 
+    char = load_task(ROOT / "recipes" / "shakespeare_char.py")
     rec = path / "recipes"
     (rec / "data").mkdir(parents=True)
     for name in ("token_file.py", "shakespeare_char.py"):
         shutil.copy(ROOT / "recipes" / name, rec / name)
-    ds = CharDataset(load_text(), 64)
+    ds = char.CharDataset(char.load_text(), 64)
     for split in ("train", "val"):
         ds.tokens(split).astype(np.uint16).tofile(rec / "data" / f"{split}.bin")
     recipe = {

@@ -35,8 +35,6 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "recipes"))
 
 from drift import protocol as P  # noqa: E402
 from drift.data import DataClient, DataServer, build_manifest  # noqa: E402
@@ -46,17 +44,17 @@ UNIT = 160  # samples a unit
 
 
 def dataset(task: str, work: Path):
+    from workers import load_task
+
     if task == "gpt2":
-        import gpt2_shakespeare
-
-        return gpt2_shakespeare.make_dataset({})
-    import token_file
-    from shakespeare_char import CharDataset, load_text
-
-    ds = CharDataset(load_text(), 64)
+        return load_task(ROOT / "recipes" / "gpt2_shakespeare.py").make_dataset({})
+    char = load_task(ROOT / "recipes" / "shakespeare_char.py")
+    ds = char.CharDataset(char.load_text(), 64)
     for split in ("train", "val"):
         ds.tokens(split).astype(np.uint16).tofile(work / f"{split}.bin")
-    return token_file.make_dataset({"data_dir": str(work), "block_size": 64, "vocab_size": ds.vocab_size})
+    return load_task(ROOT / "recipes" / "token_file.py").make_dataset(
+        {"data_dir": str(work), "block_size": 64, "vocab_size": ds.vocab_size}
+    )
 
 
 def cpu() -> float:

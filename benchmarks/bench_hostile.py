@@ -4,7 +4,7 @@
 
 For each ALPN a coordinator's endpoint can be dialled on (drift/0, drift-state/0, and drift-ring/0,
 which it does not serve), the benchmark throws the hostile connections and frames of
-tests/harness/hostile.py at a real `drift coord` before any node has joined, twice, and prints how many
+benchmarks/harness/hostile.py at a real `drift coord` before any node has joined, twice, and prints how many
 it tried, how many the coordinator dropped (connection_dropped lines in metrics.jsonl) and the
 coordinator's RSS (psutil) before and after each barrage. Then two real `drift join` nodes run
 the recipe against that same coordinator, and the wall-clock from their start to the
@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 
 from drift.transport import CONTROL_ALPN, RING_ALPN, STATE_ALPN, Endpoint
 from harness import hostile

@@ -6,7 +6,7 @@ per round and the peak RSS of a real `drift join` node against a plain torch loo
 Model: recipes/lora_llama.py's Llama (4 layers, 512 wide, 17.1M parameters) on Shakespeare's
 bytes, built from a config. "lora": peft LoRA r=8 on q/v (65,536 trainable); "full": the same
 model with every parameter trained (lora_r 0). Each runs as a real 2-node swarm on loopback
-(`tests/harness/simulate.py`'s `Swarm`: coordinator + 2 `drift join`, 1 torch thread each, int8 ring, 2 rounds);
+(`benchmarks/harness/simulate.py`'s `Swarm`: coordinator + 2 `drift join`, 1 torch thread each, int8 ring, 2 rounds);
 bytes per node per round are the round events' bytes_sent / 2. The plain loop is the same model,
 AdamW over the trainable parameters and the node's number of steps, in a fresh process. The
 target: bytes ∝ trainable parameters; node − plain ≤ 3 × trainable bytes + the frozen base once.
@@ -35,8 +35,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the harness
 
 from bench_scale import Sampler, kill_all, own_hwm, read_json  # noqa: E402
 

@@ -20,7 +20,7 @@ Parts (--parts, default all):
           and again (hot), and the mapping alone (`_map_tensors`). The server publishes one array
           as both θ and velocity (the bytes on the wire and on disk are the same as with two; it
           halves the server's memory so that 1B fits).
-  rss     peak RSS of a real `drift join` node in a real 2-node swarm (`tests/harness/simulate.py`'s `Swarm`,
+  rss     peak RSS of a real `drift join` node in a real 2-node swarm (`benchmarks/harness/simulate.py`'s `Swarm`,
           coordinator + 2 nodes on loopback, 1 torch thread each) training benchmarks/bigtask.py
           (exactly N parameters: one embedding table of 1000-wide rows, dense gradients, AdamW),
           against a plain torch loop in a fresh process with the same model, AdamW, grad clip,
@@ -58,9 +58,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))  # the harness
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_SIZES = "10M,124M,500M,1B"

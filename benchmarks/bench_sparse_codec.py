@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drift.diloco import ParamLayout
 from drift.protocol import RingMember

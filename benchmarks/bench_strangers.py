@@ -14,14 +14,9 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from conftest import make_task_repo
 
 from auth import NodeKey
 from drift import protocol as P
@@ -29,6 +24,7 @@ from drift.coordinator import Coordinator
 from drift.monitor import Monitor
 from drift.recipe import load_recipe
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Endpoint, parse_ticket
+from harness.simulate import TINY_RECIPE, make_task_repo
 
 
 async def one(recipe_path: Path, run_dir: Path, idle: int) -> tuple[float | str, int]:
@@ -67,7 +63,7 @@ def main() -> None:
     ap.add_argument("--tries", type=int, default=5)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = make_task_repo(Path(tmp) / "repo")
+        recipe = make_task_repo(Path(tmp) / "repo", TINY_RECIPE)
         print(f"{'idle stranger conns':>20} {'join (TrainConfig)':>22} {'flood lines':>12}")
         for idle in a.idle:
             results = [asyncio.run(one(recipe, Path(tmp) / f"run-{idle}-{i}", idle)) for i in range(a.tries)]

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
 
 from harness.simulate import Swarm, make_task_repo
 

@@ -36,6 +36,7 @@ link's plots (loss, nodes, bytes, utilization) into OUT/<link>/.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -47,10 +48,6 @@ import time
 from pathlib import Path
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness
-import itertools
 
 from drift.report import Run, load_run
 from harness.simulate import Swarm, make_task_repo

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,6 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from workers import load_task, make_worker  # noqa: E402
 from workers.torch_worker import TorchWorker, resolve_device  # noqa: E402

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the harness
-from conftest import SIM  # noqa: E402
+from harness.simulate import SIM, Swarm, make_task_repo
 
-from harness.simulate import Swarm, make_task_repo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "benchmarks" / "plots" / "dashboard.png"
 

@@ -46,7 +46,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from drift.diloco import epoch_order  # noqa: E402
 from drift.recipe import load_recipe  # noqa: E402

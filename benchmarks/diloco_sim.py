@@ -32,13 +32,11 @@ direct all-gather N-1.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from drift import protocol as P  # noqa: E402
 from drift.compress import make_codec  # noqa: E402

@@ -33,7 +33,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
 from drift.sync.sparse import Codec  # noqa: E402
 

@@ -553,6 +553,14 @@ def _dirty(root: Path) -> bool:
     default=None,
     help="Where --repo is cloned and checked out [default: ~/.drift/repos].",
 )
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=15.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long each try to reach the coordinator may take (a slow relay path may need more).",
+)
 def join(
     repo: str,
     ticket: str,
@@ -564,6 +572,7 @@ def join(
     threads: int | None,
     key: Path | None,
     cache_dir: Path | None,
+    connect_timeout: float,
 ) -> None:
     """Join a swarm: check out the task from REPO at the coordinator's commit, train, sync."""
     try:
@@ -603,6 +612,7 @@ def join(
         steps=Steps(),
         key=node_key,
         say=lambda line: click.echo(f"drift: {line}", err=True),
+        connect_timeout=connect_timeout,
     )
     if name:
         opts.name = name

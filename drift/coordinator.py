@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +59,6 @@ MAX_JOINING_PER_PEER = 4  # of those, from one node id (a node that rejoins may 
 MAX_JOINING_PER_SOURCE = 16  # of those, from one IP address (ids are free: one machine cannot fill them all)
 MAX_TELLING = 8  # strangers being told why they are refused at once; the rest are just closed
 TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeInfo at once)
-MAX_REJECTED = 100  # recent drop reasons kept in Coordinator.rejected (all are logged)
 # A node's DataReports become log lines and metrics events: at most this many per node a window
 # (an honest node sends one "fetched" a round and a few others); the rest are counted, not kept.
 MAX_DATA_REPORTS = 20
@@ -158,7 +157,6 @@ class Coordinator:
         self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
         self.positions: dict[int, dict] = {}  # the data position after each settled round
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
-        self.rejected: deque[str] = deque(maxlen=MAX_REJECTED)  # why recent connections were dropped (all logged)
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
         self._joining_by_source: dict[str, int] = {}  # the same, per IP address (MAX_JOINING_PER_SOURCE)
@@ -325,7 +323,6 @@ class Coordinator:
         peer = peer[:10] if len(peer) == 64 else P.printable(peer, 64)  # a node id, else an address
         why = P.printable(why, 300)
         log.warning("dropping connection from %s: %s", peer, why)
-        self.rejected.append(why)
         if self.monitor:
             self.monitor.event("connection_dropped", peer=peer, reason=why)
 

@@ -117,9 +117,10 @@ class NodeOptions:
     ticket: str
     source: TaskSource
     steps: Steps  # the thread that trains (drift.loop.NodeThread serves it)
-    key: NodeKey | None = None  # this node's identity; None: a throwaway key (tests)
+    key: NodeKey  # this node's identity
     name: str = field(default_factory=socket.gethostname)
     say: Callable[[str], None] = print  # one line for the operator (run complete, rejoining, ...)
+    connect_timeout: float = 15.0  # each try to reach the coordinator
 
 
 @dataclass
@@ -228,7 +229,7 @@ class Node:
             opts.source.open()  # fetched once TrainConfig names the commit
         except RepoError as e:
             raise NodeError(str(e)) from None
-        self.key = opts.key or NodeKey.generate()
+        self.key = opts.key
         self.coordinator = str(parse_ticket(opts.ticket).id())
         self.endpoint = await Endpoint.bind(mode, secret_key=self.key.seed)
         self.ring = Ring(self.endpoint, trusted=lambda peer: peer in self.members)
@@ -406,7 +407,7 @@ class Session:
     async def run(self) -> int:
         node = self.node
         try:
-            self.ctl = await node.endpoint.connect(self.opts.ticket, CONTROL_ALPN)
+            self.ctl = await node.endpoint.connect(self.opts.ticket, CONTROL_ALPN, self.opts.connect_timeout)
         except TransportError as e:
             if (run := ticket_run(self.opts.ticket)) is not None and run_finished(run):
                 raise NodeError(

@@ -1,70 +1,69 @@
-"""Shared fixtures: the repo root, a tiny task repo made with real git, a helper to run asyncio."""
+"""Shared fixtures: the repo root, a tiny task repo made with real git, a helper to run asyncio;
+the tiers (`swarm`) and what a test needs beyond the test extra (`root`, `chromium`). The harness
+(swarms of real processes, hostile peers) is benchmarks/harness, on pytest's pythonpath."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from harness import simulate
-from harness.simulate import git  # noqa: F401 - re-exported for tests
+from harness.simulate import SIM, SIM_BATCH, TINY_RECIPE, git  # noqa: F401 - re-exported for tests
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPERS = ROOT / "tests" / "wrappers"  # `drift join` with one injected fault, or held back
 
-# The simulated swarms' task: a tiny model, fast liveness, a simulated step time (tests/wrappers/sim_node.py) sets each node's pace.
-SIM_BATCH = 8
-SIM = dict(
-    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
-    batch_size=SIM_BATCH,
-    unit_steps=2,
-    eval_batches=2,
-    stale_after_s=4.0,
-    heartbeat_s=0.5,
-)
-
-# Small enough that a 3-node swarm finishes a few rounds in seconds on 2 cores.
-TINY_RECIPE = {
-    "name": "tiny",
-    "task_config": {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
-    "min_nodes": 3,
-    "rounds": 4,
-    "inner_steps": 10,
-    "batch_size": 16,
-    "unit_steps": 2,
-    "inner_optimizer": {"lr": 0.01},
-    "eval_batches": 4,
-    "seed": 7,
-    "network": "local",  # tests stay on loopback; tests/test_netns.py runs the default across namespaces
+# Tiers: `pytest -m "not swarm"` (the fast tier) runs every test that starts no `drift` process.
+# A module that starts drift processes or trains a real swarm says `pytestmark = pytest.mark.swarm`
+# (a mixed module marks its tests one by one); a fast test that starts one fails (_audit below).
+# `root` and `chromium`: what a test needs beyond the test extra. Without it the test is skipped
+# with a reason that says how to enable it, except under CI (CI=true), where it fails.
+NEEDS = {
+    "root": (lambda: os.geteuid() == 0, "needs root (network and mount namespaces): run pytest as root"),
+    "chromium": (lambda: shutil.which("chromium") is not None, "needs chromium: apt-get install chromium"),
 }
 
-
-# The fast tier (`pytest -m "not swarm"`; its time: CONTRIBUTING.md): modules that run in-process (real iroh
-# on loopback, real codecs and rules) and start no `drift` process. Every other module is `swarm`.
-FAST_MODULES = {
-    "test_base",
-    "test_compress",
-    "test_coordinator",
-    "test_data_serve",
-    "test_diloco",
-    "test_inner",
-    "test_protocol",
-    "test_ring",
-    "test_rules",
-    "test_state",
-    "test_strangers",
-    "test_transport",
-    "test_worker",
-}
+_swarm_test = [False]  # the running test is marked swarm
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.module.__name__ not in FAST_MODULES:
-            item.add_marker(pytest.mark.swarm)
+def _audit(event: str, args: tuple) -> None:
+    if event != "subprocess.Popen" or _swarm_test[0]:
+        return
+    argv = [str(a) for a in args[1]] if isinstance(args[1], (list, tuple)) else [str(args[1])]
+    module = [b for a, b in itertools.pairwise(argv) if a == "-m"]
+    if (
+        Path(argv[0]).name == "drift"
+        or any(m.split(".")[0] == "drift" for m in module)
+        or str(WRAPPERS) in " ".join(argv)
+    ):
+        raise RuntimeError(f"a test that starts a drift process must be marked swarm (tests/conftest.py): {argv[:4]}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.addaudithook(_audit)  # (here, not at import: a test module importing tests.conftest adds none)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _swarm_test[0] = item.get_closest_marker("swarm") is not None
+    try:
+        yield
+    finally:
+        _swarm_test[0] = False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for name, (ok, why) in NEEDS.items():
+        if item.get_closest_marker(name) is not None and not ok():
+            if os.environ.get("CI"):
+                pytest.fail(f"{why} (CI=true: CI must run this test)", pytrace=False)
+            pytest.skip(why)
 
 
 @pytest.fixture(autouse=True)
@@ -91,6 +90,12 @@ def make_task_repo(path: Path, **recipe_overrides) -> Path:
 @pytest.fixture
 def tiny_recipe(tmp_path: Path) -> Path:
     return make_task_repo(tmp_path / "repo")
+
+
+def dropped(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Why the coordinator dropped connections, from its log: one line each."""
+    lines = (r.getMessage() for r in caplog.records if r.name == "drift.coord")
+    return [m.split(": ", 1)[1] for m in lines if m.startswith("dropping connection from ")]
 
 
 def drift_cmd(*args: str) -> list[str]:

@@ -93,6 +93,7 @@ def test_malformed_key_file_is_refused(tmp_path: Path) -> None:
         load_key(tmp_path / "missing.key")
 
 
+@pytest.mark.swarm
 def test_cli_id_prints_the_node_id_and_refuses_loose_keys(tmp_path: Path) -> None:
     path = tmp_path / "k" / "node.key"
     out = subprocess.run(drift_cmd("id", "--key", str(path)), capture_output=True, text=True, timeout=120)
@@ -334,6 +335,7 @@ def _coord_error(recipe: Path, tmp_path: Path) -> str:
     return lines[0]
 
 
+@pytest.mark.swarm
 def test_coord_refuses_unpinnable_code_and_bad_allowlists(tmp_path: Path) -> None:
     import shutil
 

@@ -290,6 +290,7 @@ def _stop(*procs: subprocess.Popen) -> None:
                 p.kill()
 
 
+@pytest.mark.swarm
 def test_swarm_of_torch_mlx_and_numpy_nodes_trains_one_model(tmp_path: Path) -> None:
     # lockstep: every node trains its share each round (steal would let the slow ones evaluate instead)
     recipe = make_task_repo(tmp_path / "repo", rounds=3, schedule="lockstep")
@@ -317,6 +318,7 @@ def test_swarm_of_torch_mlx_and_numpy_nodes_trains_one_model(tmp_path: Path) -> 
     assert events[-1]["event"] == "complete"
 
 
+@pytest.mark.swarm
 def test_task_without_the_nodes_backend_is_refused_at_join(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     recipe = make_task_repo(repo, min_nodes=1)

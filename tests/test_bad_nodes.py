@@ -16,6 +16,8 @@ from conftest import WRAPPERS, check_exactly_once, make_task_repo
 
 from harness.simulate import Swarm
 
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
+
 SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 
 
@@ -128,6 +130,7 @@ def test_node_claiming_a_billion_samples_per_second_gets_its_real_share(tmp_path
 def test_only_the_node_asked_for_it_sets_a_rounds_val_loss(tmp_path: Path) -> None:
     _, events = _run(tmp_path, "val-every-round:0", nodes=3, rounds=3)
     assert all(e["val_loss"] != 1e6 for e in events if e["event"] == "round")
+    assert "RoundDone with a val loss nobody asked for" in (tmp_path / "bad.log").read_text()  # the lie was told
 
 
 def test_an_evaluation_answered_as_of_the_initial_theta_does_not_overwrite_it(tmp_path: Path) -> None:

@@ -11,11 +11,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, drift_cmd, make_task_repo
 
 from harness.simulate import Swarm
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 SIM = {**CONF_SIM, "inner_steps": 6}
 

@@ -172,6 +172,7 @@ while True:
 """
 
 
+@pytest.mark.swarm
 def test_kill_9_mid_save_never_leaves_a_broken_checkpoint(tmp_path: Path) -> None:
     """Real crashes: a process rewriting rounds 1 and 2 over and over, killed at random moments."""
     d = tmp_path / "ck"

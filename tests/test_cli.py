@@ -27,6 +27,7 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize(
     "change,needle",
     [
@@ -50,6 +51,7 @@ def test_bad_recipe_fields(tiny_recipe: Path, change: dict, needle: str) -> None
     assert str(tiny_recipe) in line and needle in line
 
 
+@pytest.mark.swarm
 def test_missing_and_unparsable_recipe_files(tmp_path: Path) -> None:
     assert "recipe file not found" in _one_line_error(_drift("coord", str(tmp_path / "none.yaml")))
     bad = tmp_path / "bad.yaml"
@@ -57,11 +59,13 @@ def test_missing_and_unparsable_recipe_files(tmp_path: Path) -> None:
     assert "not valid YAML" in _one_line_error(_drift("coord", str(bad)))
 
 
+@pytest.mark.swarm
 def test_malformed_ticket(repo_root: Path) -> None:
     line = _one_line_error(_drift("join", "--repo", str(repo_root), "--ticket", "garbage"))
     assert "malformed ticket 'garbage'" in line
 
 
+@pytest.mark.swarm
 def test_unreachable_ticket_says_what_was_tried(repo_root: Path) -> None:
     # A real ticket of an endpoint that no longer exists.
     import asyncio
@@ -74,10 +78,12 @@ def test_unreachable_ticket_says_what_was_tried(repo_root: Path) -> None:
         await ep.close()
         return t
 
-    line = _one_line_error(_drift("join", "--repo", str(repo_root), "--ticket", asyncio.run(dead_ticket())))
-    assert "connecting to" in line and "127.0.0.1" in line
+    ticket = asyncio.run(dead_ticket())
+    line = _one_line_error(_drift("join", "--repo", str(repo_root), "--ticket", ticket, "--connect-timeout", "1"))
+    assert "timed out after 1s connecting to" in line and "127.0.0.1" in line
 
 
+@pytest.mark.swarm
 def test_a_recipe_name_cannot_put_the_run_dir_outside_runs(tiny_recipe: Path, tmp_path: Path) -> None:
     data = yaml.safe_load(tiny_recipe.read_text())
     data["name"] = "../../escaped"
@@ -87,6 +93,7 @@ def test_a_recipe_name_cannot_put_the_run_dir_outside_runs(tiny_recipe: Path, tm
     assert not (tmp_path / "escaped").exists() and not list(tmp_path.glob("escaped*"))
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize("repo", ["ext::sh -c touch% {marker}", "ext://sh -c touch% {marker}", "fd::3", "-uinstall"])
 def test_repo_transports_that_run_commands_are_refused(repo: str, tmp_path: Path) -> None:
     import asyncio
@@ -121,6 +128,7 @@ def test_every_shipped_recipe_loads(repo_root: Path, name: str) -> None:
     load_recipe(repo_root / "recipes" / name)  # its fields, its sync rule's settings, its task file
 
 
+@pytest.mark.swarm
 def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
     data = yaml.safe_load(tiny_recipe.read_text())
     data.pop("name")
@@ -133,6 +141,7 @@ def test_every_recipe_mistake_at_once(tiny_recipe: Path) -> None:
     assert sorted(ln.split(": ")[3] for ln in lines) == ["inner_steps", "min_nodes", "name"], out.stderr
 
 
+@pytest.mark.swarm
 def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: Path) -> None:
     data = yaml.safe_load(tiny_recipe.read_text())
     del data["network"]  # the default (auto): with --local, loopback all the same
@@ -161,6 +170,7 @@ def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: P
             proc.kill()
 
 
+@pytest.mark.swarm
 def test_relative_paths_from_another_directory(tiny_recipe: Path, tmp_path: Path) -> None:
     """Paths as a user types them, relative to wherever the shell is: the recipe, --run-dir,
     --local's node checkouts under it, and the key files."""

@@ -44,13 +44,12 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture(scope="module")
 def browser():
-    """Debian's chromium (`.ci/run` installs it), driven by playwright; no browser download."""
+    """Debian's chromium (`.ci/run` installs it), driven by playwright; no browser download. A test
+    that uses it is marked `chromium` (tests/conftest.py: skipped without it, except under CI)."""
     from playwright.sync_api import sync_playwright
 
-    exe = shutil.which("chromium")
-    assert exe, "the dashboard's browser test needs chromium: apt-get install -y chromium"
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
         yield b
         b.close()
 
@@ -93,6 +92,9 @@ def _val_points(events: list[dict]) -> int:
     )
 
 
+@pytest.mark.swarm
+@pytest.mark.chromium
+@pytest.mark.swarm
 def test_live_page_of_a_real_swarm(browser, tmp_path: Path) -> None:
     """A 2-node run, one node named to inject markup: the page shows both nodes (names as
     typed, no element or script of theirs), a loss curve point per finished round, updated live
@@ -190,6 +192,7 @@ def _wandb_records(path: Path) -> list:
     return out
 
 
+@pytest.mark.chromium
 def test_static_page_shows_hostile_text_as_typed(browser, tmp_path: Path) -> None:
     """Names, devices and reasons made to break out of the page (a </script>, markup, TeX) are
     shown as typed in the node table and the event log."""
@@ -360,6 +363,7 @@ def test_dashboard_addresses() -> None:
     assert parse_addr("off") is None
 
 
+@pytest.mark.swarm
 def test_bad_dashboard_address_is_one_line(tiny_recipe: Path) -> None:
     out = subprocess.run(
         drift_cmd("coord", str(tiny_recipe), "--dashboard", "host:port"), capture_output=True, text=True, timeout=60

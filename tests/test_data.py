@@ -19,6 +19,8 @@ from conftest import ROOT, WRAPPERS, check_exactly_once, drift_cmd
 
 from harness.simulate import Swarm, git
 
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
+
 BLOCK = 16
 UNIT_SAMPLES = 2 * 8  # unit_steps * batch_size
 

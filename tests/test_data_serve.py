@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_async
+from conftest import ROOT, run_async
 
 from drift import protocol as P
 from drift.data import (
@@ -24,6 +24,7 @@ from drift.data import (
     build_manifest,
 )
 from drift.transport import DATA_ALPN, Endpoint, Throttle, parse_ticket
+from workers import load_task
 
 
 class Tokens:
@@ -126,8 +127,16 @@ def test_a_member_fetches_verified_samples_and_a_lying_holder_is_passed_over(tmp
 
 
 def test_only_members_are_served_and_no_holder_means_unavailable(tmp_path: Path) -> None:
+    # The holder serves nanoGPT token files (recipes/token_file.py, a fresh map per batch); then
+    # the disk under them goes away (here: the file is deleted), as a real holder's data can.
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 300), ("val", 40)):
+        np.random.default_rng(0).integers(0, 1000, n * 8 + 1).astype(np.uint16).tofile(data / f"{split}.bin")
+    tokens = load_task(ROOT / "recipes" / "token_file.py").make_dataset({"data_dir": str(data), "block_size": 8})
+
     async def main() -> None:
-        m, holders = await _holders(Tokens(), allowed=lambda peer: False)
+        m, holders = await _holders(tokens, allowed=lambda peer: False)
         (ep, server, serving) = holders[0]
         client_ep = await Endpoint.bind("local")
         try:
@@ -136,9 +145,14 @@ def test_only_members_are_served_and_no_holder_means_unavailable(tmp_path: Path)
                 await DataClient.open(client_ep, src, tmp_path, 1 << 20)
             server.allowed = lambda peer: True
             client = await DataClient.open(client_ep, src, tmp_path, 1 << 20)
-            server.dataset = None  # the data went away under the holder: batch() fails there
-            with pytest.raises(DataUnavailable, match="unavailable: AttributeError"):
-                await client.fetch("val", np.arange(4))
+            await client.fetch("val", np.arange(2))  # served while the files are there
+            (data / "val.bin").unlink()
+            with pytest.raises(DataUnavailable) as e:
+                await client.fetch("val", np.arange(2, 6))
+            assert "no data holder could serve 4 val samples" in str(e.value)
+            assert f"unavailable: FileNotFoundError: [Errno 2] No such file or directory: '{data / 'val.bin'}'" in str(
+                e.value
+            )
             client.close()
         finally:
             serving.cancel()

@@ -242,6 +242,7 @@ def _live_ticket() -> str:
     return asyncio.run(ticket())
 
 
+@pytest.mark.swarm
 def test_drift_status_table_and_json() -> None:
     out = subprocess.run(drift_cmd("status", "--json"), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -256,6 +257,7 @@ def test_drift_status_table_and_json() -> None:
         assert word in table.stdout
 
 
+@pytest.mark.swarm
 def test_join_with_unavailable_device_or_backend_is_one_error_line() -> None:
     ticket = _live_ticket()
     for args, needle in (
@@ -274,6 +276,7 @@ def test_join_with_unavailable_device_or_backend_is_one_error_line() -> None:
         assert len(lines) == 1 and lines[0].startswith("drift: error: ") and needle in lines[0], out.stderr
 
 
+@pytest.mark.swarm
 def test_no_torch_installed_falls_back_and_numpy_never_imports_torch(tmp_path: Path) -> None:
     """With torch unimportable, auto picks what is left; the numpy worker trains without it."""
     (tmp_path / "torch.py").write_text("raise ImportError('torch is not installed (blocked by this test)')\n")

@@ -7,7 +7,10 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import drift_cmd
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 
 def _events(run_dir: Path) -> list[dict]:

@@ -8,9 +8,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import check_exactly_once, drift_cmd
 
 from harness.simulate import make_task_repo
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 TASK = Path(__file__).parent / "tasks" / "points_mlp.py"
 BATCH, UNIT_STEPS = 16, 2

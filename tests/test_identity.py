@@ -9,9 +9,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import drift_cmd, make_task_repo
 
 from harness.simulate import Swarm
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 
 def _error_line(p: subprocess.Popen, log: Path) -> str:

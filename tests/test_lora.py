@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from conftest import ROOT, drift_cmd
 
@@ -40,6 +41,7 @@ def test_only_trainable_parameters_are_theta() -> None:
     assert _worker(lora_r=0).frozen_checksum() == ""  # a full fine-tune freezes nothing
 
 
+@pytest.mark.swarm
 def test_lora_swarm_sends_and_checkpoints_only_the_adapters(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "recipes").mkdir(parents=True)
@@ -88,6 +90,7 @@ def make_model(cfg):
 '''
 
 
+@pytest.mark.swarm
 def test_a_node_whose_frozen_base_differs_is_refused_and_told_why(tmp_path: Path) -> None:
     """Each machine loads its base from its own disk; one friend's copy is another revision. The
     node is refused at the start with the reason, and the run goes on with the two that agree."""

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, drift_cmd, git
 from test_readme import _fenced
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+pytestmark = [pytest.mark.swarm, pytest.mark.root]  # network namespaces
 
 SUBNET = "10.79.0"
 

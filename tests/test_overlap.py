@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
@@ -45,6 +46,7 @@ def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
     np.testing.assert_allclose(t_over - local_now, -progress, atol=1e-6)  # next Δ: the progress only
 
 
+@pytest.mark.swarm
 def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp_path: Path) -> None:
     """Three nodes; one stops itself in round 2's all-reduce and is killed (the survivors retry
     while the next round already trains); a fourth joins late (it catches up on the round in
@@ -83,6 +85,7 @@ def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp
     assert late.wait(timeout=60) == 0
 
 
+@pytest.mark.swarm
 def test_overlapped_evaluator_and_slow_node(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, inner_steps=20, **SIM)
     swarm = Swarm(recipe, tmp_path)

@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, git
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 
 def readme_block(first_line: str) -> str:

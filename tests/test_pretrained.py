@@ -24,6 +24,7 @@ def _tiny_weights(seed: int) -> dict[str, np.ndarray]:
     return task.init_params(cfg, task.make_dataset(cfg).vocab_size, seed)
 
 
+@pytest.mark.swarm
 def test_nodes_start_from_the_coordinators_weights(tmp_path: Path) -> None:
     weights = _tiny_weights(seed=123)  # not the recipe's seed: a θ₀ no node would build itself
     wfile = tmp_path / "weights" / "model.safetensors"  # outside the task repo: only the coordinator has it
@@ -52,6 +53,7 @@ def test_nodes_start_from_the_coordinators_weights(tmp_path: Path) -> None:
     assert [e["round"] for e in events if e["event"] == "round"] == [0, 1]
 
 
+@pytest.mark.swarm
 def test_a_recipe_naming_missing_weights_is_one_line(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", init_weights="no/such/weights.safetensors")
     with pytest.raises(RecipeError, match=r"init_weights: no/such/weights.safetensors not found"):

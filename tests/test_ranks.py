@@ -20,6 +20,8 @@ from conftest import drift_cmd, make_task_repo
 
 from harness.simulate import Swarm
 
+pytestmark = pytest.mark.swarm  # starts drift processes (a node's ranks too; tests/conftest.py)
+
 
 def _end(swarm: Swarm) -> None:
     """Whatever a test leaves running of its swarm is killed."""

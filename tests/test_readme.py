@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
+
 STOCK_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 

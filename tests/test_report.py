@@ -62,6 +62,7 @@ def test_curve_starts_at_training_and_counts_samples(tmp_path: Path) -> None:
     assert run.bytes_per_node() == {"a": 2000, "b": 6000}
 
 
+@pytest.mark.swarm
 def test_runs_from_before_training_started_start_at_the_last_join(tmp_path: Path) -> None:
     old = [e for e in EVENTS if e["event"] != "training_started"]
     old.insert(1, {"t": 9.0, "event": "node_joined", "name": "b"})
@@ -91,6 +92,7 @@ def test_a_resumed_run_keeps_time_running_and_the_redone_round(tmp_path: Path) -
     assert run.rounds[-1]["t"] == pytest.approx(14.0 + 5.0 - 10.0)
 
 
+@pytest.mark.swarm
 @pytest.mark.parametrize(
     "content,needle",
     [
@@ -112,6 +114,7 @@ def test_bad_run_dirs_are_one_line_errors(tmp_path: Path, content: str | None, n
     assert not list(run_dir.glob("*.png"))  # nothing half-written
 
 
+@pytest.mark.swarm
 def test_a_torn_line_in_the_middle_is_skipped_with_a_warning(tmp_path: Path) -> None:
     # kill -9 tore the last line, then --resume appended to it: the line is skipped, not fatal.
     run_dir = tmp_path / "r"
@@ -127,6 +130,7 @@ def test_a_torn_line_in_the_middle_is_skipped_with_a_warning(tmp_path: Path) -> 
     assert (run_dir / "loss.png").is_file() and [r["round"] for r in load_run(run_dir).rounds] == [0]
 
 
+@pytest.mark.swarm
 def test_node_names_are_plain_text_in_plots(tmp_path: Path) -> None:
     # Names come from the network (`drift join --name`): `$\evil$` is no mathtext to matplotlib.
     events = [
@@ -148,6 +152,7 @@ def test_several_runs_overlay_in_one_set_of_plots(tmp_path: Path) -> None:
     assert not list((tmp_path / "out").glob(".*.tmp"))  # written atomically: no temp file left
 
 
+@pytest.mark.swarm
 def test_utilization_is_time_in_inner_steps_over_wall_clock(tmp_path: Path) -> None:
     # Two rounds ending 3 s and 9 s after training started; node a computed 2.7 s + 5.4 s of them,
     # b only 1.5 s + 3.0 s (it waited on the network); c is an evaluator with no inner steps.

@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import SIM, drift_cmd, make_task_repo
 
@@ -27,6 +28,7 @@ def _coord(recipe: Path, run_dir: Path, *args: str) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.swarm
 def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=1, rounds=2, checkpoint_every=1, **SIM)
     run_dir = tmp_path / "run"
@@ -49,6 +51,7 @@ def test_a_full_disk_ends_the_run_in_one_line_and_keeps_the_checkpoint(tmp_path:
     assert kept is not None and kept.round == 1  # nothing half-written replaced it
 
 
+@pytest.mark.swarm
 def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path: Path, tiny_recipe: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory\n")
@@ -77,6 +80,9 @@ def test_a_torn_last_line_is_cut_before_a_resumed_run_appends(tmp_path: Path) ->
     assert [json.loads(line)["event"] for line in lines] == ["initial", "resumed"]
 
 
+@pytest.mark.swarm
+@pytest.mark.root  # a mount namespace of its own
+@pytest.mark.swarm
 def test_a_checkpoint_dir_that_turns_read_only_mid_run_ends_in_one_line_and_keeps_the_checkpoint(
     tmp_path: Path,
 ) -> None:

@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import ROOT
 
 from harness.simulate import Swarm, make_task_repo
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 H, ROUNDS, LR, EF, K = 10, 4, 3, 0.9, 16
 

@@ -8,6 +8,7 @@ honest node it misled is not struck."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from conftest import SIM as CONF_SIM
 from conftest import SIM_BATCH as BATCH
 from conftest import WRAPPERS, check_exactly_once, make_task_repo
+from safetensors.numpy import load_file
 
 from drift.diloco import ParamLayout
 from drift.protocol import RingMember
@@ -25,12 +27,21 @@ from harness.simulate import Swarm
 SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "sync_params": {"chunk": 1024, "k": 64}}
 
 
+@pytest.mark.swarm
 def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, **SIM)
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, checkpoint_every=1, **SIM)
     swarm = Swarm(recipe, tmp_path)
     for i in range(2):
-        swarm.join("0.02", name=f"n{i}")
+        swarm.join("0.02", name=f"n{i}", env={"DRIFT_TEST_THETA": str(tmp_path / f"n{i}.npz")})
     assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0], swarm.node_logs()
+    # The nodes' models after the run, compared here (not by the coordinator's checksums): the
+    # same bits, and the run's last checkpoint holds them too.
+    models = [dict(np.load(tmp_path / f"n{i}.npz")) for i in range(2)]
+    final = load_file(str(swarm.run_dir / "checkpoints" / "round-000004" / "theta.safetensors"))
+    assert set(models[0]) == set(models[1]) == set(final)
+    for name, value in final.items():
+        assert models[0][name].tobytes() == models[1][name].tobytes() == value.tobytes(), name
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 5 and all(set(r["nodes"]) == {"n0", "n1"} for r in rounds), rounds
@@ -42,8 +53,8 @@ def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
     assert all(0 < n["bytes_sent"] < 4096 for r in rounds for n in r["nodes"].values()), rounds
 
 
-# (x1000, scale-ring, is caught as surely as -10 x: only the norm counts; kept out for the suite's time)
-@pytest.mark.parametrize("attack", ["flip-ring", "noise-ring"])
+@pytest.mark.swarm
+@pytest.mark.parametrize("attack", ["scale-ring", "flip-ring", "noise-ring"])
 def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_excluded(tmp_path: Path, attack: str) -> None:
     # 3 honest nodes + 1 that puts 1000 x (or -10 x, or noise of 10 x the norm of) its Δ into its
     # error feedback from round 1 on. Every honest node clips it to the median contribution
@@ -57,25 +68,25 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     events = swarm.events()
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     vals = [e["val_loss"] for e in events if e["event"] == "round" and e["val_loss"] is not None]
-    assert vals and max(vals) < initial, (initial, vals)  # θ was never poisoned
+    # θ was never poisoned: every round's val loss is below the one before (with clipping off,
+    # round 1's -10 x Δ raised it, 4.11 -> 4.51, and x1000 to 776)
+    assert len(vals) >= 3 and all(b < a for a, b in itertools.pairwise([initial, *vals])), (initial, vals)
     found = {e["name"]: e["round"] for e in events if e["event"] == "poisoner"}
     assert set(found) <= {"bad"}, found  # no honest node is ever blamed
-    if attack == "flip-ring":
-        # -10 x Δ enters its error feedback, which holds its honest past: its payload stays under
-        # `outlier` (6) x the median, here for the whole run at clip 1 (named in rounds 1-3 at
-        # clip 3). Clipped to the median, it never poisons θ (above), but it is not excluded.
-        return
-    assert "bad" in found, found  # named by most of the ring
-    later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
-    assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
+    # -10 x Δ enters its error feedback, which holds its honest past: its payload may stay under
+    # `outlier` (6) x the median for the whole run, clipped (the val loss above) but not named
+    if attack != "flip-ring":
+        assert "bad" in found, found  # named by most of the ring
+        later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
+        assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
 
 
-def _hostile(tmp_path: Path, fault: str, told: bool = False) -> tuple[Swarm, list[dict]]:
+def _hostile(tmp_path: Path, fault: str, told: bool = False, **recipe) -> tuple[Swarm, list[dict]]:
     """A 3-node sparse swarm of 3 rounds, one node with `fault` (tests/wrappers/fault_node.py):
     the run completes, the honest ones stay to the end, every sample is trained once. `told`: the
     bad node is told it is out, so it leaves by itself (wait for it too)."""
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, **SIM)
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, **{**SIM, **recipe})
     swarm = Swarm(recipe, tmp_path)
     bad = swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
     good = [swarm.join("0.02", name=f"good{i}") for i in range(2)]
@@ -96,22 +107,23 @@ def _honest_untouched(events: list[dict]) -> None:
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
 
 
+@pytest.mark.swarm
 def test_a_node_that_sends_different_payloads_to_different_members_is_proven_and_excluded(tmp_path: Path) -> None:
     # In round 1 it sends good1 or good0 (the larger id) a payload altered in its values, signed
     # as its own, and the other the real one. Before, that node alone ended with another θ, sat
     # out as the checksum minority and was struck (dropped at the second), while the attacker kept
     # 0 strikes. Now both honest nodes report what they got, signed: two digests prove it.
-    swarm, events = _hostile(tmp_path, "equivocate:1", told=True)
+    # (deadlines 50 x the expected time: a loaded machine never makes an honest node miss one, so
+    # both report their θ of round 1 and the split is there to see)
+    swarm, events = _hostile(tmp_path, "equivocate:1", told=True, unit_deadline_factor=50.0)
     found = [(e["name"], e["round"], e["reason"]) for e in events if e["event"] == "poisoner"]
     assert found == [("bad", 1, "equivocated")], found
     left = [e for e in events if e["event"] == "node_left"]
     assert [e["name"] for e in left] == ["bad"] and "different payloads" in left[0]["reason"], left
     # the attack split θ: one honest node held another θ than the one kept, and got it from a peer
-    # (unless an honest node was too slow to report θ in round 1, on a loaded machine: the round
-    # then settled on the other's θ and the late one got it from a peer, no split to see)
+    assert not [e for e in events if e["event"] == "deadline"]
     split = [(e["name"], e["round"]) for e in events if e["event"] == "split"]
-    late = [e["name"] for e in events if e["event"] == "deadline" and e["round"] == 1]
-    assert (len(split) == 1 and split[0][0] in ("good0", "good1") and split[0][1] == 1) or late, split
+    assert len(split) == 1 and split[0][0] in ("good0", "good1") and split[0][1] == 1, split
     _honest_untouched(events)
     assert not [e for e in events if e["event"] == "false_accusation"]
     r1 = next(e for e in events if e["event"] == "round" and e["round"] == 1)
@@ -122,6 +134,7 @@ def test_a_node_that_sends_different_payloads_to_different_members_is_proven_and
     assert swarm.node_exits()[0] not in (None, -9) and "excluded from this run" in (tmp_path / "bad.log").read_text()
 
 
+@pytest.mark.swarm
 def test_a_node_that_reports_payloads_their_owners_did_not_sign_is_struck_not_believed(tmp_path: Path) -> None:
     # From round 1 on it reports, as what the others sent it, their payloads of the round before:
     # real signatures, of another round. Nobody is framed as an equivocator; it gets a strike

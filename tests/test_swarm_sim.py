@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import SIM, WRAPPERS, check_exactly_once, make_task_repo
 from conftest import SIM_BATCH as BATCH
 
 from drift.recipe import load_recipe
 from harness.simulate import Swarm
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 
 def _check_idle(events: list[dict]) -> None:

@@ -327,6 +327,7 @@ def test_load_task_imports_siblings_and_the_checkouts_packages(tmp_path: Path, m
         load_task(task_file, root=tmp_path / "elsewhere")
 
 
+@pytest.mark.swarm
 def test_load_task_does_not_take_a_module_of_the_working_directory(tmp_path: Path) -> None:
     """`python -m drift` runs with its working directory first on sys.path: a helpers module there
     must not stand in for the task's own."""
@@ -391,6 +392,7 @@ if sys.argv[2] == "close":
 """
 
 
+@pytest.mark.swarm
 def test_mlx_process_exits_cleanly(tmp_path: Path) -> None:
     """The mlx worker's thread once held a Python object in C++ thread-local storage that it freed
     only after the interpreter had begun to shut down: the process then aborted at exit ("terminate

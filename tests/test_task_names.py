@@ -11,9 +11,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import ROOT, git
+
+pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 TASK = textwrap.dedent(
     '''

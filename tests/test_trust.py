@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import WRAPPERS, drift_cmd, git, make_task_repo, run_async
+import pytest
+from conftest import WRAPPERS, drift_cmd, dropped, git, make_task_repo, run_async
 
 from auth import NodeKey, load_or_create_key, sign_message
 from drift import protocol as P
@@ -127,7 +128,8 @@ def _wait(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, _err(proc)
 
 
-def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
+@pytest.mark.swarm
+def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     recipe_path = make_task_repo(tmp_path / "repo", **FAST)
     repo = recipe_path.parents[1]
     head = git(repo, "rev-parse", "HEAD")
@@ -188,7 +190,7 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path) -> None:
                 await asyncio.sleep(0.2)
             results = run.result()
             good_out = [await asyncio.to_thread(_wait, p) for p in good]
-            return reasons, (dirty_rc, dirty_err), (loose_rc, loose_err), results, good_out, list(coord.rejected)
+            return reasons, (dirty_rc, dirty_err), (loose_rc, loose_err), results, good_out, dropped(caplog)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -275,7 +277,7 @@ def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
 
     async def main():
         eps = [await Endpoint.bind("local") for _ in range(3)]
-        rings = [Ring(ep, timeout=20) for ep in eps[:2]]
+        rings = [Ring(ep, timeout=3) for ep in eps[:2]]  # a stranger waits min(timeout, 30 s) to be named
         tasks = [asyncio.ensure_future(ep.serve({RING_ALPN: ring.handle_incoming})) for ep, ring in zip(eps, rings)]
         try:
             members = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=0.5) for ep in eps[:2]]
@@ -304,6 +306,7 @@ def test_ring_accepts_only_the_peers_of_the_current_ring() -> None:
     assert incoming == {left_neighbour}
 
 
+@pytest.mark.swarm
 def test_task_code_imports_from_its_checkout_only(tmp_path: Path) -> None:
     """A task's `import helpers` finds the helpers.py committed next to it, never one in the
     directory `drift coord --local` (and so its nodes) was started from."""
@@ -337,6 +340,7 @@ def test_task_code_imports_from_its_checkout_only(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.swarm
 def test_a_new_node_tries_again_when_the_coordinator_hangs_up_mid_handshake(tmp_path: Path) -> None:
     """Seen once in CI: an honest node's first frame reached the coordinator garbled, the
     coordinator hung up (a refusal always says why, with TrainingCancel; this said nothing), and

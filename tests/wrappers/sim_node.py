@@ -5,7 +5,9 @@ machine can play a swarm of very different devices, and a simulation means the s
 machine that computes a real step faster than S.
 
 It is `drift join` with its own loop (drift.loop.run_join's, plus the sleep): the node code is
-drift's, untouched. Other wrappers import this module to be simulated too (fault_node.py)."""
+drift's, untouched. Other wrappers import this module to be simulated too (fault_node.py).
+With $DRIFT_TEST_THETA=FILE.npz a node that completed the run saves its model's parameters and
+buffers there, so a test can compare the nodes' models itself."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from drift import loop
 from drift.cli import main
@@ -62,6 +66,9 @@ def run_join(opts) -> int:
             loss = worker.train_step(indices, s.micro_batches)
             time.sleep(max(0.0, sim.step_s(_round(s)) - (time.perf_counter() - t0)))
             s.stepped(loss)
+        if s.code == 0 and os.environ.get("DRIFT_TEST_THETA"):  # the model as the run left it, for a test to compare
+            worker = opts.source.worker
+            np.savez(os.environ["DRIFT_TEST_THETA"], **worker.get_params(), **worker.get_buffers())
     return s.code if s.code is not None else 1
 
 

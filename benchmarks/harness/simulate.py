@@ -25,6 +25,32 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 SIM_NODE = ROOT / "tests" / "wrappers" / "sim_node.py"  # `drift join` on a simulated device
 
+# The simulated swarms' task: a tiny model, fast liveness, a simulated step time (tests/wrappers/sim_node.py) sets each node's pace.
+SIM_BATCH = 8
+SIM = dict(
+    task_config={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    batch_size=SIM_BATCH,
+    unit_steps=2,
+    eval_batches=2,
+    stale_after_s=4.0,
+    heartbeat_s=0.5,
+)
+
+# Small enough that a 3-node swarm finishes a few rounds in seconds on 2 cores.
+TINY_RECIPE = {
+    "name": "tiny",
+    "task_config": {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
+    "min_nodes": 3,
+    "rounds": 4,
+    "inner_steps": 10,
+    "batch_size": 16,
+    "unit_steps": 2,
+    "inner_optimizer": {"lr": 0.01},
+    "eval_batches": 4,
+    "seed": 7,
+    "network": "local",  # tests stay on loopback; tests/test_netns.py runs the default across namespaces
+}
+
 
 class Swarm:
     def __init__(
