@@ -104,6 +104,7 @@ def test_numpy_model_refuses_dropout(task: ModuleType) -> None:
 # ---- the workers ---------------------------------------------------------------------------------
 
 
+@pytest.mark.swarm  # seconds of floods or training: the slow tier
 def test_three_workers_start_identical_and_train_alike(cached: SimpleNamespace) -> None:
     ws = workers(cached, lr=0.01)
     first = {b: w.get_params() for b, w in ws.items()}

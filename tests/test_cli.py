@@ -206,6 +206,7 @@ def _first_ticket(proc: subprocess.Popen) -> tuple[str, str]:
     return seen, re.search(r"--ticket (\S+)", seen).group(1)
 
 
+@pytest.mark.swarm
 def test_the_ticket_is_shown_once_and_admits_to_its_own_run_only(tiny_recipe: Path, tmp_path: Path) -> None:
     """The join command is on the owner's terminal once; no file of the run (metrics.jsonl, the
     nodes' logs, TensorBoard, checkpoints), neither page (live, `drift report`'s) holds the ticket or

@@ -104,6 +104,7 @@ async def _admit(ticket: str, name: str) -> tuple[Endpoint, object]:
     return ep, ch
 
 
+@pytest.mark.swarm  # seconds of floods or training: the slow tier
 def test_coordinator_drops_each_hostile_connection_once_and_keeps_admitting(
     tiny_recipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -247,6 +248,7 @@ def test_live_table_and_log_lines_show_network_text_as_plain_text(
     ]
 
 
+@pytest.mark.swarm  # seconds of floods or training: the slow tier
 def test_state_server_survives_hostile_requests_and_still_hands_over_state() -> None:
     theta, velocity = np.arange(5000, dtype=np.float32), np.ones(5000, np.float32)
 
@@ -296,6 +298,7 @@ def test_state_server_survives_hostile_requests_and_still_hands_over_state() -> 
     assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
 
 
+@pytest.mark.swarm  # seconds of floods or training: the slow tier
 def test_ring_bounds_what_strangers_hold_and_still_reduces(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -48,6 +48,7 @@ def char() -> SimpleNamespace:
 # ---- a dict-batch task with BatchNorm -------------------------------------------------------------
 
 
+@pytest.mark.swarm  # seconds of floods or training: the slow tier
 def test_batchnorm_task_trains_and_its_buffers_round_trip(digits: ModuleType) -> None:
     w = make_worker(digits, DIGITS_CFG, {"lr": 2e-2}, backend="torch", device="cpu", seed=0)
     assert isinstance(w, Worker) and w.precision == "fp32"
