@@ -631,7 +631,10 @@ class Coordinator:
         )
         r = self.recipe
         if checkpoint and not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
-            self._start_checkpoint(rd.rnd)
+            # A round given up changed nothing: the checkpoint due is the last agreed θ's.
+            due = self.swarm.newest() if rd.abandoned else rd.rnd
+            if due >= 0 and due != self.last_checkpoint:
+                self._start_checkpoint(due)
 
     def _check_silence(self, now: float, rnd: int) -> None:
         """Drop every node silent for stale_after_s (its connection may look open: a sleeping

@@ -117,7 +117,11 @@ class Round:
         self.give_back: list[P.WorkUnit] = []
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
         self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
-        self.first_done_s: float | None = None  # how long its first member took to report θ
+        self.done_after: dict[str, float] = {}  # ring member -> seconds after BarrierReady it reported θ
+        # Members' RoundDones of earlier attempts (their own word, on their own connection): the
+        # only proof that a member applied an attempt and cannot take part in a retry.
+        self.applied_before: dict[str, P.RoundDone] = {}
+        self.rings: dict[int, set[str]] = {}  # ring epoch -> its members
         self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why)
         self.val_reporter: str | None = None  # the node asked for the val loss (report_val)
         self.poisoned: set[str] = set()  # members that refused this attempt's sum (larger than the norms allow)
@@ -232,8 +236,14 @@ class Round:
                     and msg.announced == self.announcing()
                 ):
                     self.nodes[i].done = msg
-                    if self.first_done_s is None:
-                        self.first_done_s = time.monotonic() - self.t_ring
+                    self.done_after.setdefault(i, time.monotonic() - self.t_ring)
+                elif (
+                    msg.round == self.rnd
+                    and msg.ring_epoch < self.s.ring_epoch
+                    and i in self.rings.get(msg.ring_epoch, ())
+                    and not msg.announced
+                ):  # an earlier attempt it applied before the retry reached it
+                    self.applied_before[i] = msg
             case P.RingFailed():
                 self.on_ring_failed(i, msg)
             case P.EvalResult():
@@ -252,6 +262,9 @@ class Round:
         ):
             return  # a late report, or samples it was never granted: counts for nothing
         n = self.nodes[i]
+        if any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in n.reported):
+            return  # samples it reported before: a unit counts once
+        n.reported.append((u.epoch, u.id, u.lo, u.hi))
         now = time.monotonic()
         k = u.hi - u.lo
         # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
@@ -282,7 +295,15 @@ class Round:
             await self.host.assign_evaluation(peer, self.rnd, self.epoch)  # that θ any more): a fresh one
             return
         nxt = None
-        if msg.round == self.rnd and not n.excluded and not n.early and n.synced is None:
+        # At most one unit ahead of what it reported trained: asking again and again hoards none.
+        in_hand = samples(self.plan.granted.get(i, [])) - n.trained
+        if (
+            msg.round == self.rnd
+            and not n.excluded
+            and not n.early
+            and n.synced is None
+            and in_hand <= self.r.unit_samples
+        ):
             nxt = self.plan.next_for(i)
         if nxt is not None:
             n.last_progress = time.monotonic()
@@ -319,9 +340,16 @@ class Round:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.s.ring_epoch:
             return
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
-            self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
-            self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
-            return
+            if i in self.applied_before:  # ... and its own RoundDone of that attempt says so
+                self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
+                self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
+                return
+            # Its word alone: a report of a failed ring like any other (the others' RoundDones
+            # decide whether the ring finished), and a strike for the claim.
+            why = "it said it had applied an attempt of this all-reduce it never reported"
+            log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
+            self.host.note("false_claim", node_id=i, name=self.name(i), round=self.rnd, claim="sit_out")
+            self.strike(i, why)
         if msg.poisoned:
             self.poisoned.add(i)
         if msg.proof is not None and not self.proven(i, msg):
@@ -440,7 +468,10 @@ class Round:
         try:
             d = rules.barrier(self.nodes)
         except ValueError:
-            raise RoundError(f"every training node has left (round {self.rnd})") from None
+            if not self.s.members:
+                raise RoundError(f"every training node has left (round {self.rnd})") from None
+            self.abandon("every training node of the round has left")  # the others train the next one
+            return True
         if d.action == "wait":
             return False
         if d.action == "abandon":
@@ -451,7 +482,10 @@ class Round:
             self.nodes[i].sitting_out = True
             self.host.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
         counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
-        for i in rules.norm_outliers({i: (b.delta_norm or 0.0, b.steps) for i, b in counted.items()}):
+        bs = self.r.batch_size  # steps by what it was granted and trained, not by its word
+        for i in rules.norm_outliers(
+            {i: (b.delta_norm or 0.0, rules.steps_of(b.trained, bs)) for i, b in counted.items()}
+        ):
             why = "the norm of its Δ is far outside the others'"
             log.warning("node %s: %s; its work this round is redone", self.name(i), why)
             self.host.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
@@ -475,7 +509,8 @@ class Round:
             )
             for i in order
         ]
-        self.t_ring, self.first_done_s = time.monotonic(), None
+        self.t_ring, self.done_after = time.monotonic(), {}
+        self.rings[s.ring_epoch] = set(part)
         self.confirm, self.committed, self.announced = len(self.ring) == 2, False, {}
         self.host.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
         await self.host.broadcast(
@@ -566,7 +601,7 @@ class Round:
             self.committed, self.announced = True, {i: d.checksum for i, d in done.items()}
             for i in done:
                 self.nodes[i].done = None
-            self.t_ring, self.first_done_s = time.monotonic(), None  # the step's own deadline
+            self.t_ring, self.done_after = time.monotonic(), {}  # the step's own deadline
             await self.host.broadcast(
                 [self.peer(i) for i in done], P.Commit(round=self.rnd, ring_epoch=self.s.ring_epoch)
             )
@@ -599,13 +634,15 @@ class Round:
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         # Members that applied the last attempt cannot redo it (announced steps were never applied)
         applied = [] if self.announcing() else [i for i in self.part() if self.nodes[i].done is not None]
+        if applied and not self.poisoned and self.applied_by_majority(applied):
+            return True
         for i in applied:
+            self.applied_before[i] = self.nodes[i].done
             self.sit_out(i, "retry", "it applied an earlier attempt of this all-reduce", strike=False)
         if not self.part():
-            if applied:
-                self.abandon(f"every member left had applied an attempt the others did not ({self.retry_reason})")
-                return True
-            raise RoundError(f"every training node has left (round {self.rnd})")
+            # (nobody left to redo it: θ stays; the coordinator ends the run only when no node is left at all)
+            self.abandon(f"no member is left to redo the all-reduce ({self.retry_reason})")
+            return True
         if self.s.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
             self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
             return True
@@ -620,6 +657,29 @@ class Round:
         self.s.ring_epoch += 1
         await self.send_ring()
         return False
+
+    def applied_by_majority(self, applied: list[str]) -> bool:
+        """A retry is due, but more than half of the attempt's ring applied it, all to the same θ:
+        the round is that θ (the ring is all or nothing: their Δ sums hold everyone's), whoever
+        failed or left is behind (θ comes with Agreed). A round its members applied is never
+        redone or given up because another member says it failed. True once settled."""
+        ring = self.ring_ids()
+        sums = {self.nodes[i].done.checksum for i in applied}
+        if len(sums) != 1 or 2 * len(applied) <= len(ring):
+            return False
+        for i in self.part():
+            if i not in applied:
+                self.fell_behind(i)
+        log.warning(
+            "round %d: %s, but %d of %d members applied the all-reduce and agree: the round stands",
+            self.rnd,
+            self.retry_reason,
+            len(applied),
+            len(ring),
+        )
+        self.retry_reason = self.ring_failed_at = None
+        self.cleared()
+        return True
 
     async def redo_poisoned(self, now: float) -> bool:
         """The ring finished but members refused its sum: someone sent more than it reported (θ
@@ -683,9 +743,11 @@ class Round:
                 self.convict(self.bisect_out[0], "bisected", "it poisoned the all-reduce (found by halves)")
 
     def behind(self, now: float) -> None:
-        """Members that did not report θ long after the first one did (rules.reduce_overdue) are
+        """Members that did not report θ long after a majority did (rules.reduce_overdue) are
         behind: the round settles without them and they get θ with Agreed (their Δ is in it: the
-        ring finished). Holding the swarm up is a strike; twice, and the node is dropped."""
+        ring finished). Holding the swarm up is a strike; twice, and the node is dropped. With no
+        majority past the reduce deadline (rules.reduce_timed_out) the all-reduce is redone; a
+        ring of one that stays silent is struck (nobody else could have held it up)."""
         r = self.r
         extra = {}
         if self.val_reporter is not None:  # it evaluates θ before it reports
@@ -694,7 +756,7 @@ class Round:
             self.part(),
             self.nodes,
             now - self.t_ring,
-            self.first_done_s,
+            rules.majority_done_s(self.done_after, self.part()),
             r.unit_deadline_factor,
             r.stale_after_s,
             extra,
@@ -711,6 +773,19 @@ class Round:
             self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
             self.fell_behind(i)
             self.strike(i, "it did not report θ after the all-reduce")
+        waited = now - self.t_ring
+        if (
+            self.ring_failed_at is None
+            and not self.announcing()
+            and waited > rules.REDUCE_DEADLINE_S
+            and rules.majority_done_s(self.done_after, self.part()) is None
+        ):
+            for i in rules.reduce_timed_out(self.part(), self.done(), waited):
+                self.host.note(
+                    "deadline", node_id=i, name=self.name(i), round=self.rnd, waited_s=waited, phase="reduce"
+                )
+                self.strike(i, "it did not report θ after the all-reduce")
+            self.retry_reason = f"no majority of the ring reported θ within {rules.REDUCE_DEADLINE_S:g}s"
 
     def announcing(self) -> bool:
         """A ring of two whose members announced (or will announce) a θ nobody has applied yet."""
@@ -822,6 +897,8 @@ class Round:
         for i in self.part():
             if self.nodes[i].counted:
                 self.give_back.extend(self.nodes[i].synced.trained)
+        for i in [*self.applied_before, *self.done()]:  # its θ moved: it is no donor of the agreed one
+            self.s.state_round.pop(i, None)
 
     # --- the result ------------------------------------------------------------------------------
 
@@ -908,7 +985,7 @@ class Round:
                     self.name(i): {
                         "node_id": i,
                         "samples": samples(b.trained) if i in counted else 0,
-                        "steps": b.steps,
+                        "steps": rules.steps_of(b.trained, self.r.batch_size) if b.trained else 0,
                         "weight": weights.get(i, 0.0),
                         "busy_s": nodes[i].t_sync - self.t0,
                         "step_s": b.busy_s,

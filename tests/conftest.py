@@ -52,6 +52,7 @@ FAST_MODULES = {
     "test_inner",
     "test_protocol",
     "test_ring",
+    "test_round",
     "test_rules",
     "test_state",
     "test_strangers",
