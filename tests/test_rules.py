@@ -211,6 +211,30 @@ def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
     assert reduced_problem(np.full(1000, 1e30, np.float32), ring) is not None
 
 
+def test_a_sign_flip_by_a_fair_share_of_five_is_refused_and_honest_int8_sums_pass() -> None:
+    import numpy as np
+
+    from drift.compress import make_codec
+    from drift.diloco import reduced_problem
+
+    # The worst case for the bound: every member's Δ alike. A liar at weight 1/5 sends -10 x its Δ
+    # while reporting its true norm: the sum is (1 - 11/5)Δ, 1.2 x the bound's Σ w·||Δ||.
+    d = np.random.default_rng(1).standard_normal(100_000).astype(np.float32)
+    ring = [P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.2, norm=float(np.linalg.norm(d))) for k in range(5)]
+    assert "more than" in reduced_problem(4 * 0.2 * d + 0.2 * (-10 * d), ring)
+    # The honest sum of the same Δs through an int8 ring (every partial sum re-encoded on its way)
+    # stays within the bound.
+    codec = make_codec("int8")
+
+    def hop(x: np.ndarray) -> np.ndarray:
+        return codec.decode(codec.encode(x).copy(), np.empty_like(x))
+
+    acc = hop(0.2 * d)
+    for _ in range(4):
+        acc = hop(acc + 0.2 * d)
+    assert reduced_problem(hop(acc), ring) is None
+
+
 def test_a_false_accuser_alone_gets_nobody_caught_however_often_it_cries() -> None:
     # f accuses its left neighbour in every attempt; the ring reverses on every retry, so its left
     # is l, then r, then l again: each honest neighbour has one accuser however many retries, while
