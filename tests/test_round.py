@@ -1,18 +1,18 @@
 """The coordinator's round logic against attacks, in milliseconds: real protocol messages
-(drift.protocol) replayed into a real drift.round.Round over a real drift.swarm.Swarm. The only
-stand-in is the host, which records what the round sends, notes and drops (drift.coordinator is
-the real one, over the network). Each test is one attack of issue 36 or a fault an honest swarm
-meets; what the round decides is asserted through what it sends, notes, strikes and settles.
+(drift.protocol) replayed as events into a real drift.round.Round over a real drift.swarm.Swarm,
+on a clock the test moves. Round.step returns actions; the test applies them as the Coordinator
+does (sends recorded instead of sent). Each test is one attack of issue 36 or a fault an honest
+swarm meets; what the round decides is asserted through what it sends, notes, strikes and settles.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from drift import protocol as P
+from drift import round as R
 from drift import rules
 from drift.recipe import Recipe
 from drift.round import Round
@@ -28,46 +28,13 @@ def nid(name: str) -> str:
 
 
 class Host:
-    """The coordinator's side a round talks to, recording instead of sending."""
-
-    monitor = None
+    """What a round reads from the coordinator: where a node gets θ."""
 
     def __init__(self, swarm: Swarm):
         self.s = swarm
-        self.sent: list[tuple[str, P._Msg]] = []
-        self.notes: list[tuple[str, dict]] = []
-        self.dropped: list[tuple[str, str]] = []
-        self.rounds: list[Round] = []
-
-    async def send(self, peer: Peer, msg: P._Msg) -> None:
-        self.sent.append((peer.id, P.decode(P.encode(msg))))  # what goes on the wire must encode
-
-    async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None:
-        for p in peers:
-            await self.send(p, msg)
-
-    def note(self, kind: str, **fields) -> None:
-        self.notes.append((kind, fields))
-
-    def drop(self, i: str, why: str, rnd: int) -> None:
-        if i in self.s.members:
-            for rd in self.rounds:
-                rd.forget(i)
-            self.s.leave(i)
-            self.dropped.append((i, why))
 
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None:
         return self.s.state_source(node, force)
-
-    async def assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None:
-        self.s.evaluating.add(peer.id)
-        await self.send(peer, P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate"))
-
-    def record_eval(self, i: str, msg: P.EvalResult) -> bool:
-        return False
-
-    def record_val(self, after_round: int, val_loss: float, val_samples: int, metrics: dict[str, float]) -> None:
-        pass
 
 
 class Sim:
@@ -79,6 +46,9 @@ class Sim:
         self.recipe = Recipe(**fields)
         self.s = Swarm(self.recipe)
         self.host = Host(self.s)
+        self.sent: list[tuple[str, P._Msg]] = []
+        self.notes: list[tuple[str, dict]] = []
+        self.dropped: list[tuple[str, str]] = []
         self.ids = {n: nid(n) for n in names}
         self.names = {v: k for k, v in self.ids.items()}
         for n, i in self.ids.items():
@@ -87,34 +57,53 @@ class Sim:
             self.s.speed[i] = (speeds or {}).get(n, 100.0)
         self.s.checksums[-1] = "theta0"
         self.queue = UnitQueue(10_000, self.recipe.unit_samples)
-        self.loop = asyncio.new_event_loop()
         self.rd: Round | None = None
-        self.t = time.monotonic()
+        self.t0 = self.now = 1000.0  # the test's clock
 
-    # --- driving -----------------------------------------------------------------------------
+    # --- driving: as the Coordinator does ----------------------------------------------------
 
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
+    def apply(self, actions: list[R.Action]) -> bool:
+        settled = False
+        for a in actions:
+            match a:
+                case R.Send(nodes=nodes, msg=msg):
+                    self.sent += [(i, P.decode(P.encode(msg))) for i in nodes]  # it must encode
+                case R.Note(kind=kind, fields=fields):
+                    self.notes.append((kind, fields))
+                case R.Drop(node=i, why=why):
+                    self.drop(i, why)
+                case R.Evaluate(node=i):
+                    self.s.evaluating.add(i)
+                case R.Settled():
+                    settled = True
+        return settled
+
+    def drop(self, i: str, why: str) -> None:
+        if i in self.s.members:
+            self.rd.step(R.Left(i), self.now)
+            self.s.leave(i)
+            self.dropped.append((i, why))
 
     def start(self, rnd: int = 0) -> Round:
-        self.rd = Round(self.s, self.host, rnd, self.queue)
-        self.host.rounds = [self.rd]
-        self.run(self.rd.start(0))
+        self.rd = Round(self.s, self.host, rnd, self.queue, self.now)
+        self.apply(self.rd.start(0))
         return self.rd
 
     def msg(self, name: str, m: P._Msg) -> None:
         m = P.decode(P.encode(m))  # as it arrives: through the wire's codec
         if self.ids[name] in self.s.members:
-            self.run(self.rd.on_message(self.s.members[self.ids[name]], m))
+            self.apply(self.rd.step(R.Message(self.ids[name], m), self.now))
 
     def tick(self, after: float = 0.0) -> bool:
-        """The round's clocks `after` seconds from now; True once settled."""
-        settled = self.run(self.rd.tick(time.monotonic() + after))
+        """The round's clocks `after` seconds after it started; True once settled."""
+        self.now = max(self.now, self.t0 + after)
+        settled = self.apply(self.rd.step(R.Tick(), self.now))
         if settled:
             self.rd.settled = True
-            self.result = self.run(self.rd.finish())
+            self.result, actions = self.rd.finish(self.now)
+            self.apply(actions)
             for i, why in self.rd.drops:
-                self.host.drop(i, why, self.rd.rnd)
+                self.drop(i, why)
         return settled
 
     def train(self, name: str, norm: float = 1.0, steps: int | None = None, **sync) -> P.BarrierSync:
@@ -124,9 +113,9 @@ class Sim:
             for u in list(rd.plan.granted.get(i, [])):
                 if (u.epoch, u.id, u.lo, u.hi) not in rd.nodes[i].reported:
                     self.msg(name, P.TrainProgress(round=rd.rnd, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
-            before = len(self.host.sent)
+            before = len(self.sent)
             self.msg(name, P.AskForMoreWork(round=rd.rnd))
-            if not any(isinstance(m, P.AssignNext) for _, m in self.host.sent[before:]):
+            if not any(isinstance(m, P.AssignNext) for _, m in self.sent[before:]):
                 break
         trained = list(rd.plan.granted.get(i, []))
         n = rules.samples(trained)
@@ -166,12 +155,12 @@ class Sim:
     # --- what happened -----------------------------------------------------------------------
 
     def to(self, name: str, kind: type) -> list:
-        return [m for i, m in self.host.sent if i == self.ids[name] and isinstance(m, kind)]
+        return [m for i, m in self.sent if i == self.ids[name] and isinstance(m, kind)]
 
     def rings(self) -> list[list[str]]:
         """Every BarrierReady's ring, by name (one per attempt)."""
         out: dict[int, list[str]] = {}
-        for _, m in self.host.sent:
+        for _, m in self.sent:
             if isinstance(m, P.BarrierReady):
                 out[m.ring_epoch] = [self.names[x.node_id] for x in m.ring]
         return [out[e] for e in sorted(out)]
@@ -180,7 +169,7 @@ class Sim:
         return {self.names[i] for i, rs in self.s.strikes.items() if rs}
 
     def noted(self, kind: str) -> list[dict]:
-        return [f for k, f in self.host.notes if k == kind]
+        return [f for k, f in self.notes if k == kind]
 
     def ring(self) -> None:
         """Every node trains; the barrier sends the ring."""
@@ -230,7 +219,7 @@ def test_a_retry_whose_members_applied_the_attempt_settles_it_instead_of_ending_
     sim.ring()
     sim.done("a")
     sim.done("b")
-    sim.host.drop(sim.ids["x"], "connection closed", 0)
+    sim.drop(sim.ids["x"], "connection closed")
     assert sim.tick()
     assert sim.rd.abandoned is None and sim.result.checksum == "theta1"
     assert len(sim.rings()) == 1 and not sim.struck()
@@ -279,7 +268,7 @@ def test_a_withholder_that_finishes_first_gets_nobody_struck_and_is_caught_by_th
     assert not sim.struck() and not sim.noted("deadline")
     for n in "abc":
         sim.failed(n, suspect="w")
-    assert not sim.tick(100.0)
+    assert not sim.tick(100.0 + GRACE + 1)
     assert sim.struck() == {"w"} and sim.rings()[-1] == ["c", "b", "a"]  # redone without it
 
 
@@ -358,6 +347,9 @@ def test_a_measured_speed_is_capped_relative_to_the_others_and_cannot_make_them_
 
 
 def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(tmp_path, caplog) -> None:
+    import asyncio
+    import time
+
     from drift.coordinator import Coordinator
     from drift.transport import Endpoint
 
@@ -382,7 +374,7 @@ def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(t
     async def settle() -> None:
         coord.endpoint = await Endpoint.bind("local")
         try:
-            rd = coord.current = Round(sim.s, coord, 1, sim.queue)
+            rd = coord.current = Round(sim.s, coord, 1, sim.queue, time.monotonic())
             coord.live = [rd]
             rd.abandon("every Δ was bad")
             await coord._settle(rd)  # round 1 is the last: a checkpoint is due
@@ -391,7 +383,7 @@ def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(t
             await coord.endpoint.close()
 
     with caplog.at_level("WARNING", logger="drift.coord"):
-        sim.run(settle())
+        asyncio.run(settle())
     # No KeyError: the checkpoint asked for is round 0's (no node holds it in this test).
     assert "no checkpoint for round 0: no connected node holds it" in caplog.text
     told = [m for p in sim.s.members.values() for m in p.ch.frames]
@@ -407,9 +399,144 @@ def test_the_honest_round_settles_with_every_unit_counted_once() -> None:
     assert sim.tick()
     spans = [(u.epoch, u.id, u.lo, u.hi) for u in sim.result.trained]
     assert len(spans) == len(set(spans)) and sim.result.samples == sim.rd.budget
-    assert not sim.struck() and not sim.host.dropped
+    assert not sim.struck() and not sim.dropped
 
 
 @pytest.fixture(autouse=True)
 def _quiet(caplog):
     caplog.set_level("ERROR", logger="drift.coord")
+
+
+# --- random interleavings: the invariants hold whatever up to a third of the members send --------
+
+HOSTILE = [
+    "dup_progress",  # repeats its progress reports
+    "hoard",  # asks for work again and again
+    "step_lie",  # a huge Δ norm over a huge step count
+    "sit_out_early",  # "I already applied it" the moment the ring starts
+    "sit_out_late",  # ... after the others applied
+    "accuse",  # names an honest member as the one that broke the ring
+    "withhold",  # gets everyone's bytes, sends none, reports θ first
+    "silent",  # sends nothing in the all-reduce
+    "wrong_checksum",  # reports another θ
+    "stale",  # reports θ of another round and epoch, then behaves
+    "leave",  # disconnects in the middle of the all-reduce
+]
+RING_TIMEOUT_S = 120.0  # how long an honest node waits for a silent peer before it names it (drift.ring)
+
+
+def _honest_reply(sim: Sim, name: str, m: P._Msg, applied: dict[str, int], withholders: set[str]) -> list[P._Msg]:
+    """What honest node `name` answers to a BarrierReady or Commit (as drift.node does)."""
+    match m:
+        case P.BarrierReady(ring_epoch=e) if name in applied:
+            return [P.RingFailed(round=m.round, ring_epoch=e, reason="applied", sit_out=True)]
+        case P.BarrierReady(ring_epoch=e):
+            ring = {sim.names[x.node_id] for x in m.ring}
+            if culprit := sorted(ring & withholders):  # (after waiting for its bytes)
+                return [P.RingFailed(round=m.round, ring_epoch=e, reason="t", suspect=sim.ids[culprit[0]])]
+            if m.confirm:  # a ring of two announces before applying
+                return [
+                    P.RoundDone(round=m.round, ring_epoch=e, checksum=f"theta-e{e}", announced=True, before="theta0")
+                ]
+            applied[name] = e
+            return [P.RoundDone(round=m.round, ring_epoch=e, checksum=f"theta-e{e}")]
+        case P.Commit(ring_epoch=e):
+            applied[name] = e
+            return [P.RoundDone(round=m.round, ring_epoch=e, checksum=f"theta-e{e}")]
+    return []
+
+
+def _hostile_reply(sim: Sim, name: str, how: str, m: P._Msg, honest: list[str]) -> list[tuple[float, P._Msg]]:
+    """What a hostile node sends (delay, message) on a BarrierReady, by its strategy."""
+    if not isinstance(m, P.BarrierReady):
+        return []
+    r, e = m.round, m.ring_epoch
+    good = P.RoundDone(round=r, ring_epoch=e, checksum=f"theta-e{e}", announced=m.confirm, before="theta0")
+    match how:
+        case "sit_out_early":
+            return [(0.0, P.RingFailed(round=r, ring_epoch=e, reason="x", sit_out=True))]
+        case "sit_out_late":
+            return [(3.0, P.RingFailed(round=r, ring_epoch=e, reason="x", sit_out=True))]
+        case "accuse":
+            return [(0.0, P.RingFailed(round=r, ring_epoch=e, reason="x", suspect=sim.ids[honest[0]]))]
+        case "withhold":
+            return [(0.0, good)]
+        case "silent":
+            return []
+        case "wrong_checksum":
+            return [(1.0, P.RoundDone(round=r, ring_epoch=e, checksum="evil", announced=m.confirm, before="theta0"))]
+        case "stale":
+            return [(0.0, P.RoundDone(round=r + 1, ring_epoch=e + 3, checksum="old")), (1.0, good)]
+        case "leave":
+            return [(1.0, None)]  # (None: its connection ends)
+    return [(1.0, good)]
+
+
+@pytest.mark.parametrize("how", HOSTILE)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(n=st.integers(3, 6), data=st.data())
+def test_random_interleavings_of_hostile_messages_keep_the_invariants(how: str, n: int, data: st.DataObject) -> None:
+    # Up to a third of the members are hostile: the first with `how`, a second (6 members) drawn.
+    names = [f"n{k}" for k in range(n)]
+    bad = {names[k]: how if k == 0 else data.draw(st.sampled_from(HOSTILE), label=f"n{k}") for k in range(n // 3)}
+    honest = [x for x in names if x not in bad]
+    sim = Sim(names)
+    rd = sim.start()
+    for name in data.draw(st.permutations(names), label="barrier order"):
+        how = bad.get(name)
+        if how == "dup_progress":
+            u = rd.plan.granted[sim.ids[name]][0]
+            for _ in range(5):
+                sim.msg(name, P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1e6))
+        if how == "hoard":
+            for _ in range(10):
+                sim.msg(name, P.AskForMoreWork(round=0))
+        sim.train(name, **({"norm": 1000.0, "steps": 10**9} if how == "step_lie" else {}))
+    for name in names:  # a unit counts once: nobody trained more than it was granted
+        granted = [
+            u for to, m in sim.sent if to == sim.ids[name] for u in getattr(m, "units", [getattr(m, "unit", None)])
+        ]
+        assert rd.nodes[sim.ids[name]].trained <= rules.samples([u for u in granted if u is not None])
+    withholders = {x for x, how in bad.items() if how in ("withhold", "silent")}
+    applied: dict[str, int] = {}
+    queue: list[tuple[float, int, str, P._Msg]] = []  # (when, order, sender, message)
+    seen, k = 0, 0
+    limit = sim.t0 + (R.MAX_RING_RETRIES + 2) * (rules.REDUCE_DEADLINE_S + 2 * sim.recipe.stale_after_s)
+    settled = sim.tick()
+    while not settled and sim.now < limit:
+        for to, m in sim.sent[seen:]:
+            name = sim.names[to]
+            if name in bad:
+                replies = _hostile_reply(sim, name, bad[name], m, honest)
+            else:
+                jitter = data.draw(st.sampled_from([0.1, 0.5, 2.0]), label="delay")
+                replies = _honest_reply(sim, name, m, applied, withholders)
+                replies = [(RING_TIMEOUT_S if isinstance(r, P.RingFailed) else jitter, r) for r in replies]
+            for delay, r in replies:
+                queue.append((sim.now + delay, k := k + 1, name, r))
+        seen = len(sim.sent)
+        queue.sort(key=lambda q: q[:2])
+        if queue and queue[0][0] <= sim.now + 5.0:
+            when, _, name, m = queue.pop(0)
+            sim.now = max(sim.now, when)
+            if m is None:
+                sim.drop(sim.ids[name], "connection closed")
+            else:
+                sim.msg(name, m)
+            settled = sim.tick(sim.now - sim.t0)
+        else:
+            settled = sim.tick(sim.now - sim.t0 + 5.0)  # (the clocks' thresholds are seconds apart)
+    assert settled, f"round 0 did not end by {limit - sim.t0:.0f}s ({bad})"
+    if sim.rd.abandoned:
+        assert sim.result.checksum == "theta0"  # cleanly: θ unchanged
+    else:
+        assert sim.result.checksum.startswith("theta-e"), (sim.result.checksum, bad)  # an honest θ
+    # A θ an honest member applied is the round's: never abandoned, never redone over it.
+    assert {f"theta-e{e}" for e in applied.values()} <= {sim.result.checksum}, (applied, sim.result, bad)
+    assert sim.struck() <= set(bad) and {sim.names[i] for i, _ in sim.dropped} <= set(bad), (bad, sim.notes)
+    spans = [(u.epoch, u.id, u.lo, u.hi) for u in sim.result.trained]
+    assert len(spans) == len(set(spans))
+    liars = {sim.ids[x] for x, how in bad.items() if how == "step_lie"}  # its Δ never weighs in
+    assert all(
+        m.weight == 0 for _, b in sim.sent if isinstance(b, P.BarrierReady) for m in b.ring if m.node_id in liars
+    )
