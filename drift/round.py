@@ -595,6 +595,7 @@ class Round:
             why = "the norm of its Δ is far outside the others'"
             log.warning("node %s: %s; its work this round is redone", self.name(i), why)
             self.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
+            self.give_back.extend(counted[i].trained)  # (accounted at its sync: no longer in the plan)
             self.exclude(i)
             self.strike(i, why)
         self.t_ready = now
@@ -650,9 +651,13 @@ class Round:
             # The ring is all or nothing: if every other member finished it, they agree on θ and
             # the reporters' word against them changes nothing (a node repeating RingFailed cannot
             # hold every round hostage); the reporters get θ with Agreed.
-            if rules.finished_by_majority(part, set(done)) and self.minority() == []:
+            keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
+            if rules.finished_by_majority(part, set(done)) and keep is not None:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
                 # counts; only their θ is behind. (A proven forger's too: it is out from now on.)
+                # A reporter of another θ than the majority's diverged.
+                for i in [i for i, d in done.items() if d.checksum != keep]:
+                    self.diverged(i)
                 for i in self.forgers:
                     self.convict(i, "forged", FORGED, sit_out=False)
                 log.warning(
@@ -765,17 +770,20 @@ class Round:
         return False
 
     def applied_by_majority(self, applied: list[str]) -> bool:
-        """A retry is due, but more than half of the attempt's ring applied it, all to the same θ:
-        the round is that θ (the ring is all or nothing: their Δ sums hold everyone's), whoever
-        failed or left is behind (θ comes with Agreed). A round its members applied is never
-        redone or given up because another member says it failed. True once settled."""
+        """A retry is due, but more than half of the attempt's ring applied it to the same θ: the
+        round is that θ (the ring is all or nothing: their Δ sums hold everyone's), whoever failed
+        or left is behind (θ comes with Agreed), whoever applied another θ diverged. A round its
+        members applied is never redone or given up because another member says it failed. True
+        once settled."""
         ring = self.ring_ids()
-        sums = {self.nodes[i].done.checksum for i in applied}
-        if len(sums) != 1 or 2 * len(applied) <= len(ring):
+        keep = rules.held_by_majority({i: self.nodes[i].done.checksum for i in applied}, len(ring))
+        if keep is None:
             return False
         for i in self.part():
             if i not in applied:
                 self.fell_behind(i)
+            elif self.nodes[i].done.checksum != keep:
+                self.diverged(i)
         log.warning(
             "round %d: %s, but %d of %d members applied the all-reduce and agree: the round stands",
             self.rnd,

@@ -294,6 +294,12 @@ def pair_verdict(
     return PairVerdict("undecided")
 
 
+def held_by_majority(checksums: Mapping[str, str], ring_size: int) -> str | None:
+    """The θ checksum that more than half of a ring of `ring_size` members reported, or None."""
+    top = Counter(checksums.values()).most_common(1)
+    return top[0][0] if top and 2 * top[0][1] > ring_size else None
+
+
 def finished_by_majority(ring: list[str], done: set[str]) -> bool:
     """A ring that a majority of its members finished (and whose finishers agree, checked by the
     caller) counts even though the others report it failed: the ring is all or nothing."""

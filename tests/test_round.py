@@ -254,6 +254,10 @@ def test_a_huge_norm_hidden_behind_a_step_count_lie_is_an_outlier() -> None:
     ring = sim.rd.ring
     assert {sim.names[m.node_id]: m.weight for m in ring}["x"] == 0.0
     assert [f["name"] for f in sim.noted("outlier_delta")] == ["x"] and sim.struck() == {"x"}
+    for n in "abcx":
+        sim.done(n)
+    assert sim.tick()
+    _every_unit_once(sim)  # its units are redone, not lost
 
 
 # --- 3. silence is charged to whom the others name, not to whoever is still waiting -----------
@@ -388,6 +392,13 @@ def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(t
     assert "no checkpoint for round 0: no connected node holds it" in caplog.text
     told = [m for p in sim.s.members.values() for m in p.ch.frames]
     assert [(m.type, m.round, m.abandoned, m.state.round) for m in told] == [("Agreed", 1, True, 0)] * 2
+
+
+def _every_unit_once(sim: Sim) -> None:
+    """Every sample the round took is counted (its Δ is in θ) or handed back to be redone, once."""
+    spans = [(u.epoch, u.id, u.lo, u.hi) for u in [*sim.result.trained, *sim.rd.given_back]]
+    assert len(spans) == len(set(spans)), spans
+    assert rules.samples([*sim.result.trained, *sim.rd.given_back]) == sim.rd.budget
 
 
 def test_the_honest_round_settles_with_every_unit_counted_once() -> None:
@@ -534,8 +545,7 @@ def test_random_interleavings_of_hostile_messages_keep_the_invariants(how: str, 
     # A θ an honest member applied is the round's: never abandoned, never redone over it.
     assert {f"theta-e{e}" for e in applied.values()} <= {sim.result.checksum}, (applied, sim.result, bad)
     assert sim.struck() <= set(bad) and {sim.names[i] for i, _ in sim.dropped} <= set(bad), (bad, sim.notes)
-    spans = [(u.epoch, u.id, u.lo, u.hi) for u in sim.result.trained]
-    assert len(spans) == len(set(spans))
+    _every_unit_once(sim)
     liars = {sim.ids[x] for x, how in bad.items() if how == "step_lie"}  # its Δ never weighs in
     assert all(
         m.weight == 0 for _, b in sim.sent if isinstance(b, P.BarrierReady) for m in b.ring if m.node_id in liars
