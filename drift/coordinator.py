@@ -18,6 +18,7 @@ from pathlib import Path
 
 from auth import Admission, AuthError
 from drift import protocol as P
+from drift import round as R
 from drift.base import MIN_RATE as BASE_MIN_RATE
 from drift.base import BaseError, BaseServer, task_state
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
@@ -637,9 +638,9 @@ class Coordinator:
             await self._admit_late_joiners(rnd)
             if not self.swarm.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
-            cur = self.current = Round(self.swarm, self, rnd, queue, prev)
+            cur = self.current = Round(self.swarm, self, rnd, queue, time.monotonic(), prev)
             self.live = [x for x in (prev, cur) if x is not None]
-            await cur.start(self.samples_seen)
+            await self._apply(cur, cur.start(self.samples_seen))
             while True:
                 if await self._step(prev, cur):
                     break
@@ -680,22 +681,68 @@ class Coordinator:
                 case P.NodeLog():
                     self.node_log(peer, msg)
                 case P.RoundDone() | P.RingFailed() | P.BarrierSync() if prev is not None and msg.round == prev.rnd:
-                    await prev.on_message(peer, msg)  # overlapped: the round still being reduced
+                    await self._event(prev, R.Message(peer.id, msg))  # overlapped: the round still being reduced
                 case _:
-                    await (cur or prev).on_message(peer, msg)
+                    await self._event(cur or prev, R.Message(peer.id, msg))
         now = time.monotonic()
         self._check_silence(now, (cur or prev).rnd)
         for rd in (prev, cur):
             if rd is None or rd.settled:
                 continue
-            if await rd.tick(now, may_reduce=rd is prev or prev is None or prev.settled):
+            if await self._event(rd, R.Tick(may_reduce=rd is prev or prev is None or prev.settled)):
                 await self._settle(rd)
         return (cur or prev).settled
+
+    async def _event(self, rd: Round, event: R.Event) -> bool:
+        """One event of round rd, its actions applied; True once rd settled (then call _settle)."""
+        return await self._apply(rd, rd.step(event, time.monotonic()))
+
+    async def _apply(self, rd: Round, actions: list[R.Action]) -> bool:
+        """Carry out what round rd decided, in order; True if it settled."""
+        settled = False
+        for a in actions:
+            match a:
+                case R.Send(nodes=nodes, msg=msg):
+                    await self.broadcast([self.swarm.members[i] for i in nodes if i in self.swarm.members], msg)
+                case R.Note(kind=kind, fields=fields):
+                    self.note(kind, **fields)
+                case R.Drop(node=i, why=why):
+                    self.drop(i, why, rd.rnd)
+                case R.Evaluate(node=i) if i in self.swarm.members:
+                    await self.assign_evaluation(self.swarm.members[i], rd.rnd, rd.epoch)
+                case R.RecordVal():
+                    self.record_val(a.after_round, a.val_loss, a.val_samples, a.metrics)
+                case R.RecordEval(node=i, msg=msg, again=again):
+                    if self.record_eval(i, msg) and again and msg.after_round < self.swarm.newest():
+                        await self.assign_evaluation(self.swarm.members[i], rd.rnd, rd.epoch)
+                case R.Progress(node=i, unit=u) if self.monitor is not None:
+                    if (v := self.monitor.nodes.get(i)) is not None:
+                        v.samples_per_s, v.loss, v.samples = a.samples_per_s, a.loss, v.samples + a.samples
+                        self.monitor.event(
+                            "progress",
+                            node_id=i,
+                            round=rd.rnd,
+                            unit=[u.epoch, u.id, u.lo, u.hi],
+                            loss=a.loss,
+                            samples_per_s=a.samples_per_s,
+                        )
+                case R.Settled():
+                    settled = True
+        return settled
 
     async def _settle(self, rd: Round, checkpoint: bool = True) -> None:
         # The data position of θ after this round: a next round may have taken units already.
         nxt = self.current if self.current is not None and self.current.rnd > rd.rnd else None
-        self._record(await rd.finish(nxt))
+        result, actions = rd.finish(time.monotonic())
+        if self.monitor:
+            self.monitor.val_loss = result.val_loss if result.val_loss is not None else self.monitor.val_loss
+            for i, n in result.bytes_sent.items():
+                if i in self.monitor.nodes:
+                    self.monitor.nodes[i].bytes_sent += n
+        self._record(result)
+        await self._apply(rd, actions)
+        if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
+            await self._event(nxt, R.PrevSettled())
         rd.settled = True
         for i, why in rd.drops:  # (after it settled: dropping a ring member mid-round redoes the ring)
             self.drop(i, why, rd.rnd)
@@ -704,7 +751,10 @@ class Coordinator:
         )
         r = self.recipe
         if checkpoint and not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
-            self._start_checkpoint(rd.rnd)
+            # A round given up changed nothing: the checkpoint due is the last agreed θ's.
+            due = self.swarm.newest() if rd.abandoned else rd.rnd
+            if due >= 0 and due != self.last_checkpoint:
+                self._start_checkpoint(due)
 
     def _check_silence(self, now: float, rnd: int) -> None:
         """Drop every node silent for stale_after_s (its connection may look open: a sleeping
@@ -874,7 +924,7 @@ class Coordinator:
                     break
                 peer, msg = ev
                 if peer.id in self.swarm.members and isinstance(msg, P.RoundDone) and msg.round == cur.rnd:
-                    await cur.on_message(peer, msg)
+                    await self._event(cur, R.Message(peer.id, msg))
             if cur.agreed():
                 await self._settle(cur, checkpoint=False)
 
@@ -987,7 +1037,7 @@ class Coordinator:
         if i not in self.swarm.members:
             return
         for rd in self.live:
-            rd.forget(i)
+            rd.step(R.Left(i), time.monotonic())  # (its work is redone: nothing to send)
         peer = self.swarm.leave(i)
         if self.data_holders.pop(i, None) is not None:
             self._holders_changed()

@@ -232,7 +232,13 @@ def l2norm(x: np.ndarray) -> float:
         return float(np.sqrt(sum(float(np.dot(x[a : a + CHUNK], x[a : a + CHUNK])) for a in range(0, x.size, CHUNK))))
 
 
-NORM_SLACK = 0.25  # the reduced Δ may exceed Σ w·||Δ_i|| by this much (codec error) before it is refused
+# The reduced Δ may exceed Σ w·||Δ_i|| by this much before it is refused. Codec error adds next to
+# nothing to a norm (int8 blocks over a ring of 16 identical Δs: +0.004 %); the margin is for
+# rounding. A member of weight w that sends -k x its Δ makes the sum (1 - (k+1)w)Δ when every Δ is
+# alike (the worst case): a x10 flip is refused for w > (2 + NORM_SLACK)/11 = 0.186, so a liar at a
+# fair share of a swarm of five or fewer is caught; below that it reverses the step by at most
+# 1 + NORM_SLACK (and under w < 1/11 only shrinks it).
+NORM_SLACK = 0.05
 
 
 def reduced_problem(reduced: np.ndarray, ring: list) -> str | None:

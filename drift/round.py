@@ -1,12 +1,15 @@
 """One outer round as the coordinator runs it: grant units, watch progress, cut the round's
 tail, enforce deadlines, run the barrier, retry a broken all-reduce, agree on θ's checksum.
 
-Every control message of the round's nodes goes to `Round.on_message` (one `match`); `Round.tick`
-runs the clocks (liveness, deadlines, the barrier) after every message and twice a second. What
-the round knows of each node is one record (rules.NodeRound); the decisions over those records
-are pure functions in drift.rules. The swarm's state (members, speeds, strikes, checksums, ring
-epoch) belongs to drift.swarm.Swarm; sending, notes and dropping go through the Host (the
-Coordinator).
+The round is driven by events, `Round.step(event, now) -> list[Action]`: a member's control
+message (`Message`, one `match`), the clocks (`Tick`, after every message and twice a second), a
+member that left (`Left`) and, overlapped, the round before settling (`PrevSettled`). No I/O, no
+asyncio and no clock inside: the time comes with the event, and what the round decides comes back
+as actions (sends, notes, drops, evaluations, the val loss, `Settled`) that the Coordinator, its
+only shell, applies in order. What the round knows of each node is one record (rules.NodeRound);
+the decisions over those records are pure functions in drift.rules. The swarm's state (members,
+speeds, strikes, checksums, ring epoch) belongs to drift.swarm.Swarm; the round still writes its
+strikes, bans, speeds, checksums and ring epoch there directly (the next step: as actions too).
 
 Who takes part, in the order a round decides it:
   * evaluators: too slow to train without holding everyone back (rules.evaluators);
@@ -18,11 +21,9 @@ Who takes part, in the order a round decides it:
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from drift import protocol as P
 from drift import rules
@@ -31,9 +32,6 @@ from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, UnitQueue, check_accounting
 from drift.swarm import Peer, Swarm
-
-if TYPE_CHECKING:
-    from drift.monitor import Monitor
 
 log = logging.getLogger("drift.coord")
 
@@ -55,31 +53,129 @@ class RoundResult:
     samples: int
     seconds: float
     trained: list[P.WorkUnit] = field(default_factory=list)  # the units whose samples count
+    bytes_sent: dict[str, int] = field(default_factory=dict)  # per member that reported θ
 
 
 class Host(Protocol):
-    """What a round needs from the coordinator: sending, notes, evaluations, dropping a node."""
+    """What a round reads from the coordinator (nothing it writes): where a node gets θ."""
 
-    monitor: Monitor | None
-
-    async def send(self, peer: Peer, msg: P._Msg) -> None: ...
-    async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None: ...
-    def note(self, kind: str, **fields) -> None: ...
-    def drop(self, i: str, why: str, rnd: int) -> None: ...
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None: ...
-    async def assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None: ...
-    def record_eval(self, i: str, msg: P.EvalResult) -> bool: ...
-    def record_val(self, after_round: int, val_loss: float, val_samples: int, metrics: dict[str, float]) -> None: ...
+
+
+# --- events: what happens to a round ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """A control message from member `node` about this round."""
+
+    node: str
+    msg: P.Message
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The clocks. `may_reduce` False holds the ring back (the round before is still reduced)."""
+
+    may_reduce: bool = True
+
+
+@dataclass(frozen=True)
+class Left:
+    """Member `node` left the swarm (dropped, or its connection ended)."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class PrevSettled:
+    """Overlapped: the round before settled; this round's clocks and evaluations start now."""
+
+
+Event = Message | Tick | Left | PrevSettled
+
+
+# --- actions: what the round decides, for the Coordinator to apply in order --------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """`msg` to each of `nodes` (at once)."""
+
+    nodes: tuple[str, ...]
+    msg: P._Msg
+
+
+@dataclass(frozen=True)
+class Note:
+    """One metrics event."""
+
+    kind: str
+    fields: dict
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Remove `node` from the swarm now (every live round forgets it)."""
+
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """Give evaluator `node` its next job: the val loss of the newest agreed θ."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class RecordVal:
+    """The val loss of θ after round `after_round`, reported by the node asked for it."""
+
+    after_round: int
+    val_loss: float
+    val_samples: int
+    metrics: dict
+
+
+@dataclass(frozen=True)
+class RecordEval:
+    """An evaluator's result; `again`: if it counts and a newer θ is agreed, a new job at once."""
+
+    node: str
+    msg: P.EvalResult
+    again: bool
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Member `node` finished `samples` of unit `unit` (the dashboard's per-node figures)."""
+
+    node: str
+    unit: P.WorkUnit
+    samples: int
+    loss: float | None
+    samples_per_s: float
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Every ring member reported θ, or the all-reduce was given up: call Round.finish."""
+
+
+Action = Send | Note | Drop | Evaluate | RecordVal | RecordEval | Progress | Settled
 
 
 class Round:
-    """The coordinator's side of round `rnd`; driven by start(), on_message(), tick(), finish()."""
+    """The coordinator's side of round `rnd`; driven by start(), step(event, now), finish()."""
 
-    def __init__(self, swarm: Swarm, host: Host, rnd: int, queue: UnitQueue, prev: Round | None = None):
+    def __init__(self, swarm: Swarm, host: Host, rnd: int, queue: UnitQueue, now: float, prev: Round | None = None):
         """`prev`: with the overlapped sync rule, the round before, still in its all-reduce."""
         self.s, self.host, self.rnd, self.queue, self.r = swarm, host, rnd, queue, swarm.recipe
         self.prev = prev
-        self.t0 = time.monotonic()
+        self.t0 = self.now = now
+        self.out: list[Action] = []  # what the event being handled decided
         self.steal = self.r.schedule == "steal"
         members = swarm.members
         # What earlier rounds' cuts handed back is trained on top of this round's budget, and the
@@ -103,7 +199,6 @@ class Round:
                 return "wait"
             return "train"
 
-        now = time.monotonic()
         # Nodes that join later enter the next round: the records are this round's participants.
         self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now, t_unit=now) for i in members}
         self.trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
@@ -117,7 +212,11 @@ class Round:
         self.give_back: list[P.WorkUnit] = []
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
         self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
-        self.first_done_s: float | None = None  # how long its first member took to report θ
+        self.done_after: dict[str, float] = {}  # ring member -> seconds after BarrierReady it reported θ
+        # Members' RoundDones of earlier attempts (their own word, on their own connection): the
+        # only proof that a member applied an attempt and cannot take part in a retry.
+        self.applied_before: dict[str, P.RoundDone] = {}
+        self.rings: dict[int, set[str]] = {}  # ring epoch -> its members
         self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why)
         self.val_reporter: str | None = None  # the node asked for the val loss (report_val)
         self.poisoned: set[str] = set()  # members that refused this attempt's sum (larger than the norms allow)
@@ -158,24 +257,25 @@ class Round:
 
     # --- the round ------------------------------------------------------------------------------
 
-    async def start(self, samples_seen: int) -> None:
+    def start(self, samples_seen: int) -> list[Action]:
+        """The round's assignments: ShardAssignment to every member, jobs to its evaluators."""
         s, host, prev = self.s, self.host, self.prev
         # The lr schedule follows the swarm's samples: those of the round still being reduced count.
         progress = samples_seen + (prev.samples_synced() if prev is not None else 0)
         in_flight = prev is not None and not prev.settled
-        for i, peer in list(s.members.items()):
+        for i in list(s.members):
             n = self.nodes[i]
             if n.role == "evaluate":  # evaluators work at their own pace: a new job once the last is done
-                if i not in s.evaluating and not in_flight:  # (overlapped: once prev is agreed, see finish)
-                    await host.assign_evaluation(peer, self.rnd, self.epoch)
+                if i not in s.evaluating and not in_flight:  # (overlapped: once prev is agreed, PrevSettled)
+                    self.out.append(Evaluate(i))
                 continue
             catch_up = None
             if in_flight and (prev.ring is None or i not in prev.ring_ids()):
                 catch_up = prev.rnd  # it does not reduce prev itself: Agreed tells it what θ became
                 prev.nodes.setdefault(i, NodeRound("late")).catching_up = True
             if n.role == "wait":
-                await host.send(
-                    peer, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait", catch_up=catch_up)
+                self.send(
+                    i, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait", catch_up=catch_up)
                 )
                 continue
             last_round = self.rnd == self.r.rounds - 1
@@ -183,8 +283,8 @@ class Round:
             report_val = i == self.fastest and (not has_evaluators or last_round)
             if report_val:
                 self.val_reporter = i
-            await host.send(
-                peer,
+            self.send(
+                i,
                 P.ShardAssignment(
                     round=self.rnd,
                     epoch=self.epoch,
@@ -196,32 +296,60 @@ class Round:
                     catch_up=catch_up,
                 ),
             )
+        return self.flush()
+
+    def send(self, i: str, msg: P._Msg) -> None:
+        self.out.append(Send((i,), msg))
+
+    def note(self, kind: str, **fields) -> None:
+        self.out.append(Note(kind, fields))
+
+    def flush(self) -> list[Action]:
+        out, self.out = self.out, []
+        return out
+
+    def step(self, event: Event, now: float) -> list[Action]:
+        """Handle one event at time `now`; returns what to do, in order."""
+        self.now = now
+        match event:
+            case Message(node=i, msg=msg):
+                self.on_message(i, msg)
+            case Tick(may_reduce=may_reduce):
+                if self.tick(now, may_reduce):
+                    self.out.append(Settled())
+            case Left(node=i):
+                self.forget(i)
+            case PrevSettled():
+                self.prev_settled(now)
+        return self.flush()
 
     def samples_synced(self) -> int:
         """Samples the nodes reported at this round's barrier (counted ones)."""
         return sum(samples(n.synced.trained) for n in self.nodes.values() if n.counted)
 
     def forget(self, i: str) -> None:
-        """Node i left the swarm: its work of this round is redone; a ring it was in is redone."""
+        """Node i left the swarm: its work of this round is redone. A ring it was in is redone
+        unless the others finish it: its leaving counts as a report that the ring failed, so the
+        members' RoundDones of the next moment decide (a majority that applied it keeps it)."""
         n = self.nodes.pop(i, None)
         if n is not None and n.counted:
             self.give_back.extend(n.synced.trained)
         self.plan.drop(i)
-        if self.ring is not None and self.abandoned is None and i in self.ring_ids():
-            self.retry_reason = f"{self.name(i)} left during the all-reduce"
+        if self.ring is not None and self.abandoned is None and i in self.ring_ids() and self.ring_failed_at is None:
+            log.warning("round %d: %s left during the all-reduce", self.rnd, self.name(i))
+            self.ring_failed_at = self.now
 
-    async def on_message(self, peer: Peer, msg: P.Message) -> None:
+    def on_message(self, i: str, msg: P.Message) -> None:
         """Every message of a member about this round, in one place."""
-        i = peer.id
         if i not in self.nodes:  # entered after this round started: it is in the next one
             if not isinstance(msg, P.Heartbeat):
-                log.warning("ignoring %s from %s: it is not in round %d", msg.type, peer.info.name, self.rnd)
+                log.warning("ignoring %s from %s: it is not in round %d", msg.type, self.name(i), self.rnd)
             return
         match msg:
             case P.TrainProgress():
                 self.on_progress(i, msg)
             case P.AskForMoreWork():
-                await self.on_ask(i, msg)
+                self.on_ask(i, msg)
             case P.BarrierSync():
                 self.on_sync(i, msg)
             case P.RoundDone():
@@ -232,18 +360,22 @@ class Round:
                     and msg.announced == self.announcing()
                 ):
                     self.nodes[i].done = msg
-                    if self.first_done_s is None:
-                        self.first_done_s = time.monotonic() - self.t_ring
+                    self.done_after.setdefault(i, self.now - self.t_ring)
+                elif (
+                    msg.round == self.rnd
+                    and msg.ring_epoch < self.s.ring_epoch
+                    and i in self.rings.get(msg.ring_epoch, ())
+                    and not msg.announced
+                ):  # an earlier attempt it applied before the retry reached it
+                    self.applied_before[i] = msg
             case P.RingFailed():
                 self.on_ring_failed(i, msg)
-            case P.EvalResult():
-                if self.host.record_eval(i, msg) and self.role(i) == "evaluate" and msg.after_round < self.s.newest():
-                    # A newer θ is already agreed: evaluate it now rather than at the next round.
-                    await self.host.assign_evaluation(peer, self.rnd, self.epoch)
+            case P.EvalResult():  # (if a newer θ is already agreed: evaluate it now rather than next round)
+                self.out.append(RecordEval(i, msg, again=self.role(i) == "evaluate"))
             case P.Heartbeat():
                 pass
             case _:
-                log.warning("ignoring unexpected %s from %s in round %d", msg.type, peer.info.name, self.rnd)
+                log.warning("ignoring unexpected %s from %s in round %d", msg.type, self.name(i), self.rnd)
 
     def on_progress(self, i: str, msg: P.TrainProgress) -> None:
         u = msg.unit
@@ -251,8 +383,10 @@ class Round:
             g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
         ):
             return  # a late report, or samples it was never granted: counts for nothing
-        n = self.nodes[i]
-        now = time.monotonic()
+        n, now = self.nodes[i], self.now
+        if any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in n.reported):
+            return  # samples it reported before: a unit counts once
+        n.reported.append((u.epoch, u.id, u.lo, u.hi))
         k = u.hi - u.lo
         # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
         # val loss: it evaluated θ0 before it).
@@ -263,72 +397,76 @@ class Round:
         n.trained += k
         n.units_after_stop += self.stop_sent
         n.last_progress = now
-        mon = self.host.monitor
-        if mon and i in mon.nodes:
-            v = mon.nodes[i]
-            v.samples_per_s, v.loss, v.samples = msg.samples_per_s, msg.loss, v.samples + k
-            mon.event(
-                "progress",
-                node_id=i,
-                round=self.rnd,
-                unit=[u.epoch, u.id, u.lo, u.hi],
-                loss=msg.loss,
-                samples_per_s=msg.samples_per_s,
-            )
+        self.out.append(Progress(i, u, k, msg.loss, msg.samples_per_s))
 
-    async def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
-        peer, n = self.peer(i), self.nodes[i]
+    def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
+        n = self.nodes[i]
         if n.role == "evaluate" and msg.round == self.rnd:  # its job could not start (no donor had
-            await self.host.assign_evaluation(peer, self.rnd, self.epoch)  # that θ any more): a fresh one
+            self.out.append(Evaluate(i))  # that θ any more): a fresh one
             return
         nxt = None
-        if msg.round == self.rnd and not n.excluded and not n.early and n.synced is None:
+        # At most one unit ahead of what it reported trained: asking again and again hoards none.
+        in_hand = samples(self.plan.granted.get(i, [])) - n.trained
+        if (
+            msg.round == self.rnd
+            and not n.excluded
+            and not n.early
+            and n.synced is None
+            and in_hand <= self.r.unit_samples
+        ):
             nxt = self.plan.next_for(i)
         if nxt is not None:
-            n.last_progress = time.monotonic()
-            await self.host.send(peer, P.AssignNext(round=self.rnd, unit=nxt))
+            n.last_progress = self.now
+            self.send(i, P.AssignNext(round=self.rnd, unit=nxt))
             return
-        await self.host.send(peer, P.NoMoreWork(round=msg.round))
+        self.send(i, P.NoMoreWork(round=msg.round))
         if self.steal and self.plan.remaining() == 0 and not self.last:
-            await self.stop_all("the round's budget is handed out")
+            self.stop_all("the round's budget is handed out")
 
     def on_sync(self, i: str, msg: P.BarrierSync) -> None:
         n = self.nodes[i]
         if msg.round != self.rnd or n.sitting_out or n.synced is not None:
             return  # a node that sat out a round reports it late: its work there is redone already
-        n.synced, n.t_sync = msg, time.monotonic()
+        n.synced, n.t_sync = msg, self.now
         if not n.excluded and n.role != "evaluate":
             wrong = check_accounting(self.plan.granted.get(i, []), msg.trained, msg.returned)
             if not wrong and msg.trained and msg.delta_norm is None and not msg.delta_error:
                 wrong = "it reported no norm of its Δ"  # without it, nobody can bound the ring's sum
             if msg.delta_error and not wrong:
                 log.warning("node %s: %s; its work this round is redone", self.name(i), msg.delta_error)
-                self.host.note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
+                self.note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
                 self.exclude(i)  # everything granted to it, trained or returned, is redone
             elif wrong:
                 log.warning("node %s: bad work report (%s); its work this round is redone", self.name(i), wrong)
-                self.host.note("bad_report", node_id=i, reason=wrong, round=self.rnd)
+                self.note("bad_report", node_id=i, reason=wrong, round=self.rnd)
                 self.exclude(i)
             else:  # accounted for: what it trained is in synced, the rest goes back
                 self.give_back.extend(msg.returned)
                 self.plan.granted[i] = []
         if msg.val_loss is not None and i == self.fastest:  # the node asked for it (report_val)
-            self.host.record_val(self.rnd - 1, msg.val_loss, msg.val_samples, msg.metrics)
+            self.out.append(RecordVal(self.rnd - 1, msg.val_loss, msg.val_samples, msg.metrics))
 
     def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.s.ring_epoch:
             return
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
-            self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
-            self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
-            return
+            if i in self.applied_before:  # ... and its own RoundDone of that attempt says so
+                self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
+                self.retry_reason = self.retry_reason or f"{self.name(i)} cannot take part in the retry"
+                return
+            # Its word alone: a report of a failed ring like any other (the others' RoundDones
+            # decide whether the ring finished), and a strike for the claim.
+            why = "it said it had applied an attempt of this all-reduce it never reported"
+            log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
+            self.note("false_claim", node_id=i, name=self.name(i), round=self.rnd, claim="sit_out")
+            self.strike(i, why)
         if msg.poisoned:
             self.poisoned.add(i)
         if msg.proof is not None and not self.proven(i, msg):
             # Honest code sends only proof it checked: this accuser lied (its word counts for nothing).
             why = "it accused a ring neighbour with proof that does not hold"
             log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
-            self.host.note("false_accusation", node_id=i, name=self.name(i), round=self.rnd, accused=msg.suspect)
+            self.note("false_accusation", node_id=i, name=self.name(i), round=self.rnd, accused=msg.suspect)
             self.strike(i, why)
         elif msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
@@ -336,7 +474,7 @@ class Round:
                 self.forgers.add(msg.suspect)
         if self.ring_failed_at is None:
             log.warning("round %d: %s reports the all-reduce failed: %s", self.rnd, self.name(i), msg.reason)
-            self.ring_failed_at = time.monotonic()
+            self.ring_failed_at = self.now
 
     def proven(self, i: str, msg: P.RingFailed) -> bool:
         """Whether msg.proof shows that msg.suspect forwarded, in this attempt's ring, bytes of a
@@ -352,16 +490,12 @@ class Round:
 
     # --- decisions --------------------------------------------------------------------------------
 
-    async def stop_all(self, reason: str) -> None:
+    def stop_all(self, reason: str) -> None:
         if not self.stop_sent:
-            self.stop_sent, self.t_stop = True, time.monotonic()
+            self.stop_sent, self.t_stop = True, self.now
             log.info("round %d: %s; stopping at the next inner step", self.rnd, reason)
-            await asyncio.gather(
-                *(
-                    self.host.send(self.peer(i), P.StopRound(round=self.rnd))
-                    for i in self.part()
-                    if self.nodes[i].synced is None
-                )
+            self.out.append(
+                Send(tuple(i for i in self.part() if self.nodes[i].synced is None), P.StopRound(round=self.rnd))
             )
 
     def exclude(self, i: str) -> None:
@@ -371,29 +505,29 @@ class Round:
 
     def drop(self, i: str, why: str) -> None:
         """Remove a node from the swarm mid-round (every live round forgets it)."""
-        self.host.drop(i, why, self.rnd)
+        self.out.append(Drop(i, why))
 
-    async def tick(self, now: float, may_reduce: bool = True) -> bool:
+    def tick(self, now: float, may_reduce: bool = True) -> bool:
         """Run the clocks; True once the round is settled (every ring member reported θ, or the
         all-reduce was given up). `may_reduce` False holds the ring back (the round before is
         still being reduced)."""
         if self.steal and self.ring is None and not self.stop_sent and not self.last:
-            await self.tail()
-        await self.deadlines(now)
+            self.tail()
+        self.deadlines(now)
         if self.ring is None:
-            return await self.barrier(now) if may_reduce else False
-        return await self.reduce_progress(now)
+            return self.barrier(now) if may_reduce else False
+        return self.reduce_progress(now)
 
-    async def tail(self) -> None:
+    def tail(self) -> None:
         """A node whose next inner step would end after everyone else ran out of work stops now
         (rules.tail_stops)."""
         active = [i for i in self.part() if (n := self.nodes[i]).synced is None and not n.excluded and not n.early]
         in_hand = {i: samples(self.plan.granted.get(i, [])) - self.nodes[i].trained for i in active}
         for i in rules.tail_stops(active, in_hand, self.plan.remaining(), self.s.speed, self.r.batch_size):
             self.nodes[i].early = True
-            await self.host.send(self.peer(i), P.StopRound(round=self.rnd))
+            self.send(i, P.StopRound(round=self.rnd))
 
-    async def deadlines(self, now: float) -> None:
+    def deadlines(self, now: float) -> None:
         r, s = self.r, self.s
         if (self.prev is not None and not self.prev.settled) or self.ring is not None:
             return  # overlapped: the nodes wait at this barrier for the round before to land
@@ -426,21 +560,24 @@ class Round:
                     waited,
                     expected,
                 )
-                self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
+                self.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
                 self.exclude(i)
                 # What we know now: it is at least this slow. Plans (and the choice of evaluators)
                 # from the next round on use that.
                 s.slowed(i, r.batch_size / waited)
-                await self.host.send(self.peer(i), P.StopRound(round=self.rnd))
+                self.send(i, P.StopRound(round=self.rnd))
                 if alone:
                     self.strike(i, "it held the whole swarm up")
 
-    async def barrier(self, now: float) -> bool:
+    def barrier(self, now: float) -> bool:
         """Once every trainer synced (or sits out past its deadline), send the ring."""
         try:
             d = rules.barrier(self.nodes)
         except ValueError:
-            raise RoundError(f"every training node has left (round {self.rnd})") from None
+            if not self.s.members:
+                raise RoundError(f"every training node has left (round {self.rnd})") from None
+            self.abandon("every training node of the round has left")  # the others train the next one
+            return True
         if d.action == "wait":
             return False
         if d.action == "abandon":
@@ -449,19 +586,23 @@ class Round:
             return True
         for i in d.stragglers:  # stragglers past their deadline: the swarm goes on without them
             self.nodes[i].sitting_out = True
-            self.host.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
+            self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
         counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
-        for i in rules.norm_outliers({i: (b.delta_norm or 0.0, b.steps) for i, b in counted.items()}):
+        bs = self.r.batch_size  # steps by what it was granted and trained, not by its word
+        for i in rules.norm_outliers(
+            {i: (b.delta_norm or 0.0, rules.steps_of(b.trained, bs)) for i, b in counted.items()}
+        ):
             why = "the norm of its Δ is far outside the others'"
             log.warning("node %s: %s; its work this round is redone", self.name(i), why)
-            self.host.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
+            self.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
+            self.give_back.extend(counted[i].trained)  # (accounted at its sync: no longer in the plan)
             self.exclude(i)
             self.strike(i, why)
         self.t_ready = now
-        await self.send_ring()
+        self.send_ring()
         return False
 
-    async def send_ring(self) -> None:
+    def send_ring(self) -> None:
         """BarrierReady to every node in the barrier: the ring order and each node's weight."""
         s, part = self.s, self.part()
         w = rules.weights(self.nodes, part)
@@ -475,26 +616,29 @@ class Round:
             )
             for i in order
         ]
-        self.t_ring, self.first_done_s = time.monotonic(), None
+        self.t_ring, self.done_after = self.now, {}
+        self.rings[s.ring_epoch] = set(part)
         self.confirm, self.committed, self.announced = len(self.ring) == 2, False, {}
-        self.host.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
-        await self.host.broadcast(
-            [s.members[i] for i in part],
-            P.BarrierReady(
-                round=self.rnd,
-                ring=self.ring,
-                codec=self.r.codec,
-                ring_epoch=s.ring_epoch,
-                confirm=self.confirm,
-                recheck=self.confirm and bool(self.earlier),
-            ),
+        self.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
+        self.out.append(
+            Send(
+                tuple(part),
+                P.BarrierReady(
+                    round=self.rnd,
+                    ring=self.ring,
+                    codec=self.r.codec,
+                    ring_epoch=s.ring_epoch,
+                    confirm=self.confirm,
+                    recheck=self.confirm and bool(self.earlier),
+                ),
+            )
         )
 
     def done(self) -> dict[str, P.RoundDone]:
         """The ring members' reports of θ after the outer step (this ring epoch)."""
         return {i: n.done for i, n in self.nodes.items() if n.done is not None}
 
-    async def reduce_progress(self, now: float) -> bool:
+    def reduce_progress(self, now: float) -> bool:
         """While the ring runs: retry it when it broke; once every member reported, check θ."""
         part, done = self.part(), self.done()
         if (
@@ -503,13 +647,17 @@ class Round:
             and now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1
         ):
             if self.poisoned:
-                return await self.redo_poisoned(now)
+                return self.redo_poisoned(now)
             # The ring is all or nothing: if every other member finished it, they agree on θ and
             # the reporters' word against them changes nothing (a node repeating RingFailed cannot
             # hold every round hostage); the reporters get θ with Agreed.
-            if rules.finished_by_majority(part, set(done)) and self.minority() == []:
+            keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
+            if rules.finished_by_majority(part, set(done)) and keep is not None:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
                 # counts; only their θ is behind. (A proven forger's too: it is out from now on.)
+                # A reporter of another θ than the majority's diverged.
+                for i in [i for i, d in done.items() if d.checksum != keep]:
+                    self.diverged(i)
                 for i in self.forgers:
                     self.convict(i, "forged", FORGED, sit_out=False)
                 log.warning(
@@ -532,16 +680,16 @@ class Round:
             if not self.committed:  # (after Commit the members report again what they announced)
                 self.equivocation()
             if self.confirm:
-                return await self.pair_progress(now)
+                return self.pair_progress(now)
             for i in self.minority():
                 self.diverged(i)
             self.cleared()
             return True
         if self.retry_reason is None:
             return False
-        return await self.retry(now)
+        return self.retry(now)
 
-    async def pair_progress(self, now: float) -> bool:
+    def pair_progress(self, now: float) -> bool:
         """A ring of two, every member reported (or is behind). Announcements: commit the θ they
         agree on, else redo or drop by rules.pair_verdict; after Commit, the members' reports are
         what they announced. True once settled."""
@@ -549,7 +697,7 @@ class Round:
         if self.committed:
             for i in [i for i, d in done.items() if d.checksum != self.announced.get(i)]:
                 why = f"its θ after round {self.rnd} is not the θ it announced"  # (honest code reports that one)
-                self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=done[i].checksum)
+                self.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=done[i].checksum)
                 self.fell_behind(i)
                 self.drops.append((i, why))
             if not self.done():
@@ -566,13 +714,11 @@ class Round:
             self.committed, self.announced = True, {i: d.checksum for i, d in done.items()}
             for i in done:
                 self.nodes[i].done = None
-            self.t_ring, self.first_done_s = time.monotonic(), None  # the step's own deadline
-            await self.host.broadcast(
-                [self.peer(i) for i in done], P.Commit(round=self.rnd, ring_epoch=self.s.ring_epoch)
-            )
+            self.t_ring, self.done_after = now, {}  # the step's own deadline
+            self.out.append(Send(tuple(done), P.Commit(round=self.rnd, ring_epoch=self.s.ring_epoch)))
             return False
         detail = ", ".join(f"{self.name(i)}={d.checksum[:12]}" for i, d in done.items())
-        self.host.note("disagreed", round=self.rnd, ring_epoch=self.s.ring_epoch, verdict=verdict.action)
+        self.note("disagreed", round=self.rnd, ring_epoch=self.s.ring_epoch, verdict=verdict.action)
         if verdict.action == "redo":
             self.earlier = {i: d.checksum for i, d in done.items()}
             self.retry_reason = f"the two nodes' outer steps would give different θ ({detail}); none applied it"
@@ -585,9 +731,9 @@ class Round:
             raise RoundError(
                 f"the two nodes disagree on θ after round {self.rnd} again, and nothing tells which is right: {detail}"
             )
-        return await self.retry(now)
+        return self.retry(now)
 
-    async def retry(self, now: float) -> bool:
+    def retry(self, now: float) -> bool:
         """Redo the all-reduce (retry_reason says why) without the members that sit out; give the
         round up after MAX_RING_RETRIES. True once the round is settled (given up)."""
         # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
@@ -599,29 +745,57 @@ class Round:
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         # Members that applied the last attempt cannot redo it (announced steps were never applied)
         applied = [] if self.announcing() else [i for i in self.part() if self.nodes[i].done is not None]
+        if applied and not self.poisoned and self.applied_by_majority(applied):
+            return True
         for i in applied:
+            self.applied_before[i] = self.nodes[i].done
             self.sit_out(i, "retry", "it applied an earlier attempt of this all-reduce", strike=False)
         if not self.part():
-            if applied:
-                self.abandon(f"every member left had applied an attempt the others did not ({self.retry_reason})")
-                return True
-            raise RoundError(f"every training node has left (round {self.rnd})")
+            # (nobody left to redo it: θ stays; the coordinator ends the run only when no node is left at all)
+            self.abandon(f"no member is left to redo the all-reduce ({self.retry_reason})")
+            return True
         if self.s.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
             self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
             return True
         log.warning(
             "round %d: %s; retrying the all-reduce with %d node(s)", self.rnd, self.retry_reason, len(self.part())
         )
-        self.host.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
+        self.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
         self.poisoned, self.forgers = set(), set()
         for n in self.nodes.values():
             n.done, n.behind = None, False
         self.s.ring_epoch += 1
-        await self.send_ring()
+        self.send_ring()
         return False
 
-    async def redo_poisoned(self, now: float) -> bool:
+    def applied_by_majority(self, applied: list[str]) -> bool:
+        """A retry is due, but more than half of the attempt's ring applied it to the same θ: the
+        round is that θ (the ring is all or nothing: their Δ sums hold everyone's), whoever failed
+        or left is behind (θ comes with Agreed), whoever applied another θ diverged. A round its
+        members applied is never redone or given up because another member says it failed. True
+        once settled."""
+        ring = self.ring_ids()
+        keep = rules.held_by_majority({i: self.nodes[i].done.checksum for i in applied}, len(ring))
+        if keep is None:
+            return False
+        for i in self.part():
+            if i not in applied:
+                self.fell_behind(i)
+            elif self.nodes[i].done.checksum != keep:
+                self.diverged(i)
+        log.warning(
+            "round %d: %s, but %d of %d members applied the all-reduce and agree: the round stands",
+            self.rnd,
+            self.retry_reason,
+            len(applied),
+            len(ring),
+        )
+        self.retry_reason = self.ring_failed_at = None
+        self.cleared()
+        return True
+
+    def redo_poisoned(self, now: float) -> bool:
         """The ring finished but members refused its sum: someone sent more than it reported (θ
         did not move on any honest node). A member that applied that sum anyway is the culprit;
         else the culprit is found by halves: half of the candidates sit the retry out; if the
@@ -647,8 +821,8 @@ class Round:
         self.retry_reason = (
             f"{len(self.poisoned)} node(s) refused the all-reduced Δ (larger than the reported norms allow)"
         )
-        self.host.note("poisoned", round=self.rnd, ring_epoch=s.ring_epoch, refused_by=len(self.poisoned))
-        return await self.retry(now)
+        self.note("poisoned", round=self.rnd, ring_epoch=s.ring_epoch, refused_by=len(self.poisoned))
+        return self.retry(now)
 
     def poisoner(self, i: str, why: str) -> None:
         """Node i sent more into the all-reduce than it reported: out of the round and of the run."""
@@ -663,7 +837,7 @@ class Round:
         could pass the checks)."""
         if i not in self.s.members or i in self.s.banned:
             return
-        self.host.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
+        self.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
         if sit_out and i in self.part():
             self.sit_out(i, "poisoned", why, strike=False)
         self.s.banned[i] = why
@@ -683,9 +857,11 @@ class Round:
                 self.convict(self.bisect_out[0], "bisected", "it poisoned the all-reduce (found by halves)")
 
     def behind(self, now: float) -> None:
-        """Members that did not report θ long after the first one did (rules.reduce_overdue) are
+        """Members that did not report θ long after a majority did (rules.reduce_overdue) are
         behind: the round settles without them and they get θ with Agreed (their Δ is in it: the
-        ring finished). Holding the swarm up is a strike; twice, and the node is dropped."""
+        ring finished). Holding the swarm up is a strike; twice, and the node is dropped. With no
+        majority past the reduce deadline (rules.reduce_timed_out) the all-reduce is redone; a
+        ring of one that stays silent is struck (nobody else could have held it up)."""
         r = self.r
         extra = {}
         if self.val_reporter is not None:  # it evaluates θ before it reports
@@ -694,7 +870,7 @@ class Round:
             self.part(),
             self.nodes,
             now - self.t_ring,
-            self.first_done_s,
+            rules.majority_done_s(self.done_after, self.part()),
             r.unit_deadline_factor,
             r.stale_after_s,
             extra,
@@ -708,9 +884,20 @@ class Round:
                 name,
                 now - self.t_ring,
             )
-            self.host.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
+            self.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
             self.fell_behind(i)
             self.strike(i, "it did not report θ after the all-reduce")
+        waited = now - self.t_ring
+        if (
+            self.ring_failed_at is None
+            and not self.announcing()
+            and waited > rules.REDUCE_DEADLINE_S
+            and rules.majority_done_s(self.done_after, self.part()) is None
+        ):
+            for i in rules.reduce_timed_out(self.part(), self.done(), waited):
+                self.note("deadline", node_id=i, name=self.name(i), round=self.rnd, waited_s=waited, phase="reduce")
+                self.strike(i, "it did not report θ after the all-reduce")
+            self.retry_reason = f"no majority of the ring reported θ within {rules.REDUCE_DEADLINE_S:g}s"
 
     def announcing(self) -> bool:
         """A ring of two whose members announced (or will announce) a θ nobody has applied yet."""
@@ -758,7 +945,7 @@ class Round:
         for i in found.false:
             why = "it reported an all-gather payload that its owner did not sign"
             log.warning("round %d: node %s: %s", rnd, self.name(i), why)
-            self.host.note("false_accusation", node_id=i, name=self.name(i), round=rnd)
+            self.note("false_accusation", node_id=i, name=self.name(i), round=rnd)
             self.strike(i, why)
         if not found.equivocators:
             return
@@ -777,7 +964,7 @@ class Round:
                 rnd,
                 self.name(i),
             )
-            self.host.note("split", node_id=i, name=self.name(i), round=rnd, checksum=rest[i])
+            self.note("split", node_id=i, name=self.name(i), round=rnd, checksum=rest[i])
             self.fell_behind(i)
 
     def diverged(self, i: str) -> None:
@@ -787,7 +974,7 @@ class Round:
         Disagreeing is a strike; twice, and the node is dropped."""
         why = f"its θ after round {self.rnd} disagrees with the majority's"
         log.warning("round %d: node %s: %s; it gets θ from a peer", self.rnd, self.name(i), why)
-        self.host.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.nodes[i].done.checksum)
+        self.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.nodes[i].done.checksum)
         self.fell_behind(i)
         self.strike(i, why)
 
@@ -805,7 +992,7 @@ class Round:
         """Out of this round's ring, its work redone; Agreed gives it θ when the round settles. A
         node that keeps misbehaving is dropped (Swarm.strike)."""
         log.warning("node %s: %s; it sits out this round and its work is redone", self.name(i), why)
-        self.host.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
+        self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
         n = self.nodes[i]
         if n.counted:
             self.give_back.extend(n.synced.trained)
@@ -817,18 +1004,20 @@ class Round:
     def abandon(self, why: str) -> None:
         """Give up this round's all-reduce: θ stays as it was, every unit of the round is redone."""
         log.warning("round %d: %s; the round is given up, θ is unchanged and its work is redone", self.rnd, why)
-        self.host.note("round_abandoned", round=self.rnd, reason=why)
+        self.note("round_abandoned", round=self.rnd, reason=why)
         self.abandoned = why
         for i in self.part():
             if self.nodes[i].counted:
                 self.give_back.extend(self.nodes[i].synced.trained)
+        for i in [*self.applied_before, *self.done()]:  # its θ moved: it is no donor of the agreed one
+            self.s.state_round.pop(i, None)
 
     # --- the result ------------------------------------------------------------------------------
 
-    async def finish(self, nxt: Round | None = None) -> RoundResult:
+    def finish(self, now: float) -> tuple[RoundResult, list[Action]]:
         """Record the settled round, and tell the nodes that did not compute θ themselves what it
-        is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt. `nxt`:
-        the round after (overlapped), whose clocks start now."""
+        is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt."""
+        self.now = now
         result = self._record()
         s, host = self.s, self.host
         told = [
@@ -840,16 +1029,17 @@ class Round:
         ]
         for i in told:  # (their state_round follows from their heartbeats, once they hold it)
             src = host.state_source(i, force=True)
-            await host.send(s.members[i], P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
-        if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
-            now = time.monotonic()
-            nxt.t_stop = max(nxt.t_stop, now) if nxt.stop_sent else nxt.t_stop
-            for n in nxt.nodes.values():
-                n.last_progress = now
-            for i, n in nxt.nodes.items():
-                if n.role == "evaluate" and i in s.members and i not in s.evaluating:
-                    await host.assign_evaluation(s.members[i], nxt.rnd, nxt.epoch)
-        return result
+            self.send(i, P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
+        return result, self.flush()
+
+    def prev_settled(self, now: float) -> None:
+        """Overlapped: the round before settled; this round's clocks start now, and its evaluators' jobs."""
+        self.t_stop = max(self.t_stop, now) if self.stop_sent else self.t_stop
+        for n in self.nodes.values():
+            n.last_progress = now
+        for i, n in self.nodes.items():
+            if n.role == "evaluate" and i in self.s.members and i not in self.s.evaluating:
+                self.out.append(Evaluate(i))
 
     def _record(self) -> RoundResult:
         s, rnd = self.s, self.rnd
@@ -881,48 +1071,43 @@ class Round:
             train_loss,
             checksum,
             n_samples,
-            time.monotonic() - self.t0,
+            self.now - self.t0,
             [u for b in counted.values() for u in b.trained],
+            {i: d.bytes_sent for i, d in done.items()},
         )
-        mon = self.host.monitor
-        if mon:
-            mon.val_loss = val if val is not None else mon.val_loss
-            for i, d in done.items():
-                if i in mon.nodes:
-                    mon.nodes[i].bytes_sent += d.bytes_sent
-            mon.event(
-                "round",
-                round=rnd,
-                epoch=self.epoch,
-                val_loss=val,
-                metrics=metrics,
-                train_loss=train_loss,
-                samples=n_samples,
-                seconds=res.seconds,
-                checksum=checksum,
-                bytes_sent=sum(d.bytes_sent for d in done.values()),
-                evaluators=sorted(self.name(i) for i, n in nodes.items() if n.role == "evaluate" and i in s.members),
-                reduce_s=max((d.reduce_s for d in done.values()), default=0.0),
-                abandoned=self.abandoned,
-                nodes={
-                    self.name(i): {
-                        "node_id": i,
-                        "samples": samples(b.trained) if i in counted else 0,
-                        "steps": b.steps,
-                        "weight": weights.get(i, 0.0),
-                        "busy_s": nodes[i].t_sync - self.t0,
-                        "step_s": b.busy_s,
-                        "lr": b.lr,
-                        "idle_s": max(0.0, self.t_ready - nodes[i].t_sync),
-                        "units_after_stop": nodes[i].units_after_stop,  # the one in flight (and one crossing StopRound)
-                        "sync_s": done[i].reduce_s if i in done else 0.0,
-                        "check_s": done[i].check_s if i in done else 0.0,
-                        "bytes_sent": done[i].bytes_sent if i in done else 0,
-                        "role": "evaluate" if nodes[i].role == "evaluate" else "train",
-                        "trained": [[u.epoch, u.id, u.lo, u.hi] for u in b.trained],
-                    }
-                    for i, b in synced.items()
-                    if i in s.members
-                },
-            )
+        self.note(
+            "round",
+            round=rnd,
+            epoch=self.epoch,
+            val_loss=val,
+            metrics=metrics,
+            train_loss=train_loss,
+            samples=n_samples,
+            seconds=res.seconds,
+            checksum=checksum,
+            bytes_sent=sum(d.bytes_sent for d in done.values()),
+            evaluators=sorted(self.name(i) for i, n in nodes.items() if n.role == "evaluate" and i in s.members),
+            reduce_s=max((d.reduce_s for d in done.values()), default=0.0),
+            abandoned=self.abandoned,
+            nodes={
+                self.name(i): {
+                    "node_id": i,
+                    "samples": samples(b.trained) if i in counted else 0,
+                    "steps": rules.steps_of(b.trained, self.r.batch_size) if b.trained else 0,
+                    "weight": weights.get(i, 0.0),
+                    "busy_s": nodes[i].t_sync - self.t0,
+                    "step_s": b.busy_s,
+                    "lr": b.lr,
+                    "idle_s": max(0.0, self.t_ready - nodes[i].t_sync),
+                    "units_after_stop": nodes[i].units_after_stop,  # the one in flight (and one crossing StopRound)
+                    "sync_s": done[i].reduce_s if i in done else 0.0,
+                    "check_s": done[i].check_s if i in done else 0.0,
+                    "bytes_sent": done[i].bytes_sent if i in done else 0,
+                    "role": "evaluate" if nodes[i].role == "evaluate" else "train",
+                    "trained": [[u.epoch, u.id, u.lo, u.hi] for u in b.trained],
+                }
+                for i, b in synced.items()
+                if i in s.members
+            },
+        )
         return res

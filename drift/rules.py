@@ -41,6 +41,7 @@ class NodeRound:
     early: bool = False  # told to stop ahead of the others (tail)
     catching_up: bool = False  # not in this round's ring: told what θ became when it settles
     behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
+    reported: list[tuple[int, int, int, int]] = field(default_factory=list)  # units it reported trained (once each)
 
     @property
     def counted(self) -> bool:
@@ -106,28 +107,60 @@ def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, o
     return others > 0 and waited > factor * expected + 2 * heartbeat_s
 
 
+def majority_done_s(done_after: Mapping[str, float], ring: list[str]) -> float | None:
+    """How long after BarrierReady more than half of the ring had reported θ (`done_after`:
+    member -> seconds after BarrierReady of its report); None while fewer have. The first
+    reporter proves nothing about the others: a member that withholds its bytes receives everyone
+    else's and can be the first to finish, while those it starves cannot."""
+    times = sorted(t for i, t in done_after.items() if i in ring)
+    need = len(ring) // 2 + 1
+    return times[need - 1] if len(times) >= need else None
+
+
 def reduce_overdue(
     ring: list[str],
     recs: Records,
     waited: float,
-    first_done_s: float | None,
+    majority_s: float | None,
     factor: float,
     slack: float,
     extra: Mapping[str, float] | None = None,
 ) -> list[str]:
-    """Ring members that have not reported θ long after the first member did: `waited` seconds
-    since BarrierReady, `first_done_s` what the first reporter took for the same all-reduce and
-    outer step. The ring is all or nothing, so a member that finished proves the others' part is
-    done: past `factor` times its time plus `slack` (plus `extra[i]`: work only node i does, an
-    evaluation) a member that is still silent is behind."""
-    if first_done_s is None:
+    """Ring members that have not reported θ long after a majority did: `waited` seconds since
+    BarrierReady, `majority_s` what the majority took for the same all-reduce and outer step
+    (majority_done_s). The ring is all or nothing, so a majority that finished proves the
+    others' part is done: past `factor` times its time plus `slack` (plus `extra[i]`: work only
+    node i does, an evaluation) a member that is still silent is behind. Before a majority
+    finished nobody is behind: silence is charged to whom the members name (caught), or, past
+    the reduce deadline (reduce_timed_out), to nobody but a ring of one."""
+    if majority_s is None:
         return []
     extra = extra or {}
     return [
         i
         for i in ring
-        if recs[i].done is None and not recs[i].behind and waited > factor * first_done_s + slack + extra.get(i, 0.0)
+        if recs[i].done is None and not recs[i].behind and waited > factor * majority_s + slack + extra.get(i, 0.0)
     ]
+
+
+REDUCE_DEADLINE_S = 150.0  # an all-reduce no majority finished by then is redone (the nodes' ring timeouts are 120 s)
+
+
+def reduce_timed_out(
+    ring: list[str], done: Iterable[str], waited: float, deadline: float = REDUCE_DEADLINE_S
+) -> list[str]:
+    """Past the reduce deadline with no majority of the ring reporting θ: the members to charge.
+    A ring of one has nobody else to blame: its member (it is the whole round). In a larger ring
+    silence is charged to whom two members name (caught), never to everyone still waiting: []."""
+    if waited <= deadline or 2 * len(set(done) & set(ring)) > len(ring):
+        return []
+    return list(ring) if len(ring) == 1 else []
+
+
+def steps_of(units: list[P.WorkUnit], batch_size: int) -> int:
+    """The inner steps a node's granted, trained samples take: what the coordinator knows,
+    whatever BarrierSync.steps says."""
+    return max(1, -(-samples(units) // max(batch_size, 1)))
 
 
 def tail_stops(
@@ -261,6 +294,12 @@ def pair_verdict(
     return PairVerdict("undecided")
 
 
+def held_by_majority(checksums: Mapping[str, str], ring_size: int) -> str | None:
+    """The θ checksum that more than half of a ring of `ring_size` members reported, or None."""
+    top = Counter(checksums.values()).most_common(1)
+    return top[0][0] if top and 2 * top[0][1] > ring_size else None
+
+
 def finished_by_majority(ring: list[str], done: set[str]) -> bool:
     """A ring that a majority of its members finished (and whose finishers agree, checked by the
     caller) counts even though the others report it failed: the ring is all or nothing."""
@@ -277,18 +316,23 @@ def caught(suspects: Mapping[str, set[str]], ring: list[str]) -> list[str]:
 def evaluators(speeds: Mapping[str, float], budget: int, batch_size: int, slow_fraction: float) -> set[str]:
     """Nodes so slow that one inner step would hold the swarm back: they evaluate instead.
 
-    A node evaluates when it is more than 1/slow_fraction times slower than the fastest node AND
-    a single inner step of it takes longer than slow_fraction of the round's expected length (the
-    round budget over the trainers' summed speed). The fastest trains."""
+    A node evaluates when it is more than 1/slow_fraction times slower than the reference node
+    AND a single inner step of it takes longer than slow_fraction of the round's expected length
+    (the round budget over the trainers' summed speed). The reference is the second fastest when
+    there are three or more nodes, so one node that reports itself very fast cannot make every
+    other node an evaluator (and be the only trainer); with two, nobody can tell which one is
+    off, and the fastest is the reference. The reference and any faster node train."""
     if not speeds:
         return set()
-    fastest = max(speeds, key=speeds.get)
+    ranked = sorted(speeds, key=speeds.get, reverse=True)
+    keep = ranked[:2] if len(ranked) >= 3 else ranked[:1]
+    ref = keep[-1]
     out: set[str] = set()
-    for i in sorted(speeds, key=speeds.get):  # slowest first
-        if i == fastest:
+    for i in reversed(ranked):  # slowest first
+        if i in keep:
             break
         round_s = budget / sum(v for k, v in speeds.items() if k not in out)
-        if speeds[i] < slow_fraction * speeds[fastest] and batch_size / speeds[i] > slow_fraction * round_s:
+        if speeds[i] < slow_fraction * speeds[ref] and batch_size / speeds[i] > slow_fraction * round_s:
             out.add(i)
     return out
 

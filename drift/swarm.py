@@ -18,6 +18,7 @@ from drift.transport import Channel
 
 log = logging.getLogger("drift.coord")
 
+SPEED_CAP = 1000.0  # a measured speed is at most this many times the fastest other member's (honest spreads: ~600x)
 MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
 STRIKE_ROUNDS = 10  # ... within this many rounds: older strikes expire (an honest node's bad luck decays)
 
@@ -116,6 +117,8 @@ class Swarm:
         fast device is a few milliseconds, and one hiccup must not make it look 20x slower. A
         node that really became far slower is caught by its deadline instead (slowed)."""
         if i in self.speed and finite_positive(sps):
+            others = [v for j, v in self.speed.items() if j != i and j in self.members]
+            sps = min(sps, SPEED_CAP * max(others)) if others else sps
             first = i not in self.measured  # a claim above what we measured goes at once
             self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps
             self.measured.add(i)

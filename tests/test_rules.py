@@ -112,19 +112,42 @@ def test_evaluators_are_the_nodes_too_slow_to_train() -> None:
     # With a round long enough that one CPU step is a small part of it, the CPU trains too.
     assert rules.evaluators(speeds, 10_000_000, 64, 0.1) == set()
     assert rules.evaluators({"only": 1.0}, 64, 64, 0.1) == set()  # the fastest always trains
+    # One node much faster than everyone (or claiming it) makes nobody else evaluate: with three
+    # or more, the second fastest is the reference.
+    assert rules.evaluators({"liar": 1e9, "a": 100.0, "b": 100.0, "c": 90.0}, 6400, 64, 0.1) == set()
+    assert rules.evaluators({"liar": 1e9, "a": 100.0}, 6400, 64, 0.1) == {"a"}  # two: nobody can tell
 
 
-def test_a_ring_member_silent_long_after_the_first_reported_is_behind() -> None:
+def test_a_ring_member_silent_long_after_a_majority_reported_is_behind() -> None:
     done = P.RoundDone(round=0, checksum="x")
     recs = _recs(a=NodeRound("train", done=done), b=NodeRound("train"), c=NodeRound("train", done=done))
-    # The first reporter took 1 s: b gets 4 x 1 s + 4 s of slack, and 2 s more when it evaluates.
-    assert rules.reduce_overdue(["a", "b", "c"], recs, 7.9, 1.0, 4.0, 4.0) == []
-    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, 1.0, 4.0, 4.0) == ["b"]
-    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, 1.0, 4.0, 4.0, {"b": 2.0}) == []
-    # Nobody reported yet: no deadline here (the ring's own timeouts end a ring that hangs).
-    assert rules.reduce_overdue(["b"], recs, 1e9, None, 4.0, 4.0) == []
+    # The clock starts when a majority had reported, not at the first reporter (a member that
+    # withholds its bytes gets everyone else's and can be first): a at 0.2 s, c at 1 s.
+    assert rules.majority_done_s({"a": 0.2}, ["a", "b", "c"]) is None
+    majority = rules.majority_done_s({"a": 0.2, "c": 1.0}, ["a", "b", "c"])
+    assert majority == 1.0
+    # b gets 4 x 1 s + 4 s of slack, and 2 s more when it evaluates.
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 7.9, majority, 4.0, 4.0) == []
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, majority, 4.0, 4.0) == ["b"]
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 8.1, majority, 4.0, 4.0, {"b": 2.0}) == []
+    # No majority yet: nobody is behind (silence is charged to whom the members name).
+    assert rules.reduce_overdue(["a", "b", "c"], recs, 1e9, None, 4.0, 4.0) == []
     recs["b"].behind = True  # counted once
     assert rules.reduce_overdue(["a", "b", "c"], recs, 1e9, 1.0, 4.0, 4.0) == []
+
+
+def test_past_the_reduce_deadline_only_a_ring_of_one_is_charged_for_silence() -> None:
+    late = rules.REDUCE_DEADLINE_S + 1
+    assert rules.reduce_timed_out(["x"], [], late) == ["x"]
+    assert rules.reduce_timed_out(["x"], [], rules.REDUCE_DEADLINE_S - 1) == []
+    assert rules.reduce_timed_out(["a", "b", "c"], ["a"], late) == []  # whom to charge: whom two name
+    assert rules.reduce_timed_out(["a", "b", "c"], ["a", "b"], late) == []  # a majority finished
+
+
+def test_steps_come_from_the_samples_trained_not_the_nodes_word() -> None:
+    units = [P.WorkUnit(id=0, lo=0, hi=8), P.WorkUnit(id=1, lo=0, hi=6)]
+    assert rules.steps_of(units, 4) == 4  # 14 samples in batches of 4
+    assert rules.steps_of([], 4) == 1
 
 
 def test_speed_is_measured_by_our_clock_and_queued_reports_do_not_make_a_node_look_faster() -> None:
@@ -186,6 +209,30 @@ def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
         assert "more than" in reduced_problem(poisoned, ring)
     assert reduced_problem(np.full(1000, np.nan, np.float32), ring) is not None
     assert reduced_problem(np.full(1000, 1e30, np.float32), ring) is not None
+
+
+def test_a_sign_flip_by_a_fair_share_of_five_is_refused_and_honest_int8_sums_pass() -> None:
+    import numpy as np
+
+    from drift.compress import make_codec
+    from drift.diloco import reduced_problem
+
+    # The worst case for the bound: every member's Δ alike. A liar at weight 1/5 sends -10 x its Δ
+    # while reporting its true norm: the sum is (1 - 11/5)Δ, 1.2 x the bound's Σ w·||Δ||.
+    d = np.random.default_rng(1).standard_normal(100_000).astype(np.float32)
+    ring = [P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.2, norm=float(np.linalg.norm(d))) for k in range(5)]
+    assert "more than" in reduced_problem(4 * 0.2 * d + 0.2 * (-10 * d), ring)
+    # The honest sum of the same Δs through an int8 ring (every partial sum re-encoded on its way)
+    # stays within the bound.
+    codec = make_codec("int8")
+
+    def hop(x: np.ndarray) -> np.ndarray:
+        return codec.decode(codec.encode(x).copy(), np.empty_like(x))
+
+    acc = hop(0.2 * d)
+    for _ in range(4):
+        acc = hop(acc + 0.2 * d)
+    assert reduced_problem(hop(acc), ring) is None
 
 
 def test_a_false_accuser_alone_gets_nobody_caught_however_often_it_cries() -> None:

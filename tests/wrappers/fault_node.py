@@ -41,6 +41,13 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        reporting its true norm (a hostile node); flip-ring: -10 x; noise-ring:
                        Gaussian noise of 10 x its Δ's norm (either sync rule: the fault is in
                        Δ before the rule sees it, so sync: sparse sends it through its error feedback)
+  sit-out-early        from that round on, the moment each all-reduce attempt starts, tell the
+                       coordinator it already applied the round (RingFailed sit_out), then take
+                       part anyway: before, the retry made every honest member sit out and the
+                       coordinator ended the run ("every training node has left")
+  lie-steps            from that round on, report at the barrier a Δ norm 1000 x its own over 10^9
+                       inner steps, and send 1000 x its Δ into the all-reduce: before, the per-step
+                       outlier check took its word for the steps and θ was poisoned
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
@@ -314,6 +321,34 @@ elif kind == "corrupt-theta":
             corrupt.pop()
             self.theta[0] += np.float32(1.0)  # its agreed θ changed in memory (a bit flip, a bug)
         return orig(self, local)
+
+    @patch(Session, "_round")
+    async def _(orig, self, a):
+        Session.current_round = a.round
+        return await orig(self, a)
+elif kind == "sit-out-early":
+
+    @patch(Session, "_allreduce")
+    async def _(orig, self, t, ready):
+        if ready.round >= at:
+            lie = P.RingFailed(round=ready.round, ring_epoch=ready.ring_epoch, reason="applied", sit_out=True)
+            await self.send(lie)
+        return await orig(self, t, ready)
+elif kind == "lie-steps":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.BarrierSync) and msg.round >= at and msg.delta_norm:
+            msg = msg.model_copy(update={"steps": 10**9, "delta_norm": 1000 * msg.delta_norm})
+        await orig(self, msg)
+
+    def scaled(orig, self, delta, weight):
+        if Session.current_round >= at and weight > 0:
+            delta *= np.float32(1000)
+        return orig(self, delta, weight)
+
+    for rule in rules().values():
+        patch(rule, "contribute")(scaled)
 
     @patch(Session, "_round")
     async def _(orig, self, a):

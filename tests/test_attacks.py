@@ -1,0 +1,65 @@
+"""Issue 36's critical attacks as real `drift join` runs (tests/wrappers/fault_node.py changes what
+one node sends, at its send seam): the run goes on to its end, the culprit is named and excluded,
+no honest node is dropped, and θ is never poisoned. The same attacks replayed into the round in
+milliseconds are in tests/test_round.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from conftest import SIM as CONF_SIM
+from conftest import SIM_BATCH as BATCH
+from conftest import WRAPPERS, check_exactly_once, make_task_repo
+
+from harness.simulate import Swarm
+
+pytestmark = pytest.mark.swarm
+
+SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
+
+
+def _attack(tmp_path: Path, fault: str, nodes: int, rounds: int = 4) -> list[dict]:
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=nodes, rounds=rounds, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
+    good = [swarm.join("0.02", name=f"good{i}") for i in range(nodes - 1)]
+    assert swarm.finish(leave=good) == 0, swarm.log()
+    assert swarm.node_exits()[1:] == [0] * (nodes - 1), swarm.node_logs()
+    events = swarm.events()
+    rounds_ = [e for e in events if e["event"] == "round"]
+    assert len(rounds_) == rounds, rounds_
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    final = next(e for e in events if e["event"] == "complete")["final_val_loss"]
+    assert math.isfinite(final) and final < initial, (initial, final)  # θ trained, never poisoned
+    # No honest node is ever dropped or struck out of a round for what the attacker did.
+    assert all(e["name"] == "bad" for e in events if e["event"] == "node_left"), events
+    assert all(e["name"] == "bad" or e["reason"] == "deadline" for e in events if e["event"] == "sat_out")
+    check_exactly_once(events, 2 * BATCH)
+    return events
+
+
+def test_a_node_that_says_it_already_applied_every_round_neither_ends_nor_voids_the_run(tmp_path: Path) -> None:
+    # Before: the coordinator sat it out without a strike and retried; the honest members, who had
+    # applied the first attempt, sat the retry out too, and the coordinator exited 1 ("every
+    # training node has left"), 6.6 s in.
+    events = _attack(tmp_path, "sit-out-early:1", nodes=3)
+    claims = [(e["round"], e["name"]) for e in events if e["event"] == "false_claim"]
+    assert claims[:1] == [(1, "bad")], claims
+    assert not [e for e in events if e["event"] == "round_abandoned"]
+    left = [e for e in events if e["event"] == "node_left"]
+    assert left and "again" in left[0]["reason"], left  # the second lie drops it
+
+
+def test_a_step_count_lie_cannot_hide_a_poisoned_delta(tmp_path: Path) -> None:
+    # Before: a norm x1000 over 10^9 reported steps passed the per-step outlier check, the ring's
+    # bound allowed its x1000 Δ, and the run ended "fine" at val loss 133,761 (honest: 3.31).
+    events = _attack(tmp_path, "lie-steps:1", nodes=4)
+    named = [(e["round"], e["name"]) for e in events if e["event"] == "outlier_delta"]
+    assert named[:1] == [(1, "bad")], named
+    assert all(
+        r["nodes"].get("bad", {"weight": 0.0})["weight"] == 0
+        for r in events
+        if r["event"] == "round" and r["round"] >= 1
+    )

@@ -1,0 +1,552 @@
+"""The coordinator's round logic against attacks, in milliseconds: real protocol messages
+(drift.protocol) replayed as events into a real drift.round.Round over a real drift.swarm.Swarm,
+on a clock the test moves. Round.step returns actions; the test applies them as the Coordinator
+does (sends recorded instead of sent). Each test is one attack of issue 36 or a fault an honest
+swarm meets; what the round decides is asserted through what it sends, notes, strikes and settles.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drift import protocol as P
+from drift import round as R
+from drift import rules
+from drift.recipe import Recipe
+from drift.round import Round
+from drift.scheduler import UnitQueue
+from drift.swarm import Peer, Swarm
+
+BATCH = 4
+GRACE = 2 * 2.0 + 1  # Round.reduce_progress: how long a RingFailed waits for the others' reports
+
+
+def nid(name: str) -> str:
+    return (name.encode().hex() * 64)[:64]
+
+
+class Host:
+    """What a round reads from the coordinator: where a node gets θ."""
+
+    def __init__(self, swarm: Swarm):
+        self.s = swarm
+
+    def state_source(self, node: str, force: bool = False) -> P.StateSource | None:
+        return self.s.state_source(node, force)
+
+
+class Sim:
+    """A swarm of named nodes and one round of it, driven by messages and a clock."""
+
+    def __init__(self, names: list[str], rounds: int = 3, speeds: dict[str, float] | None = None, **recipe):
+        fields = dict(name="t", task="x.py", rounds=rounds, inner_steps=4, batch_size=BATCH, unit_steps=1)
+        fields.update(min_nodes=len(names), **recipe)
+        self.recipe = Recipe(**fields)
+        self.s = Swarm(self.recipe)
+        self.host = Host(self.s)
+        self.sent: list[tuple[str, P._Msg]] = []
+        self.notes: list[tuple[str, dict]] = []
+        self.dropped: list[tuple[str, str]] = []
+        self.ids = {n: nid(n) for n in names}
+        self.names = {v: k for k, v in self.ids.items()}
+        for n, i in self.ids.items():
+            info = P.NodeInfo(node_id=i, name=n, backend="numpy", device="cpu", ring_ticket=f"ticket-{n}")
+            self.s.enter(Peer(info=info, ch=None), -1)  # type: ignore[arg-type]  # (the host sends)
+            self.s.speed[i] = (speeds or {}).get(n, 100.0)
+        self.s.checksums[-1] = "theta0"
+        self.queue = UnitQueue(10_000, self.recipe.unit_samples)
+        self.rd: Round | None = None
+        self.t0 = self.now = 1000.0  # the test's clock
+
+    # --- driving: as the Coordinator does ----------------------------------------------------
+
+    def apply(self, actions: list[R.Action]) -> bool:
+        settled = False
+        for a in actions:
+            match a:
+                case R.Send(nodes=nodes, msg=msg):
+                    self.sent += [(i, P.decode(P.encode(msg))) for i in nodes]  # it must encode
+                case R.Note(kind=kind, fields=fields):
+                    self.notes.append((kind, fields))
+                case R.Drop(node=i, why=why):
+                    self.drop(i, why)
+                case R.Evaluate(node=i):
+                    self.s.evaluating.add(i)
+                case R.Settled():
+                    settled = True
+        return settled
+
+    def drop(self, i: str, why: str) -> None:
+        if i in self.s.members:
+            self.rd.step(R.Left(i), self.now)
+            self.s.leave(i)
+            self.dropped.append((i, why))
+
+    def start(self, rnd: int = 0) -> Round:
+        self.rd = Round(self.s, self.host, rnd, self.queue, self.now)
+        self.apply(self.rd.start(0))
+        return self.rd
+
+    def msg(self, name: str, m: P._Msg) -> None:
+        m = P.decode(P.encode(m))  # as it arrives: through the wire's codec
+        if self.ids[name] in self.s.members:
+            self.apply(self.rd.step(R.Message(self.ids[name], m), self.now))
+
+    def tick(self, after: float = 0.0) -> bool:
+        """The round's clocks `after` seconds after it started; True once settled."""
+        self.now = max(self.now, self.t0 + after)
+        settled = self.apply(self.rd.step(R.Tick(), self.now))
+        if settled:
+            self.rd.settled = True
+            self.result, actions = self.rd.finish(self.now)
+            self.apply(actions)
+            for i, why in self.rd.drops:
+                self.drop(i, why)
+        return settled
+
+    def train(self, name: str, norm: float = 1.0, steps: int | None = None, **sync) -> P.BarrierSync:
+        """Node `name` trains every unit it can get (asking until NoMoreWork) and syncs."""
+        i, rd = self.ids[name], self.rd
+        while True:
+            for u in list(rd.plan.granted.get(i, [])):
+                if (u.epoch, u.id, u.lo, u.hi) not in rd.nodes[i].reported:
+                    self.msg(name, P.TrainProgress(round=rd.rnd, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+            before = len(self.sent)
+            self.msg(name, P.AskForMoreWork(round=rd.rnd))
+            if not any(isinstance(m, P.AssignNext) for _, m in self.sent[before:]):
+                break
+        trained = list(rd.plan.granted.get(i, []))
+        n = rules.samples(trained)
+        msg = P.BarrierSync(
+            round=rd.rnd,
+            samples=n,
+            steps=steps if steps is not None else n // BATCH,
+            loss=1.0,
+            trained=trained,
+            delta_norm=norm * n // BATCH,
+            **sync,
+        )
+        self.msg(name, msg)
+        return msg
+
+    def train_all(self, **norms: float) -> None:
+        for n in self.ids:
+            self.train(n, norm=norms.get(n, 1.0))
+
+    def done(self, name: str, checksum: str = "theta1", epoch: int | None = None, **kw) -> None:
+        e = self.s.ring_epoch if epoch is None else epoch
+        self.msg(name, P.RoundDone(round=self.rd.rnd, ring_epoch=e, checksum=checksum, **kw))
+
+    def failed(self, name: str, suspect: str = "", sit_out: bool = False, epoch: int | None = None) -> None:
+        e = self.s.ring_epoch if epoch is None else epoch
+        self.msg(
+            name,
+            P.RingFailed(
+                round=self.rd.rnd,
+                ring_epoch=e,
+                reason="test",
+                suspect=self.ids.get(suspect, ""),
+                sit_out=sit_out,
+            ),
+        )
+
+    # --- what happened -----------------------------------------------------------------------
+
+    def to(self, name: str, kind: type) -> list:
+        return [m for i, m in self.sent if i == self.ids[name] and isinstance(m, kind)]
+
+    def rings(self) -> list[list[str]]:
+        """Every BarrierReady's ring, by name (one per attempt)."""
+        out: dict[int, list[str]] = {}
+        for _, m in self.sent:
+            if isinstance(m, P.BarrierReady):
+                out[m.ring_epoch] = [self.names[x.node_id] for x in m.ring]
+        return [out[e] for e in sorted(out)]
+
+    def struck(self) -> set[str]:
+        return {self.names[i] for i, rs in self.s.strikes.items() if rs}
+
+    def noted(self, kind: str) -> list[dict]:
+        return [f for k, f in self.notes if k == kind]
+
+    def ring(self) -> None:
+        """Every node trains; the barrier sends the ring."""
+        self.train_all()
+        assert not self.tick()
+        assert self.rd.ring is not None
+
+
+# --- 1. "I already applied this round" is believed only with its own earlier RoundDone ---------
+
+
+def test_an_early_sit_out_without_a_round_done_is_a_strike_and_the_round_stands() -> None:
+    sim = Sim(["a", "b", "x"])
+    sim.start()
+    sim.ring()
+    sim.failed("x", sit_out=True)  # the moment its ring part ends, before anyone applied
+    sim.done("a")
+    sim.done("b")
+    assert not sim.tick()  # the reporters' word waits a moment for the others' reports
+    assert sim.tick(GRACE + 1)
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta1"
+    assert sim.struck() == {"x"} and sim.noted("false_claim")[0]["name"] == "x"
+    assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets θ; a and b hold it
+    assert not sim.to("a", P.Agreed) and not sim.to("b", P.Agreed)
+    assert len(sim.rings()) == 1  # no retry
+
+
+def test_a_sit_out_with_its_round_done_of_the_earlier_attempt_is_accepted_without_a_strike() -> None:
+    sim = Sim(["a", "b", "c", "x"])
+    sim.start()
+    sim.ring()
+    sim.failed("c", suspect="x")  # the first attempt breaks for c: nobody finished it in time
+    assert not sim.tick(GRACE + 1)
+    assert len(sim.rings()) == 2  # redone with everyone (one accuser names nobody)
+    # a had applied the first attempt after all: its RoundDone of it comes late, then its answer.
+    sim.done("a", epoch=0)
+    sim.failed("a", sit_out=True)
+    sim.failed("x", sit_out=True)  # x applied nothing it told us about
+    assert sim.struck() == {"x"}
+    assert [f["name"] for f in sim.noted("sat_out")] == ["a"]
+
+
+def test_a_retry_whose_members_applied_the_attempt_settles_it_instead_of_ending_the_run() -> None:
+    # Every member but one applied; the last one then leaves (or is dropped): the round stands.
+    sim = Sim(["a", "b", "x"])
+    sim.start()
+    sim.ring()
+    sim.done("a")
+    sim.done("b")
+    sim.drop(sim.ids["x"], "connection closed")
+    assert sim.tick()
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta1"
+    assert len(sim.rings()) == 1 and not sim.struck()
+
+
+def test_sit_outs_of_every_member_abandon_the_round_cleanly() -> None:
+    # Every member applied an earlier attempt that the coordinator retried before their reports:
+    # nobody is left to redo it. θ stays (no exception, no "every training node has left").
+    sim = Sim(["a", "b", "c"])
+    sim.start()
+    sim.ring()
+    sim.failed("a", suspect="b")
+    assert not sim.tick(GRACE + 1)
+    for n in "abc":
+        sim.done(n, epoch=0)
+        sim.failed(n, sit_out=True)
+    assert sim.tick()
+    assert sim.rd.abandoned is not None and not sim.struck()
+    assert all(sim.ids[n] not in sim.s.state_round for n in "abc")  # none is a donor of θ0 any more
+
+
+# --- 2. steps come from the samples granted, not BarrierSync.steps ----------------------------
+
+
+def test_a_huge_norm_hidden_behind_a_step_count_lie_is_an_outlier() -> None:
+    sim = Sim(["a", "b", "c", "x"])
+    sim.start()
+    for n in "abc":
+        sim.train(n)
+    sim.train("x", norm=1000.0, steps=10**9)  # its Δ per step looks tiny by its own count
+    assert not sim.tick()
+    ring = sim.rd.ring
+    assert {sim.names[m.node_id]: m.weight for m in ring}["x"] == 0.0
+    assert [f["name"] for f in sim.noted("outlier_delta")] == ["x"] and sim.struck() == {"x"}
+    for n in "abcx":
+        sim.done(n)
+    assert sim.tick()
+    _every_unit_once(sim)  # its units are redone, not lost
+
+
+# --- 3. silence is charged to whom the others name, not to whoever is still waiting -----------
+
+
+def test_a_withholder_that_finishes_first_gets_nobody_struck_and_is_caught_by_those_it_starved() -> None:
+    sim = Sim(["a", "b", "c", "w"])
+    sim.start()
+    sim.ring()
+    sim.done("w")  # it received everyone's bytes and sent none
+    assert not sim.tick(100.0)  # long past factor x its time + slack: nobody is behind for it
+    assert not sim.struck() and not sim.noted("deadline")
+    for n in "abc":
+        sim.failed(n, suspect="w")
+    assert not sim.tick(100.0 + GRACE + 1)
+    assert sim.struck() == {"w"} and sim.rings()[-1] == ["c", "b", "a"]  # redone without it
+
+
+def test_a_member_silent_long_after_a_majority_reported_is_behind() -> None:
+    sim = Sim(["a", "b", "c"])
+    sim.start()
+    sim.ring()
+    sim.done("a")
+    sim.done("b")
+    assert sim.tick(3 * sim.recipe.stale_after_s)
+    assert sim.struck() == {"c"} and [m.abandoned for m in sim.to("c", P.Agreed)] == [False]
+
+
+def test_a_ring_of_one_that_stays_silent_is_redone_and_struck_at_the_reduce_deadline() -> None:
+    sim = Sim(["x"])
+    sim.start()
+    sim.ring()
+    assert not sim.tick(rules.REDUCE_DEADLINE_S - 1)
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 1)
+    assert sim.struck() == {"x"} and len(sim.rings()) == 2
+
+
+def test_a_ring_nobody_finishes_is_redone_at_the_deadline_and_nobody_struck() -> None:
+    sim = Sim(["a", "b", "c"])
+    sim.start()
+    sim.ring()
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 1)
+    assert not sim.struck() and len(sim.rings()) == 2
+
+
+# --- 4. a late sit_out cannot void a round its members applied --------------------------------
+
+
+def test_a_late_sit_out_after_the_others_applied_does_not_void_the_round() -> None:
+    sim = Sim(["a", "b", "x"])
+    sim.start()
+    sim.ring()
+    sim.done("a")
+    sim.done("b")
+    sim.failed("x", sit_out=True)  # a second after its RoundDone would have gone
+    assert sim.tick(GRACE + 1)
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta1"
+    assert sim.s.checksums[0] == "theta1" and sim.struck() == {"x"}
+    assert not sim.noted("round_abandoned")
+
+
+# --- 6. a unit counts once; asking again hoards nothing; speed is capped -----------------------
+
+
+def test_repeated_progress_counts_once() -> None:
+    sim = Sim(["a", "x"])
+    rd = sim.start()
+    u = rd.plan.granted[sim.ids["x"]][0]
+    for _ in range(50):
+        sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1e9))
+    assert rd.nodes[sim.ids["x"]].trained == u.hi - u.lo
+
+
+def test_asking_again_and_again_grants_at_most_one_unit_ahead() -> None:
+    sim = Sim(["a", "b", "x"])
+    rd = sim.start()
+    for _ in range(20):
+        sim.msg("x", P.AskForMoreWork(round=0))
+    assert len(rd.plan.granted[sim.ids["x"]]) == 2  # the first unit and one ahead
+    assert len(sim.to("x", P.AssignNext)) == 1
+
+
+def test_a_measured_speed_is_capped_relative_to_the_others_and_cannot_make_them_all_evaluate() -> None:
+    sim = Sim(["a", "b", "c", "x"])
+    sim.s.measured_speed(sim.ids["x"], 1e12)
+    assert sim.s.speed[sim.ids["x"]] <= 1000 * 100.0
+    assert sim.s.evaluators(10_000) == set()  # one node's speed makes nobody else an evaluator
+
+
+# --- 5. an abandoned round due a checkpoint (the coordinator) ----------------------------------
+
+
+def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(tmp_path, caplog) -> None:
+    import asyncio
+    import time
+
+    from drift.coordinator import Coordinator
+    from drift.transport import Endpoint
+
+    class Wire:  # the nodes' end of their connections: what the coordinator sends them
+        def __init__(self) -> None:
+            self.frames: list[P.Message] = []
+
+        async def send_frame(self, frame: bytes, timeout: float | None = None) -> None:
+            self.frames.append(P.decode(frame))
+
+        def close(self, why: str) -> None:
+            raise AssertionError(f"closed: {why}")
+
+    sim = Sim(["a", "b"], rounds=2)
+    coord = Coordinator(sim.recipe, tmp_path)
+    coord.swarm, coord.queue = sim.s, sim.queue
+    for p in sim.s.members.values():
+        p.ch = Wire()
+    coord.swarm.checksums[0] = "theta-r0"
+    coord.samples_at[0], coord.positions[0] = 16, sim.queue.position()
+
+    async def settle() -> None:
+        coord.endpoint = await Endpoint.bind("local")
+        try:
+            rd = coord.current = Round(sim.s, coord, 1, sim.queue, time.monotonic())
+            coord.live = [rd]
+            rd.abandon("every Δ was bad")
+            await coord._settle(rd)  # round 1 is the last: a checkpoint is due
+            await coord._wait_checkpoint()
+        finally:
+            await coord.endpoint.close()
+
+    with caplog.at_level("WARNING", logger="drift.coord"):
+        asyncio.run(settle())
+    # No KeyError: the checkpoint asked for is round 0's (no node holds it in this test).
+    assert "no checkpoint for round 0: no connected node holds it" in caplog.text
+    told = [m for p in sim.s.members.values() for m in p.ch.frames]
+    assert [(m.type, m.round, m.abandoned, m.state.round) for m in told] == [("Agreed", 1, True, 0)] * 2
+
+
+def _every_unit_once(sim: Sim) -> None:
+    """Every sample the round took is counted (its Δ is in θ) or handed back to be redone, once."""
+    spans = [(u.epoch, u.id, u.lo, u.hi) for u in [*sim.result.trained, *sim.rd.given_back]]
+    assert len(spans) == len(set(spans)), spans
+    assert rules.samples([*sim.result.trained, *sim.rd.given_back]) == sim.rd.budget
+
+
+def test_the_honest_round_settles_with_every_unit_counted_once() -> None:
+    sim = Sim(["a", "b", "c"])
+    sim.start()
+    sim.ring()
+    for n in "abc":
+        sim.done(n)
+    assert sim.tick()
+    spans = [(u.epoch, u.id, u.lo, u.hi) for u in sim.result.trained]
+    assert len(spans) == len(set(spans)) and sim.result.samples == sim.rd.budget
+    assert not sim.struck() and not sim.dropped
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog):
+    caplog.set_level("ERROR", logger="drift.coord")
+
+
+# --- random interleavings: the invariants hold whatever up to a third of the members send --------
+
+HOSTILE = [
+    "dup_progress",  # repeats its progress reports
+    "hoard",  # asks for work again and again
+    "step_lie",  # a huge Δ norm over a huge step count
+    "sit_out_early",  # "I already applied it" the moment the ring starts
+    "sit_out_late",  # ... after the others applied
+    "accuse",  # names an honest member as the one that broke the ring
+    "withhold",  # gets everyone's bytes, sends none, reports θ first
+    "silent",  # sends nothing in the all-reduce
+    "wrong_checksum",  # reports another θ
+    "stale",  # reports θ of another round and epoch, then behaves
+    "leave",  # disconnects in the middle of the all-reduce
+]
+RING_TIMEOUT_S = 120.0  # how long an honest node waits for a silent peer before it names it (drift.ring)
+
+
+def _honest_reply(sim: Sim, name: str, m: P._Msg, applied: dict[str, int], withholders: set[str]) -> list[P._Msg]:
+    """What honest node `name` answers to a BarrierReady or Commit (as drift.node does)."""
+    match m:
+        case P.BarrierReady(ring_epoch=e) if name in applied:
+            return [P.RingFailed(round=m.round, ring_epoch=e, reason="applied", sit_out=True)]
+        case P.BarrierReady(ring_epoch=e):
+            ring = {sim.names[x.node_id] for x in m.ring}
+            if culprit := sorted(ring & withholders):  # (after waiting for its bytes)
+                return [P.RingFailed(round=m.round, ring_epoch=e, reason="t", suspect=sim.ids[culprit[0]])]
+            if m.confirm:  # a ring of two announces before applying
+                return [
+                    P.RoundDone(round=m.round, ring_epoch=e, checksum=f"theta-e{e}", announced=True, before="theta0")
+                ]
+            applied[name] = e
+            return [P.RoundDone(round=m.round, ring_epoch=e, checksum=f"theta-e{e}")]
+        case P.Commit(ring_epoch=e):
+            applied[name] = e
+            return [P.RoundDone(round=m.round, ring_epoch=e, checksum=f"theta-e{e}")]
+    return []
+
+
+def _hostile_reply(sim: Sim, name: str, how: str, m: P._Msg, honest: list[str]) -> list[tuple[float, P._Msg]]:
+    """What a hostile node sends (delay, message) on a BarrierReady, by its strategy."""
+    if not isinstance(m, P.BarrierReady):
+        return []
+    r, e = m.round, m.ring_epoch
+    good = P.RoundDone(round=r, ring_epoch=e, checksum=f"theta-e{e}", announced=m.confirm, before="theta0")
+    match how:
+        case "sit_out_early":
+            return [(0.0, P.RingFailed(round=r, ring_epoch=e, reason="x", sit_out=True))]
+        case "sit_out_late":
+            return [(3.0, P.RingFailed(round=r, ring_epoch=e, reason="x", sit_out=True))]
+        case "accuse":
+            return [(0.0, P.RingFailed(round=r, ring_epoch=e, reason="x", suspect=sim.ids[honest[0]]))]
+        case "withhold":
+            return [(0.0, good)]
+        case "silent":
+            return []
+        case "wrong_checksum":
+            return [(1.0, P.RoundDone(round=r, ring_epoch=e, checksum="evil", announced=m.confirm, before="theta0"))]
+        case "stale":
+            return [(0.0, P.RoundDone(round=r + 1, ring_epoch=e + 3, checksum="old")), (1.0, good)]
+        case "leave":
+            return [(1.0, None)]  # (None: its connection ends)
+    return [(1.0, good)]
+
+
+@pytest.mark.parametrize("how", HOSTILE)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(n=st.integers(3, 6), data=st.data())
+def test_random_interleavings_of_hostile_messages_keep_the_invariants(how: str, n: int, data: st.DataObject) -> None:
+    # Up to a third of the members are hostile: the first with `how`, a second (6 members) drawn.
+    names = [f"n{k}" for k in range(n)]
+    bad = {names[k]: how if k == 0 else data.draw(st.sampled_from(HOSTILE), label=f"n{k}") for k in range(n // 3)}
+    honest = [x for x in names if x not in bad]
+    sim = Sim(names)
+    rd = sim.start()
+    for name in data.draw(st.permutations(names), label="barrier order"):
+        how = bad.get(name)
+        if how == "dup_progress":
+            u = rd.plan.granted[sim.ids[name]][0]
+            for _ in range(5):
+                sim.msg(name, P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1e6))
+        if how == "hoard":
+            for _ in range(10):
+                sim.msg(name, P.AskForMoreWork(round=0))
+        sim.train(name, **({"norm": 1000.0, "steps": 10**9} if how == "step_lie" else {}))
+    for name in names:  # a unit counts once: nobody trained more than it was granted
+        granted = [
+            u for to, m in sim.sent if to == sim.ids[name] for u in getattr(m, "units", [getattr(m, "unit", None)])
+        ]
+        assert rd.nodes[sim.ids[name]].trained <= rules.samples([u for u in granted if u is not None])
+    withholders = {x for x, how in bad.items() if how in ("withhold", "silent")}
+    applied: dict[str, int] = {}
+    queue: list[tuple[float, int, str, P._Msg]] = []  # (when, order, sender, message)
+    seen, k = 0, 0
+    limit = sim.t0 + (R.MAX_RING_RETRIES + 2) * (rules.REDUCE_DEADLINE_S + 2 * sim.recipe.stale_after_s)
+    settled = sim.tick()
+    while not settled and sim.now < limit:
+        for to, m in sim.sent[seen:]:
+            name = sim.names[to]
+            if name in bad:
+                replies = _hostile_reply(sim, name, bad[name], m, honest)
+            else:
+                jitter = data.draw(st.sampled_from([0.1, 0.5, 2.0]), label="delay")
+                replies = _honest_reply(sim, name, m, applied, withholders)
+                replies = [(RING_TIMEOUT_S if isinstance(r, P.RingFailed) else jitter, r) for r in replies]
+            for delay, r in replies:
+                queue.append((sim.now + delay, k := k + 1, name, r))
+        seen = len(sim.sent)
+        queue.sort(key=lambda q: q[:2])
+        if queue and queue[0][0] <= sim.now + 5.0:
+            when, _, name, m = queue.pop(0)
+            sim.now = max(sim.now, when)
+            if m is None:
+                sim.drop(sim.ids[name], "connection closed")
+            else:
+                sim.msg(name, m)
+            settled = sim.tick(sim.now - sim.t0)
+        else:
+            settled = sim.tick(sim.now - sim.t0 + 5.0)  # (the clocks' thresholds are seconds apart)
+    assert settled, f"round 0 did not end by {limit - sim.t0:.0f}s ({bad})"
+    if sim.rd.abandoned:
+        assert sim.result.checksum == "theta0"  # cleanly: θ unchanged
+    else:
+        assert sim.result.checksum.startswith("theta-e"), (sim.result.checksum, bad)  # an honest θ
+    # A θ an honest member applied is the round's: never abandoned, never redone over it.
+    assert {f"theta-e{e}" for e in applied.values()} <= {sim.result.checksum}, (applied, sim.result, bad)
+    assert sim.struck() <= set(bad) and {sim.names[i] for i, _ in sim.dropped} <= set(bad), (bad, sim.notes)
+    _every_unit_once(sim)
+    liars = {sim.ids[x] for x, how in bad.items() if how == "step_lie"}  # its Δ never weighs in
+    assert all(
+        m.weight == 0 for _, b in sim.sent if isinstance(b, P.BarrierReady) for m in b.ring if m.node_id in liars
+    )
