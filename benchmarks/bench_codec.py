@@ -23,8 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drift.compress import make_codec
-from workers.torch_codec import TorchCodecKernels
-from workers.torch_worker import resolve_device
+from drift.workers.torch_codec import TorchCodecKernels
+from drift.workers.torch_worker import resolve_device
 
 
 def _time(fn, reps: int) -> tuple[float, float]:

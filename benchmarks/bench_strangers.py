@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_task_repo
 
-from auth import NodeKey
 from drift import protocol as P
+from drift.auth import NodeKey
 from drift.coordinator import Coordinator
 from drift.monitor import Monitor
 from drift.recipe import load_recipe

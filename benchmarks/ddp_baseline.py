@@ -50,8 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from drift.diloco import epoch_order  # noqa: E402
 from drift.recipe import load_recipe  # noqa: E402
-from workers import load_task  # noqa: E402
-from workers.torch_worker import TorchWorker  # noqa: E402
+from drift.workers import load_task  # noqa: E402
+from drift.workers.torch_worker import TorchWorker  # noqa: E402
 
 
 class CommStats:

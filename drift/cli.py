@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from auth import AuthError, KeyLock, default_key_path, load_or_create_key
+from drift.auth import AuthError, KeyLock, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.dashboard import Dashboard, DashboardError, parse_addr
 from drift.inner import Steps
@@ -496,7 +496,7 @@ def join(
     except TransportError as e:
         _fail(str(e))
     from drift.ranks import RanksError, rank_devices
-    from workers import BackendError, choose
+    from drift.workers import BackendError, choose
 
     try:  # fail before connecting when this machine cannot do what was asked
         ranks = rank_devices(devices, nproc, backend, device)
@@ -544,7 +544,7 @@ def status(as_json: bool) -> None:
 
     from rich.console import Console
 
-    from workers.detect import detect, status_renderables
+    from drift.workers.detect import detect, status_renderables
 
     info = detect()
     if as_json:

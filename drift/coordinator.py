@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from auth import Admission, AuthError
 from drift import protocol as P
+from drift.auth import Admission, AuthError
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
 from drift.data import DataError, DataServer, open_holder
 from drift.diloco import ParamLayout, checksum
@@ -182,7 +182,7 @@ class Coordinator:
 
     async def _open_data(self) -> DataServer:
         """recipe data: open the task's dataset here and digest every sample (the manifest)."""
-        from workers import load_task
+        from drift.workers import load_task
 
         root = self.repo or Path.cwd()
         path = root / self.recipe.task

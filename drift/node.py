@@ -44,8 +44,8 @@ from typing import Protocol
 
 import numpy as np
 
-from auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift import protocol as P
+from drift.auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
@@ -72,7 +72,7 @@ from drift.transport import (
     parse_ticket,
 )
 from drift.weights import placement
-from workers import BackendError, Choice, TaskError, trim_heap
+from drift.workers import BackendError, Choice, TaskError, trim_heap
 
 log = logging.getLogger("drift.node")
 

@@ -22,8 +22,8 @@ def sample_text(run_dir: Path, prompt: str, n: int, repo: Path) -> str:
     """The task's sample(model, prompt, n) on the newest checkpoint that verifies in run_dir."""
     import torch
 
-    from workers import load_task
-    from workers.torch_worker import TorchWorker
+    from drift.workers import load_task
+    from drift.workers.torch_worker import TorchWorker
 
     ck, _ = latest_checkpoint(Path(run_dir) / "checkpoints")
     if ck is None:

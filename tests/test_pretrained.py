@@ -15,8 +15,8 @@ from safetensors.numpy import save_file
 from drift.diloco import ParamLayout, checksum
 from drift.recipe import RecipeError, load_recipe
 from drift.weights import WeightsError, load_weights, placement
-from workers import load_task
-from workers.torch_worker import TorchWorker
+from drift.workers import load_task
+from drift.workers.torch_worker import TorchWorker
 
 
 def _tiny_weights(seed: int) -> dict[str, np.ndarray]:

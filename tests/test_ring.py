@@ -13,7 +13,7 @@ from drift.diloco import NesterovOuter, checksum
 from drift.protocol import RingMember
 from drift.ring import Ring, RingError, segment_bounds
 from drift.transport import RING_ALPN, Endpoint
-from workers.torch_codec import TorchCodecKernels
+from drift.workers.torch_codec import TorchCodecKernels
 
 
 async def _ring_of(n: int, **kw) -> tuple[list[Endpoint], list[Ring], list[asyncio.Task]]:
@@ -297,7 +297,7 @@ def test_proof_of_forgery_holds_against_the_forwarder_and_against_nobody_else() 
     # framed: an accuser can neither sign in its name nor swap the owner's signature it vouched for.
     import hashlib
 
-    from auth.keys import NodeKey
+    from drift.auth.keys import NodeKey
     from drift.protocol import Forgery
     from drift.ring import hop_message, owner_message, proves_forgery
 
