@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from drift.compress import make_codec
-from workers.torch_codec import TorchCodecKernels
-from workers.torch_worker import resolve_device
+from drift.workers.torch_codec import TorchCodecKernels
+from drift.workers.torch_worker import resolve_device
 
 
 def _time(fn, reps: int) -> tuple[float, float]:

@@ -37,7 +37,7 @@ from netns import Swarm  # noqa: E402
 
 
 def make_repo(path: Path, served: bool, rounds: int) -> Path:
-    from workers import load_task
+    from drift.workers import load_task
 
     char = load_task(ROOT / "recipes" / "shakespeare_char.py")
     rec = path / "recipes"

@@ -44,7 +44,7 @@ UNIT = 160  # samples a unit
 
 
 def dataset(task: str, work: Path):
-    from workers import load_task
+    from drift.workers import load_task
 
     if task == "gpt2":
         return load_task(ROOT / "recipes" / "gpt2_shakespeare.py").make_dataset({})

@@ -102,7 +102,7 @@ def _plain(mode: str, steps: int) -> None:
     import numpy as np
     import torch
 
-    from workers import load_task
+    from drift.workers import load_task
 
     torch.set_num_threads(1)
     task_file, cfg, batch, _ = model_of(mode)

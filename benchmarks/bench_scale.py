@@ -651,7 +651,7 @@ def _plain_loop(a: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
-    from workers import load_task
+    from drift.workers import load_task
 
     torch.set_num_threads(1)
     task = load_task(HERE / "bigtask.py")
@@ -879,7 +879,7 @@ def part_worker(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from workers import load_task, make_worker
+    from drift.workers import load_task, make_worker
 
     torch.set_num_threads(1)
     task = load_task(ROOT / "recipes" / "gpt2_shakespeare.py")

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from auth import NodeKey
 from drift import protocol as P
+from drift.auth import NodeKey
 from drift.coordinator import Coordinator
 from drift.monitor import Monitor
 from drift.recipe import load_recipe

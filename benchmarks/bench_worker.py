@@ -29,8 +29,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from workers import load_task, make_worker  # noqa: E402
-from workers.torch_worker import TorchWorker, resolve_device  # noqa: E402
+from drift.workers import load_task, make_worker  # noqa: E402
+from drift.workers.torch_worker import TorchWorker, resolve_device  # noqa: E402
 
 
 def sync(device: str) -> None:

@@ -49,8 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from drift.diloco import epoch_order  # noqa: E402
 from drift.recipe import load_recipe  # noqa: E402
-from workers import load_task  # noqa: E402
-from workers.torch_worker import TorchWorker  # noqa: E402
+from drift.workers import load_task  # noqa: E402
+from drift.workers.torch_worker import TorchWorker  # noqa: E402
 
 
 class CommStats:

@@ -43,8 +43,8 @@ from drift.compress import make_codec  # noqa: E402
 from drift.diloco import NesterovOuter, ParamLayout, epoch_order  # noqa: E402
 from drift.recipe import Recipe, load_recipe  # noqa: E402
 from drift.sync import make_rule  # noqa: E402
-from workers import load_task  # noqa: E402
-from workers.torch_worker import TorchWorker  # noqa: E402
+from drift.workers import load_task  # noqa: E402
+from drift.workers.torch_worker import TorchWorker  # noqa: E402
 
 
 def main() -> None:

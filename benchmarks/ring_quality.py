@@ -35,8 +35,8 @@ from drift.transport import RING_ALPN, Endpoint  # noqa: E402
 
 def pseudo_gradients(recipe_path: Path, nodes: int, rounds: int, threads: int) -> list[list[np.ndarray]]:
     """rounds x nodes weighted pseudo-gradients w_i * Δ_i from real training (exact averaging)."""
-    from workers import load_task
-    from workers.torch_worker import TorchWorker
+    from drift.workers import load_task
+    from drift.workers.torch_worker import TorchWorker
 
     r = load_recipe(recipe_path)
     task = load_task(ROOT / r.task)

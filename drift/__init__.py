@@ -1,12 +1,9 @@
 """drift: low-communication (DiLoCo-style) training across the machines you have, peer to peer.
 
 `drift.DiLoCo(model, optimizer, ticket=..., samples=N)` puts your own training loop in a swarm
-(drift/loop.py); the `drift` command runs coordinators and task-file nodes (drift/cli.py)."""
-
-from drift.imports import isolate_main, own_packages
-
-own_packages("auth", "workers")  # drift's own, before a user's script's directory can shadow them
-isolate_main()  # a user's script next to its own `workers/` gets that one (see drift/imports.py)
+(drift/loop.py); the `drift` command runs coordinators and task-file nodes (drift/cli.py).
+drift's device backends and identity live in `drift.workers` and `drift.auth` (the repository's
+`workers/` and `auth/` folders), so a project's own `workers` or `auth` never clashes with them."""
 
 __all__ = ["DiLoCo"]
 

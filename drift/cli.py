@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from auth import AuthError, KeyLock, NodeKey, default_key_path, load_or_create_key
+from drift.auth import AuthError, KeyLock, NodeKey, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.dashboard import Dashboard, DashboardError, parse_addr
 from drift.inner import Steps
@@ -248,7 +248,7 @@ def is_script(task: Path) -> bool:
     (drift.DiLoCo, a trainer's DriftCallback) defines none."""
     import ast
 
-    from workers.base import MODEL_FACTORIES
+    from drift.workers.base import MODEL_FACTORIES
 
     try:
         tree = ast.parse(task.read_text())
@@ -581,7 +581,7 @@ def join(
     except TransportError as e:
         _fail(str(e))
     from drift.ranks import RanksError, rank_devices
-    from workers import BackendError, choose
+    from drift.workers import BackendError, choose
 
     try:  # fail before connecting when this machine cannot do what was asked
         ranks = rank_devices(devices, nproc, backend, device)
@@ -641,7 +641,7 @@ def status(run_dir: Path | None, as_json: bool) -> None:
 
     from rich.console import Console
 
-    from workers.detect import detect, status_renderables
+    from drift.workers.detect import detect, status_renderables
 
     info = detect()
     if as_json:

@@ -16,9 +16,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from auth import Admission, AuthError
 from drift import protocol as P
 from drift import round as R
+from drift.auth import Admission, AuthError
 from drift.base import MIN_RATE as BASE_MIN_RATE
 from drift.base import BaseError, BaseServer, task_state
 from drift.checkpoint import Checkpoint, CheckpointWriter, recipe_hash
@@ -186,7 +186,7 @@ class Coordinator:
 
     async def _open_data(self) -> DataServer:
         """recipe data: open the task's dataset here and digest every sample (the manifest)."""
-        from workers import load_task
+        from drift.workers import load_task
 
         root = self.repo or Path.cwd()
         path = root / self.recipe.task
@@ -214,7 +214,7 @@ class Coordinator:
 
     async def _open_base(self) -> BaseServer:
         """recipe init_weights: digest the file, and refuse it here if it does not fit the task's model."""
-        from workers import load_task
+        from drift.workers import load_task
 
         root = self.repo or Path.cwd()
 

@@ -1,21 +1,21 @@
 """Task code and drift share one process, and may use the same top-level names.
 
-A user's repo may have its own `workers/`, `auth/`, `recipes/` or `tests/` (drift has the first
-two, and a node has imported them before the task's checkout is known). Python keeps one module
-per name in sys.modules, so both cannot be `workers` there. The rule here:
+drift's own packages are `drift.workers` and `drift.auth`, so they never clash with a user's
+`workers/` or `auth/`. A task's checkout can still clash with a module the process already holds
+from elsewhere (another checkout of the same repo, a `recipes` or `tests` of the running script).
+Python keeps one module per name in sys.modules, so both cannot be `recipes` there. The rule here:
 
-* drift imports its own packages first (drift/__init__.py), from where drift itself lives, never
-  from whatever happens to be first on sys.path (the script's directory, the working directory).
 * For code whose file lies in a task's checkout, a top-level name the checkout defines *and* the
-  process already holds from elsewhere (a clash) resolves to the checkout: `import workers` there
-  gets the checkout's `workers`, loaded under a private name (`drift_task_<id>.workers`), at load
+  process already holds from elsewhere (a clash) resolves to the checkout: `import recipes` there
+  gets the checkout's `recipes`, loaded under a private name (`drift_task_<id>.recipes`), at load
   time and later (an import inside a function), with relative imports and submodules working.
   Everything else imports as usual (the checkout is first on sys.path), so names that do not
   clash keep their real module names (pickle, multiprocessing).
 
 This is one `builtins.__import__` wrapper, installed once, that looks at the importing module's
 file; drift's own code (and every library) imports exactly as before. Known edge:
-`importlib.import_module("workers")` called from task code bypasses `__import__` and gets drift's.
+`importlib.import_module("recipes")` called from task code bypasses `__import__` and gets the
+process's.
 """
 
 from __future__ import annotations
@@ -145,41 +145,3 @@ class _Finder:
     @staticmethod
     def invalidate_caches() -> None:
         pass
-
-
-def own_packages(*names: str) -> None:
-    """Import drift's sibling packages (auth, workers) from where drift is installed, whatever is
-    first on sys.path: a user's script next to its own `workers/` imports drift too."""
-    home = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    missing = [n for n in names if n not in sys.modules]
-    if not missing:
-        return
-    sys.path.insert(0, home)
-    try:
-        for n in missing:
-            importlib.import_module(n)
-    finally:
-        sys.path.remove(home)
-
-
-def _git_top(d: str) -> str | None:
-    while True:
-        if os.path.exists(os.path.join(d, ".git")):
-            return d
-        parent = os.path.dirname(d)
-        if parent == d:
-            return None
-        d = parent
-
-
-def isolate_main() -> frozenset[str]:
-    """isolate() for the running script's repo (a user's own training loop that imports drift)."""
-    f = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not f:
-        return frozenset()
-    here = os.path.dirname(os.path.realpath(f))
-    top = _git_top(here)
-    home = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    if top is None or os.path.realpath(top) == home:
-        return frozenset()
-    return isolate(top, here, top)

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from auth import AuthError
 from drift import protocol as P
+from drift.auth import AuthError
 from drift.inner import Steps
 from drift.node import Node, NodeError, NodeOptions
 from drift.ranks import start_group, task_worker
@@ -47,7 +47,7 @@ from drift.recipe import Recipe
 from drift.repo import RepoCache, RepoError, dirty_files, resolve_commit, tree_of
 from drift.ring import RingError
 from drift.transport import TransportError
-from workers import Choice, choose
+from drift.workers import Choice, choose
 
 
 class NodeThread:
@@ -132,7 +132,7 @@ class DiLoCo(NodeThread):
         key: str | os.PathLike | None = None,
         name: str | None = None,
     ) -> None:
-        from auth import KeyLock, default_key_path, load_or_create_key
+        from drift.auth import KeyLock, default_key_path, load_or_create_key
 
         ticket = ticket or os.environ.get("DRIFT_TICKET")
         if not ticket:
@@ -320,7 +320,7 @@ class ScriptSource:
         return Choice("torch", str(first.device) if first is not None else "cpu")
 
     async def load(self, cfg: P.TrainConfig, recipe: Recipe, data=None) -> tuple[Any, str | None]:
-        from workers.torch_worker import TorchWorker  # (data: the script's own loop reads its data)
+        from drift.workers.torch_worker import TorchWorker  # (data: the script's own loop reads its data)
 
         root, commit = self.root, cfg.commit or ""
         head = resolve_commit(root, "HEAD")

@@ -43,8 +43,8 @@ from typing import Protocol
 
 import numpy as np
 
-from auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift import protocol as P
+from drift.auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
 from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
@@ -73,7 +73,7 @@ from drift.transport import (
     run_finished,
     ticket_run,
 )
-from workers import BackendError, Choice, TaskError, trim_heap
+from drift.workers import BackendError, Choice, TaskError, trim_heap
 
 log = logging.getLogger("drift.node")
 

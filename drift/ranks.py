@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from drift.recipe import Recipe
-from workers import BackendError, make_worker
+from drift.workers import BackendError, make_worker
 
 RANK_BACKENDS = ("auto", "torch")
 
@@ -73,7 +73,7 @@ def rank_devices(
             raise RanksError(f"{flag}: {name} is named twice")
         seen.add(same)
     try:
-        from workers.torch_worker import resolve_device
+        from drift.workers.torch_worker import resolve_device
     except ImportError:
         raise RanksError(f"{flag}: needs torch, which is not installed here (pip install torch)") from None
     resolved: list[str] = []
@@ -89,7 +89,7 @@ def task_worker(work: Path, task_path: Path, recipe: Recipe, backend: str, devic
     """The worker of recipe's task from the checkout `work` (for `drift join` and each rank).
     `data`: the task -> the task as this node trains it (drift.data.served_task), or None."""
     from drift.imports import isolate
-    from workers import load_task
+    from drift.workers import load_task
 
     isolate(work, task_path.parent, work)  # its own `workers`, `auth`, ... are its, not drift's
     task = load_task(task_path, root=work)  # only from the checkout of the coordinator's commit
@@ -127,7 +127,7 @@ def start_group(
     group: the RankGroup the node trains with. RankError / BackendError / TaskError if any
     rank cannot start (the others are stopped)."""
 
-    from workers.ddp import Rank, RankGroup, listen_store
+    from drift.workers.ddp import Rank, RankGroup, listen_store
 
     if threads is None and devices[0] == "cpu":  # the ranks share this machine's cores
         threads = max(1, (os.cpu_count() or 1) // len(devices))
@@ -189,7 +189,7 @@ def _watch_parent(parent: int) -> None:
 
 
 def main(fd: int) -> int:
-    from workers.ddp import follow
+    from drift.workers.ddp import follow
 
     conn = Connection(fd)
     spec: dict[str, Any] = conn.recv()

@@ -291,7 +291,7 @@ def _field_error(err: dict) -> str:
 
 def _load_allowlist(recipe_path: Path, value: list[str] | str) -> list[str]:
     """The recipe's allowlist as sorted node ids; a string names a file (one id per line)."""
-    from auth import AuthError, parse_allowlist
+    from drift.auth import AuthError, parse_allowlist
 
     source, entries = f"{recipe_path}: allowlist", value
     if isinstance(value, str):

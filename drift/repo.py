@@ -22,7 +22,7 @@ from pathlib import Path
 
 import git
 
-from auth import drift_home
+from drift.auth import drift_home
 from drift.protocol import printable
 
 FETCH_TIMEOUT = 600  # seconds a clone or fetch may take before it is killed

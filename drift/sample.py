@@ -20,8 +20,8 @@ class SampleError(Exception):
 
 def load_model(run_dir: Path, repo: Path):
     """The task's model with θ of the newest checkpoint that verifies in run_dir, and that checkpoint."""
-    from workers import load_task
-    from workers.torch_worker import TorchWorker
+    from drift.workers import load_task
+    from drift.workers.torch_worker import TorchWorker
 
     ck, _ = latest_checkpoint(Path(run_dir) / "checkpoints")
     if ck is None:

@@ -28,7 +28,7 @@ import iroh
 import numpy as np
 from iroh import iroh_ffi
 
-from auth import drift_home
+from drift.auth import drift_home
 from drift.protocol import ProtocolError, printable
 
 CONTROL_ALPN = b"drift/0"

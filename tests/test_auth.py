@@ -13,7 +13,7 @@ import nacl.signing
 import pytest
 from conftest import drift_cmd, git, run_async
 
-from auth import (
+from drift.auth import (
     Admission,
     AuthError,
     KeyFileError,
@@ -25,7 +25,7 @@ from auth import (
     verify_message,
     verify_peers,
 )
-from auth.keys import create_key
+from drift.auth.keys import create_key
 from drift.repo import RepoCache, RepoError, is_commit_id, resolve_commit
 from drift.transport import Endpoint
 

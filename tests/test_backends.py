@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, drift_cmd, git, make_task_repo
 
-from workers import Worker, load_task, make_worker
+from drift.workers import Worker, load_task, make_worker
 
 CFG = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 32}
 BACKENDS = ("torch", "mlx", "numpy")

@@ -29,7 +29,7 @@ from drift.base import (
     task_state,
 )
 from drift.transport import BASE_ALPN, Endpoint
-from workers import load_task
+from drift.workers import load_task
 
 TINY_LORA = {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32, "intermediate": 64, "lora_r": 4}
 

@@ -17,9 +17,9 @@ from conftest import ROOT, drift_cmd
 
 from drift.base import read_weights
 from drift.checkpoint import latest_checkpoint
+from drift.workers import load_task
+from drift.workers.torch_worker import TorchWorker, frozen_digest
 from harness.simulate import Swarm, git
-from workers import load_task
-from workers.torch_worker import TorchWorker, frozen_digest
 
 pytestmark = pytest.mark.swarm
 

@@ -208,7 +208,7 @@ def test_checkpoint_loads_into_a_plain_torch_model(tmp_path: Path) -> None:
     """The README recipe: θ is named like named_parameters(); the tied lm_head is not in it."""
     import torch
 
-    from workers import load_task
+    from drift.workers import load_task
 
     task = load_task(ROOT / "recipes" / "shakespeare_char.py")
     cfg, vocab_size = {}, 80

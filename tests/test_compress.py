@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from drift.compress import CODECS, CodecError, Int8Block, TopK, make_codec, relative_error
-from workers.torch_codec import TorchCodecKernels, codec_kernels
+from drift.workers.torch_codec import TorchCodecKernels, codec_kernels
 
 ALL = list(CODECS)
 

@@ -24,7 +24,7 @@ from drift.data import (
     build_manifest,
 )
 from drift.transport import DATA_ALPN, Endpoint, Throttle, parse_ticket
-from workers import load_task
+from drift.workers import load_task
 
 
 class Tokens:

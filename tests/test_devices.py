@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import ROOT, drift_cmd
 
-from workers import BackendError, choose, make_worker
-from workers.detect import (
+from drift.workers import BackendError, choose, make_worker
+from drift.workers.detect import (
     BackendInfo,
     detect,
     detect_apple,
@@ -282,8 +282,8 @@ def test_no_torch_installed_falls_back_and_numpy_never_imports_torch(tmp_path: P
     (tmp_path / "torch.py").write_text("raise ImportError('torch is not installed (blocked by this test)')\n")
     code = """
 import sys, numpy as np
-from workers import choose, load_task, make_worker
-from workers.detect import detect
+from drift.workers import choose, load_task, make_worker
+from drift.workers.detect import detect
 task = load_task(sys.argv[1])
 assert not detect().backends["torch"].installed
 print(choose().backend, choose(supported=["torch", "numpy"]).backend)

@@ -94,8 +94,8 @@ def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> N
     import torch
 
     from drift.checkpoint import latest_checkpoint
+    from drift.workers import load_task
     from harness.simulate import make_task_repo
-    from workers import load_task
 
     root = Path(__file__).resolve().parents[1]
     cfg = {"width": 8, "blocks": 1}

@@ -24,8 +24,8 @@ import pytest
 from conftest import dropped, make_task_repo, run_async
 from rich.console import Console
 
-from auth import NodeKey, sign_message
 from drift import protocol as P
+from drift.auth import NodeKey, sign_message
 from drift.coordinator import Coordinator
 from drift.diloco import ParamLayout, checksum
 from drift.monitor import Monitor, NodeView

@@ -16,7 +16,7 @@ from drift import protocol as P
 from drift.inner import InnerLoop
 from drift.recipe import Recipe
 from drift.scheduler import check_accounting
-from workers import load_task, make_worker
+from drift.workers import load_task, make_worker
 
 TASK = Path(__file__).parent / "tasks" / "points_mlp.py"
 BATCH = 16

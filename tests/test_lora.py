@@ -14,9 +14,9 @@ import yaml
 from conftest import ROOT, drift_cmd
 
 from drift.checkpoint import latest_checkpoint
+from drift.workers import load_task
+from drift.workers.torch_worker import TorchWorker
 from harness.simulate import Swarm, git
-from workers import load_task
-from workers.torch_worker import TorchWorker
 
 TINY_LORA = {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32, "intermediate": 64, "lora_r": 4}
 TASK_FILES = ("lora_llama.py", "gpt2_shakespeare.py", "shakespeare_char.py")

@@ -14,8 +14,8 @@ from safetensors.numpy import save_file
 
 from drift.diloco import ParamLayout, checksum
 from drift.recipe import RecipeError, load_recipe
-from workers import load_task
-from workers.torch_worker import TorchWorker
+from drift.workers import load_task
+from drift.workers.torch_worker import TorchWorker
 
 
 def _tiny_weights(seed: int) -> dict[str, np.ndarray]:

@@ -42,7 +42,7 @@ def test_two_ranks_step_as_one_worker_on_the_whole_batch(tmp_path: Path) -> None
     outer step), resets AdamW and sets the learning rate. A rank that dies is named, not waited for."""
     from drift.ranks import start_group, task_worker
     from drift.recipe import load_recipe
-    from workers.ddp import RankError
+    from drift.workers.ddp import RankError
 
     recipe_path = make_task_repo(tmp_path / "repo")
     recipe = load_recipe(recipe_path)

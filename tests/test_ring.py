@@ -15,7 +15,7 @@ from drift.gather import Gather
 from drift.protocol import RingMember
 from drift.ring import Ring, RingError, segment_bounds
 from drift.transport import GATHER_ALPN, RING_ALPN, Endpoint, TransportError
-from workers.torch_codec import TorchCodecKernels
+from drift.workers.torch_codec import TorchCodecKernels
 
 
 async def _ring_of(n: int, **kw) -> tuple[list[Endpoint], list[Ring], list[asyncio.Task]]:
@@ -299,7 +299,7 @@ def test_proof_of_forgery_holds_against_the_forwarder_and_against_nobody_else() 
     # framed: an accuser can neither sign in its name nor swap the owner's signature it vouched for.
     import hashlib
 
-    from auth.keys import NodeKey
+    from drift.auth.keys import NodeKey
     from drift.protocol import Forgery
     from drift.ring import hop_message, owner_message, proves_forgery
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from conftest import dropped, run_async
 
-from auth import NodeKey
 from drift import protocol as P
+from drift.auth import NodeKey
 from drift.coordinator import MAX_JOINING, MAX_JOINING_PER_PEER, MAX_JOINING_PER_SOURCE, Coordinator
 from drift.diloco import ParamLayout, checksum
 from drift.monitor import Monitor

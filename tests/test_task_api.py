@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers import BackendError, TaskError, Worker, load_task, make_worker
+from drift.workers import BackendError, TaskError, Worker, load_task, make_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAR_CFG = {"block_size": 32, "n_layer": 1, "n_head": 4, "n_embd": 32}
@@ -338,7 +338,7 @@ def test_load_task_does_not_take_a_module_of_the_working_directory(tmp_path: Pat
     (cwd / "helpers_b2.py").write_text("WHO = 'working directory'\n")
     (cwd / "pkg_b2.py").write_text("WHO = 'working directory'\n")
     code = (
-        "import sys; from workers import load_task; "
+        "import sys; from drift.workers import load_task; "
         "t = load_task(sys.argv[1], root=sys.argv[2]); print(t.WHO, '|', t.lazy())"
     )
     out = subprocess.run(
@@ -383,7 +383,7 @@ def test_closed_mlx_worker_has_ended_its_thread(char: SimpleNamespace) -> None:
 MLX_EXIT = """
 import sys
 import numpy as np
-from workers import load_task, make_worker
+from drift.workers import load_task, make_worker
 task = load_task(sys.argv[1])
 w = make_worker(task, {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16}, {}, backend="mlx", seed=0)
 for i in range(3):

@@ -46,6 +46,13 @@ TASK = textwrap.dedent(
     def loss(model, batch):
         x, y = batch
         return nn.functional.cross_entropy(model(torch.as_tensor(x)), torch.as_tensor(y))
+
+
+    def sample(model, prompt, n):
+        from workers import POINTS  # still the repo's, under `drift sample`
+
+        x = torch.tensor([[float(v) for v in prompt.split(",")]])
+        return f"{POINTS}:{int(model(x).argmax())}"
     '''
 )
 
@@ -125,6 +132,45 @@ def test_a_repo_with_its_own_workers_auth_recipes_and_tests_packages_trains(tmp_
     joined = [e for e in events if e["event"] == "training_started"]
     assert joined and joined[0]["n_train"] == 3600  # the repo's POINTS, through its own `workers`
 
+    # `drift sample` from inside the repo: the task's sample() sees the repo's own `workers`.
+    out = subprocess.run(
+        [sys.executable, "-m", "drift", "sample", str(tmp_path / "run"), "--prompt", "0.1,0.2", "--repo", "."],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().startswith("4000:"), out.stdout
+
+    # README's checkpoint snippet, typed in the repo: its `workers` and drift's side by side, in
+    # either import order.
+    load = textwrap.dedent(
+        """
+        FIRST
+        SECOND
+        import torch
+        from pathlib import Path
+        from drift.checkpoint import latest_checkpoint
+        from drift.workers import load_task
+
+        ckpt, warnings = latest_checkpoint(Path(CKPT))
+        task = load_task("task.py")
+        model = task.make_torch_model({}, 3)
+        missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in ckpt.theta.items()})
+        print(workers.POINTS, auth.CLASSES, drift.workers.Worker.__module__, ckpt.round, missing, unexpected)
+        """
+    ).replace("CKPT", repr(str(tmp_path / "run" / "checkpoints")))
+    orders = [("import workers, auth", "import drift.workers"), ("import drift.workers", "import workers, auth")]
+    for first, second in orders:
+        code = load.replace("FIRST", first).replace("SECOND", second)
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, env=env, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["4000", "3", "drift.workers.base", "1", "[]", "[]"], out.stdout
+
 
 def test_a_script_next_to_its_own_workers_package_imports_drift_and_its_own(tmp_path: Path) -> None:
     """A user's own loop (drift.DiLoCo) in a repo with `workers/` and `auth/`: `import drift` gets
@@ -156,4 +202,31 @@ def test_a_script_next_to_its_own_workers_package_imports_drift_and_its_own(tmp_
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "train.py"], cwd=repo, capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["42", "mine", "42", "workers.base", "DiLoCo"]
+    assert out.stdout.split() == ["42", "mine", "42", "drift.workers.base", "DiLoCo"]
+
+
+def test_a_project_with_its_own_workers_and_auth_imports_them_beside_drift_in_any_order(tmp_path: Path) -> None:
+    """`python -c` from a project's root (its `workers/` and `auth/` first on sys.path): nothing of
+    drift's is importable as a top-level `workers` or `auth`, in whichever order things import."""
+    repo = tmp_path / "proj"
+    for pkg, value in (("workers", "'mine-w'"), ("auth", "'mine-a'")):
+        (repo / pkg).mkdir(parents=True)
+        (repo / pkg / "__init__.py").write_text(f"WHO = {value}\n")
+    show = "print(workers.WHO, auth.WHO, drift.workers.__name__, drift.auth.__name__, drift.auth.NodeKey.__name__)"
+    orders = [
+        "import workers, auth, drift, drift.workers, drift.auth",
+        "import drift, drift.workers, drift.auth, workers, auth",
+        "import drift.auth; import workers; import drift.workers; import auth; import drift",
+        "from drift.loop import DiLoCo; import workers, auth, drift.workers, drift.auth, drift",
+    ]
+    for order in orders:
+        out = subprocess.run(
+            [sys.executable, "-c", f"{order}; {show}"], cwd=repo, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, (order, out.stderr)
+        assert out.stdout.split() == ["mine-w", "mine-a", "drift.workers", "drift.auth", "NodeKey"], (order, out.stdout)
+    # Outside any project, drift's folders are not top-level packages at all.
+    out = subprocess.run(
+        [sys.executable, "-c", "import drift.workers; import workers"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "No module named 'workers'" in out.stderr

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import WRAPPERS, drift_cmd, dropped, git, make_task_repo, run_async
 
-from auth import NodeKey, load_or_create_key, sign_message
 from drift import protocol as P
+from drift.auth import NodeKey, load_or_create_key, sign_message
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.recipe import load_recipe
 from drift.repo import RepoCache

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers import Worker, load_task
-from workers.torch_worker import TorchWorker
+from drift.workers import Worker, load_task
+from drift.workers.torch_worker import TorchWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_FILE = ROOT / "recipes" / "shakespeare_char.py"

@@ -1,7 +1,7 @@
 """Local compute: device detection, the Worker interface and its backends.
 
 Nothing here knows about networking, and nothing here imports drift. Importing this package
-imports neither torch nor mlx; `from workers.torch_worker import TorchWorker` does, and so does
+imports neither torch nor mlx; `from drift.workers.torch_worker import TorchWorker` does, and so does
 asking which devices torch can use. `make_worker(...)` picks the backend and device (or checks the
 ones forced with --backend/--device) and builds the worker.
 """
