@@ -86,7 +86,7 @@ class InnerLoop:
         self.defer = defer
         # Held for every step: whoever else changes the worker's model between steps (the
         # overlapped sync's catch-up, an evaluation of θ_global) takes it too.
-        self.lock = lock or asyncio.Lock()
+        self.lock = lock or ModelLock()
         self.recipe = recipe
         self.inbox = inbox
         self.send = send
@@ -106,10 +106,6 @@ class InnerLoop:
         the worker's lock."""
         async with self.lock:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-    async def train_step(self, indices: np.ndarray) -> float:
-        parts = min(self.recipe.micro_batches, len(indices))
-        return await self._run(self.worker.train_step, indices, parts)
 
     async def evaluate(self, rnd: int | None = None) -> tuple[float | None, float]:
         """(val loss of the worker's θ, or None when the loop has no evaluation; seconds per
@@ -205,29 +201,21 @@ class InnerLoop:
             if self.data is not None and not await self.data.ready("train", idx, lambda: self._stopped(state)):
                 report.returned.append(unit)  # no holder could serve it: back to the queue
                 continue
-            t0, lo, u_losses = time.perf_counter(), unit.lo, []
-            while lo < unit.hi:
-                # Ask ahead: the steps still in hand should cover a round trip to the coordinator.
-                left = (unit.hi - lo) // bs + sum((u.hi - u.lo) // bs for u in state["granted"])
-                # Served data: ask as soon as the last unit in hand starts, so the next one's
-                # samples are fetched while this one trains.
-                ahead = self.data is not None and not state["granted"]
-                if (
-                    not state["asked"]
-                    and not state["no_more"]
-                    and (ahead or left * self.step_s <= max(self.rtt_s * 2, self.step_s))
-                ):
-                    await self._ask(state)
-                t_step = time.perf_counter()
-                hi = min(lo + bs, unit.hi)
-                u_losses.append(await self.train_step(idx[lo - unit.lo : hi - unit.lo]))
-                dt = time.perf_counter() - t_step
+            t0, u_losses, seconds = time.perf_counter(), [], []
+            batches = [idx[o : o + bs] for o in range(0, unit.hi - unit.lo, bs)]
+            while len(u_losses) < len(batches) and not state["stop"]:
+                # The unit in one piece, unless someone else wants the model meanwhile (the
+                # overlapped sync, an evaluation): they get it at the next inner step, then the rest.
+                job = UnitSteps(batches[len(u_losses) :], self.recipe.micro_batches)
+                await self._steps(job, state)
+                u_losses += job.losses
+                seconds += job.seconds
+                if job.error is not None:
+                    raise job.error
+            for dt in seconds:
                 report.busy_s += dt
                 self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
-                lo = hi
-                self._poll(state)
-                if state["stop"]:
-                    break
+            lo = min(unit.hi, unit.lo + len(u_losses) * bs)
             if lo > unit.lo:
                 done = unit.model_copy(update={"hi": lo})
                 report.trained.append(done)
@@ -250,6 +238,83 @@ class InnerLoop:
             self._apply(await self.inbox.get(), state)
         report.returned += list(state["granted"])
         return report
+
+    async def _steps(self, job: UnitSteps, state: dict | None = None) -> None:
+        """Run `job` on the thread that trains, holding the worker's lock, until it is done (all its
+        steps, StopRound, or someone else asked for the lock). With a round's `state`, apply the
+        control messages that arrive meanwhile and ask for more work ahead; the thread that trains
+        is never waited on between two of its steps."""
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+        ask = asyncio.Event()
+
+        def notice(kind: str) -> None:  # on the node's loop
+            if kind == "ask":
+                ask.set()
+            elif not finished.done():
+                finished.set_result(None)
+
+        def threadsafe(kind: str) -> None:  # on the thread that trains
+            with contextlib.suppress(RuntimeError):  # the node's loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(notice, kind)
+
+        job.notify = threadsafe
+        async with self.lock:
+            self.lock.wanted = job.pause
+            try:
+                if isinstance(self.worker, OnLoop):
+                    self.worker.run_unit(job)
+                else:  # a worker of its own (tests, tools): a thread of the executor steps it
+                    loop.run_in_executor(None, job.run, self.worker.train_step)
+                if state is None:
+                    await finished
+                    return
+                await self._ask_ahead(job, state)
+                asked, got = asyncio.ensure_future(ask.wait()), asyncio.ensure_future(self.inbox.get())
+                try:
+                    while True:  # what came first: a message, the ask point, the end of the job
+                        if got.done():
+                            msg, got = got.result(), asyncio.ensure_future(self.inbox.get())
+                            self._apply(msg, state)
+                            job.stop = job.stop or state["stop"]
+                            await self._ask_ahead(job, state)
+                        elif asked.done():
+                            ask.clear()
+                            asked = asyncio.ensure_future(ask.wait())
+                            await self._ask_ahead(job, state)
+                        elif finished.done():
+                            break
+                        else:
+                            await asyncio.wait((finished, asked, got), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    asked.cancel()
+                    got.cancel()
+            finally:
+                self.lock.wanted = None
+                if not finished.done():  # leaving early (the connection is gone): stop at the next step
+                    job.stop = True
+                    await finished
+
+    async def _ask_ahead(self, job: UnitSteps, state: dict) -> None:
+        """Ask for the next unit when the steps still in hand cover about one round trip to the
+        coordinator; or tell the thread that trains at which of this job's steps that will be.
+        Served data: ask as soon as the last unit in hand starts, so that the next one's samples
+        are fetched while this one trains."""
+        job.ask_at = None
+        if state["asked"] or state["no_more"] or state["stop"]:
+            return
+        bs, done, n = self.recipe.batch_size, len(job.losses), len(job.batches)
+        if self.data is not None and not state["granted"]:
+            at = done
+        elif self.step_s == 0:
+            at = done  # no step measured yet
+        else:
+            rest = sum(-(-(u.hi - u.lo) // bs) for u in state["granted"])
+            at = max(done, math.ceil(n + rest - max(self.rtt_s * 2, self.step_s) / self.step_s))
+        if at <= done:
+            await self._ask(state)
+        elif at < n:
+            job.ask_at = at
 
     def _indices(self, unit: P.WorkUnit) -> np.ndarray:
         return unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
@@ -301,13 +366,11 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
     idx = np.arange(min(bs, worker.n_train))
     await inner._have("train", idx)
     await inner._have("val", np.arange(min(bs, worker.n_val)))
-    await inner.train_step(idx)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        await inner.train_step(idx)
-        times.append(time.perf_counter() - t0)
-    step_s = min(times)
+    job = UnitSteps([idx] * (1 + steps), inner.recipe.micro_batches)
+    await inner._steps(job)
+    if job.error is not None:
+        raise job.error
+    step_s = min(job.seconds[1:])
     t0 = time.perf_counter()
     await inner._run(worker.evaluate, 1, bs)
     eval_s = time.perf_counter() - t0
@@ -319,6 +382,77 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
 
 class SwarmClosed(Exception):
     """The training loop left the swarm (it ended, broke out of its loop, or raised)."""
+
+
+class ModelLock(asyncio.Lock):
+    """The worker's model, held for inner steps and by whoever else changes it between two (the
+    overlapped sync's catch-up, an evaluation of θ_global). While a unit trains, `wanted` is how
+    to ask it to pause at its next step: someone who waits for the lock waits one step, not a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wanted: Callable[[], None] | None = None
+
+    async def acquire(self) -> bool:
+        if self.locked() and self.wanted is not None:
+            self.wanted()
+        return await super().acquire()
+
+
+class UnitSteps:
+    """Inner steps handed to the thread that trains in one piece (the batches of one unit): it runs
+    them back to back, and between two steps only reads two flags the node may set meanwhile: stop
+    (StopRound, or someone waits for the model) and ask_at (say "ask" before that step, so that the
+    node asks the coordinator for more work ahead). It says "done" when it ends."""
+
+    def __init__(self, batches: list[np.ndarray], micro_batches: int = 1) -> None:
+        self.batches, self.micro_batches = batches, micro_batches
+        self.stop = False
+        self.ask_at: int | None = None
+        self.losses: list[float] = []  # one a step done
+        self.seconds: list[float] = []  # each step's, timed on the thread that trains
+        self.error: BaseException | None = None
+        self.notify: Callable[[str], None] = lambda kind: None  # ("ask" or "done"), from the thread that trains
+        self._ended = threading.Lock()
+
+    def pause(self) -> None:
+        """Stop at the next step (the node goes on with the rest later)."""
+        self.stop = True
+
+    def next(self) -> np.ndarray | None:
+        """On the thread that trains: the next step's indices, or None when this job is over."""
+        j = len(self.losses)
+        if self.stop or j >= len(self.batches):
+            return None
+        if self.ask_at is not None and j >= self.ask_at:
+            self.ask_at = None
+            self.notify("ask")
+        return self.batches[j]
+
+    def parts(self, indices: np.ndarray) -> int:
+        """Micro-batches of the step on these indices."""
+        return max(1, min(self.micro_batches, len(indices)))
+
+    def stepped(self, loss: float, seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.losses.append(float(loss))
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This job is over (once: later calls do nothing)."""
+        if self._ended.acquire(blocking=False):
+            self.error = error
+            self.notify("done")
+
+    def run(self, train_step: Callable[[np.ndarray, int], float]) -> None:
+        """Run every step here with `train_step(indices, parts)` (a worker of its own)."""
+        try:
+            while (indices := self.next()) is not None:
+                t0 = time.perf_counter()
+                loss = train_step(indices, self.parts(indices))
+                self.stepped(loss, time.perf_counter() - t0)
+        except BaseException as e:  # handed to the node
+            self.end(e)
+        self.end()
 
 
 class _Job:
@@ -336,23 +470,27 @@ class _Job:
             self.error = e
         self.done.set()
 
-
-STEP = object()  # a job that is one inner step of the user's loop
+    def fail(self) -> None:
+        self.error = SwarmClosed("the training loop has ended")
+        self.done.set()
 
 
 class Steps:
     """The channel between a node (its asyncio loop, in a thread of its own) and the thread that
     runs the training loop (the user's script, or `drift join`'s loop over a task's worker).
 
-    Everything the node does to the model happens on the loop thread, between two inner steps:
-    each worker call (state in and out, evaluation, the outer step's write-back) is a job the
-    loop thread runs while it waits in `serve()` for its next batch; an inner step is the job
-    `serve()` answers by yielding the batch's indices, done when `stepped()` is called (the
-    optimizer's step hook, or the loop itself)."""
+    The node hands the loop thread a unit's steps at a time (UnitSteps): `serve()` yields the
+    indices of each step, and each is done when the loop asks for the next batch (`stepped()`,
+    the optimizer's step hook, records its loss). Nothing crosses between the threads per step;
+    the node learns that the unit ended, or that it is time to ask for more work, from the job.
+    Everything else the node does to the model (state in and out, evaluation, the outer step's
+    write-back) is a call the loop thread runs between two steps."""
 
     def __init__(self) -> None:
-        self._q: queue.Queue[_Job | None] = queue.Queue()
-        self._step: _Job | None = None
+        self._q: queue.Queue[_Job | UnitSteps | None] = queue.Queue()
+        self._later: deque[UnitSteps] = deque()  # units handed over while one was training
+        self._unit: UnitSteps | None = None  # the unit in hand
+        self._loss: float | None = None  # the loss of the step in hand, once stepped() said it
         self._ended = threading.Event()  # the node is done: serve() returns
         self._closed = threading.Event()  # the loop is done: every call raises SwarmClosed
         self.thread: threading.Thread | None = None  # the loop thread, once it serves
@@ -373,36 +511,66 @@ class Steps:
             raise job.error
         return job.result
 
-    def step(self, indices: np.ndarray, parts: int = 1) -> float:
-        """One inner step of the loop on these samples (blocks until it is done); its loss or nan."""
-        return self.call(STEP, indices, parts)
+    def submit(self, job: UnitSteps) -> None:
+        """Hand the loop thread these steps; `job` says "done" when they are over."""
+        self._q.put(job)
+        if self._closed.is_set():
+            self._fail_queued()
 
     def serve(self) -> Iterator[np.ndarray]:
-        """On the loop thread: run the node's jobs, and yield the indices of each inner step."""
+        """On the loop thread: run the node's calls, and yield the indices of each inner step."""
         self.thread = threading.current_thread()
         try:
-            while not self._ended.is_set() or not self._q.empty():
-                try:
-                    job = self._q.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                if job is None:
-                    continue
-                if job.fn is not STEP:
+            while not self._ended.is_set() or not self._q.empty() or self._later:
+                if self._later:
+                    job = self._later.popleft()
+                else:
+                    try:
+                        job = self._q.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                if isinstance(job, UnitSteps):
+                    yield from self._steps(job)
+                elif job is not None:
                     job.run()
-                    continue
-                self._step, (indices, self.parts) = job, job.args
-                yield indices
-                self.stepped()  # a loop that did not step (no hook fired) still ends the step
         finally:
             self.close()
 
+    def _steps(self, job: UnitSteps) -> Iterator[np.ndarray]:
+        self._unit = job
+        try:
+            while True:
+                self._calls()
+                indices = job.next()
+                if indices is None:
+                    break
+                self.parts, self._loss = job.parts(indices), None
+                t0 = time.perf_counter()
+                yield indices
+                job.stepped(math.nan if self._loss is None else self._loss, time.perf_counter() - t0)
+        except BaseException:  # the loop broke out of its loop, or raised
+            job.end(SwarmClosed("the training loop has ended"))
+            raise
+        finally:
+            self._unit = None
+        job.end()
+
+    def _calls(self) -> None:
+        """The node's calls that came while a unit trains (between two of its steps)."""
+        while not self._q.empty():
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, UnitSteps):
+                self._later.append(job)
+            elif job is not None:
+                job.run()
+
     def stepped(self, loss: float = math.nan) -> None:
-        """The inner step in hand is done (called by the optimizer's step hook, or the loop)."""
-        job, self._step = self._step, None
-        if job is not None:
-            job.result = float(loss)
-            job.done.set()
+        """The inner step in hand is done (the optimizer's step hook, or the loop): its loss."""
+        if self._loss is None:
+            self._loss = float(loss)
 
     def end(self) -> None:
         """The node is done: serve() returns once the jobs in hand are run."""
@@ -413,21 +581,39 @@ class Steps:
         """The loop is done: jobs still asked for fail with SwarmClosed."""
         self._closed.set()
         self._ended.set()
+        if (unit := self._unit) is not None:
+            unit.end(SwarmClosed("the training loop has ended"))
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while self._later:
+            self._later.popleft().end(SwarmClosed("the training loop has ended"))
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, UnitSteps):
+                job.end(SwarmClosed("the training loop has ended"))
+            elif job is not None:
+                job.fail()
 
 
 class OnLoop:
     """A worker whose every call runs on the loop thread (see Steps); attributes read directly.
-    train_step is the loop's own step."""
+    Its inner steps are the loop's own (run_unit)."""
 
     def __init__(self, worker, steps: Steps) -> None:
         self._worker, self._steps = worker, steps
+
+    def run_unit(self, job: UnitSteps) -> None:
+        """Hand these steps to the loop thread (job says "done" when they are over)."""
+        self._steps.submit(job)
 
     def __getattr__(self, name: str):
         value = getattr(self._worker, name)
         if not callable(value):
             return value
-        if name == "train_step":
-            return self._steps.step
         if name == "iter_state":
             return self._iter_state
         return lambda *args: self._steps.call(value, *args)
