@@ -9,7 +9,7 @@ real iroh on loopback) training a tiny task: shakespeare_char.py as a 1-layer ch
 2 heads, 32 wide), batch 8, units of 2 steps, 4 rounds. Two figures:
 
   rounds  --local N for each N of --nodes (default 8 and 32), 10 inner steps a node a round, torch
-          threads as --local gives them (cores / N, at least 1). Per round: the coordinator's own
+          threads as --local gives them (usable cores / N, at least 1). Per round: the coordinator's own
           round time (`seconds` of metrics.jsonl's round events, from the round's start to θ
           agreed), and the wall time between two round events (rounds 1-3); median over the run.
   steps   one node alone against two nodes at once (--threads 1 each, so two fit two cores),
@@ -19,7 +19,7 @@ real iroh on loopback) training a tiny task: shakespeare_char.py as a 1-layer ch
           costs (1.0: nothing beyond their compute).
 
 Each configuration runs --reps times (A/B interleaved when several --tree are given: each tree's
-drift runs with PYTHONPATH=TREE, its own recipes/shakespeare_char.py as the task); min and median
+drift runs with TREE first on PYTHONPATH, its own recipes/shakespeare_char.py as the task); min and median
 of the reps are printed. The machines these run on are shared: compare trees within one run.
 """
 
@@ -76,9 +76,11 @@ def run_swarm(tree: Path, n: int, inner_steps: int, threads: int | None, timeout
         work = Path(tmp)
         recipe = make_repo(work / "repo", tree, n, inner_steps)
         cmd = [sys.executable, "-m", "drift", "coord", str(recipe), "--local", str(n), "--run-dir", str(work / "run")]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        env = {**os.environ, "PYTHONPATH": str(tree), "DRIFT_HOME": str(work / "home"), "PYTHONUNBUFFERED": "1"}
+        # Threads as --local gives them on this machine: the cores this process may use, over n
+        # (drift's own default counts all the machine's cores, also under taskset).
+        cmd += ["--threads", str(threads or max(1, len(os.sched_getaffinity(0)) // n))]
+        path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "DRIFT_HOME": str(work / "home"), "PYTHONUNBUFFERED": "1"}
         with open(work / "coord.log", "w") as log:
             p = subprocess.run(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
         if p.returncode != 0:
@@ -135,7 +137,8 @@ def main() -> None:
     trees = [t.resolve() for t in (a.tree or [HERE.parent])]
     names = {t: tree_name(t) for t in trees}
     sizes = [int(x) for x in a.nodes.split(",") if x]
-    print(f"bench_local_swarm {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores")
+    cores = len(os.sched_getaffinity(0))
+    print(f"bench_local_swarm {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cores} cores")
     for t in trees:
         print(f"  tree {t}: {names[t]}")
 
