@@ -69,6 +69,17 @@ class RoundReport:
         )
 
 
+@dataclass
+class _Piece:
+    """A granted unit on its way through the thread that trains."""
+
+    unit: P.WorkUnit
+    batches: list[np.ndarray]
+    start: int  # where its (remaining) steps begin in the job that trains it
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+
 class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
@@ -179,78 +190,87 @@ class InnerLoop:
             "no_more": False,
             "stop": False,
         }
-        bs = self.recipe.batch_size
         self._prefetch(state["granted"])
+        pieces: deque[_Piece] = deque()  # units being trained, in order
         while True:
             self._poll(state)
-            if state["stop"] or (not state["granted"] and state["no_more"]):
+            if state["stop"] or (not state["granted"] and not pieces and state["no_more"]):
                 break
-            if not state["granted"]:
+            if not state["granted"] and not pieces:
                 if not state["asked"]:
                     await self._ask(state)
                 self._apply(await self.inbox.get(), state)
                 continue
-            unit = state["granted"].popleft()
-            size = min(self.recipe.unit_samples, self.worker.n_train - unit.id * self.recipe.unit_samples)
-            if not unit.hi <= size:  # a coordinator that names samples the dataset does not have
-                raise StopTraining(
-                    f"the coordinator granted samples {unit.lo}..{unit.hi} of unit {unit.id}, "
-                    f"which the dataset ({self.worker.n_train} samples) does not have"
-                )
-            idx = self._indices(unit)
-            if self.data is not None and not await self.data.ready("train", idx, lambda: self._stopped(state)):
-                report.returned.append(unit)  # no holder could serve it: back to the queue
-                continue
-            t0, u_losses, seconds = time.perf_counter(), [], []
-            batches = [idx[o : o + bs] for o in range(0, unit.hi - unit.lo, bs)]
-            while len(u_losses) < len(batches) and not state["stop"]:
-                # The unit in one piece, unless someone else wants the model meanwhile (the
-                # overlapped sync, an evaluation): they get it at the next inner step, then the rest.
-                job = UnitSteps(batches[len(u_losses) :], self.recipe.micro_batches)
-                await self._steps(job, state)
-                u_losses += job.losses
-                seconds += job.seconds
-                if job.error is not None:
-                    raise job.error
-            for dt in seconds:
-                report.busy_s += dt
-                self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
-            lo = min(unit.hi, unit.lo + len(u_losses) * bs)
-            if lo > unit.lo:
-                done = unit.model_copy(update={"hi": lo})
-                report.trained.append(done)
-                report.samples += lo - unit.lo
-                report.steps += len(u_losses)
-                report.losses += u_losses
-                await self.send(
-                    P.TrainProgress(
-                        round=a.round,
-                        unit=done,
-                        steps=len(u_losses),
-                        loss=mean_loss(u_losses),
-                        samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0),
-                    )
-                )
-            if lo < unit.hi:
-                report.returned.append(unit.model_copy(update={"lo": lo}))
+            await self._train(state, pieces, report)
+        for p in pieces:  # (StopRound: what of them is trained counts, the rest goes back)
+            await self._report(p, report, state)
         # A grant may still be on its way: wait for it, then hand back every untrained unit once.
         while state["asked"]:
             self._apply(await self.inbox.get(), state)
         report.returned += list(state["granted"])
         return report
 
-    async def _steps(self, job: UnitSteps, state: dict | None = None) -> None:
-        """Run `job` on the thread that trains, holding the worker's lock, until it is done (all its
-        steps, StopRound, or someone else asked for the lock). With a round's `state`, apply the
-        control messages that arrive meanwhile and ask for more work ahead; the thread that trains
-        is never waited on between two of its steps."""
+    async def _train(self, state: dict, pieces: deque[_Piece], report: RoundReport) -> None:
+        """Train the units in hand on the thread that trains, as one job that grows as units are
+        granted (so it never waits for this loop between two steps, nor between two units),
+        holding the worker's lock, until they run out, StopRound, or someone else asks for the
+        lock (they get it at the next step; the rest of the unit in hand trains after them).
+        Meanwhile: apply control messages, ask for more work ahead, report each unit trained."""
         loop = asyncio.get_running_loop()
+        job = UnitSteps([], self.recipe.micro_batches)
+        finished, poke = self._notices(job, loop)
+        async with self.lock:
+            for p in pieces:  # (the rest of units a pause interrupted)
+                p.start = len(job.batches)
+                job.extend(p.batches[len(p.losses) :])
+            await self._feed(job, pieces, state, report)
+            if not job.batches:
+                return
+            self.lock.wanted = job.pause
+            taken = 0  # job's steps handed to pieces so far
+            poked = got = None
+            try:
+                self._start(job, loop)
+                await self._ask_ahead(job, pieces, state)
+                poked, got = asyncio.ensure_future(poke.wait()), asyncio.ensure_future(self.inbox.get())
+                while True:  # what came first: a message, a unit trained or the ask point, the end
+                    if got.done():
+                        msg, got = got.result(), asyncio.ensure_future(self.inbox.get())
+                        self._apply(msg, state)
+                        job.stop = job.stop or state["stop"]
+                        await self._feed(job, pieces, state, report)
+                        await self._ask_ahead(job, pieces, state)
+                    elif poked.done():
+                        poke.clear()
+                        poked = asyncio.ensure_future(poke.wait())
+                        taken = await self._collect(job, taken, pieces, report, state)
+                        await self._ask_ahead(job, pieces, state)
+                    elif finished.done():
+                        taken = await self._collect(job, taken, pieces, report, state)
+                        if not got.done():  # (else that message first)
+                            break
+                    else:
+                        await asyncio.wait((finished, poked, got), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.lock.wanted = None
+                for f in (poked, got):
+                    if f is not None:
+                        f.cancel()
+                if not finished.done():  # leaving early (the connection is gone): stop at the next step
+                    job.stop = True
+                    await finished
+        if job.error is not None:
+            raise job.error
+
+    def _notices(self, job: UnitSteps, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, asyncio.Event]:
+        """(done when the job is, set when it says "ask" or "unit"): the thread that trains tells
+        this loop without ever waiting for it."""
         finished: asyncio.Future[None] = loop.create_future()
-        ask = asyncio.Event()
+        poke = asyncio.Event()
 
         def notice(kind: str) -> None:  # on the node's loop
-            if kind == "ask":
-                ask.set()
+            if kind != "done":
+                poke.set()
             elif not finished.done():
                 finished.set_result(None)
 
@@ -259,53 +279,93 @@ class InnerLoop:
                 loop.call_soon_threadsafe(notice, kind)
 
         job.notify = threadsafe
-        async with self.lock:
-            self.lock.wanted = job.pause
-            try:
-                if isinstance(self.worker, OnLoop):
-                    self.worker.run_unit(job)
-                else:  # a worker of its own (tests, tools): a thread of the executor steps it
-                    loop.run_in_executor(None, job.run, self.worker.train_step)
-                if state is None:
-                    await finished
-                    return
-                await self._ask_ahead(job, state)
-                asked, got = asyncio.ensure_future(ask.wait()), asyncio.ensure_future(self.inbox.get())
-                try:
-                    while True:  # what came first: a message, the ask point, the end of the job
-                        if got.done():
-                            msg, got = got.result(), asyncio.ensure_future(self.inbox.get())
-                            self._apply(msg, state)
-                            job.stop = job.stop or state["stop"]
-                            await self._ask_ahead(job, state)
-                        elif asked.done():
-                            ask.clear()
-                            asked = asyncio.ensure_future(ask.wait())
-                            await self._ask_ahead(job, state)
-                        elif finished.done():
-                            break
-                        else:
-                            await asyncio.wait((finished, asked, got), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    asked.cancel()
-                    got.cancel()
-            finally:
-                self.lock.wanted = None
-                if not finished.done():  # leaving early (the connection is gone): stop at the next step
-                    job.stop = True
-                    await finished
+        return finished, poke
 
-    async def _ask_ahead(self, job: UnitSteps, state: dict) -> None:
+    def _start(self, job: UnitSteps, loop: asyncio.AbstractEventLoop) -> None:
+        if isinstance(self.worker, OnLoop):
+            self.worker.run_unit(job)
+        else:  # a worker of its own (tests, tools): a thread of the executor steps it
+            loop.run_in_executor(None, job.run, self.worker.train_step)
+
+    async def _steps(self, job: UnitSteps) -> None:
+        """Run `job` on the thread that trains, holding the worker's lock, until it is done."""
+        loop = asyncio.get_running_loop()
+        finished, _ = self._notices(job, loop)
+        async with self.lock:
+            self._start(job, loop)
+            await finished
+
+    async def _feed(self, job: UnitSteps, pieces: deque[_Piece], state: dict, report: RoundReport) -> None:
+        """The granted units onto the job (while it still takes steps), checked, their samples there."""
+        bs = self.recipe.batch_size
+        while state["granted"] and not state["stop"] and not job.stop:
+            unit = state["granted"][0]
+            size = min(self.recipe.unit_samples, self.worker.n_train - unit.id * self.recipe.unit_samples)
+            if not unit.hi <= size:  # a coordinator that names samples the dataset does not have
+                raise StopTraining(
+                    f"the coordinator granted samples {unit.lo}..{unit.hi} of unit {unit.id}, "
+                    f"which the dataset ({self.worker.n_train} samples) does not have"
+                )
+            idx = self._indices(unit)
+            if self.data is not None and not await self.data.ready("train", idx, lambda: self._stopped(state)):
+                state["granted"].popleft()
+                report.returned.append(unit)  # no holder could serve it: back to the queue
+                continue
+            p = _Piece(unit, [idx[o : o + bs] for o in range(0, unit.hi - unit.lo, bs)], len(job.batches))
+            if not job.extend(p.batches):
+                return  # it ended meanwhile: the next job takes the unit
+            state["granted"].popleft()
+            pieces.append(p)
+        job.stop = job.stop or state["stop"]
+
+    async def _collect(self, job: UnitSteps, taken: int, pieces: deque[_Piece], report, state) -> int:
+        """Hand the job's steps done so far to their units; report each unit trained whole."""
+        upto = len(job.losses)
+        while taken < upto:
+            p = pieces[0]
+            dt = job.seconds[taken]
+            p.losses.append(job.losses[taken])
+            p.seconds.append(dt)
+            report.busy_s += dt
+            self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
+            taken += 1
+            if len(p.losses) == len(p.batches):
+                await self._report(pieces.popleft(), report, state)
+        return taken
+
+    async def _report(self, p: _Piece, report: RoundReport, state: dict) -> None:
+        """Account for a unit: the part trained (TrainProgress), and the rest handed back."""
+        unit, k = p.unit, len(p.losses)
+        lo = min(unit.hi, unit.lo + k * self.recipe.batch_size)
+        if k:
+            done = unit.model_copy(update={"hi": lo})
+            report.trained.append(done)
+            report.samples += lo - unit.lo
+            report.steps += k
+            report.losses += p.losses
+            await self.send(
+                P.TrainProgress(
+                    round=state["round"],
+                    unit=done,
+                    steps=k,
+                    loss=mean_loss(p.losses),
+                    samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
+                )
+            )
+        if lo < unit.hi:
+            report.returned.append(unit.model_copy(update={"lo": lo}))
+
+    async def _ask_ahead(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> None:
         """Ask for the next unit when the steps still in hand cover about one round trip to the
-        coordinator; or tell the thread that trains at which of this job's steps that will be.
+        coordinator; or tell the thread that trains at which of the job's steps that will be.
         Served data: ask as soon as the last unit in hand starts, so that the next one's samples
         are fetched while this one trains."""
         job.ask_at = None
-        if state["asked"] or state["no_more"] or state["stop"]:
+        if state["asked"] or state["no_more"] or state["stop"] or job.stop:
             return
         bs, done, n = self.recipe.batch_size, len(job.losses), len(job.batches)
         if self.data is not None and not state["granted"]:
-            at = done
+            at = max(done, pieces[-1].start if pieces else done)
         elif self.step_s == 0:
             at = done  # no step measured yet
         else:
@@ -400,20 +460,33 @@ class ModelLock(asyncio.Lock):
 
 
 class UnitSteps:
-    """Inner steps handed to the thread that trains in one piece (the batches of one unit): it runs
-    them back to back, and between two steps only reads two flags the node may set meanwhile: stop
-    (StopRound, or someone waits for the model) and ask_at (say "ask" before that step, so that the
-    node asks the coordinator for more work ahead). It says "done" when it ends."""
+    """Inner steps handed to the thread that trains in one piece (the batches of the units in
+    hand; the node may add more while it runs): it runs them back to back, and between two steps
+    only reads two flags the node may set meanwhile: stop (StopRound, or someone waits for the
+    model) and ask_at (say "ask" before that step, so that the node asks the coordinator for more
+    work ahead). It says "unit" when it finished one the node added, and "done" when it ends."""
 
     def __init__(self, batches: list[np.ndarray], micro_batches: int = 1) -> None:
-        self.batches, self.micro_batches = batches, micro_batches
+        self.batches, self.micro_batches = list(batches), micro_batches
         self.stop = False
         self.ask_at: int | None = None
         self.losses: list[float] = []  # one a step done
         self.seconds: list[float] = []  # each step's, timed on the thread that trains
         self.error: BaseException | None = None
-        self.notify: Callable[[str], None] = lambda kind: None  # ("ask" or "done"), from the thread that trains
-        self._ended = threading.Lock()
+        self.notify: Callable[[str], None] = lambda kind: None  # ("ask", "unit", "done"), from the thread that trains
+        self._ends: set[int] = set()  # step counts at which a unit the node added ends
+        self._lock = threading.Lock()
+        self._over = False  # it takes no more steps
+        self._ended = False  # it said so
+
+    def extend(self, batches: list[np.ndarray]) -> bool:
+        """More steps at the end (one unit's); False if the job is over already."""
+        with self._lock:
+            if self._over:
+                return False
+            self.batches.extend(batches)
+            self._ends.add(len(self.batches))
+            return True
 
     def pause(self) -> None:
         """Stop at the next step (the node goes on with the rest later)."""
@@ -422,8 +495,10 @@ class UnitSteps:
     def next(self) -> np.ndarray | None:
         """On the thread that trains: the next step's indices, or None when this job is over."""
         j = len(self.losses)
-        if self.stop or j >= len(self.batches):
-            return None
+        with self._lock:
+            if self.stop or j >= len(self.batches):
+                self._over = True
+                return None
         if self.ask_at is not None and j >= self.ask_at:
             self.ask_at = None
             self.notify("ask")
@@ -436,12 +511,17 @@ class UnitSteps:
     def stepped(self, loss: float, seconds: float) -> None:
         self.seconds.append(seconds)
         self.losses.append(float(loss))
+        if len(self.losses) in self._ends:
+            self.notify("unit")
 
     def end(self, error: BaseException | None = None) -> None:
         """This job is over (once: later calls do nothing)."""
-        if self._ended.acquire(blocking=False):
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = self._over = True
             self.error = error
-            self.notify("done")
+        self.notify("done")
 
     def run(self, train_step: Callable[[np.ndarray, int], float]) -> None:
         """Run every step here with `train_step(indices, parts)` (a worker of its own)."""

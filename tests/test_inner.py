@@ -145,10 +145,11 @@ class Loop:
         self.thread.join(60)
 
 
-def test_a_unit_trains_while_the_node_is_busy(worker) -> None:
-    """The node hands the thread that trains a whole unit at a time: its steps run back to back
-    while the node's own loop is busy (here: stuck in sending its ask until the unit is trained),
-    instead of each step waiting for a round trip between the two threads."""
+def test_units_train_while_the_node_is_busy(worker) -> None:
+    """The node hands the thread that trains the units in hand at once: their steps run back to
+    back, across units, while the node's own loop is busy (here: stuck in sending its ask until
+    both units are trained), instead of each step or unit waiting for a round trip between the
+    two threads."""
     loop = Loop(worker)
     trained_while_busy = []
 
@@ -156,12 +157,13 @@ def test_a_unit_trains_while_the_node_is_busy(worker) -> None:
         trained_while_busy.append(wait_until(lambda: loop.done == 8))
         inbox.put_nowait(P.NoMoreWork(round=0))
 
+    units = [_unit(0, 4), _unit(1, 4)]
     try:
-        report = run_async(_round(OnLoop(worker, loop.steps), [_unit(0, 8)], replies, unit_steps=8))
+        report = run_async(_round(OnLoop(worker, loop.steps), units, replies, unit_steps=4))
     finally:
         loop.close()
     assert trained_while_busy == [True]
-    assert report.steps == 8 and report.trained == [_unit(0, 8)] and report.returned == []
+    assert report.steps == 8 and report.trained == units and report.returned == []
 
 
 def test_who_wants_the_model_gets_it_at_the_next_step(worker) -> None:
