@@ -220,17 +220,19 @@ class InnerLoop:
         job = UnitSteps([], self.recipe.micro_batches)
         finished, poke = self._notices(job, loop)
         async with self.lock:
-            for p in pieces:  # (the rest of units a pause interrupted)
-                p.start = len(job.batches)
-                job.extend(p.batches[len(p.losses) :])
-            await self._feed(job, pieces, state, report)
-            if not job.batches:
-                return
             self.lock.wanted = job.pause
             taken = 0  # job's steps handed to pieces so far
             poked = got = None
+            started = False
             try:
+                for p in pieces:  # (the rest of units a pause interrupted)
+                    p.start = len(job.batches)
+                    job.extend(p.batches[len(p.losses) :])
+                await self._feed(job, pieces, state, report)
+                if not job.batches:
+                    return
                 self._start(job, loop)
+                started = True
                 await self._ask_ahead(job, pieces, state)
                 poked, got = asyncio.ensure_future(poke.wait()), asyncio.ensure_future(self.inbox.get())
                 while True:  # what came first: a message, a unit trained or the ask point, the end
@@ -256,7 +258,7 @@ class InnerLoop:
                 for f in (poked, got):
                     if f is not None:
                         f.cancel()
-                if not finished.done():  # leaving early (the connection is gone): stop at the next step
+                if started and not finished.done():  # leaving early (the connection is gone): stop at the next step
                     job.stop = True
                     await finished
         if job.error is not None:
