@@ -16,10 +16,7 @@ real iroh on loopback) training a tiny task: shakespeare_char.py as a 1-layer ch
           200 inner steps a node a round: seconds per inner step of each node, by the
           coordinator's clock (from the round's start to the node's BarrierSync, over its steps;
           rounds 1-3). The ratio 2 nodes / 1 node is what contention between the nodes' own threads
-          costs (1.0: nothing beyond their compute). Beside it, the voluntary context switches of
-          the nodes' threads per inner step (a thread that waits for another gives up its core:
-          on a loaded machine each such wait is a trip through the scheduler); independent of the
-          machine's load, unlike the times.
+          costs (1.0: nothing beyond their compute).
 
 Each configuration runs --reps times (A/B interleaved when several --tree are given: each tree's
 drift runs with TREE first on PYTHONPATH, its own recipes/shakespeare_char.py as the task); min and median
@@ -73,34 +70,8 @@ def make_repo(path: Path, tree: Path, n: int, inner_steps: int) -> Path:
     return out
 
 
-def switches(pid: int) -> int:
-    """Voluntary context switches of all of a process's threads so far (a thread gives up its
-    core when it waits: for another thread's handoff, a lock, the network)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            for line in (task / "status").read_text().splitlines():
-                if line.startswith("voluntary_ctxt_switches:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass  # a thread (or the process) that just ended
-    return total
-
-
-def children(pid: int) -> set[int]:
-    """The processes this one started (from any of its threads)."""
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out.update(int(c) for c in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return out
-
-
-def run_swarm(tree: Path, n: int, inner_steps: int, threads: int | None, timeout: float) -> tuple[list[dict], int]:
-    """One `drift coord --local n` run of drift from `tree`: its metrics.jsonl events, and the
-    voluntary context switches of its nodes (sampled until they exit)."""
+def run_swarm(tree: Path, n: int, inner_steps: int, threads: int | None, timeout: float) -> list[dict]:
+    """One `drift coord --local n` run of drift from `tree`; its metrics.jsonl events."""
     with tempfile.TemporaryDirectory(prefix="bench-local-") as tmp:
         work = Path(tmp)
         recipe = make_repo(work / "repo", tree, n, inner_steps)
@@ -110,22 +81,12 @@ def run_swarm(tree: Path, n: int, inner_steps: int, threads: int | None, timeout
         cmd += ["--threads", str(threads or max(1, len(os.sched_getaffinity(0)) // n))]
         path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "PYTHONPATH": path, "DRIFT_HOME": str(work / "home"), "PYTHONUNBUFFERED": "1"}
-        seen: dict[int, int] = {}
         with open(work / "coord.log", "w") as log:
-            p = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env)
-            deadline = time.monotonic() + timeout
-            while p.poll() is None:
-                if time.monotonic() > deadline:
-                    p.kill()
-                    raise SystemExit(f"bench_local_swarm: drift coord --local {n} ({tree}) ran past {timeout} s")
-                for child in children(p.pid):
-                    seen[child] = max(seen.get(child, 0), switches(child))
-                time.sleep(0.25)
+            p = subprocess.run(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
         if p.returncode != 0:
             tail = (work / "coord.log").read_text().splitlines()[-5:]
             raise SystemExit(f"bench_local_swarm: drift coord --local {n} ({tree}) exited {p.returncode}: {tail}")
-        events = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
-        return events, sum(seen.values())
+        return [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def round_figures(events: list[dict]) -> dict:
@@ -139,18 +100,14 @@ def round_figures(events: list[dict]) -> dict:
     }
 
 
-def step_figure(run: tuple[list[dict], int]) -> tuple[float, float]:
-    """(seconds per inner step by the coordinator's clock, the mean over nodes (rounds 1..);
-    the nodes' voluntary context switches per inner step trained, joining and calibration
-    included)."""
-    events, switched = run
-    steps = sum(n["steps"] for e in events if e["event"] == "round" for n in e["nodes"].values())
+def step_figure(events: list[dict]) -> float:
+    """Seconds per inner step by the coordinator's clock, the mean over nodes (rounds 1..)."""
     per_node: dict[str, list[float]] = {}
     for r in (e for e in events if e["event"] == "round" and e["round"] >= 1):
         for name, n in r["nodes"].items():
             if n["steps"]:
                 per_node.setdefault(name, []).append(n["busy_s"] / n["steps"])
-    return statistics.mean(statistics.median(v) for v in per_node.values()), switched / max(1, steps)
+    return statistics.mean(statistics.median(v) for v in per_node.values())
 
 
 def tree_name(tree: Path) -> str:
@@ -190,7 +147,7 @@ def main() -> None:
             got: dict[Path, list[dict]] = {t: [] for t in trees}
             for _ in range(a.reps):
                 for t in trees:
-                    got[t].append(round_figures(run_swarm(t, n, 10, None, a.timeout)[0]))
+                    got[t].append(round_figures(run_swarm(t, n, 10, None, a.timeout)))
             for t in trees:
                 f = got[t]
                 print(f"{n} nodes, {names[t]}: round {spread([x['round_s'] for x in f])}")
@@ -209,12 +166,10 @@ def main() -> None:
                 got1[t].append(step_figure(run_swarm(t, 1, 200, 1, a.timeout)))
                 got2[t].append(step_figure(run_swarm(t, 2, 200, 1, a.timeout)))
         for t in trees:
-            one, two = [x[0] for x in got1[t]], [x[0] for x in got2[t]]
+            one, two = got1[t], got2[t]
             print(f"step, 1 node,  {names[t]}: {spread([x * 1e3 for x in one], 'ms')}")
             print(f"step, 2 nodes, {names[t]}: {spread([x * 1e3 for x in two], 'ms')}")
             print(f"  2 nodes / 1 node (medians): {statistics.median(two) / statistics.median(one):.2f}")
-            cs = [x[1] for x in got1[t] + got2[t]]
-            print(f"  voluntary context switches a step, over the nodes' threads: {spread(cs, '')}")
 
 
 if __name__ == "__main__":
