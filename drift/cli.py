@@ -613,6 +613,7 @@ def join(
         key=node_key,
         say=lambda line: click.echo(f"drift: {line}", err=True),
         connect_timeout=connect_timeout,
+        live=sys.stderr.isatty(),
     )
     if name:
         opts.name = name
