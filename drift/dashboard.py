@@ -168,6 +168,7 @@ class Dashboard:
         self._clients: set[_Client] = set()
         self._open = 0  # requests with the token being served (MAX_CLIENTS)
         self._pending: dict[asyncio.StreamWriter, str] = {}  # connections still sending their request, oldest first
+        self._serving: set[asyncio.Task] = set()  # one task a connection
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
@@ -203,6 +204,13 @@ class Dashboard:
             c.writer.close()
             with contextlib.suppress(asyncio.QueueFull):
                 c.queue.put_nowait(b"")
+        # A connection that never sent its request (a browser opens one ahead, or its event
+        # stream reconnects) is closed too: a handler left waiting would be cancelled when the
+        # loop ends, and asyncio logs a traceback for each.
+        for w in list(self._pending):
+            self._push_out(w)
+        if self._serving:
+            await asyncio.wait(self._serving, timeout=flush_s)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._server.wait_closed(), flush_s)
 
@@ -254,6 +262,9 @@ class Dashboard:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         served = False
+        if (task := asyncio.current_task()) is not None:
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
         try:
             self._wait_for_request(writer)
             try:

@@ -388,3 +388,31 @@ def test_terminal_progress_bar_and_eta() -> None:
     ):
         eta.event(rec)
     assert eta.bar(100, 4, 15.0) == f"[{'#' * 5}{'.' * 15}] 25%  ETA 11s"  # 3 rounds x 4 s, 1 s of them gone
+
+
+def test_closing_with_an_open_tab_ends_its_stream_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A browser tab holds an event stream and a connection it opened ahead (no request yet)
+    when the run ends: the stream gets the last event and ends; nothing is logged as an error."""
+    got: list[bytes] = []
+
+    async def main() -> None:
+        d = Dashboard()
+        await d.start("127.0.0.1", 0)
+        port = int(d.url.split(":")[2].split("/")[0])
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET /events?token={d.token} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await w.drain()
+        await r.readuntil(b"retry: 2000\n\n")
+        _, ahead = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.2)  # (the server has taken both connections)
+        d.event({"t": 2.0, "event": "complete", "rounds": 2})
+        await d.close()
+        got.append(await asyncio.wait_for(r.read(), 10))  # ends: the server closed the stream
+        w.close()
+        ahead.close()
+
+    with caplog.at_level("DEBUG"):
+        asyncio.run(main())  # (the loop's end cancels what is left: that is where tracebacks came from)
+    assert b'"event": "complete"' in got[0]
+    problems = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]
