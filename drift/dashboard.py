@@ -165,6 +165,7 @@ class Dashboard:
         self._history: deque[tuple[int, bytes]] = deque(maxlen=MAX_HISTORY)  # (id, SSE message)
         self._progress: dict[str, bytes] = {}  # node id -> its newest progress event (SSE message)
         self._next_id = 0
+        self.finished = False  # the run's `complete` event came: the page shows it finished, its nodes done
         self._clients: set[_Client] = set()
         self._open = 0  # requests with the token being served (MAX_CLIENTS)
         self._pending: dict[asyncio.StreamWriter, str] = {}  # connections still sending their request, oldest first
@@ -223,6 +224,8 @@ class Dashboard:
             return
         rec = slim(rec)
         data = _json(rec)
+        if rec.get("event") in ("run", "complete"):  # (a resumed run starts with a `run` event)
+            self.finished = rec.get("event") == "complete"
         if rec.get("event") == "progress":
             msg = f"data: {data}\n\n".encode()
             self._progress[str(rec.get("node_id"))] = msg
@@ -238,10 +241,11 @@ class Dashboard:
                 self._drop(c)
 
     def snapshot(self) -> dict[str, Any]:
-        """What a client that connects now is sent: the events so far, the newest progress per node."""
+        """What a client that connects now is sent: the events so far, the newest progress per node,
+        and whether the run has finished."""
         events = [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
         progress = [json.loads(m.split(b"data: ", 1)[1]) for m in self._progress.values()]
-        return {"events": events, "progress": progress}
+        return {"events": events, "progress": progress, "state": "finished" if self.finished else "running"}
 
     # --- HTTP ----------------------------------------------------------------------------------
 
