@@ -411,11 +411,10 @@ def test_closing_with_an_open_tab_ends_its_stream_without_a_traceback(caplog: py
         w.close()
         ahead.close()
 
-    with caplog.at_level("DEBUG"):
-        # A loop of its own, on a thread (playwright's keeps one running here): its end cancels
-        # what is left, which is where the tracebacks came from.
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(asyncio.run, main()).result(timeout=60)
+    # A loop of its own, on a thread (playwright's keeps one running here): its end cancels
+    # what is left, which is where the tracebacks came from.
+    with caplog.at_level("DEBUG"), ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, main()).result(timeout=60)
     assert b'"event": "complete"' in got[0]
     problems = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
     assert not problems, [r.getMessage() for r in problems]
