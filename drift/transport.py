@@ -182,7 +182,9 @@ def describe_addr(addr: iroh.EndpointAddr) -> str:
 _RUST_LOCATION = re.compile(r"\s*\((?:at )?[^()]*\.rs:\d+(?::\d+)?\)")
 # A lost connection comes as a Rust value's debug text, e.g. ReadError(ConnectionLost(
 # ApplicationClosed(ApplicationClose { error_code: 0, reason: b"node leaving" }))): said in words.
-_CLOSED = re.compile(r'(?:Application|Connection)Closed\((?:Application|Connection)Close \{[^{}]*?reason: b"(.*?)" \}\)')
+_CLOSED = re.compile(
+    r'(?:Application|Connection)Closed\((?:Application|Connection)Close \{[^{}]*?reason: b"(.*?)" \}\)'
+)
 _LOST = (
     ("TimedOut", "the connection timed out"),
     ("Reset", "the peer reset the connection"),
