@@ -58,7 +58,9 @@ class Progress:
         samples, loss = self._trained.pop(rnd, (0, None))
         self._trained = {r: v for r, v in self._trained.items() if r > rnd}
         share = (
-            f"trained {samples}/{self.round_samples} samples" if self.round_samples else f"trained {samples} samples"
+            f"trained {samples} of the round's {self.round_samples} samples"
+            if self.round_samples
+            else f"trained {samples} samples"
         )
         if self.round_samples:
             share += f" ({100 * samples / self.round_samples:.0f}%)"

@@ -134,8 +134,11 @@ def test_each_local_node_logs_joined_and_a_line_per_round_with_its_share(tmp_pat
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert out.returncode == 0, out.stderr
-    round_samples = yaml.safe_load(recipe.read_text()).get("round_samples")
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    round_samples = next(e["round_samples"] for e in events if e["event"] == "run")
     for i in range(2):
+        # what the coordinator counted for this node in each round
+        shares = {e["round"] + 1: e["nodes"][f"local-{i}"]["samples"] for e in events if e["event"] == "round"}
         log = (run_dir / f"node-{i}.log").read_text()
         assert "drift: joined run " in log, log
         lines = [line for line in log.splitlines() if line.startswith("drift: round ")]
@@ -143,6 +146,5 @@ def test_each_local_node_logs_joined_and_a_line_per_round_with_its_share(tmp_pat
             mine = [line for line in lines if line.startswith(f"drift: round {r}/{rounds}")]
             assert len(mine) == 1, log
             assert " samples (" in mine[0] and "sent " in mine[0], mine
-            if round_samples:
-                assert f"/{round_samples} samples" in mine[0], mine
+            assert f"trained {shares[r]} of the round's {round_samples} samples (" in mine[0], mine
         assert "ETA" in lines[0], lines
