@@ -165,9 +165,11 @@ class Dashboard:
         self._history: deque[tuple[int, bytes]] = deque(maxlen=MAX_HISTORY)  # (id, SSE message)
         self._progress: dict[str, bytes] = {}  # node id -> its newest progress event (SSE message)
         self._next_id = 0
+        self.finished = False  # the run's `complete` event came: the page shows it finished, its nodes done
         self._clients: set[_Client] = set()
         self._open = 0  # requests with the token being served (MAX_CLIENTS)
         self._pending: dict[asyncio.StreamWriter, str] = {}  # connections still sending their request, oldest first
+        self._serving: set[asyncio.Task] = set()  # one task a connection
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
@@ -203,6 +205,13 @@ class Dashboard:
             c.writer.close()
             with contextlib.suppress(asyncio.QueueFull):
                 c.queue.put_nowait(b"")
+        # A connection that never sent its request (a browser opens one ahead, or its event
+        # stream reconnects) is closed too: a handler left waiting would be cancelled when the
+        # loop ends, and asyncio logs a traceback for each.
+        for w in list(self._pending):
+            self._push_out(w)
+        if self._serving:
+            await asyncio.wait(self._serving, timeout=flush_s)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._server.wait_closed(), flush_s)
 
@@ -215,6 +224,8 @@ class Dashboard:
             return
         rec = slim(rec)
         data = _json(rec)
+        if rec.get("event") in ("run", "complete"):  # (a resumed run starts with a `run` event)
+            self.finished = rec.get("event") == "complete"
         if rec.get("event") == "progress":
             msg = f"data: {data}\n\n".encode()
             self._progress[str(rec.get("node_id"))] = msg
@@ -230,10 +241,11 @@ class Dashboard:
                 self._drop(c)
 
     def snapshot(self) -> dict[str, Any]:
-        """What a client that connects now is sent: the events so far, the newest progress per node."""
+        """What a client that connects now is sent: the events so far, the newest progress per node,
+        and whether the run has finished."""
         events = [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
         progress = [json.loads(m.split(b"data: ", 1)[1]) for m in self._progress.values()]
-        return {"events": events, "progress": progress}
+        return {"events": events, "progress": progress, "state": "finished" if self.finished else "running"}
 
     # --- HTTP ----------------------------------------------------------------------------------
 
@@ -254,6 +266,9 @@ class Dashboard:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         served = False
+        if (task := asyncio.current_task()) is not None:
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
         try:
             self._wait_for_request(writer)
             try:

@@ -49,7 +49,8 @@ from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
-from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate
+from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate, mean_loss
+from drift.progress import Progress
 from drift.recipe import Data, Recipe
 from drift.repo import RepoError
 from drift.ring import ReduceStats, Ring, RingError
@@ -121,6 +122,7 @@ class NodeOptions:
     name: str = field(default_factory=socket.gethostname)
     say: Callable[[str], None] = print  # one line for the operator (run complete, rejoining, ...)
     connect_timeout: float = 15.0  # each try to reach the coordinator
+    live: bool = False  # round lines as a live line that redraws (a terminal), not one line each
 
 
 @dataclass
@@ -326,6 +328,7 @@ class Session:
         self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
         self.failure: Exception | None = None  # an error of the sync, raised in the round loop
         self._early_agreed: dict[int, P.Agreed] = {}  # Agreed for a round this node has not synced yet
+        self.progress = Progress(self.opts.say, self.opts.live)
 
     # --- plumbing ------------------------------------------------------------------------------
 
@@ -428,6 +431,7 @@ class Session:
                 raise NodeError(f"training cancelled by coordinator: {final.reason}") from None
             raise
         finally:
+            self.progress.close()
             for t in self._tasks:
                 t.cancel()
             await self.ctl.finish()
@@ -441,6 +445,8 @@ class Session:
             return self._complete(ready)
         await self._verify_ready(ready)
         self.node.admitted = True
+        self.progress.rounds, self.progress.round_samples = t.recipe.rounds, t.recipe.round_samples or 0
+        self.progress.joined(self.ctl.peer_id, t.run_id, len(ready.nodes))
         t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, t.lock, self._stash.append)
         if self.node.data is not None:
             t.inner.data = self.node.data if self.node.data.in_use else None  # (else it has the data itself)
@@ -720,10 +726,12 @@ class Session:
                     after_round=t.held, val_loss=val, val_samples=n, samples_per_s=sps, metrics=t.inner.metrics()
                 )
             )
+            self.progress.evaluated(a.round, val)
             return
         if self.node.data is not None:
             self.node.data.round = a.round
         report = await t.inner.run_round(a)
+        self.progress.trained(a.round, report.samples, mean_loss(report.losses))
         if self.node.data is not None:
             await self.send(self.node.data.fetched())
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
@@ -950,6 +958,7 @@ class Session:
                 heard=stats.heard[: P.MAX_NODES],
             )
         )
+        self.progress.settled(p.round, stats.bytes_sent, val)
         p.settled.set()
 
     async def _agreed(self, t: Trainer, p: Pending, msg: P.Agreed) -> None:
@@ -973,6 +982,7 @@ class Session:
         if changed or not p.applied:
             await self._catch_up(t)
         p.applied = p.superseded = False
+        self.progress.settled(p.round, 0, None, abandoned=msg.abandoned)
         p.settled.set()
         await self._beat()  # the coordinator learns what we hold now, before it plans the next round
 

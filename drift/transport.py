@@ -180,6 +180,28 @@ def describe_addr(addr: iroh.EndpointAddr) -> str:
 # --- endpoints and channels -------------------------------------------------------------------
 
 _RUST_LOCATION = re.compile(r"\s*\((?:at )?[^()]*\.rs:\d+(?::\d+)?\)")
+# A lost connection comes as a Rust value's debug text, e.g. ReadError(ConnectionLost(
+# ApplicationClosed(ApplicationClose { error_code: 0, reason: b"node leaving" }))): said in words.
+_CLOSED = re.compile(
+    r'(?:Application|Connection)Closed\((?:Application|Connection)Close \{[^{}]*?reason: b"(.*?)" \}\)'
+)
+_LOST = (
+    ("TimedOut", "the connection timed out"),
+    ("Reset", "the peer reset the connection"),
+    ("LocallyClosed", "the connection was closed here"),
+    ("VersionMismatch", "the peer speaks another QUIC version"),
+    ("TransportError", "the peer broke the QUIC protocol"),
+)
+
+
+def _plain(text: str) -> str:
+    """Rust debug text of a lost connection, in words; any other text as it is."""
+    if (m := _CLOSED.search(text)) is not None:
+        why = printable(m.group(1).replace('\\"', '"'), 100)
+        return "the peer closed the connection" + (f" ({why})" if why else "")
+    if "ConnectionLost(" in text or "ConnectionError(" in text:
+        return next((plain for word, plain in _LOST if word in text), "the connection was lost")
+    return text
 
 
 def _iroh_reason(e: Exception) -> str:
@@ -194,7 +216,7 @@ def _iroh_reason(e: Exception) -> str:
         line = re.sub(r"^\s*(\d+:\s*)?", "", line).strip()
         if line and line != "Caused by:" and line not in parts:
             parts.append(line)
-    reason = ": ".join(parts) or type(e).__name__
+    reason = _plain(": ".join(parts)) or type(e).__name__
     return reason if len(reason) <= 300 else reason[:297] + "..."
 
 

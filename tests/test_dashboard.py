@@ -388,3 +388,79 @@ def test_terminal_progress_bar_and_eta() -> None:
     ):
         eta.event(rec)
     assert eta.bar(100, 4, 15.0) == f"[{'#' * 5}{'.' * 15}] 25%  ETA 11s"  # 3 rounds x 4 s, 1 s of them gone
+
+
+def test_closing_with_an_open_tab_ends_its_stream_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A browser tab holds an event stream and a connection it opened ahead (no request yet)
+    when the run ends: the stream gets the last event and ends; nothing is logged as an error."""
+    got: list[bytes] = []
+
+    async def main() -> None:
+        d = Dashboard()
+        await d.start("127.0.0.1", 0)
+        port = int(d.url.split(":")[2].split("/")[0])
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET /events?token={d.token} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await w.drain()
+        await r.readuntil(b"retry: 2000\n\n")
+        _, ahead = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.2)  # (the server has taken both connections)
+        d.event({"t": 2.0, "event": "complete", "rounds": 2})
+        await d.close()
+        got.append(await asyncio.wait_for(r.read(), 10))  # ends: the server closed the stream
+        w.close()
+        ahead.close()
+
+    # A loop of its own, on a thread (playwright's keeps one running here): its end cancels
+    # what is left, which is where the tracebacks came from.
+    with caplog.at_level("DEBUG"), ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, main()).result(timeout=60)
+    assert b'"event": "complete"' in got[0]
+    problems = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]
+
+
+FINISHED_RUN = [
+    {"t": 0.0, "event": "run", "recipe": "tiny", "rounds": 2, "round_samples": 64},
+    {"t": 1.0, "event": "node_joined", "node_id": "a" * 64, "name": "one", "device": "cpu", "backend": "torch"},
+    {"t": 1.1, "event": "node_joined", "node_id": "b" * 64, "name": "two", "device": "cpu", "backend": "torch"},
+    {"t": 1.2, "event": "training_started", "nodes": 2},
+    {"t": 2.0, "event": "progress", "node_id": "a" * 64, "round": 1, "unit": [0, 1, 0, 32], "samples_per_s": 9.0},
+    {"t": 3.0, "event": "round", "round": 0, "samples": 64, "nodes": {"one": {"node_id": "a" * 64, "weight": 1.0}}},
+    {"t": 4.0, "event": "round", "round": 1, "samples": 64, "nodes": {"two": {"node_id": "b" * 64, "weight": 1.0}}},
+    {"t": 4.1, "event": "complete", "rounds": 2, "final_val_loss": 1.5},
+    {"t": 4.2, "event": "progress", "node_id": "b" * 64, "round": 2, "unit": [0, 1, 0, 32], "samples_per_s": 9.0},
+]
+
+
+def test_a_finished_runs_snapshot_says_finished(tmp_path: Path) -> None:
+    """The monitor's `complete` event, as the coordinator emits it, makes the served page's state finished."""
+    from drift.monitor import Monitor
+
+    board = Dashboard()
+    monitor = Monitor(tmp_path, live=False)
+    monitor.subscribers.append(board.event)
+    try:
+        for e in FINISHED_RUN[:4]:
+            monitor.event(e["event"], **{k: v for k, v in e.items() if k not in ("t", "event")})
+        assert board.snapshot()["state"] == "running"
+        monitor.event("complete", rounds=2, final_val_loss=1.5)
+        assert board.snapshot()["state"] == "finished"
+    finally:
+        monitor.close()
+
+
+@pytest.mark.chromium
+def test_a_finished_runs_page_shows_it_finished_and_its_nodes_done(browser, tmp_path: Path) -> None:
+    """`drift report`'s page of a finished run: every round done, the bar full, each node done
+    (a progress event that came after the end does not make it `training` again)."""
+    write_static(FINISHED_RUN, tmp_path / "page.html")
+    page = _open(browser, (tmp_path / "page.html").as_uri())
+    page.wait_for_selector("#nodes tbody tr")
+    states = page.eval_on_selector_all("#nodes .state", "xs => xs.map(x => x.textContent)")
+    assert states == ["done", "done"]
+    assert page.text_content("#round") == "2 of 2"
+    assert page.text_content("#status") == "finished run (static page)"
+    assert page.evaluate("document.getElementById('progress').style.width") == "100%"
+    assert page.errors == []
+    page.close()

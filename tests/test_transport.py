@@ -131,3 +131,43 @@ def test_default_network_is_auto_and_a_local_ticket_is_loopback_only() -> None:
             await ep.close()
 
     assert transport.loopback_only(parse_ticket(run_async(main())))
+
+
+def test_a_peer_that_leaves_is_said_in_words_not_rust_debug_text() -> None:
+    """A node leaving ends its peers' reads with one plain line: who closed it and why, not the
+    Rust value (ReadError(ConnectionLost(ApplicationClosed(ApplicationClose { ... })))) that
+    used to reach the warnings of every process at default verbosity."""
+
+    async def main() -> list[str]:
+        a, b = await _pair()
+        try:
+            errors = []
+            for leave in ("close", "endpoint"):
+
+                async def server() -> None:
+                    _alpn, conn = await b.accept(timeout=10)
+                    ch = await Endpoint.accept_channel(conn)
+                    await ch.recv_frame(1 << 10)
+                    try:
+                        await ch.recv_frame(1 << 10)
+                    except TransportError as e:
+                        errors.append(str(e))
+
+                srv = asyncio.ensure_future(server())
+                ch = await a.connect(b.ticket(), CONTROL_ALPN)
+                await ch.send_frame(b"hi")
+                await asyncio.sleep(0.3)
+                if leave == "close":
+                    ch.close("node leaving")
+                else:
+                    await a.close()
+                await asyncio.wait_for(srv, 30)
+            return errors
+        finally:
+            await b.close()
+
+    errors = run_async(main())
+    assert errors == [
+        "waiting for a frame failed: the peer closed the connection (node leaving)",
+        "waiting for a frame failed: the peer closed the connection",
+    ]
