@@ -398,9 +398,6 @@ class Round:
         n.units_after_stop += self.stop_sent
         n.last_progress = now
         self.out.append(Progress(i, u, k, msg.loss, msg.samples_per_s))
-        if n.ask_waiting and samples(self.plan.granted.get(i, [])) - n.trained <= self.r.unit_samples:
-            n.ask_waiting = False
-            self.on_ask(i, P.AskForMoreWork(round=self.rnd))
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
         n = self.nodes[i]
@@ -408,12 +405,15 @@ class Round:
             self.out.append(Evaluate(i))  # that θ any more): a fresh one
             return
         nxt = None
-        if msg.round == self.rnd and not n.excluded and not n.early and n.synced is None:
-            # At most one unit ahead of what it reported trained: an ask while it holds more waits
-            # for its progress (on_progress answers it), so asking again and again hoards none.
-            if samples(self.plan.granted.get(i, [])) - n.trained > self.r.unit_samples:
-                n.ask_waiting = True
-                return
+        # At most one unit ahead of what it reported trained: asking again and again hoards none.
+        in_hand = samples(self.plan.granted.get(i, [])) - n.trained
+        if (
+            msg.round == self.rnd
+            and not n.excluded
+            and not n.early
+            and n.synced is None
+            and in_hand <= self.r.unit_samples
+        ):
             nxt = self.plan.next_for(i)
         if nxt is not None:
             n.last_progress = self.now

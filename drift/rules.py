@@ -42,7 +42,6 @@ class NodeRound:
     catching_up: bool = False  # not in this round's ring: told what θ became when it settles
     behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
     reported: list[tuple[int, int, int, int]] = field(default_factory=list)  # units it reported trained (once each)
-    ask_waiting: bool = False  # it asked while holding more than a unit: answered once its progress brings that down
 
     @property
     def counted(self) -> bool:
