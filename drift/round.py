@@ -405,14 +405,15 @@ class Round:
             self.out.append(Evaluate(i))  # that θ any more): a fresh one
             return
         nxt = None
-        # At most one unit ahead of what it reported trained: asking again and again hoards none.
+        # At most two units ahead of what it reported trained (one in training, one asked ahead):
+        # asking again and again hoards none.
         in_hand = samples(self.plan.granted.get(i, [])) - n.trained
         if (
             msg.round == self.rnd
             and not n.excluded
             and not n.early
             and n.synced is None
-            and in_hand <= self.r.unit_samples
+            and in_hand <= 2 * self.r.unit_samples
         ):
             nxt = self.plan.next_for(i)
         if nxt is not None:
