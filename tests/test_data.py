@@ -17,6 +17,7 @@ import pytest
 import yaml
 from conftest import ROOT, WRAPPERS, check_exactly_once, drift_cmd
 
+from drift.workers import load_task
 from harness.simulate import Swarm, git
 
 pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
@@ -249,11 +250,7 @@ def test_a_meta_pkl_is_read_as_plain_data_only(tmp_path: Path) -> None:
     unpickled (its directory is named by a recipe: someone else's repo) is refused, not run."""
     import pickle
 
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import token_file
-    finally:
-        sys.path.remove(str(ROOT / "recipes"))
+    token_file = load_task(ROOT / "recipes" / "token_file.py")
     for split in ("train", "val"):
         np.arange(100, dtype=np.uint16).tofile(tmp_path / f"{split}.bin")
     cfg = {"data_dir": str(tmp_path), "block_size": 8}

@@ -198,10 +198,7 @@ print("done", flush=True)
 """
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0,
-    reason="creates two network namespaces: run this test as root (e.g. sudo -E python3 -m pytest tests/test_ranks.py)",
-)
+@pytest.mark.root  # two network namespaces (tests/conftest.py: skipped without root, fails under CI)
 def test_the_ranks_rendezvous_cannot_be_reached_from_another_network_namespace(tmp_path: Path) -> None:
     """`--nproc 2` in one namespace (a machine), a client in another joined to it by a veth pair:
     none of the node's listening TCP ports (its rendezvous store among them) can be reached, so no
