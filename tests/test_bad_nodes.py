@@ -21,11 +21,13 @@ pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 
 
-def _run(tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4, told: bool = False) -> tuple[Swarm, list[dict]]:
+def _run(
+    tmp_path: Path, fault: str, nodes: int = 2, rounds: int = 4, told: bool = False, bad_step_s: str = "0.02"
+) -> tuple[Swarm, list[dict]]:
     """`told`: the bad node is told it is out, so it leaves by itself (wait for it too)."""
     recipe = make_task_repo(tmp_path / "repo", min_nodes=nodes, rounds=rounds, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    bad = swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
+    bad = swarm.join(bad_step_s, name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
     good = [swarm.join("0.02", name=f"good{i}") for i in range(nodes - 1)]
     assert swarm.finish(leave=[bad, *good] if told else good) == 0, swarm.log()
     assert swarm.node_exits()[1:] == [0] * (nodes - 1), swarm.node_logs()  # the good ones
@@ -128,7 +130,8 @@ def test_node_claiming_a_billion_samples_per_second_gets_its_real_share(tmp_path
 
 
 def test_only_the_node_asked_for_it_sets_a_rounds_val_loss(tmp_path: Path) -> None:
-    _, events = _run(tmp_path, "val-every-round:0", nodes=3, rounds=3)
+    # Slower than the others, so it is never the node asked (the fastest), and its lie is told.
+    _, events = _run(tmp_path, "val-every-round:0", nodes=3, rounds=3, bad_step_s="0.04")
     assert all(e["val_loss"] != 1e6 for e in events if e["event"] == "round")
     assert "RoundDone with a val loss nobody asked for" in (tmp_path / "bad.log").read_text()  # the lie was told
 

@@ -127,7 +127,10 @@ def test_accelerate_loop_joins_a_swarm_through_the_batch_sampler(tmp_path: Path)
     assert all(set(e["metrics"]) == {"loss", "progress"} for e in logs), logs
     for node in {e["node_id"] for e in logs}:  # swarm.progress: the run's fraction done, for a schedule
         seen = [e["metrics"]["progress"] for e in logs if e["node_id"] == node]
-        assert seen == sorted(seen) and seen[0] >= 0 and 0.5 < seen[-1] <= 1, seen
+        assert seen == sorted(seen) and seen[0] >= 0 and seen[-1] <= 1, seen
+    # A node's reports are rate-limited (LOG_EVERY_S), so one that trained little may have sent one
+    # only; the swarm's reports still reach the run's second half.
+    assert max(e["metrics"]["progress"] for e in logs) > 0.5, logs
     # the logged loss is the loop's train loss: the rounds report it (an own loop's was "-")
     assert all(e["train_loss"] is not None for e in events if e["event"] == "round")
     _status_tells(tmp_path / "run", events)
