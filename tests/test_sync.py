@@ -205,6 +205,17 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_named() -> None:
     assert rule.combine([honest[0], hostile, b"", b""], ring).outliers == []
 
 
+def test_a_zero_payload_does_not_clip_the_other_member_of_two_to_nothing() -> None:
+    ring = members(2, [0.5, 0.5])
+    honest = make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(30), 0.5)
+    nothing = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.zeros(LAYOUT.size, np.float32), 0.5)
+    rule = make_rule(LAYOUT, recipe(sync="sparse"))
+    assert rule.codec.norm(nothing) == 0
+    _, out = _combined(rule, [honest, nothing], ring)
+    _, alone = _combined(rule, [honest, b""], ring)
+    assert np.linalg.norm(alone) > 0 and np.array_equal(out, alone)  # θ still moves by the honest half
+
+
 def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None:
     async def main():
         eps = [await Endpoint.bind("local") for _ in range(3)]

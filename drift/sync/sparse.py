@@ -261,7 +261,9 @@ class SparseLoCo(SyncRule):
                 bad.append(m.node_id)
         if not norms:
             return Combined(outliers=bad)
-        ordered = sorted(norms.values())
+        # A payload of norm 0 adds nothing and sets no limit: with two members, the lower median
+        # would otherwise be 0 and clip every other contribution to nothing (θ stops).
+        ordered = sorted(v for v in norms.values() if v > 0) or [0.0]
         median = ordered[(len(ordered) - 1) // 2]  # the lower one: with two, the smaller
         limit = self.params.clip * median
         for m, payload in zip(ring, result):
