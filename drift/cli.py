@@ -437,9 +437,17 @@ async def _coord(
             await _wait_children(children, 10.0)
             return 130
         stopper.cancel()
-        if run not in done:
+        if run not in done:  # a local node died: keep the newest finished round, as Ctrl-C does
             run.cancel()
-            watch.result()  # raises the child's failure
+            try:
+                watch.result()
+            except CoordinatorError as e:
+                for (proc, _), k in zip(children, node_keys):  # the round's θ is fetched from the others
+                    if proc.poll() not in (None, 0):
+                        coordinator.drop(k.node_id, "its process exited", -1)
+                kept = await coordinator.interrupt(f"the coordinator stopped: {e}")
+                await _wait_children(children, 10.0)
+                raise CoordinatorError(f"{e}; stopped the run ({kept})") from None
         watch.cancel()
         results = run.result()
         for proc, logf in children:
