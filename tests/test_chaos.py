@@ -132,8 +132,9 @@ def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> Non
 
 def test_a_local_node_that_dies_ends_the_run_keeping_the_round_it_has(tmp_path: Path) -> None:
     """`drift coord --local 2`, one node killed mid-run: the run ends in one line naming the
-    node's log, and, as on Ctrl-C, the newest finished round is checkpointed (the other node
-    still holds it) so --resume loses nothing."""
+    node, its exit code and its log, and, as on Ctrl-C, the newest finished round is
+    checkpointed (the other node still holds it) so --resume loses nothing. The node killed is
+    the one that joined first: a coordinator that still asked it for θ would ask it first."""
     import psutil
 
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=400, checkpoint_every=1000, **SIM)
@@ -153,14 +154,17 @@ def test_a_local_node_that_dies_ends_the_run_keeping_the_round_it_has(tmp_path: 
             time.sleep(0.05)
         nodes = [p for p in psutil.Process(coord.pid).children() if "join" in p.cmdline()]
         assert len(nodes) == 2, nodes
-        nodes[1].kill()
+        # The node that joined first: the first the coordinator would ask for θ, were it asked.
+        first = next(e["name"] for e in _events(run) if e["event"] == "node_joined")
+        victim = int(first.removeprefix("local-"))
+        next(p for p in nodes if p.cmdline()[p.cmdline().index("--name") + 1] == first).kill()
         assert coord.wait(timeout=120) != 0, out.read_text()
     finally:
         if coord.poll() is None:
             coord.kill()
     text = out.read_text()
     _one_line_per_problem(text)
-    assert "local node exited with code" in text, text
+    assert f"local node local-{victim} exited with code -9 (SIGKILL)" in text, text
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     newest = max(e["round"] for e in events if e["event"] == "round")
     assert f"checkpoint of round {newest}: " in text, text
