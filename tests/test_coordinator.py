@@ -134,10 +134,11 @@ class Donors:
         coord.swarm.checksums[3] = AGREED
         coord.samples_at[3], coord.positions[3] = 96, {}
 
-    async def add(self, name: str, speed: float) -> Peer:
-        """A member holding θ of round 3, connected (in coord.ready), `speed` samples/s."""
+    async def add(self, name: str, speed: float, lies: bool = False) -> Peer:
+        """A member holding θ of round 3, connected (in coord.ready), `speed` samples/s; one that
+        `lies` serves another velocity under the agreed checksum."""
         server = StateServer(allowed=lambda peer: peer == self.coord.endpoint.node_id)
-        server.publish(3, (THETA, VELOCITY), AGREED, LAYOUT)
+        server.publish(3, (THETA, VELOCITY + 1 if lies else VELOCITY), AGREED, LAYOUT)
         ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
 
         async def handle(conn) -> None:
@@ -222,3 +223,30 @@ def test_ctrl_c_asks_the_next_holder_when_the_first_does_not_answer(
     line = run_async(main())
     assert line.startswith("checkpoint of round 3: "), line
     _holds_the_agreed_theta(Path(line.removeprefix("checkpoint of round 3: ")))
+
+
+def test_a_checkpoint_asks_at_most_donor_tries_holders(tiny_recipe: Path, tmp_path: Path) -> None:
+    """However many nodes hold θ, a checkpoint asks at most DONOR_TRIES of them, fastest first:
+    when those fail (here each sends a θ that is not the agreed one) the round is not
+    checkpointed, and the run goes on instead of working through the whole swarm."""
+    from drift.swarm import DONOR_TRIES
+
+    async def main() -> tuple[Path | None, list[str], str]:
+        coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run")
+        await coord.start()
+        donors = Donors(coord)
+        try:
+            for k in range(DONOR_TRIES):
+                await donors.add(f"liar{k}", speed=300.0 - k, lies=True)
+            await donors.add("honest", speed=100.0)
+            path = await coord.checkpoint(3, {"checksum": AGREED})
+            return path, donors.asked, coord.checkpoint_error
+        finally:
+            coord.ready.clear()  # (no control connections to close)
+            await donors.close()
+            await coord.close()
+
+    path, asked, why = run_async(main())
+    assert path is None and not (tmp_path / "run" / "checkpoints" / "round-000003").exists()
+    assert asked == [f"liar{k}" for k in range(DONOR_TRIES)]
+    assert why.startswith("no peer could hand over the state of round 3: ") and "is not the swarm's" in why, why
