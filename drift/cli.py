@@ -447,6 +447,7 @@ async def _coord(
                     if proc.poll() not in (None, 0):
                         coordinator.drop(k.node_id, f"its process {_exit(proc.returncode)}", rnd)
                 kept = await coordinator.interrupt(f"the coordinator stopped: {e}")
+                monitor.say(f"resume with: drift coord {recipe} --resume --run-dir {run_dir}")
                 await _wait_children(children, 10.0)
                 raise CoordinatorError(f"{e}; stopped the run ({kept})") from None
         watch.cancel()

@@ -168,6 +168,7 @@ def test_a_local_node_that_dies_ends_the_run_keeping_the_round_it_has(tmp_path: 
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     newest = max(e["round"] for e in events if e["event"] == "round")
     assert f"checkpoint of round {newest}: " in text, text
+    assert f"resume with: drift coord {recipe} --resume --run-dir {run}" in text, text
     assert (run / "checkpoints" / f"round-{newest:06d}" / "manifest.json").exists()
 
 
