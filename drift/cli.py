@@ -437,14 +437,24 @@ async def _coord(
             await _wait_children(children, 10.0)
             return 130
         stopper.cancel()
-        if run not in done:
+        if run not in done:  # a local node died: keep the newest finished round, as Ctrl-C does
             run.cancel()
-            watch.result()  # raises the child's failure
+            try:
+                watch.result()
+            except CoordinatorError as e:
+                rnd = coordinator.current.rnd if coordinator.current is not None else -1
+                for (proc, _), k in zip(children, node_keys):  # never asked for θ (Swarm.donors)
+                    if proc.poll() not in (None, 0):
+                        coordinator.drop(k.node_id, f"its process {_exit(proc.returncode)}", rnd)
+                kept = await coordinator.interrupt(f"the coordinator stopped: {e}")
+                monitor.say(f"resume with: drift coord {recipe} --resume --run-dir {run_dir}")
+                await _wait_children(children, 10.0)
+                raise CoordinatorError(f"{e}; stopped the run ({kept})") from None
         watch.cancel()
         results = run.result()
-        for proc, logf in children:
+        for i, (proc, logf) in enumerate(children):
             if await _wait_children([(proc, logf)], 30.0) and proc.returncode:
-                raise CoordinatorError(f"local node exited with code {proc.returncode}; see {logf}")
+                raise CoordinatorError(f"local node local-{i} {_exit(proc.returncode)}; see {logf}")
         first = coordinator.initial_val_loss
         first = first if first is not None else results[0].val_loss
         vals = [f"{v:.4f}" if v is not None else "?" for v in (first, results[-1].val_loss)]
@@ -494,14 +504,22 @@ async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout:
 async def _watch_children(children: list[tuple[subprocess.Popen, Path]]) -> None:
     """Fail the run when a --local node dies, quoting the last line of its log."""
     while True:
-        for proc, logf in children:
+        for i, (proc, logf) in enumerate(children):
             if proc.poll() not in (None, 0):
                 lines = logf.read_text(errors="replace").strip().splitlines()
                 raise CoordinatorError(
-                    f"local node exited with code {proc.returncode}: "
+                    f"local node local-{i} {_exit(proc.returncode)}: "
                     f"{lines[-1] if lines else '(no output)'} (log: {logf})"
                 )
         await asyncio.sleep(0.5)
+
+
+def _exit(code: int) -> str:
+    """How a process ended, as a user reads it: "exited with code 1", "exited with code -9 (SIGKILL)"."""
+    try:
+        return f"exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+    except ValueError:  # not a signal this platform names
+        return f"exited with code {code}"
 
 
 def _dirty(root: Path) -> bool:

@@ -28,8 +28,9 @@ from drift.monitor import Monitor, NodeView
 from drift.recipe import Recipe
 from drift.round import Round, RoundError, RoundResult
 from drift.scheduler import Ledger, UnitQueue
+from drift.state import MIN_RATE as STATE_MIN_RATE
 from drift.state import StateError, StateServer, fetch_state
-from drift.swarm import Peer, Swarm
+from drift.swarm import DONOR_TRIES, Peer, Swarm
 from drift.sync import rule_class
 from drift.transport import (
     BASE_ALPN,
@@ -55,6 +56,7 @@ log = logging.getLogger("drift.coord")
 HANDSHAKE_TIMEOUT = 30.0
 LOAD_TIMEOUT = 600.0  # a node may have to import torch and build the model first
 INTERRUPT_FETCH_S = 5.0  # Ctrl-C: how long one node may take to hand over θ for the last checkpoint
+CHECKPOINT_FETCH_S = 120.0  # a checkpoint due while the run goes on: the same, per node asked
 MAX_JOINING = 64  # connections not yet admitted (handshake, loading the task) at once; more are dropped
 MAX_JOINING_PER_PEER = 4  # of those, from one node id (a node that rejoins may overlap its old try)
 MAX_JOINING_PER_SOURCE = 16  # of those, from one IP address (ids are free: one machine cannot fill them all)
@@ -671,7 +673,7 @@ class Coordinator:
         if peer is not None and peer.id in self.swarm.members:  # else: a node already dropped
             match msg:
                 case None:
-                    self.drop(peer.id, peer.gone, (cur or prev).rnd)
+                    self.drop(peer.id, peer.gone or "connection closed", (cur or prev).rnd)
                 case P.Heartbeat(held=held) if held is not None:
                     self.swarm.holds(peer.id, held)
                 case P.Heartbeat():
@@ -801,9 +803,10 @@ class Coordinator:
         self.note("resumed", round=ck.round, path=str(ck.path), samples_seen=self.samples_seen)
         return ck.round + 1
 
-    def _start_checkpoint(self, rnd: int) -> None:
+    def _start_checkpoint(self, rnd: int, timeout: float = CHECKPOINT_FETCH_S) -> None:
         """Write the checkpoint of round `rnd` in the background: the rounds go on meanwhile (the
-        nodes keep serving that θ until their next outer step, which waits for the transfer)."""
+        nodes keep serving that θ until their next outer step, which waits for the transfer).
+        `timeout`: per node asked (see checkpoint)."""
         if self._saver is not None and not self._saver.done():
             log.warning("the checkpoint of an earlier round is still being written: none for round %d", rnd)
             return
@@ -818,21 +821,23 @@ class Coordinator:
             "queue": self.positions[rnd],
             "recipe": self.recipe.model_dump(mode="json", exclude={"wandb"}),  # --resume says what changed
         }
-        self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta))
+        self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta, timeout))
 
     async def _wait_checkpoint(self) -> None:
         if self._saver is not None:
             await asyncio.wait({self._saver})
 
-    async def checkpoint(self, rnd: int, meta: dict, timeout: float = 120.0) -> Path | None:
+    async def checkpoint(self, rnd: int, meta: dict, timeout: float = CHECKPOINT_FETCH_S) -> Path | None:
         """Stream θ and the outer state after round `rnd` from a node straight into a checkpoint
         (checksum-verified before it is committed; never all in memory). None (and
-        `checkpoint_error` says why) when no node could hand it over."""
+        `checkpoint_error` says why) when no node could hand it over. The donors are
+        Swarm.donors (never one that left or whose connection is gone), at most DONOR_TRIES of
+        them in turn, each given up after `timeout` s of silence (fetch_state)."""
         if self.last_checkpoint == rnd:
             return self.last_checkpoint_path
         if rnd not in self.swarm.checksums or self.endpoint is None:
             return None
-        donors = [p.info.ring_ticket for i, p in self.ready.items() if self.swarm.state_round.get(i) == rnd]
+        donors = [self.swarm.members[i].info.ring_ticket for i in self.swarm.donors(rnd)[:DONOR_TRIES]]
         if self.state.current is not None and self.state.current.round == rnd:
             donors.append(self.endpoint.ticket())  # a resumed checkpoint we serve ourselves
         writers: list[CheckpointWriter] = []
@@ -890,11 +895,15 @@ class Coordinator:
         newest = max((r for r in self.swarm.checksums if r >= 0), default=None)
         path = None
         if newest is not None:
-            self._start_checkpoint(newest)
-            try:  # bounded: the nodes may have died with us (a terminal's Ctrl-C reaches them too)
-                path = await asyncio.wait_for(asyncio.shield(self._saver), 2 * INTERRUPT_FETCH_S)
+            # Bounded: the nodes may have died with us (a terminal's Ctrl-C reaches them too). One
+            # that hangs costs INTERRUPT_FETCH_S, then the next holder is asked.
+            self._start_checkpoint(newest, timeout=INTERRUPT_FETCH_S)
+            size = 4 * (1 + len(self.state_names)) * self.n_params
+            bound = (DONOR_TRIES + 1) * INTERRUPT_FETCH_S + size / STATE_MIN_RATE
+            try:
+                path = await asyncio.wait_for(asyncio.shield(self._saver), bound)
             except asyncio.TimeoutError:
-                self.checkpoint_error = f"timed out after {2 * INTERRUPT_FETCH_S:g}s"
+                self.checkpoint_error = f"timed out after {bound:.0f}s"
         self._finished = True
         await self._last_word(list(self.ready.values()), P.TrainingCancel(reason=reason), timeout=5.0)
         if newest is None and self.resume is not None:

@@ -21,6 +21,7 @@ log = logging.getLogger("drift.coord")
 SPEED_CAP = 1000.0  # a measured speed is at most this many times the fastest other member's (honest spreads: ~600x)
 MAX_STRIKES = 2  # a node made to sit out for misbehaving (θ that disagrees, a ring it breaks) this often is dropped
 STRIKE_ROUNDS = 10  # ... within this many rounds: older strikes expire (an honest node's bad luck decays)
+DONOR_TRIES = 3  # the coordinator asks at most this many nodes for one θ (each within its own timeout)
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Peer:
     info: P.NodeInfo
     ch: Channel
     commit: P.RepoCommit | None = None
-    gone: str = "connection closed"  # why its connection ended (for the log), once it has
+    gone: str | None = None  # why its connection ended (for the log), once it has
     broken: str | None = None  # why we closed it ourselves (a send to it failed)
 
     @property
@@ -146,18 +147,31 @@ class Swarm:
         r = self.recipe
         return rules.evaluators({i: self.speed[i] for i in self.members}, budget, r.batch_size, r.slow_node_fraction)
 
+    def donors(self, rnd: int, but: str | None = None) -> list[str]:
+        """The nodes to ask for θ of round `rnd`, fastest first: members that hold it, except `but`,
+        a node on its way out (one banned this round is a member until the round settles) and one
+        whose connection is gone (the round loop has not dropped it yet). A node that left, or
+        whose process exited (drift coord --local drops it), is no member, so never asked."""
+        return sorted(
+            (
+                i
+                for i, p in self.members.items()
+                if self.state_round.get(i) == rnd
+                and i != but
+                and i not in self.banned
+                and p.gone is None
+                and p.broken is None
+            ),
+            key=lambda i: -self.speed[i],
+        )
+
     def state_source(self, node: str, force: bool = False, own: str | None = None) -> P.StateSource | None:
         """Where `node` gets the swarm's newest agreed θ, or None when it already holds it. `own`:
         the coordinator's ticket, when it serves that θ itself (a resumed checkpoint)."""
         last = self.newest()
         if self.state_round.get(node) == last and not force:
             return None
-        donors = sorted(
-            # (not a node on its way out: one banned this round is still a member until the round settles)
-            (i for i in self.members if self.state_round.get(i) == last and i != node and i not in self.banned),
-            key=lambda i: -self.speed[i],
-        )
-        tickets = [self.members[i].info.ring_ticket for i in donors]
+        tickets = [self.members[i].info.ring_ticket for i in self.donors(last, but=node)]
         if own is not None:
             tickets.append(own)
         return P.StateSource(round=last, checksum=self.checksums[last], tickets=tickets[: P.MAX_NODES])

@@ -1,4 +1,5 @@
-"""The coordinator survives bad peers: malformed, truncated, oversized and unexpected frames."""
+"""The coordinator survives bad peers: malformed, truncated, oversized and unexpected frames; and
+it takes θ (a checkpoint, Ctrl-C's last one) only from nodes that can still hand it over."""
 
 from __future__ import annotations
 
@@ -6,13 +7,19 @@ import asyncio
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import dropped, run_async
 
+import drift.coordinator
 from drift import protocol as P
+from drift.checkpoint import load_checkpoint
 from drift.coordinator import Coordinator
+from drift.diloco import ParamLayout, checksum
 from drift.recipe import load_recipe
-from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Endpoint
+from drift.state import StateServer
+from drift.swarm import Peer
+from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Endpoint
 
 
 def test_bad_frames_are_dropped_and_coordinator_keeps_serving(
@@ -104,3 +111,142 @@ def test_a_node_flooding_data_reports_fills_no_disk(tiny_recipe: Path, tmp_path:
     monitor.close()
     events = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"data_bad_chunk"' in e for e in events) == MAX_DATA_REPORTS
+
+
+# --- who is asked for θ ---------------------------------------------------------------------------
+
+LAYOUT = ParamLayout(("w", "b"), ((3, 4), (5,)))
+THETA = np.arange(LAYOUT.size, dtype=np.float32)
+VELOCITY = -THETA
+AGREED = checksum(THETA, VELOCITY)
+
+
+class Donors:
+    """Nodes of a coordinator's swarm that hold θ of round 3 and serve it on real iroh endpoints
+    (drift-state/0), as members do; `asked` names each one that was asked, in order."""
+
+    def __init__(self, coord: Coordinator):
+        self.coord = coord
+        self.asked: list[str] = []
+        self.eps: list[Endpoint] = []
+        self.tasks: list[asyncio.Future] = []
+        coord.n_params = LAYOUT.size
+        coord.swarm.checksums[3] = AGREED
+        coord.samples_at[3], coord.positions[3] = 96, {}
+
+    async def add(self, name: str, speed: float, lies: bool = False) -> Peer:
+        """A member holding θ of round 3, connected (in coord.ready), `speed` samples/s; one that
+        `lies` serves another velocity under the agreed checksum."""
+        server = StateServer(allowed=lambda peer: peer == self.coord.endpoint.node_id)
+        server.publish(3, (THETA, VELOCITY + 1 if lies else VELOCITY), AGREED, LAYOUT)
+        ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
+
+        async def handle(conn) -> None:
+            self.asked.append(name)
+            await server.handle(conn)
+
+        self.eps.append(ep)
+        self.tasks.append(asyncio.ensure_future(ep.serve({STATE_ALPN: handle})))
+        info = P.NodeInfo(node_id=ep.node_id, name=name, backend="numpy", device="cpu", ring_ticket=ep.ticket())
+        peer = Peer(info, ch=None)  # type: ignore[arg-type]  # (no control connection: nothing is sent)
+        self.coord.ready[peer.id] = peer
+        self.coord.swarm.enter(peer, -1)
+        self.coord.swarm.speed[peer.id] = speed
+        self.coord.swarm.holds(peer.id, 3)
+        return peer
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for ep in self.eps:
+            await ep.close()
+
+
+def _holds_the_agreed_theta(path: Path | None) -> None:
+    assert path is not None
+    ck = load_checkpoint(path)
+    assert ck.round == 3 and ck.manifest["checksum"] == AGREED
+    assert np.array_equal(ck.theta_flat, THETA) and np.array_equal(ck.state_flat["velocity"], VELOCITY)
+
+
+def test_theta_is_never_asked_of_a_node_that_left_or_whose_connection_ended(tiny_recipe: Path, tmp_path: Path) -> None:
+    """A node dropped from the run (drift coord --local drops one whose process exited) stays
+    connected for a moment and still serves its θ; one whose control connection just ended is a
+    member until the round loop reads that. Both joined first and are the fastest, yet the
+    checkpoint takes θ from the member that can hand it over, and neither is asked."""
+
+    async def main() -> tuple[Path | None, list[str]]:
+        coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run")
+        await coord.start()
+        donors = Donors(coord)
+        try:
+            left = await donors.add("left", speed=300.0)
+            gone = await donors.add("gone", speed=200.0)
+            await donors.add("live", speed=100.0)
+            coord.swarm.leave(left.id)  # as Coordinator.drop does (its connection closes later)
+            gone.gone = "connection closed"  # as the connection's reader does when it ends
+            path = await coord.checkpoint(3, {"checksum": AGREED})
+            return path, donors.asked
+        finally:
+            coord.ready.clear()  # (no control connections to close)
+            await donors.close()
+            await coord.close()
+
+    path, asked = run_async(main())
+    assert asked == ["live"]
+    _holds_the_agreed_theta(path)
+
+
+def test_ctrl_c_asks_the_next_holder_when_the_first_does_not_answer(
+    tiny_recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C (or a --local node that died) keeps the newest finished round. The fastest holder's
+    machine is gone without a word (its connection not yet known to be closed), so a connect to
+    it hangs: it is given up after INTERRUPT_FETCH_S, the next holder hands θ over, and the
+    stop names the checkpoint written."""
+    monkeypatch.setattr(drift.coordinator, "INTERRUPT_FETCH_S", 1.0)
+
+    async def main() -> str:
+        coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run")
+        await coord.start()
+        donors = Donors(coord)
+        try:
+            await donors.add("dead", speed=300.0)
+            await donors.add("live", speed=100.0)
+            await donors.eps[0].close()  # its machine died
+            coord.ready.clear()  # (no control connections here: nobody to tell that the run stopped)
+            return await coord.interrupt("stopped")
+        finally:
+            await donors.close()
+            await coord.close()
+
+    line = run_async(main())
+    assert line.startswith("checkpoint of round 3: "), line
+    _holds_the_agreed_theta(Path(line.removeprefix("checkpoint of round 3: ")))
+
+
+def test_a_checkpoint_asks_at_most_donor_tries_holders(tiny_recipe: Path, tmp_path: Path) -> None:
+    """However many nodes hold θ, a checkpoint asks at most DONOR_TRIES of them, fastest first:
+    when those fail (here each sends a θ that is not the agreed one) the round is not
+    checkpointed, and the run goes on instead of working through the whole swarm."""
+    from drift.swarm import DONOR_TRIES
+
+    async def main() -> tuple[Path | None, list[str], str]:
+        coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run")
+        await coord.start()
+        donors = Donors(coord)
+        try:
+            for k in range(DONOR_TRIES):
+                await donors.add(f"liar{k}", speed=300.0 - k, lies=True)
+            await donors.add("honest", speed=100.0)
+            path = await coord.checkpoint(3, {"checksum": AGREED})
+            return path, donors.asked, coord.checkpoint_error
+        finally:
+            coord.ready.clear()  # (no control connections to close)
+            await donors.close()
+            await coord.close()
+
+    path, asked, why = run_async(main())
+    assert path is None and not (tmp_path / "run" / "checkpoints" / "round-000003").exists()
+    assert asked == [f"liar{k}" for k in range(DONOR_TRIES)]
+    assert why.startswith("no peer could hand over the state of round 3: ") and "is not the swarm's" in why, why

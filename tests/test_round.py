@@ -395,6 +395,35 @@ def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(t
     assert [(m.type, m.round, m.abandoned, m.state.round) for m in told] == [("Agreed", 1, True, 0)] * 2
 
 
+# --- 7. θ is asked of nodes that can hand it over (a checkpoint, a late joiner, an evaluator) ---
+
+
+def test_theta_is_asked_of_the_members_holding_it_fastest_first_never_of_one_gone() -> None:
+    """Who is asked for θ of the newest round: the members holding it, fastest first. Never a node
+    that left (drift coord --local drops one whose process exited), one whose connection ended
+    before the round loop read that (gone), one whose stream we closed (broken), one banned, one
+    holding another round, nor the asker itself."""
+    speeds = {"exited": 900.0, "gone": 800.0, "broken": 700.0, "banned": 600.0, "behind": 500.0}
+    speeds |= {"fast": 300.0, "mid": 200.0, "slow": 100.0, "more": 50.0, "joiner": 1000.0}
+    sim = Sim(list(speeds), speeds=speeds)
+    s, i = sim.s, sim.ids
+    for r in range(3):
+        s.checksums[r] = f"theta{r + 1}"
+    for n in speeds:
+        s.holds(i[n], 1 if n == "behind" else 2)
+    s.state_round[i["joiner"]] = -1  # admitted late: it holds the initial θ
+    s.leave(i["exited"])  # as Coordinator.drop does
+    s.members[i["gone"]].gone = "connection closed"
+    s.members[i["broken"]].broken = "sending TrainProgress to it failed"
+    s.banned[i["banned"]] = "it sent more into the ring than it reported"
+    assert [sim.names[x] for x in s.donors(2)] == ["fast", "mid", "slow", "more"]
+    assert [sim.names[x] for x in s.donors(2, but=i["fast"])] == ["mid", "slow", "more"]
+    assert [sim.names[x] for x in s.donors(1)] == ["behind"]
+    src = s.state_source(i["joiner"])
+    assert src is not None and (src.round, src.checksum) == (2, "theta3")
+    assert src.tickets == ["ticket-fast", "ticket-mid", "ticket-slow", "ticket-more"]
+
+
 def _every_unit_once(sim: Sim) -> None:
     """Every sample the round took is counted (its Δ is in θ) or handed back to be redone, once."""
     spans = [(u.epoch, u.id, u.lo, u.hi) for u in [*sim.result.trained, *sim.rd.given_back]]
