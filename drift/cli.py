@@ -416,7 +416,7 @@ async def _coord(
                         )
                     )
         run = asyncio.ensure_future(coordinator.run())
-        watch = asyncio.ensure_future(_watch_children(children))
+        watch = asyncio.ensure_future(_watch_children(children, node_keys, coordinator, monitor))
         stopper = asyncio.ensure_future(stop.wait())
         failed = asyncio.ensure_future(monitor.failed.wait())
         done, _ = await asyncio.wait({run, watch, stopper, failed}, return_when=asyncio.FIRST_COMPLETED)
@@ -437,7 +437,7 @@ async def _coord(
             await _wait_children(children, 10.0)
             return 130
         stopper.cancel()
-        if run not in done:  # a local node died: keep the newest finished round, as Ctrl-C does
+        if run not in done:  # every local node died: keep the newest finished round, as Ctrl-C does
             run.cancel()
             try:
                 watch.result()
@@ -501,16 +501,27 @@ async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout:
     return clean
 
 
-async def _watch_children(children: list[tuple[subprocess.Popen, Path]]) -> None:
-    """Fail the run when a --local node dies, quoting the last line of its log."""
+async def _watch_children(
+    children: list[tuple[subprocess.Popen, Path]], keys: list[NodeKey], coordinator: Coordinator, monitor: Monitor
+) -> None:
+    """A --local node that dies leaves the run going: it is dropped at once (never asked for θ,
+    its units back in the queue) and a line names it, its exit and its log's last line. When the
+    last one dies, fail the run."""
+    dead: set[int] = set()
     while True:
         for i, (proc, logf) in enumerate(children):
-            if proc.poll() not in (None, 0):
-                lines = logf.read_text(errors="replace").strip().splitlines()
-                raise CoordinatorError(
-                    f"local node local-{i} {_exit(proc.returncode)}: "
-                    f"{lines[-1] if lines else '(no output)'} (log: {logf})"
-                )
+            if i in dead or proc.poll() in (None, 0):
+                continue
+            dead.add(i)
+            lines = logf.read_text(errors="replace").strip().splitlines()
+            what = (
+                f"local node local-{i} {_exit(proc.returncode)}: {lines[-1] if lines else '(no output)'} (log: {logf})"
+            )
+            if len(dead) == len(children):
+                raise CoordinatorError(what)
+            rnd = coordinator.current.rnd if coordinator.current is not None else -1
+            coordinator.drop(keys[i].node_id, f"its process {_exit(proc.returncode)}", rnd)
+            monitor.say(f"warning: {what}; the run goes on with {len(children) - len(dead)} local node(s)")
         await asyncio.sleep(0.5)
 
 
