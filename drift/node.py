@@ -445,7 +445,7 @@ class Session:
             return self._complete(ready)
         await self._verify_ready(ready)
         self.node.admitted = True
-        self.progress.rounds, self.progress.round_samples = t.recipe.rounds, t.recipe.round_samples or 0
+        self.progress.rounds = t.recipe.rounds
         self.progress.joined(self.ctl.peer_id, t.run_id, len(ready.nodes))
         t.inner = InnerLoop(t.worker, t.recipe, self.inbox, self.send, t.lock, self._stash.append)
         if self.node.data is not None:
@@ -958,7 +958,8 @@ class Session:
                 heard=stats.heard[: P.MAX_NODES],
             )
         )
-        self.progress.settled(p.round, stats.bytes_sent, val)
+        me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
+        self.progress.settled(p.round, stats.bytes_sent, val, me.weight if me is not None else None)
         p.settled.set()
 
     async def _agreed(self, t: Trainer, p: Pending, msg: P.Agreed) -> None:

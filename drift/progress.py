@@ -33,7 +33,6 @@ class Progress:
     say: Callable[[str], None]
     live: bool = False
     rounds: int = 0  # the run's rounds (for the ETA), known once the recipe is
-    round_samples: int = 0
     _trained: dict[int, tuple[int, float | None]] = field(default_factory=dict)  # round -> (samples, loss)
     _started: float | None = None
     _first: int | None = None  # the first round this node saw settle (the ETA counts from there)
@@ -53,17 +52,14 @@ class Progress:
         """This node evaluated the swarm's θ instead of training this round."""
         self._show(f"round {rnd + 1}/{self.rounds}: evaluated (this node trains no samples), val loss {val_loss:.4f}")
 
-    def settled(self, rnd: int, bytes_sent: int, val_loss: float | None, abandoned: bool = False) -> None:
-        """Round `rnd` is settled here: one line with what this node knows of it."""
+    def settled(
+        self, rnd: int, bytes_sent: int, val_loss: float | None, weight: float | None = None, abandoned: bool = False
+    ) -> None:
+        """Round `rnd` is settled here: one line with what this node knows of it. `weight`: this
+        node's share of the round's samples, as the coordinator counted them (its ring weight)."""
         samples, loss = self._trained.pop(rnd, (0, None))
         self._trained = {r: v for r, v in self._trained.items() if r > rnd}
-        share = (
-            f"trained {samples} of the round's {self.round_samples} samples"
-            if self.round_samples
-            else f"trained {samples} samples"
-        )
-        if self.round_samples:
-            share += f" ({100 * samples / self.round_samples:.0f}%)"
+        share = f"trained {samples} samples" + (f" ({100 * weight:.0f}% of the round)" if weight is not None else "")
         parts = [f"round {rnd + 1}/{self.rounds}" + (" (given up: θ kept)" if abandoned else ""), share]
         if loss is not None:
             parts.append(f"train loss {loss:.4f}")

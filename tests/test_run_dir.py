@@ -135,10 +135,9 @@ def test_each_local_node_logs_joined_and_a_line_per_round_with_its_share(tmp_pat
     )
     assert out.returncode == 0, out.stderr
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    round_samples = next(e["round_samples"] for e in events if e["event"] == "run")
     for i in range(2):
         # what the coordinator counted for this node in each round
-        shares = {e["round"] + 1: e["nodes"][f"local-{i}"]["samples"] for e in events if e["event"] == "round"}
+        shares = {e["round"] + 1: e["nodes"][f"local-{i}"] for e in events if e["event"] == "round"}
         log = (run_dir / f"node-{i}.log").read_text()
         assert "drift: joined run " in log, log
         lines = [line for line in log.splitlines() if line.startswith("drift: round ")]
@@ -146,5 +145,6 @@ def test_each_local_node_logs_joined_and_a_line_per_round_with_its_share(tmp_pat
             mine = [line for line in lines if line.startswith(f"drift: round {r}/{rounds}")]
             assert len(mine) == 1, log
             assert " samples (" in mine[0] and "sent " in mine[0], mine
-            assert f"trained {shares[r]} of the round's {round_samples} samples (" in mine[0], mine
+            share = f"trained {shares[r]['samples']} samples ({100 * shares[r]['weight']:.0f}% of the round)"
+            assert share in mine[0], mine
         assert "ETA" in lines[0], lines
