@@ -86,7 +86,7 @@ def test_two_ranks_step_as_one_worker_on_the_whole_batch(tmp_path: Path) -> None
 def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
     """`drift join --nproc 2` beside a plain node: one identity, one ring member, every round's
     checksum agreed by both, and its ranks gone when the run ends."""
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=2)
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=3)
     swarm = Swarm(recipe, tmp_path)
     try:
         ranked = swarm.join(name="ranked", args=("--nproc", "2"))
@@ -103,9 +103,13 @@ def test_a_two_rank_node_is_one_member_of_a_real_swarm(tmp_path: Path) -> None:
     joined = {e["name"]: e for e in events if e["event"] == "node_joined"}
     assert sorted(joined) == ["plain", "ranked"] and joined["ranked"]["device"] == "cpu+cpu"
     rounds = [e for e in events if e["event"] == "round"]
-    assert [r["round"] for r in rounds] == [0, 1]
-    for r in rounds:  # a round event is written once every member reported that one checksum
-        assert len(r["checksum"]) == 24 and sorted(r["nodes"]) == ["plain", "ranked"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    # A round event is written once every member reported that one checksum. (On a loaded machine
+    # the two-process node may be cut from a round by the slow-node rule: not from all three.)
+    assert all(len(r["checksum"]) == 24 and set(r["nodes"]) <= {"plain", "ranked"} for r in rounds), rounds
+    both = [r for r in rounds if sorted(r["nodes"]) == ["plain", "ranked"]]
+    assert both, rounds
+    for r in both:  # one member: one identity, its samples and weight
         assert r["nodes"]["ranked"]["node_id"] == joined["ranked"]["node_id"]
         assert r["nodes"]["ranked"]["samples"] > 0 and r["nodes"]["ranked"]["weight"] > 0
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
