@@ -63,3 +63,25 @@ def test_a_step_count_lie_cannot_hide_a_poisoned_delta(tmp_path: Path) -> None:
         for r in events
         if r["event"] == "round" and r["round"] >= 1
     )
+
+
+def test_a_node_that_says_it_sat_out_a_round_it_applied_voids_no_round(tmp_path: Path) -> None:
+    # Attack 4. Before: every round it did this to was abandoned although every node applied it,
+    # and Agreed(abandoned) sent the nodes to fetch θ of the round before from each other while
+    # they held their own state's lock: 241 s a round, no θ agreed, no checkpoint.
+    events = _attack(tmp_path, "sit-out-late:1", nodes=3)
+    assert not [e for e in events if e["event"] == "round_abandoned"], events
+    claims = [(e["round"], e["name"]) for e in events if e["event"] == "false_claim"]
+    assert claims[:1] == [(1, "bad")], claims
+
+
+def test_repeated_progress_and_asks_make_no_node_the_only_trainer(tmp_path: Path) -> None:
+    # Attack 6. Before: each repeat counted as a unit done and as measured speed, so it became the
+    # only trainer and every honest node an evaluator (5,204 progress events in 68 s).
+    events = _attack(tmp_path, "repeat-progress:0", nodes=3)
+    counted = [(e["node_id"], tuple(e["unit"])) for e in events if e["event"] == "progress"]
+    assert len(counted) == len(set(counted)), counted  # each unit counted once, as measured speed too
+    for r in (e for e in events if e["event"] == "round"):
+        trainers = {n for n, v in r["nodes"].items() if v["weight"] > 0}
+        assert {"good0", "good1"} <= trainers, r["nodes"]  # the honest nodes trained every round
+        assert not r.get("evaluators"), r

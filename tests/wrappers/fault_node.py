@@ -48,6 +48,13 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   lie-steps            from that round on, report at the barrier a Δ norm 1000 x its own over 10^9
                        inner steps, and send 1000 x its Δ into the all-reduce: before, the per-step
                        outlier check took its word for the steps and θ was poisoned
+  sit-out-late         from that round on, in place of each RoundDone (θ after the outer step, which
+                       it applied), tell the coordinator 1 s later that it sits the round out
+                       (RingFailed sit_out): before, every such round was abandoned although every
+                       node applied it, and the nodes deadlocked fetching the round before
+  repeat-progress      from that round on, send each TrainProgress and each AskForMoreWork 20 times:
+                       before, the repeats counted as measured speed and units, it became the only
+                       trainer, and every honest node was made an evaluator
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
@@ -354,6 +361,21 @@ elif kind == "lie-steps":
     async def _(orig, self, a):
         Session.current_round = a.round
         return await orig(self, a)
+elif kind == "sit-out-late":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.RoundDone) and msg.round >= at:
+            await asyncio.sleep(1.0)
+            msg = P.RingFailed(round=msg.round, ring_epoch=msg.ring_epoch, reason="applied", sit_out=True)
+        await orig(self, msg)
+elif kind == "repeat-progress":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        repeats = 20 if isinstance(msg, (P.TrainProgress, P.AskForMoreWork)) and msg.round >= at else 1
+        for _ in range(repeats):
+            await orig(self, msg)
 else:
     raise SystemExit(f"unknown DRIFT_TEST_FAULT {kind!r}")
 
