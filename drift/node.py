@@ -990,7 +990,7 @@ class Session:
     async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
         """θ_global and the outer state <- the agreed state of round src.round, from a peer."""
         try:
-            async with self.node.state.updating():
+            async with self.node.state.updating(fetching=True):
                 await fetch_state(
                     self.node.endpoint,
                     src.tickets,

@@ -99,6 +99,7 @@ class StateServer:
         self._by_peer: dict[str, int] = {}  # the same per peer (MAX_CLIENTS_PER_PEER)
         self._reading = 0  # transfers streaming the arrays right now
         self._writing = False
+        self._fetching = 0  # updating() calls taking the arrays from a peer: requests are refused at once
         self._writers = 0  # updating() calls waiting for the transfers in flight to end
         self._cond = asyncio.Condition()
 
@@ -108,15 +109,22 @@ class StateServer:
         self.current = Published(rnd, tuple(arrays), checksum, layout)
 
     @contextlib.asynccontextmanager
-    async def updating(self) -> AsyncIterator[None]:
+    async def updating(self, fetching: bool = False) -> AsyncIterator[None]:
         """Hold off transfers while the published arrays change (the outer step, a fetch into
         them): wait for those in flight to end, then keep new ones waiting until we are done.
         A transfer asked for while we wait starts after us: a member that keeps asking cannot
-        hold the outer step longer than the transfers already in flight (each bounded by MIN_RATE)."""
+        hold the outer step longer than the transfers already in flight (each bounded by MIN_RATE).
+        `fetching`: the arrays come from a peer, for as long as that takes: requests are refused
+        at once instead (two nodes fetching from each other would wait on each other for good)."""
         async with self._cond:
             self._writers += 1
+            self._fetching += fetching
+            self._cond.notify_all()  # (requests waiting on an outer step hear they are refused)
             try:
                 await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+            except BaseException:
+                self._fetching -= fetching
+                raise
             finally:
                 self._writers -= 1
                 self._cond.notify_all()  # (a cancelled wait: the transfers held off may go)
@@ -126,6 +134,7 @@ class StateServer:
         finally:
             async with self._cond:
                 self._writing = False
+                self._fetching -= fetching
                 self._cond.notify_all()
 
     async def handle(
@@ -174,10 +183,16 @@ class StateServer:
     async def _serve(self, ch: Channel) -> None:
         rnd = _parse_request(await ch.recv_frame(MAX_REQUEST, timeout=REQUEST_TIMEOUT))
         async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing and not self._writers)
-            cur = self.current
-            if cur is not None and cur.round == rnd:
-                self._reading += 1
+            await self._cond.wait_for(lambda: self._fetching or (not self._writing and not self._writers))
+            if self._fetching:
+                cur = None
+            else:
+                cur = self.current
+                if cur is not None and cur.round == rnd:
+                    self._reading += 1
+        if self._fetching:
+            await ch.send_frame(json.dumps({"error": "busy: taking θ from a peer"}).encode())
+            return
         if cur is None or cur.round != rnd:
             have = None if cur is None else cur.round
             await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())

@@ -261,3 +261,33 @@ def test_a_donor_that_lied_once_is_not_asked_again() -> None:
     got = run_async(main())
     assert all(np.array_equal(v, velocity) for v in got)
     assert asked == ["liar", "honest", "honest"]
+
+
+def test_a_node_taking_theta_from_a_peer_refuses_requests_at_once_instead_of_holding_them() -> None:
+    """B's arrays are being replaced from a peer when A asks B for θ (an abandoned round sends
+    every node to fetch the round before): A is refused at once while B is still fetching, and
+    asks another holder. Before, A's request waited for B's fetch to end; with B fetching from A
+    the same way, both waited for good (241 s a round)."""
+    theta, velocity = _state(8)
+    b = _serving(3, theta.copy(), velocity.copy())
+
+    async def main() -> str:
+        ep_a, ep_b = await Endpoint.bind("local"), await Endpoint.bind("local", alpns=(STATE_ALPN,))
+        serving = asyncio.ensure_future(ep_b.serve({STATE_ALPN: b.handle}))
+        b.allowed = lambda peer: peer == ep_a.node_id
+        into = into_arrays(np.zeros_like(theta), np.zeros_like(velocity))
+        try:
+            async with b.updating(fetching=True):  # (B's own fetch, held until A has its answer)
+                try:
+                    await fetch_state(
+                        ep_a, [ep_b.ticket()], 3, checksum(theta, velocity), into, size=LAYOUT.size, timeout=20
+                    )
+                except StateError as e:
+                    return str(e)
+            return "took it"
+        finally:
+            serving.cancel()
+            for e in (ep_a, ep_b):
+                await e.close()
+
+    assert "busy: taking θ from a peer" in run_async(main())
