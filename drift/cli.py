@@ -434,6 +434,7 @@ async def _coord(
             kept = await coordinator.interrupt("the coordinator was stopped; it can resume with --resume")
             monitor.say(f"interrupted: {kept}")
             monitor.say(f"resume with: drift coord {recipe} --resume --run-dir {run_dir}")
+            _keep_page(monitor, run_dir)
             await _wait_children(children, 10.0)
             return 130
         stopper.cancel()
@@ -461,6 +462,7 @@ async def _coord(
         monitor.say(
             f"done: {len(results)} rounds, val loss {vals[0]} -> {vals[1]}; metrics in {run_dir / 'metrics.jsonl'}"
         )
+        _keep_page(monitor, run_dir)
         return 0
     finally:
         if run is not None:
@@ -476,6 +478,17 @@ async def _coord(
             board.close()
         with contextlib.suppress(OSError):
             mark_finished(coordinator.run_id)
+
+
+def _keep_page(monitor: Monitor, run_dir: Path) -> None:
+    """The run's page as it ended, one static file in the run dir: the live URL ends with the
+    coordinator (`drift report` writes it again, with the plots)."""
+    from drift.dashboard import read_events, write_static
+
+    try:
+        monitor.say(f"page:       {write_static(read_events(run_dir), run_dir / 'dashboard.html')}")
+    except OSError as e:
+        monitor.say(f"warning: the run's page was not written: {e}")
 
 
 def _say_reach(monitor: Monitor, endpoint, mode: str, local: int) -> None:

@@ -135,6 +135,9 @@ def test_each_local_node_logs_joined_and_a_line_per_round_with_its_share(tmp_pat
     )
     assert out.returncode == 0, out.stderr
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the run's page outlives the coordinator: its events up to "complete" in the run dir
+    assert f"page:       {run_dir / 'dashboard.html'}" in out.stderr + out.stdout
+    assert '"event": "complete"' in (run_dir / "dashboard.html").read_text()
     for i in range(2):
         # what the coordinator counted for this node in each round
         shares = {e["round"] + 1: e["nodes"][f"local-{i}"] for e in events if e["event"] == "round"}
