@@ -1,0 +1,86 @@
+"""Issue 36's "done when", measured: each attack as a real `drift join` whose sends are altered
+(tests/wrappers/fault_node.py) against three honest nodes, with the dense rule (int8 ring) and
+the sparse one, beside an honest swarm of four: the wall-clock from training's start to
+the run's end, the final val loss, who was named (the events that name the attacker) and whether an
+honest node was dropped. Every node steps at the same simulated pace (tests/wrappers/sim_node.py),
+so the wall-clock compares the same work.
+
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_attacks.py [--rules dense sparse] [--rounds 6]
+
+Not here: withholding in the all-gather (attack 3: its cost is the ring deadline, 150 s a round,
+replayed in milliseconds in tests/test_round.py) and the rendezvous of local ranks (attack 9,
+tests/test_ranks.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from harness.simulate import ROOT, SIM, TINY_RECIPE, Swarm, make_task_repo
+
+FAULT_NODE = ROOT / "tests" / "wrappers" / "fault_node.py"
+ATTACKS = {  # fault -> the issue's attack
+    "sit-out-early:1": "1: 'I already applied', at once",
+    "lie-steps:1": "2: norm x1000 over 10^9 steps",
+    "sit-out-late:1": "4: 'I sat out', 1 s late",
+    "repeat-progress:0": "6: each progress and ask x20",
+    "withhold-done:1": "6: never a RoundDone",
+    "scale-ring:1": "poison: x1000 Δ",
+    "flip-ring:1": "poison: -10x Δ",
+    "noise-ring:1": "poison: noise 10x |Δ|",
+}
+NAMING = ("false_claim", "outlier_delta", "poisoner", "sat_out", "node_left", "strike")
+
+
+def run(work: Path, rule: str, fault: str | None, rounds: int) -> dict:
+    recipe = {**TINY_RECIPE, **SIM, "min_nodes": 4, "rounds": rounds, "inner_steps": 6}
+    if rule == "sparse":
+        recipe["sync"] = "sparse"
+    swarm = Swarm(make_task_repo(work / "repo", recipe), work)
+    if fault is not None:
+        swarm.join("0.02", name="bad", script=FAULT_NODE, env={"DRIFT_TEST_FAULT": fault})
+    honest = [swarm.join("0.02", name=f"good{i}") for i in range(3 if fault else 4)]
+    code = swarm.finish(timeout=900, leave=honest)
+    events = swarm.events()
+    complete = next((e for e in events if e["event"] == "complete"), {})
+    return {
+        "code": code,
+        # the coordinator's clock, from training's start (the nodes' start-up is not the attack's)
+        "wall": complete.get("t", float("nan")) - next(e["t"] for e in events if e["event"] == "training_started"),
+        "val": complete.get("final_val_loss"),
+        "named": sorted({e["event"] for e in events if e["event"] in NAMING and e.get("name") == "bad"}),
+        "honest_dropped": sorted({e["name"] for e in events if e["event"] == "node_left" and e.get("name") != "bad"}),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rules", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"])
+    ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    print(
+        "| rule | attack | exit | wall s | × honest | final val | Δ val vs honest | attacker named by | honest dropped |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rule in args.rules:
+        with tempfile.TemporaryDirectory() as d:
+            base = run(Path(d), rule, None, args.rounds)
+        print(f"| {rule} | none (4 honest) | {base['code']} | {base['wall']:.1f} | 1.00 | {base['val']:.4f} | | | |")
+        for fault in args.attacks:
+            with tempfile.TemporaryDirectory() as d:
+                r = run(Path(d), rule, fault, args.rounds)
+            val, dv = (
+                ("-", "-") if r["val"] is None else (f"{r['val']:.4f}", f"{100 * (r['val'] / base['val'] - 1):+.1f} %")
+            )
+            print(
+                f"| {rule} | {ATTACKS[fault]} (`{fault}`) | {r['code']} | {r['wall']:.1f} | {r['wall'] / base['wall']:.2f} "
+                f"| {val} | {dv} | {', '.join(r['named']) or 'nobody'} | {', '.join(r['honest_dropped']) or 'none'} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
