@@ -220,7 +220,7 @@ class InnerLoop:
         job = UnitSteps([], self.recipe.micro_batches)
         finished, poke = self._notices(job, loop)
         async with self.lock:
-            self.lock.wanted = job.pause
+            self.lock.pause_with(job.pause)
             taken = 0  # job's steps handed to pieces so far
             poked = got = None
             started = False
@@ -254,7 +254,7 @@ class InnerLoop:
                     else:
                         await asyncio.wait((finished, poked, got), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                self.lock.wanted = None
+                self.lock.pause_with(None)
                 for f in (poked, got):
                     if f is not None:
                         f.cancel()
@@ -448,17 +448,30 @@ class SwarmClosed(Exception):
 
 class ModelLock(asyncio.Lock):
     """The worker's model, held for inner steps and by whoever else changes it between two (the
-    overlapped sync's catch-up, an evaluation of θ_global). While a unit trains, `wanted` is how
-    to ask it to pause at its next step: someone who waits for the lock waits one step, not a unit."""
+    overlapped sync's catch-up, an evaluation of θ_global). While a unit trains, `pause_with` says
+    how to pause it at its next step: whoever waits for the lock waits one step, not a unit; also
+    one who started waiting before the unit took the lock (behind it, or behind someone else)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.wanted: Callable[[], None] | None = None
+        self._pause: Callable[[], None] | None = None
+        self._waiting = 0  # acquire() calls not yet returned
 
     async def acquire(self) -> bool:
-        if self.locked() and self.wanted is not None:
-            self.wanted()
-        return await super().acquire()
+        self._waiting += 1
+        try:
+            if self._pause is not None:
+                self._pause()
+            return await super().acquire()
+        finally:
+            self._waiting -= 1
+
+    def pause_with(self, pause: Callable[[], None] | None) -> None:
+        """The holder trains a unit, paused by `pause()` (None: it no longer does). If someone
+        waits already, it pauses at once."""
+        self._pause = pause
+        if pause is not None and self._waiting:
+            pause()
 
 
 class UnitSteps:

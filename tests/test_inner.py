@@ -213,6 +213,43 @@ def test_who_wants_the_model_gets_it_at_the_next_step(worker) -> None:
     assert [(p.unit, p.steps) for p in progress] == [(_unit(0, 8), 8)]
 
 
+def test_who_queued_behind_the_unit_gets_the_model_before_its_steps(worker) -> None:
+    """The overlapped sync takes the model twice in a row (Δ for the all-reduce, then the
+    catch-up after the outer step): the second asks while the first holds the model and the unit
+    already waits for it. It must not wait out the whole unit: then the round's outer step lands
+    only at the next barrier, and a late joiner, always a round behind, never trains. The unit,
+    once it has the model, steps aside for whoever was waiting already, then trains whole."""
+    loop = Loop(worker)
+    recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=8, batch_size=BATCH, unit_steps=8)
+    seen: list[int] = []
+
+    async def main():
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def send(msg: P._Msg) -> None:
+            if isinstance(msg, P.AskForMoreWork):
+                inbox.put_nowait(P.NoMoreWork(round=0))
+
+        inner = InnerLoop(OnLoop(worker, loop.steps), recipe, inbox, send)
+        await inner.lock.acquire()  # the all-reduce's Δ
+        rnd = asyncio.ensure_future(inner.run_round(P.ShardAssignment(round=0, epoch=0, units=[_unit(0, 8)])))
+        await asyncio.sleep(0)  # the unit waits for the model
+        catch_up = asyncio.ensure_future(inner.lock.acquire())
+        await asyncio.sleep(0)  # ... and the catch-up behind it
+        inner.lock.release()
+        await catch_up
+        seen.append(loop.done)
+        inner.lock.release()
+        return await rnd
+
+    try:
+        report = run_async(main())
+    finally:
+        loop.close()
+    assert seen == [0]  # not after the unit's 8 steps
+    assert report.steps == 8 and report.trained == [_unit(0, 8)] and report.returned == []
+
+
 def wait_until(cond, limit_s: float = 60.0) -> bool:
     """cond() became true within limit_s (a bound on a hang, not a speed)."""
     done = threading.Event()
