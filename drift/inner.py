@@ -69,6 +69,17 @@ class RoundReport:
         )
 
 
+@dataclass
+class _Piece:
+    """A granted unit on its way through the thread that trains."""
+
+    unit: P.WorkUnit
+    batches: list[np.ndarray]
+    start: int  # where its (remaining) steps begin in the job that trains it
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+
 class InnerLoop:
     """Runs rounds for one node; the worker does the math, this decides what to train when."""
 
@@ -86,7 +97,7 @@ class InnerLoop:
         self.defer = defer
         # Held for every step: whoever else changes the worker's model between steps (the
         # overlapped sync's catch-up, an evaluation of θ_global) takes it too.
-        self.lock = lock or asyncio.Lock()
+        self.lock = lock or ModelLock()
         self.recipe = recipe
         self.inbox = inbox
         self.send = send
@@ -106,10 +117,6 @@ class InnerLoop:
         the worker's lock."""
         async with self.lock:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-    async def train_step(self, indices: np.ndarray) -> float:
-        parts = min(self.recipe.micro_batches, len(indices))
-        return await self._run(self.worker.train_step, indices, parts)
 
     async def evaluate(self, rnd: int | None = None) -> tuple[float | None, float]:
         """(val loss of the worker's θ, or None when the loop has no evaluation; seconds per
@@ -183,18 +190,118 @@ class InnerLoop:
             "no_more": False,
             "stop": False,
         }
-        bs = self.recipe.batch_size
         self._prefetch(state["granted"])
+        pieces: deque[_Piece] = deque()  # units being trained, in order
         while True:
             self._poll(state)
-            if state["stop"] or (not state["granted"] and state["no_more"]):
+            if state["stop"] or (not state["granted"] and not pieces and state["no_more"]):
                 break
-            if not state["granted"]:
+            if not state["granted"] and not pieces:
                 if not state["asked"]:
                     await self._ask(state)
                 self._apply(await self.inbox.get(), state)
                 continue
-            unit = state["granted"].popleft()
+            await self._train(state, pieces, report)
+        for p in pieces:  # (StopRound: what of them is trained counts, the rest goes back)
+            await self._report(p, report, state)
+        # A grant may still be on its way: wait for it, then hand back every untrained unit once.
+        while state["asked"]:
+            self._apply(await self.inbox.get(), state)
+        report.returned += list(state["granted"])
+        return report
+
+    async def _train(self, state: dict, pieces: deque[_Piece], report: RoundReport) -> None:
+        """Train the units in hand on the thread that trains, as one job that grows as units are
+        granted (so it never waits for this loop between two steps, nor between two units),
+        holding the worker's lock, until they run out, StopRound, or someone else asks for the
+        lock (they get it at the next step; the rest of the unit in hand trains after them).
+        Meanwhile: apply control messages, ask for more work ahead, report each unit trained."""
+        loop = asyncio.get_running_loop()
+        job = UnitSteps([], self.recipe.micro_batches)
+        finished, poke = self._notices(job, loop)
+        async with self.lock:
+            self.lock.pause_with(job.pause)
+            taken = 0  # job's steps handed to pieces so far
+            poked = got = None
+            started = False
+            try:
+                for p in pieces:  # (the rest of units a pause interrupted)
+                    p.start = len(job.batches)
+                    job.extend(p.batches[len(p.losses) :])
+                await self._feed(job, pieces, state, report)
+                if not job.batches:
+                    return
+                self._start(job, loop)
+                started = True
+                await self._ask_ahead(job, pieces, state)
+                poked, got = asyncio.ensure_future(poke.wait()), asyncio.ensure_future(self.inbox.get())
+                while True:  # what came first: a message, a unit trained or the ask point, the end
+                    if got.done():
+                        msg, got = got.result(), asyncio.ensure_future(self.inbox.get())
+                        self._apply(msg, state)
+                        job.stop = job.stop or state["stop"]
+                        await self._feed(job, pieces, state, report)
+                        await self._ask_ahead(job, pieces, state)
+                    elif poked.done():
+                        poke.clear()
+                        poked = asyncio.ensure_future(poke.wait())
+                        taken = await self._collect(job, taken, pieces, report, state)
+                        await self._ask_ahead(job, pieces, state)
+                    elif finished.done():
+                        taken = await self._collect(job, taken, pieces, report, state)
+                        if not got.done():  # (else that message first)
+                            break
+                    else:
+                        await asyncio.wait((finished, poked, got), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.lock.pause_with(None)
+                for f in (poked, got):
+                    if f is not None:
+                        f.cancel()
+                if started and not finished.done():  # leaving early (the connection is gone): stop at the next step
+                    job.stop = True
+                    await finished
+        if job.error is not None:
+            raise job.error
+
+    def _notices(self, job: UnitSteps, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, asyncio.Event]:
+        """(done when the job is, set when it says "ask" or "unit"): the thread that trains tells
+        this loop without ever waiting for it."""
+        finished: asyncio.Future[None] = loop.create_future()
+        poke = asyncio.Event()
+
+        def notice(kind: str) -> None:  # on the node's loop
+            if kind != "done":
+                poke.set()
+            elif not finished.done():
+                finished.set_result(None)
+
+        def threadsafe(kind: str) -> None:  # on the thread that trains
+            with contextlib.suppress(RuntimeError):  # the node's loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(notice, kind)
+
+        job.notify = threadsafe
+        return finished, poke
+
+    def _start(self, job: UnitSteps, loop: asyncio.AbstractEventLoop) -> None:
+        if isinstance(self.worker, OnLoop):
+            self.worker.run_unit(job)
+        else:  # a worker of its own (tests, tools): a thread of the executor steps it
+            loop.run_in_executor(None, job.run, self.worker.train_step)
+
+    async def _steps(self, job: UnitSteps) -> None:
+        """Run `job` on the thread that trains, holding the worker's lock, until it is done."""
+        loop = asyncio.get_running_loop()
+        finished, _ = self._notices(job, loop)
+        async with self.lock:
+            self._start(job, loop)
+            await finished
+
+    async def _feed(self, job: UnitSteps, pieces: deque[_Piece], state: dict, report: RoundReport) -> None:
+        """The granted units onto the job (while it still takes steps), checked, their samples there."""
+        bs = self.recipe.batch_size
+        while state["granted"] and not state["stop"] and not job.stop:
+            unit = state["granted"][0]
             size = min(self.recipe.unit_samples, self.worker.n_train - unit.id * self.recipe.unit_samples)
             if not unit.hi <= size:  # a coordinator that names samples the dataset does not have
                 raise StopTraining(
@@ -203,53 +310,73 @@ class InnerLoop:
                 )
             idx = self._indices(unit)
             if self.data is not None and not await self.data.ready("train", idx, lambda: self._stopped(state)):
+                state["granted"].popleft()
                 report.returned.append(unit)  # no holder could serve it: back to the queue
                 continue
-            t0, lo, u_losses = time.perf_counter(), unit.lo, []
-            while lo < unit.hi:
-                # Ask ahead: the steps still in hand should cover a round trip to the coordinator.
-                left = (unit.hi - lo) // bs + sum((u.hi - u.lo) // bs for u in state["granted"])
-                # Served data: ask as soon as the last unit in hand starts, so the next one's
-                # samples are fetched while this one trains.
-                ahead = self.data is not None and not state["granted"]
-                if (
-                    not state["asked"]
-                    and not state["no_more"]
-                    and (ahead or left * self.step_s <= max(self.rtt_s * 2, self.step_s))
-                ):
-                    await self._ask(state)
-                t_step = time.perf_counter()
-                hi = min(lo + bs, unit.hi)
-                u_losses.append(await self.train_step(idx[lo - unit.lo : hi - unit.lo]))
-                dt = time.perf_counter() - t_step
-                report.busy_s += dt
-                self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
-                lo = hi
-                self._poll(state)
-                if state["stop"]:
-                    break
-            if lo > unit.lo:
-                done = unit.model_copy(update={"hi": lo})
-                report.trained.append(done)
-                report.samples += lo - unit.lo
-                report.steps += len(u_losses)
-                report.losses += u_losses
-                await self.send(
-                    P.TrainProgress(
-                        round=a.round,
-                        unit=done,
-                        steps=len(u_losses),
-                        loss=mean_loss(u_losses),
-                        samples_per_s=(lo - unit.lo) / (time.perf_counter() - t0),
-                    )
+            p = _Piece(unit, [idx[o : o + bs] for o in range(0, unit.hi - unit.lo, bs)], len(job.batches))
+            if not job.extend(p.batches):
+                return  # it ended meanwhile: the next job takes the unit
+            state["granted"].popleft()
+            pieces.append(p)
+        job.stop = job.stop or state["stop"]
+
+    async def _collect(self, job: UnitSteps, taken: int, pieces: deque[_Piece], report, state) -> int:
+        """Hand the job's steps done so far to their units; report each unit trained whole."""
+        upto = len(job.losses)
+        while taken < upto:
+            p = pieces[0]
+            dt = job.seconds[taken]
+            p.losses.append(job.losses[taken])
+            p.seconds.append(dt)
+            report.busy_s += dt
+            self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
+            taken += 1
+            if len(p.losses) == len(p.batches):
+                await self._report(pieces.popleft(), report, state)
+        return taken
+
+    async def _report(self, p: _Piece, report: RoundReport, state: dict) -> None:
+        """Account for a unit: the part trained (TrainProgress), and the rest handed back."""
+        unit, k = p.unit, len(p.losses)
+        lo = min(unit.hi, unit.lo + k * self.recipe.batch_size)
+        if k:
+            done = unit.model_copy(update={"hi": lo})
+            report.trained.append(done)
+            report.samples += lo - unit.lo
+            report.steps += k
+            report.losses += p.losses
+            await self.send(
+                P.TrainProgress(
+                    round=state["round"],
+                    unit=done,
+                    steps=k,
+                    loss=mean_loss(p.losses),
+                    samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
                 )
-            if lo < unit.hi:
-                report.returned.append(unit.model_copy(update={"lo": lo}))
-        # A grant may still be on its way: wait for it, then hand back every untrained unit once.
-        while state["asked"]:
-            self._apply(await self.inbox.get(), state)
-        report.returned += list(state["granted"])
-        return report
+            )
+        if lo < unit.hi:
+            report.returned.append(unit.model_copy(update={"lo": lo}))
+
+    async def _ask_ahead(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> None:
+        """Ask for the next unit when the steps still in hand cover about one round trip to the
+        coordinator; or tell the thread that trains at which of the job's steps that will be.
+        Served data: ask as soon as the last unit in hand starts, so that the next one's samples
+        are fetched while this one trains."""
+        job.ask_at = None
+        if state["asked"] or state["no_more"] or state["stop"] or job.stop:
+            return
+        bs, done, n = self.recipe.batch_size, len(job.losses), len(job.batches)
+        if self.data is not None and not state["granted"]:
+            at = max(done, pieces[-1].start if pieces else done)
+        elif self.step_s == 0:
+            at = done  # no step measured yet
+        else:
+            rest = sum(-(-(u.hi - u.lo) // bs) for u in state["granted"])
+            at = max(done, math.ceil(n + rest - max(self.rtt_s * 2, self.step_s) / self.step_s))
+        if at <= done:
+            await self._ask(state)
+        elif at < n:
+            job.ask_at = at
 
     def _indices(self, unit: P.WorkUnit) -> np.ndarray:
         return unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)
@@ -301,13 +428,11 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
     idx = np.arange(min(bs, worker.n_train))
     await inner._have("train", idx)
     await inner._have("val", np.arange(min(bs, worker.n_val)))
-    await inner.train_step(idx)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        await inner.train_step(idx)
-        times.append(time.perf_counter() - t0)
-    step_s = min(times)
+    job = UnitSteps([idx] * (1 + steps), inner.recipe.micro_batches)
+    await inner._steps(job)
+    if job.error is not None:
+        raise job.error
+    step_s = min(job.seconds[1:])
     t0 = time.perf_counter()
     await inner._run(worker.evaluate, 1, bs)
     eval_s = time.perf_counter() - t0
@@ -319,6 +444,110 @@ async def calibrate(inner: InnerLoop, steps: int = 3) -> Calibration:
 
 class SwarmClosed(Exception):
     """The training loop left the swarm (it ended, broke out of its loop, or raised)."""
+
+
+class ModelLock(asyncio.Lock):
+    """The worker's model, held for inner steps and by whoever else changes it between two (the
+    overlapped sync's catch-up, an evaluation of θ_global). While a unit trains, `pause_with` says
+    how to pause it at its next step: whoever waits for the lock waits one step, not a unit; also
+    one who started waiting before the unit took the lock (behind it, or behind someone else)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pause: Callable[[], None] | None = None
+        self._waiting = 0  # acquire() calls not yet returned
+
+    async def acquire(self) -> bool:
+        self._waiting += 1
+        try:
+            if self._pause is not None:
+                self._pause()
+            return await super().acquire()
+        finally:
+            self._waiting -= 1
+
+    def pause_with(self, pause: Callable[[], None] | None) -> None:
+        """The holder trains a unit, paused by `pause()` (None: it no longer does). If someone
+        waits already, it pauses at once."""
+        self._pause = pause
+        if pause is not None and self._waiting:
+            pause()
+
+
+class UnitSteps:
+    """Inner steps handed to the thread that trains in one piece (the batches of the units in
+    hand; the node may add more while it runs): it runs them back to back, and between two steps
+    only reads two flags the node may set meanwhile: stop (StopRound, or someone waits for the
+    model) and ask_at (say "ask" before that step, so that the node asks the coordinator for more
+    work ahead). It says "unit" when it finished one the node added, and "done" when it ends."""
+
+    def __init__(self, batches: list[np.ndarray], micro_batches: int = 1) -> None:
+        self.batches, self.micro_batches = list(batches), micro_batches
+        self.stop = False
+        self.ask_at: int | None = None
+        self.losses: list[float] = []  # one a step done
+        self.seconds: list[float] = []  # each step's, timed on the thread that trains
+        self.error: BaseException | None = None
+        self.notify: Callable[[str], None] = lambda kind: None  # ("ask", "unit", "done"), from the thread that trains
+        self._ends: set[int] = set()  # step counts at which a unit the node added ends
+        self._lock = threading.Lock()
+        self._over = False  # it takes no more steps
+        self._ended = False  # it said so
+
+    def extend(self, batches: list[np.ndarray]) -> bool:
+        """More steps at the end (one unit's); False if the job is over already."""
+        with self._lock:
+            if self._over:
+                return False
+            self.batches.extend(batches)
+            self._ends.add(len(self.batches))
+            return True
+
+    def pause(self) -> None:
+        """Stop at the next step (the node goes on with the rest later)."""
+        self.stop = True
+
+    def next(self) -> np.ndarray | None:
+        """On the thread that trains: the next step's indices, or None when this job is over."""
+        j = len(self.losses)
+        with self._lock:
+            if self.stop or j >= len(self.batches):
+                self._over = True
+                return None
+        if self.ask_at is not None and j >= self.ask_at:
+            self.ask_at = None
+            self.notify("ask")
+        return self.batches[j]
+
+    def parts(self, indices: np.ndarray) -> int:
+        """Micro-batches of the step on these indices."""
+        return max(1, min(self.micro_batches, len(indices)))
+
+    def stepped(self, loss: float, seconds: float) -> None:
+        self.seconds.append(seconds)
+        self.losses.append(float(loss))
+        if len(self.losses) in self._ends:
+            self.notify("unit")
+
+    def end(self, error: BaseException | None = None) -> None:
+        """This job is over (once: later calls do nothing)."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = self._over = True
+            self.error = error
+        self.notify("done")
+
+    def run(self, train_step: Callable[[np.ndarray, int], float]) -> None:
+        """Run every step here with `train_step(indices, parts)` (a worker of its own)."""
+        try:
+            while (indices := self.next()) is not None:
+                t0 = time.perf_counter()
+                loss = train_step(indices, self.parts(indices))
+                self.stepped(loss, time.perf_counter() - t0)
+        except BaseException as e:  # handed to the node
+            self.end(e)
+        self.end()
 
 
 class _Job:
@@ -336,23 +565,27 @@ class _Job:
             self.error = e
         self.done.set()
 
-
-STEP = object()  # a job that is one inner step of the user's loop
+    def fail(self) -> None:
+        self.error = SwarmClosed("the training loop has ended")
+        self.done.set()
 
 
 class Steps:
     """The channel between a node (its asyncio loop, in a thread of its own) and the thread that
     runs the training loop (the user's script, or `drift join`'s loop over a task's worker).
 
-    Everything the node does to the model happens on the loop thread, between two inner steps:
-    each worker call (state in and out, evaluation, the outer step's write-back) is a job the
-    loop thread runs while it waits in `serve()` for its next batch; an inner step is the job
-    `serve()` answers by yielding the batch's indices, done when `stepped()` is called (the
-    optimizer's step hook, or the loop itself)."""
+    The node hands the loop thread a unit's steps at a time (UnitSteps): `serve()` yields the
+    indices of each step, and each is done when the loop asks for the next batch (`stepped()`,
+    the optimizer's step hook, records its loss). Nothing crosses between the threads per step;
+    the node learns that the unit ended, or that it is time to ask for more work, from the job.
+    Everything else the node does to the model (state in and out, evaluation, the outer step's
+    write-back) is a call the loop thread runs between two steps."""
 
     def __init__(self) -> None:
-        self._q: queue.Queue[_Job | None] = queue.Queue()
-        self._step: _Job | None = None
+        self._q: queue.Queue[_Job | UnitSteps | None] = queue.Queue()
+        self._later: deque[UnitSteps] = deque()  # units handed over while one was training
+        self._unit: UnitSteps | None = None  # the unit in hand
+        self._loss: float | None = None  # the loss of the step in hand, once stepped() said it
         self._ended = threading.Event()  # the node is done: serve() returns
         self._closed = threading.Event()  # the loop is done: every call raises SwarmClosed
         self.thread: threading.Thread | None = None  # the loop thread, once it serves
@@ -373,36 +606,66 @@ class Steps:
             raise job.error
         return job.result
 
-    def step(self, indices: np.ndarray, parts: int = 1) -> float:
-        """One inner step of the loop on these samples (blocks until it is done); its loss or nan."""
-        return self.call(STEP, indices, parts)
+    def submit(self, job: UnitSteps) -> None:
+        """Hand the loop thread these steps; `job` says "done" when they are over."""
+        self._q.put(job)
+        if self._closed.is_set():
+            self._fail_queued()
 
     def serve(self) -> Iterator[np.ndarray]:
-        """On the loop thread: run the node's jobs, and yield the indices of each inner step."""
+        """On the loop thread: run the node's calls, and yield the indices of each inner step."""
         self.thread = threading.current_thread()
         try:
-            while not self._ended.is_set() or not self._q.empty():
-                try:
-                    job = self._q.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                if job is None:
-                    continue
-                if job.fn is not STEP:
+            while not self._ended.is_set() or not self._q.empty() or self._later:
+                if self._later:
+                    job = self._later.popleft()
+                else:
+                    try:
+                        job = self._q.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                if isinstance(job, UnitSteps):
+                    yield from self._steps(job)
+                elif job is not None:
                     job.run()
-                    continue
-                self._step, (indices, self.parts) = job, job.args
-                yield indices
-                self.stepped()  # a loop that did not step (no hook fired) still ends the step
         finally:
             self.close()
 
+    def _steps(self, job: UnitSteps) -> Iterator[np.ndarray]:
+        self._unit = job
+        try:
+            while True:
+                self._calls()
+                indices = job.next()
+                if indices is None:
+                    break
+                self.parts, self._loss = job.parts(indices), None
+                t0 = time.perf_counter()
+                yield indices
+                job.stepped(math.nan if self._loss is None else self._loss, time.perf_counter() - t0)
+        except BaseException:  # the loop broke out of its loop, or raised
+            job.end(SwarmClosed("the training loop has ended"))
+            raise
+        finally:
+            self._unit = None
+        job.end()
+
+    def _calls(self) -> None:
+        """The node's calls that came while a unit trains (between two of its steps)."""
+        while not self._q.empty():
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, UnitSteps):
+                self._later.append(job)
+            elif job is not None:
+                job.run()
+
     def stepped(self, loss: float = math.nan) -> None:
-        """The inner step in hand is done (called by the optimizer's step hook, or the loop)."""
-        job, self._step = self._step, None
-        if job is not None:
-            job.result = float(loss)
-            job.done.set()
+        """The inner step in hand is done (the optimizer's step hook, or the loop): its loss."""
+        if self._loss is None:
+            self._loss = float(loss)
 
     def end(self) -> None:
         """The node is done: serve() returns once the jobs in hand are run."""
@@ -413,21 +676,39 @@ class Steps:
         """The loop is done: jobs still asked for fail with SwarmClosed."""
         self._closed.set()
         self._ended.set()
+        if (unit := self._unit) is not None:
+            unit.end(SwarmClosed("the training loop has ended"))
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while self._later:
+            self._later.popleft().end(SwarmClosed("the training loop has ended"))
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, UnitSteps):
+                job.end(SwarmClosed("the training loop has ended"))
+            elif job is not None:
+                job.fail()
 
 
 class OnLoop:
     """A worker whose every call runs on the loop thread (see Steps); attributes read directly.
-    train_step is the loop's own step."""
+    Its inner steps are the loop's own (run_unit)."""
 
     def __init__(self, worker, steps: Steps) -> None:
         self._worker, self._steps = worker, steps
+
+    def run_unit(self, job: UnitSteps) -> None:
+        """Hand these steps to the loop thread (job says "done" when they are over)."""
+        self._steps.submit(job)
 
     def __getattr__(self, name: str):
         value = getattr(self._worker, name)
         if not callable(value):
             return value
-        if name == "train_step":
-            return self._steps.step
         if name == "iter_state":
             return self._iter_state
         return lambda *args: self._steps.call(value, *args)

@@ -7,9 +7,11 @@
 
 The node (handshake, trust, units, stealing, StopRound, barrier, all-reduce, outer step) runs in a
 thread of its own; the loop runs where the user wrote it. `batches()` yields the indices of one
-inner step at a time; the optimizer's step hook marks it done. Whatever the node does to the model
-(the pseudo-gradient, writing θ back after the outer step, evaluations) runs on the loop's thread
-between two steps, inside `batches()`: never under the user's feet.
+inner step at a time; the optimizer's step hook gives the step's loss. The node hands the loop a
+unit's steps at a time (drift/inner.py, UnitSteps), so the loop's steps run back to back: nothing
+waits on the node's thread between two of them, and a node costs its training. Whatever the node
+does to the model (the pseudo-gradient, writing θ back after the outer step, evaluations) runs on
+the loop's thread between two steps, inside `batches()`: never under the user's feet.
 
 What comes from where: the coordinator's recipe holds the schedule (rounds, inner steps per round,
 batch size, units, the outer optimizer, codec, deadlines, who evaluates); the script holds the
@@ -93,7 +95,8 @@ class NodeThread:
             yield indices
 
     def stepped(self, loss: float = math.nan) -> None:
-        """The inner step of the last batch is done (DiLoCo's optimizer hook calls this)."""
+        """The inner step of the last batch is done, with this loss (DiLoCo's optimizer hook
+        calls this; the step also ends when the loop asks for the next batch)."""
         self.steps.stepped(loss)
 
     @property

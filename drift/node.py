@@ -49,7 +49,17 @@ from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
 from drift.gather import Gather
-from drift.inner import Calibration, InnerLoop, OnLoop, Steps, StopTraining, SwarmClosed, calibrate, mean_loss
+from drift.inner import (
+    Calibration,
+    InnerLoop,
+    ModelLock,
+    OnLoop,
+    Steps,
+    StopTraining,
+    SwarmClosed,
+    calibrate,
+    mean_loss,
+)
 from drift.progress import Progress
 from drift.recipe import Data, Recipe
 from drift.repo import RepoError
@@ -170,7 +180,7 @@ class Trainer:
     frozen_checksum: str = ""  # of the frozen base (not in θ), checked once at join
     held: int = -1  # the round whose state θ_global is
     held_checksum: str = ""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the worker's model, between inner steps
+    lock: ModelLock = field(default_factory=ModelLock)  # the worker's model, between inner steps
     inner: InnerLoop | None = None
     pending: Pending | None = None
     delta_check: DeltaCheck = field(default_factory=DeltaCheck)

@@ -7,13 +7,14 @@ whole round as a bad report."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
 from conftest import run_async
 
 from drift import protocol as P
-from drift.inner import InnerLoop
+from drift.inner import InnerLoop, OnLoop, Steps
 from drift.recipe import Recipe
 from drift.scheduler import check_accounting
 from drift.workers import load_task, make_worker
@@ -27,13 +28,40 @@ def worker():
     return make_worker(load_task(TASK), {"hidden": 8}, {"lr": 0.01}, backend="torch", device="cpu", threads=1)
 
 
-def _unit(uid: int) -> P.WorkUnit:
-    return P.WorkUnit(id=uid, lo=0, hi=2 * BATCH)
+def _unit(uid: int, steps: int = 2) -> P.WorkUnit:
+    return P.WorkUnit(id=uid, lo=0, hi=steps * BATCH)
 
 
-async def _round(worker, first: list[P.WorkUnit], replies) -> tuple[list[P.WorkUnit], object]:
+class Device:
+    """The test's worker as the node sees it, with what the coordinator sends `during_step()`
+    delivered while the device's next inner step runs (that step is then in flight, as it is
+    when a message crosses a step on a real device)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self._during: list[P._Msg] = []
+        self._deliver = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.worker, name)
+
+    def during_step(self, inbox: asyncio.Queue, msg: P._Msg) -> None:
+        loop = asyncio.get_running_loop()
+        self._deliver = lambda m: loop.call_soon_threadsafe(inbox.put_nowait, m)
+        self._during.append(msg)
+
+    def train_step(self, indices, micro_batches: int = 1) -> float:
+        loss = self.worker.train_step(indices, micro_batches)
+        while self._during:
+            self._deliver(self._during.pop(0))
+        return loss
+
+
+async def _round(worker, first: list[P.WorkUnit], replies, unit_steps: int = 2):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each AskForMoreWork."""
-    recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=2)
+    recipe = Recipe(
+        name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=unit_steps
+    )
     inbox: asyncio.Queue = asyncio.Queue()
     asks = 0
 
@@ -54,28 +82,29 @@ def _later(inbox: asyncio.Queue, msg: P._Msg, delay: float = 0.05) -> None:
 
 
 def test_stop_round_that_crosses_a_grant(worker) -> None:
-    """StopRound arrives while the node waits for the answer to its ask, and the answer is one
-    more unit: that unit and the ones in hand are handed back once each."""
-    granted = [_unit(0), _unit(1)]
+    """StopRound arrives during a step while the node waits for the answer to its ask, and the
+    answer is one more unit: the steps done count, that unit and the ones in hand are handed back
+    once each."""
+    granted, device = [_unit(0), _unit(1)], Device(worker)
 
     def replies(n: int, inbox: asyncio.Queue) -> None:
-        inbox.put_nowait(P.StopRound(round=0))
+        device.during_step(inbox, P.StopRound(round=0))
         granted.append(_unit(2 + n))
         _later(inbox, P.AssignNext(round=0, unit=granted[-1]))
 
-    report = run_async(_round(worker, granted[:2], replies))
+    report = run_async(_round(device, granted[:2], replies))
     assert check_accounting(granted, report.trained, report.returned) is None, (report.trained, report.returned)
     assert report.trained and report.samples == sum(u.hi - u.lo for u in report.trained)
 
 
 def test_stop_round_that_crosses_no_more_work(worker) -> None:
-    granted = [_unit(0), _unit(1)]
+    granted, device = [_unit(0), _unit(1)], Device(worker)
 
     def replies(n: int, inbox: asyncio.Queue) -> None:
-        inbox.put_nowait(P.StopRound(round=0))
+        device.during_step(inbox, P.StopRound(round=0))
         _later(inbox, P.NoMoreWork(round=0))
 
-    report = run_async(_round(worker, granted, replies))
+    report = run_async(_round(device, granted, replies))
     assert check_accounting(granted, report.trained, report.returned) is None, (report.trained, report.returned)
 
 
@@ -93,3 +122,139 @@ def test_grants_until_no_more_work_train_everything(worker) -> None:
     report = run_async(_round(worker, granted[:1], replies))
     assert check_accounting(granted, report.trained, report.returned) is None
     assert report.returned == [] and sorted(u.id for u in report.trained) == [0, 1, 2, 3]
+
+
+class Loop:
+    """`drift join`'s loop (drift.loop.run_join) in a thread of its own: it trains each batch the
+    node hands out, and runs `at_step(k)` during its k-th step."""
+
+    def __init__(self, worker, at_step=lambda k: None) -> None:
+        self.steps, self.worker, self.at_step = Steps(), worker, at_step
+        self.done = 0  # steps trained
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for indices in self.steps.serve():
+            self.at_step(self.done)
+            self.steps.stepped(self.worker.train_step(indices, self.steps.parts))
+            self.done += 1
+
+    def close(self) -> None:
+        self.steps.end()
+        self.thread.join(60)
+
+
+def test_units_train_while_the_node_is_busy(worker) -> None:
+    """The node hands the thread that trains the units in hand at once: their steps run back to
+    back, across units, while the node's own loop is busy (here: stuck in sending its ask until
+    both units are trained), instead of each step or unit waiting for a round trip between the
+    two threads."""
+    loop = Loop(worker)
+    trained_while_busy = []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:  # blocks the node's loop
+        trained_while_busy.append(wait_until(lambda: loop.done == 8))
+        inbox.put_nowait(P.NoMoreWork(round=0))
+
+    units = [_unit(0, 4), _unit(1, 4)]
+    try:
+        report = run_async(_round(OnLoop(worker, loop.steps), units, replies, unit_steps=4))
+    finally:
+        loop.close()
+    assert trained_while_busy == [True]
+    assert report.steps == 8 and report.trained == units and report.returned == []
+
+
+def test_who_wants_the_model_gets_it_at_the_next_step(worker) -> None:
+    """Someone who needs the model while a unit trains (the overlapped sync's catch-up, an
+    evaluation) takes the worker's lock: the unit pauses at the next inner step for it, then the
+    rest of the unit trains, and the unit is reported once, whole."""
+    seen: list[int] = []
+    waiting = threading.Event()
+
+    async def take_the_model(inner: InnerLoop) -> None:
+        got = asyncio.ensure_future(inner.lock.acquire())
+        await asyncio.sleep(0)  # it asked for the lock (the unit is told to pause)
+        waiting.set()
+        await got
+        seen.append(loop.done)
+        inner.lock.release()
+
+    def at_step(k: int) -> None:
+        if k == 2:  # during the third step, someone asks for the model
+            asyncio.run_coroutine_threadsafe(take_the_model(inner), node_loop)
+            assert waiting.wait(60)
+
+    loop = Loop(worker, at_step)
+    recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=8, batch_size=BATCH, unit_steps=8)
+    progress: list[P.TrainProgress] = []
+
+    async def main():
+        nonlocal inner, node_loop
+        node_loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
+
+        async def send(msg: P._Msg) -> None:
+            if isinstance(msg, P.AskForMoreWork):
+                inbox.put_nowait(P.NoMoreWork(round=0))
+            elif isinstance(msg, P.TrainProgress):
+                progress.append(msg)
+
+        inner = InnerLoop(OnLoop(worker, loop.steps), recipe, inbox, send)
+        return await inner.run_round(P.ShardAssignment(round=0, epoch=0, units=[_unit(0, 8)]))
+
+    inner = node_loop = None
+    try:
+        report = run_async(main())
+    finally:
+        loop.close()
+    assert seen == [3]  # the step in flight finished, the next one waited
+    assert report.steps == 8 and report.trained == [_unit(0, 8)] and report.returned == []
+    assert [(p.unit, p.steps) for p in progress] == [(_unit(0, 8), 8)]
+
+
+def test_who_queued_behind_the_unit_gets_the_model_before_its_steps(worker) -> None:
+    """The overlapped sync takes the model twice in a row (Δ for the all-reduce, then the
+    catch-up after the outer step): the second asks while the first holds the model and the unit
+    already waits for it. It must not wait out the whole unit: then the round's outer step lands
+    only at the next barrier, and a late joiner, always a round behind, never trains. The unit,
+    once it has the model, steps aside for whoever was waiting already, then trains whole."""
+    loop = Loop(worker)
+    recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=8, batch_size=BATCH, unit_steps=8)
+    seen: list[int] = []
+
+    async def main():
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def send(msg: P._Msg) -> None:
+            if isinstance(msg, P.AskForMoreWork):
+                inbox.put_nowait(P.NoMoreWork(round=0))
+
+        inner = InnerLoop(OnLoop(worker, loop.steps), recipe, inbox, send)
+        await inner.lock.acquire()  # the all-reduce's Δ
+        rnd = asyncio.ensure_future(inner.run_round(P.ShardAssignment(round=0, epoch=0, units=[_unit(0, 8)])))
+        await asyncio.sleep(0)  # the unit waits for the model
+        catch_up = asyncio.ensure_future(inner.lock.acquire())
+        await asyncio.sleep(0)  # ... and the catch-up behind it
+        inner.lock.release()
+        await catch_up
+        seen.append(loop.done)
+        inner.lock.release()
+        return await rnd
+
+    try:
+        report = run_async(main())
+    finally:
+        loop.close()
+    assert seen == [0]  # not after the unit's 8 steps
+    assert report.steps == 8 and report.trained == [_unit(0, 8)] and report.returned == []
+
+
+def wait_until(cond, limit_s: float = 60.0) -> bool:
+    """cond() became true within limit_s (a bound on a hang, not a speed)."""
+    done = threading.Event()
+    for _ in range(int(limit_s / 0.01)):
+        if cond():
+            return True
+        done.wait(0.01)
+    return cond()
