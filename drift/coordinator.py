@@ -147,7 +147,9 @@ class Coordinator:
         self.base: BaseServer | None = None  # recipe init_weights: θ₀ and/or the frozen base, served by us
         self.data: DataServer | None = None  # recipe data: the samples we serve (drift-data/0)
         self.data_holders: dict[str, str] = {}  # node id -> ticket: members that serve a copy of it too
-        self._logged: dict[str, float] = {}  # node id -> when its last NodeLog was kept
+        self._logged: dict[
+            str, tuple[float, int]
+        ] = {}  # node id -> when (and in which round) its last NodeLog was kept
         self.last_checkpoint: int | None = None
         self.last_checkpoint_path: Path | None = None
         self.checkpoint_error = ""  # why the last checkpoint could not be fetched
@@ -251,10 +253,12 @@ class Coordinator:
 
     def node_log(self, peer: Peer, msg: P.NodeLog) -> None:
         """A member's own metrics: a `log` event (metrics.jsonl, dashboard, W&B, TensorBoard), at
-        most one a node every LOG_EVERY_S (a faster node's extra ones are dropped)."""
-        now = time.monotonic()
-        if now - self._logged.get(peer.id, -math.inf) >= P.LOG_EVERY_S:
-            self._logged[peer.id] = now
+        most one a node every LOG_EVERY_S, and its first of each round (a faster node's extra ones
+        are dropped): a node whose round is shorter than that still reports every round."""
+        now, rnd = time.monotonic(), self.current.rnd if self.current is not None else -1
+        when, last = self._logged.get(peer.id, (-math.inf, -1))
+        if now - when >= P.LOG_EVERY_S or rnd > last:
+            self._logged[peer.id] = (now, rnd)
             self.note("log", node_id=peer.id, name=peer.info.name, step=msg.step, metrics=msg.metrics)
 
     def data_report(self, peer: Peer, msg: P.DataReport) -> None:

@@ -159,7 +159,7 @@ class DiLoCo(NodeThread):
             opts.name = name
         super().__init__(opts)
         self._loss = math.nan  # the loss logged last (swarm.log(loss=...)): each step reports it
-        self._logged, self._pending, self._step = -math.inf, {}, 0
+        self._logged, self._logged_round, self._pending, self._step = -math.inf, -1, {}, 0
         self._round, self._round_steps, self._fraction = -1, 0, 0.0
         self._hook = optimizer.register_step_post_hook(lambda *_: self._stepped())
 
@@ -174,7 +174,8 @@ class DiLoCo(NodeThread):
     def log(self, step: int, **metrics: float) -> None:
         """Report this loop's metrics at its `step` (train loss as `loss=`, and up to 15 of your
         own) to the coordinator: its metrics.jsonl (`log` events), dashboard, W&B and TensorBoard.
-        Call it as often as you like: at most one report a LOG_EVERY_S leaves, the newest values."""
+        Call it as often as you like: at most one report a LOG_EVERY_S leaves (and the first of
+        each round), the newest values."""
         for name, value in metrics.items():
             if not isinstance(value, (int, float)) and not hasattr(value, "item"):
                 raise TypeError(f"swarm.log: {name}={value!r} is not a number")
@@ -186,13 +187,15 @@ class DiLoCo(NodeThread):
         self._step = max(0, int(step))
         now = time.monotonic()
         session, loop = (self.node.session if self.node is not None else None), self._loop
-        if now - self._logged < P.LOG_EVERY_S or session is None or session.round < 0 or loop is None:
+        if session is None or session.round < 0 or loop is None:
+            return
+        if now - self._logged < P.LOG_EVERY_S and session.round <= self._logged_round:
             return
         try:
             msg = P.NodeLog(step=self._step, metrics=dict(list(self._pending.items())[: P.MAX_METRICS]))
         except ValueError as e:
             raise ValueError(f"swarm.log: {e.errors()[0]['msg']} ({', '.join(self._pending)})") from None
-        self._logged, self._pending = now, {}
+        self._logged, self._logged_round, self._pending = now, session.round, {}
         if self.code is not None or loop.is_closed():
             return  # the node has left the swarm (the run ended): nobody to tell
         coro = session.send(msg)

@@ -491,7 +491,7 @@ class TrainComplete(_Msg):
 
 class NodeLog(_Msg):
     """Node -> coordinator: a user's own loop's metrics (`swarm.log(step=..., loss=...)`), a few
-    finite numbers; the coordinator keeps at most one a node every LOG_EVERY_S."""
+    finite numbers; the coordinator keeps at most one a node every LOG_EVERY_S, and its first of each round."""
 
     type: Literal["NodeLog"] = "NodeLog"
     step: Count

@@ -126,11 +126,10 @@ def test_accelerate_loop_joins_a_swarm_through_the_batch_sampler(tmp_path: Path)
     assert {e["node_id"] for e in logs} == {e["node_id"] for e in events if e["event"] == "node_joined"}
     assert all(set(e["metrics"]) == {"loss", "progress"} for e in logs), logs
     for node in {e["node_id"] for e in logs}:  # swarm.progress: the run's fraction done, for a schedule
+        # (at most one report a node every LOG_EVERY_S, and its first of each round: the third
+        # round's first step is 2/3 of the way)
         seen = [e["metrics"]["progress"] for e in logs if e["node_id"] == node]
-        assert seen == sorted(seen) and seen[0] >= 0 and seen[-1] <= 1, seen
-    # A node's reports are rate-limited (LOG_EVERY_S), so one that trained little may have sent one
-    # only; the swarm's reports still reach the run's second half.
-    assert max(e["metrics"]["progress"] for e in logs) > 0.5, logs
+        assert seen == sorted(seen) and seen[0] >= 0 and 0.5 < seen[-1] <= 1, seen
     # the logged loss is the loop's train loss: the rounds report it (an own loop's was "-")
     assert all(e["train_loss"] is not None for e in events if e["event"] == "round")
     _status_tells(tmp_path / "run", events)
