@@ -251,6 +251,16 @@ class Coordinator:
     def _holders_changed(self) -> None:
         self._spawn(self.broadcast(list(self.ready.values()), P.DataHolders(tickets=self._data_tickets())))
 
+    def _unique_name(self, name: str, node_id: str) -> str:
+        """Two members never share a name (a round's nodes are keyed by it): two nodes on one
+        machine, both named after it, are "vm" and "vm-2"."""
+        taken = {p.info.name for i, p in self.ready.items() if i != node_id}
+        k, unique = 1, name
+        while unique in taken:
+            k += 1
+            unique = f"{name[: P.MAX_NAME - len(str(k)) - 1]}-{k}"
+        return unique
+
     def node_log(self, peer: Peer, msg: P.NodeLog) -> None:
         """A member's own metrics: a `log` event (metrics.jsonl, dashboard, W&B, TensorBoard), at
         most one a node every LOG_EVERY_S, and its first of each round (a faster node's extra ones
@@ -463,6 +473,7 @@ class Coordinator:
                 await self._auth_failed(ch, conn, peer.id, f"RepoCommit refused: {e}")
                 return
             peer.commit = rc
+            info = peer.info = info.model_copy(update={"name": self._unique_name(info.name, peer.id)})
             if self.monitor:
                 self.monitor.nodes[peer.id] = NodeView(info.name, info.device)
                 self.monitor.event(

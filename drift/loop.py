@@ -210,8 +210,12 @@ class DiLoCo(NodeThread):
         t = self.node.trainer if self.node is not None else None
         if t is None:
             return Progress(0, 0, 0, 0, 0.0)
-        recipe, rnd = t.recipe, max(self._round, 0)
-        within = min(1.0, self._round_steps / recipe.inner_steps) if self._round >= 0 else 0.0
+        session = self.node.session if self.node is not None else None
+        # the round in hand: the one it stepped in last, or a later one it has not stepped in yet
+        # (it evaluated the round before, or sat it out)
+        rnd = max(self._round, session.round if session is not None else -1, 0)
+        within = min(1.0, self._round_steps / t.recipe.inner_steps) if self._round == rnd else 0.0
+        recipe = t.recipe
         total = recipe.rounds * (recipe.round_samples or 0)
         self._fraction = max(self._fraction, min(1.0, (rnd + within) / recipe.rounds))  # never goes back
         return Progress(rnd, recipe.rounds, rnd * (recipe.round_samples or 0), total, self._fraction)
