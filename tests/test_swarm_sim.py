@@ -163,6 +163,8 @@ def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
     vals = [e for e in events if e["event"] in ("initial", "val")]
     assert vals and vals[0]["event"] == "initial"  # the evaluator's first job: θ0
     assert any(e["event"] == "val" for e in vals)  # then the newest θ, fetched from n0
+    # and it leaves with the final θ, as the node that trained the last round does
+    assert next(e for e in events if e["event"] == "complete")["behind"] == []
     check_exactly_once(events, 2 * BATCH)
 
 

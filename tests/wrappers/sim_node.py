@@ -1,6 +1,8 @@
 """`drift join` on a simulated device: with $DRIFT_SIM_STEP=S every inner step of this node takes
 exactly S seconds, per round ("0.1", or "0.1,0.1,2" to slow down from round 2 on; the last one
-holds), by sleeping out the rest of the real step; an evaluation batch takes S/3. So one 2-core
+holds), by sleeping out the rest of the real step; an evaluation batch takes S over the node's
+calibrated ratio of a step to an evaluation batch (so its speed, measured from evaluations, is
+the simulated one: a slow device evaluates slowly too). So one 2-core
 machine can play a swarm of very different devices, and a simulation means the same on any
 machine that computes a real step faster than S.
 
@@ -21,8 +23,6 @@ import numpy as np
 
 from drift import loop
 from drift.cli import main
-
-EVAL_SHARE = 1 / 3  # an evaluation batch costs this share of a training step
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,13 @@ def _round(s: loop.NodeThread) -> int:
     return t.inner.round if t is not None and t.inner is not None else 0
 
 
+def _eval_share(s: loop.NodeThread) -> float:
+    """An evaluation batch's share of a training step, as the node calibrated it (drift measures
+    an evaluator's speed through it)."""
+    calibration = getattr(s.node.trainer if s.node is not None else None, "calibration", None)
+    return 1 / calibration.eval_ratio if calibration is not None else 1 / 3
+
+
 def run_join(opts) -> int:
     sim = SimDevice.parse(os.environ["DRIFT_SIM_STEP"])
     with loop.NodeThread(opts) as s:
@@ -58,7 +65,7 @@ def run_join(opts) -> int:
                     t0 = time.perf_counter()
                     out = evaluate(max_batches, batch_size)
                     batches = max(1, -(-min(n_val, max_batches * batch_size) // batch_size))
-                    time.sleep(max(0.0, batches * sim.step_s(_round(s)) * EVAL_SHARE - (time.perf_counter() - t0)))
+                    time.sleep(max(0.0, batches * sim.step_s(_round(s)) * _eval_share(s) - (time.perf_counter() - t0)))
                     return out
 
                 worker.evaluate = slow_evaluate
