@@ -29,7 +29,7 @@ ATTACKS = {  # fault -> the issue's attack
     "withhold-done:1": "6: never a RoundDone",
     "scale-ring:1": "poison: x1000 Δ",
     "flip-ring:1": "poison: -10x Δ",
-    "noise-ring:1": "poison: noise 10x |Δ|",
+    "noise-ring:1": "poison: noise 10x ‖Δ‖",
 }
 NAMING = ("false_claim", "outlier_delta", "poisoner", "sat_out", "node_left", "strike")
 

@@ -93,11 +93,9 @@ def _one_line_per_problem(text: str) -> None:
     assert "Traceback" not in text and "Caused by" not in text and ".rs:" not in text, text
 
 
-def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> None:
-    """A terminal's Ctrl-C goes to the whole foreground process group: `drift coord --local 2`
-    and, with it, any node started from the same shell job. The coordinator keeps the newest
-    finished round (its --local nodes live in their own session, so they can still hand over θ),
-    tells every node why, and exits 130 with one line per problem."""
+def _local_coord(tmp_path: Path) -> tuple[Path, Path, Path, subprocess.Popen]:
+    """`drift coord --local 2` of a long run, in its own session as a terminal's job leader:
+    (recipe, run dir, its output file, the process)."""
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=400, checkpoint_every=1000, **SIM)
     run = tmp_path / "run"
     out = tmp_path / "coord.log"
@@ -108,6 +106,15 @@ def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> Non
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    return recipe, run, out, coord
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_local_nodes_too(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C goes to the whole foreground process group: `drift coord --local 2`
+    and, with it, any node started from the same shell job. The coordinator keeps the newest
+    finished round (its --local nodes live in their own session, so they can still hand over θ),
+    tells every node why, and exits 130 with one line per problem."""
+    _, run, out, coord = _local_coord(tmp_path)
     try:
         deadline = time.monotonic() + 300
         while not any(e["event"] == "round" and e["round"] >= 2 for e in _events(run)):
@@ -137,16 +144,7 @@ def test_a_local_node_that_dies_leaves_the_run_going_and_the_last_one_ends_it(tm
     naming it, with the resume command."""
     import psutil
 
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=400, checkpoint_every=1000, **SIM)
-    run = tmp_path / "run"
-    out = tmp_path / "coord.log"
-    with open(out, "w") as fh:
-        coord = subprocess.Popen(
-            drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run)),
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    recipe, run, out, coord = _local_coord(tmp_path)
 
     def wait_round(pred) -> dict:
         deadline = time.monotonic() + 300
