@@ -902,9 +902,10 @@ class Coordinator:
         self.note("checkpoint", round=rnd, path=str(path))
         return path
 
-    async def interrupt(self, reason: str) -> str:
-        """A clean stop (Ctrl-C): keep the newest finished round we can get, tell every node why.
-        Returns one line saying what --resume will continue from."""
+    async def interrupt(self, reason: str, per_donor_s: float = INTERRUPT_FETCH_S) -> str:
+        """A clean stop (Ctrl-C): keep the newest finished round we can get, tell every node why;
+        a holder of θ that hangs is given up after `per_donor_s`. Returns one line saying what
+        --resume will continue from."""
         self.stopping = True
         await self._wait_checkpoint()  # a save in flight ends first
         await self._finish_reduce()
@@ -912,10 +913,10 @@ class Coordinator:
         path = None
         if newest is not None:
             # Bounded: the nodes may have died with us (a terminal's Ctrl-C reaches them too). One
-            # that hangs costs INTERRUPT_FETCH_S, then the next holder is asked.
-            self._start_checkpoint(newest, timeout=INTERRUPT_FETCH_S)
+            # that hangs costs per_donor_s, then the next holder is asked.
+            self._start_checkpoint(newest, timeout=per_donor_s)
             size = 4 * (1 + len(self.state_names)) * self.n_params
-            bound = (DONOR_TRIES + 1) * INTERRUPT_FETCH_S + size / STATE_MIN_RATE
+            bound = (DONOR_TRIES + 1) * per_donor_s + size / STATE_MIN_RATE
             try:
                 path = await asyncio.wait_for(asyncio.shield(self._saver), bound)
             except asyncio.TimeoutError:

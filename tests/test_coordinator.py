@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from conftest import dropped, run_async
 
-import drift.coordinator
 from drift import protocol as P
 from drift.checkpoint import load_checkpoint
 from drift.coordinator import Coordinator
@@ -197,14 +196,11 @@ def test_theta_is_never_asked_of_a_node_that_left_or_whose_connection_ended(tiny
     _holds_the_agreed_theta(path)
 
 
-def test_ctrl_c_asks_the_next_holder_when_the_first_does_not_answer(
-    tiny_recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ctrl_c_asks_the_next_holder_when_the_first_does_not_answer(tiny_recipe: Path, tmp_path: Path) -> None:
     """Ctrl-C (or a --local node that died) keeps the newest finished round. The fastest holder's
     machine is gone without a word (its connection not yet known to be closed), so a connect to
-    it hangs: it is given up after INTERRUPT_FETCH_S, the next holder hands θ over, and the
+    it hangs: it is given up after its per-donor wait, the next holder hands θ over, and the
     stop names the checkpoint written."""
-    monkeypatch.setattr(drift.coordinator, "INTERRUPT_FETCH_S", 1.0)
 
     async def main() -> str:
         coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run")
@@ -215,7 +211,7 @@ def test_ctrl_c_asks_the_next_holder_when_the_first_does_not_answer(
             await donors.add("live", speed=100.0)
             await donors.eps[0].close()  # its machine died
             coord.ready.clear()  # (no control connections here: nobody to tell that the run stopped)
-            return await coord.interrupt("stopped")
+            return await coord.interrupt("stopped", per_donor_s=1.0)
         finally:
             await donors.close()
             await coord.close()
