@@ -716,14 +716,40 @@ class Coordinator:
         return await self._apply(rd, rd.step(event, time.monotonic()))
 
     async def _apply(self, rd: Round, actions: list[R.Action]) -> bool:
-        """Carry out what round rd decided, in order; True if it settled."""
+        """Carry out what round rd decided, in order; True if it settled. The only writer of the
+        swarm, the monitor and the wire for a round: the round itself writes none of them."""
         settled = False
+        s = self.swarm
         for a in actions:
             match a:
                 case R.Send(nodes=nodes, msg=msg):
-                    await self.broadcast([self.swarm.members[i] for i in nodes if i in self.swarm.members], msg)
+                    await self.broadcast([s.members[i] for i in nodes if i in s.members], msg)
+                case R.TellAgreed(nodes=nodes, round=rnd, abandoned=abandoned):  # (where from: the new θ's donors)
+                    told = [(s.members[i], self.state_source(i, force=True)) for i in nodes if i in s.members]
+                    for peer, src in told:
+                        await self.broadcast([peer], P.Agreed(round=rnd, abandoned=abandoned, state=src))
                 case R.Note(kind=kind, fields=fields):
                     self.note(kind, **fields)
+                case R.Log(level=level, text=text):
+                    log.log(level, "%s", text)
+                case R.Strike(node=i):
+                    s.strike(i, rd.rnd)
+                case R.Ban(node=i, why=why):
+                    s.ban(i, why)
+                case R.Measured(node=i, samples_per_s=sps):
+                    s.measured_speed(i, sps)
+                case R.Slowed(node=i, samples_per_s=sps):
+                    s.slowed(i, sps)
+                case R.NewRingEpoch(epoch=epoch):
+                    s.ring_renewed(epoch)
+                case R.Suspects(nodes=nodes):
+                    s.suspect(nodes)
+                case R.Moved(node=i):
+                    s.moved(i)
+                case R.AgreedTheta(round=rnd, checksum=checksum, holders=holders):
+                    s.agreed(rnd, checksum, holders)
+                case R.CatchUp(node=i) if rd.prev is not None:
+                    await self._apply(rd.prev, rd.prev.step(R.CatchingUp(i), time.monotonic()))
                 case R.Drop(node=i, why=why):
                     self.drop(i, why, rd.rnd)
                 case R.Evaluate(node=i) if i in self.swarm.members:

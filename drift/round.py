@@ -3,13 +3,17 @@ tail, enforce deadlines, run the barrier, retry a broken all-reduce, agree on θ
 
 The round is driven by events, `Round.step(event, now) -> list[Action]`: a member's control
 message (`Message`, one `match`), the clocks (`Tick`, after every message and twice a second), a
-member that left (`Left`) and, overlapped, the round before settling (`PrevSettled`). No I/O, no
-asyncio and no clock inside: the time comes with the event, and what the round decides comes back
-as actions (sends, notes, drops, evaluations, the val loss, `Settled`) that the Coordinator, its
-only shell, applies in order. What the round knows of each node is one record (rules.NodeRound);
-the decisions over those records are pure functions in drift.rules. The swarm's state (members,
-speeds, strikes, checksums, ring epoch) belongs to drift.swarm.Swarm; the round still writes its
-strikes, bans, speeds, checksums and ring epoch there directly (the next step: as actions too).
+member that left (`Left`) and, overlapped, the round before settling (`PrevSettled`) or a member
+that takes its θ from that round's Agreed (`CatchingUp`). No I/O, no asyncio, no logging and no
+clock inside: the time comes with the event, and what the round decides comes back as actions
+(sends, notes, log lines, strikes, bans, drops, speeds, the ring epoch, the agreed θ, `Settled`)
+that the Coordinator, its only shell, applies in order. What the round knows of each node is one
+record (rules.NodeRound); the decisions over those records are pure functions in drift.rules.
+The swarm's state (members, speeds, strikes, checksums, ring epoch) belongs to
+drift.swarm.Swarm: the round reads it through a read-only view (SwarmView) and writes nothing
+there, nor into the round before: the shell applies each write (Strike, Ban, Measured, ...) by a
+public method of the Swarm, between one event and the next. Where a decision needs a write of the
+same event (a second strike, a ban), the round counts the actions it has not handed out yet.
 
 Who takes part, in the order a round decides it:
   * evaluators: too slow to train without holding everyone back (rules.evaluators);
@@ -22,18 +26,18 @@ Who takes part, in the order a round decides it:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from drift import protocol as P
 from drift import rules
 from drift.gather import signed_payload
+from drift.recipe import Recipe
 from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, UnitQueue, check_accounting
-from drift.swarm import Peer, Swarm
-
-log = logging.getLogger("drift.coord")
+from drift.swarm import Peer
 
 MAX_RING_RETRIES = 5
 FORGED = "it forwarded ring bytes that their owner did not sign (proven by its own signature)"
@@ -62,6 +66,35 @@ class Host(Protocol):
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None: ...
 
 
+class SwarmView(Protocol):
+    """What a round reads of the swarm (drift.swarm.Swarm is one): nothing here is written by a
+    round; the Coordinator applies its actions through the Swarm's methods."""
+
+    @property
+    def recipe(self) -> Recipe: ...
+    @property
+    def members(self) -> Mapping[str, Peer]: ...
+    @property
+    def speed(self) -> Mapping[str, float]: ...
+    @property
+    def state_round(self) -> Mapping[str, int]: ...
+    @property
+    def checksums(self) -> Mapping[int, str]: ...
+    @property
+    def evaluating(self) -> Set[str]: ...
+    @property
+    def ring_epoch(self) -> int: ...
+    @property
+    def poison_suspects(self) -> Set[str]: ...
+    @property
+    def banned(self) -> Mapping[str, str]: ...
+
+    def name(self, i: str) -> str: ...
+    def newest(self) -> int: ...
+    def evaluators(self, budget: int) -> set[str]: ...
+    def struck_out(self, i: str, rnd: int, more: int = 1) -> bool: ...
+
+
 # --- events: what happens to a round ----------------------------------------------------------
 
 
@@ -82,7 +115,9 @@ class Tick:
 
 @dataclass(frozen=True)
 class Left:
-    """Member `node` left the swarm (dropped, or its connection ended)."""
+    """Member `node` left the swarm (dropped, or its connection ended). It returns no actions (the
+    shell drops a node where it cannot apply them): what the round decides comes out with its next
+    event."""
 
     node: str
 
@@ -92,7 +127,15 @@ class PrevSettled:
     """Overlapped: the round before settled; this round's clocks and evaluations start now."""
 
 
-Event = Message | Tick | Left | PrevSettled
+@dataclass(frozen=True)
+class CatchingUp:
+    """Overlapped: member `node` is not in this round's ring and trains the next round: it takes
+    θ of this round from its Agreed (the next round's CatchUp, handed over by the shell)."""
+
+    node: str
+
+
+Event = Message | Tick | Left | PrevSettled | CatchingUp
 
 
 # --- actions: what the round decides, for the Coordinator to apply in order --------------------
@@ -164,13 +207,121 @@ class Settled:
     """Every ring member reported θ, or the all-reduce was given up: call Round.finish."""
 
 
-Action = Send | Note | Drop | Evaluate | RecordVal | RecordEval | Progress | Settled
+@dataclass(frozen=True)
+class Log:
+    """One line of the coordinator's log (`level`: logging.WARNING, logging.INFO)."""
+
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Strike:
+    """A strike for `node` in this round (Swarm.strike; the round drops it once it has too many)."""
+
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Ban:
+    """`node` is out for the run for `why` (Swarm.ban: it is refused if it comes back)."""
+
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Our clock measured member `node` at `samples_per_s` on a unit it finished (Swarm.measured_speed)."""
+
+    node: str
+    samples_per_s: float | None
+
+
+@dataclass(frozen=True)
+class Slowed:
+    """A missed deadline: `node` is at most this fast (Swarm.slowed)."""
+
+    node: str
+    samples_per_s: float
+
+
+@dataclass(frozen=True)
+class NewRingEpoch:
+    """The all-reduce is retried as ring epoch `epoch` (Swarm.ring_renewed): older connections are stale."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Suspects:
+    """One of `nodes` sent more into a ring than it reported (Swarm.suspect): the next search starts there."""
+
+    nodes: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Moved:
+    """`node` applied an attempt that was given up: it holds no agreed θ (Swarm.moved), so it is nobody's donor."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class AgreedTheta:
+    """θ after round `round` has checksum `checksum`, and `holders` hold it (Swarm.agreed)."""
+
+    round: int
+    checksum: str
+    holders: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TellAgreed:
+    """P.Agreed to each of `nodes` with where it gets θ now (the host's state_source, forced),
+    after the actions before this one are applied (its donors are those of the new θ)."""
+
+    nodes: tuple[str, ...]
+    round: int
+    abandoned: bool
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Overlapped: member `node` takes θ of the round before from its Agreed: the shell hands that
+    round CatchingUp(node)."""
+
+    node: str
+
+
+Action = (
+    Send
+    | Note
+    | Drop
+    | Evaluate
+    | RecordVal
+    | RecordEval
+    | Progress
+    | Settled
+    | Log
+    | Strike
+    | Ban
+    | Measured
+    | Slowed
+    | NewRingEpoch
+    | Suspects
+    | Moved
+    | AgreedTheta
+    | TellAgreed
+    | CatchUp
+)
 
 
 class Round:
     """The coordinator's side of round `rnd`; driven by start(), step(event, now), finish()."""
 
-    def __init__(self, swarm: Swarm, host: Host, rnd: int, queue: UnitQueue, now: float, prev: Round | None = None):
+    def __init__(self, swarm: SwarmView, host: Host, rnd: int, queue: UnitQueue, now: float, prev: Round | None = None):
         """`prev`: with the overlapped sync rule, the round before, still in its all-reduce."""
         self.s, self.host, self.rnd, self.queue, self.r = swarm, host, rnd, queue, swarm.recipe
         self.prev = prev
@@ -235,6 +386,7 @@ class Round:
         self.settled = False
         self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
         self.epoch0 = swarm.ring_epoch
+        self.attempt = swarm.ring_epoch  # the ring epoch of this round's attempt, once its ring is out
 
     # --- who is where ---------------------------------------------------------------------------
 
@@ -272,7 +424,7 @@ class Round:
             catch_up = None
             if in_flight and (prev.ring is None or i not in prev.ring_ids()):
                 catch_up = prev.rnd  # it does not reduce prev itself: Agreed tells it what θ became
-                prev.nodes.setdefault(i, NodeRound("late")).catching_up = True
+                self.out.append(CatchUp(i))
             if n.role == "wait":
                 self.send(
                     i, P.ShardAssignment(round=self.rnd, epoch=self.epoch, units=[], role="wait", catch_up=catch_up)
@@ -304,6 +456,18 @@ class Round:
     def note(self, kind: str, **fields) -> None:
         self.out.append(Note(kind, fields))
 
+    def warn(self, text: str) -> None:
+        self.out.append(Log(logging.WARNING, text))
+
+    def pending(self, kind: type, i: str) -> int:
+        """How many `kind` actions for node i this event decided so far (not applied yet)."""
+        return sum(isinstance(a, kind) and a.node == i for a in self.out)
+
+    def ring_epoch(self) -> int:
+        """The ring epoch of this round: the swarm's until its ring is out, then its attempt's
+        (while its ring runs, only its own retries renew the epoch: the next round's ring waits)."""
+        return self.s.ring_epoch if self.ring is None else self.attempt
+
     def flush(self) -> list[Action]:
         out, self.out = self.out, []
         return out
@@ -319,8 +483,11 @@ class Round:
                     self.out.append(Settled())
             case Left(node=i):
                 self.forget(i)
+                return []  # (the shell drops a node where it cannot act: this comes out with the next event)
             case PrevSettled():
                 self.prev_settled(now)
+            case CatchingUp(node=i):
+                self.nodes.setdefault(i, NodeRound("late")).catching_up = True
         return self.flush()
 
     def samples_synced(self) -> int:
@@ -336,14 +503,14 @@ class Round:
             self.give_back.extend(n.synced.trained)
         self.plan.drop(i)
         if self.ring is not None and self.abandoned is None and i in self.ring_ids() and self.ring_failed_at is None:
-            log.warning("round %d: %s left during the all-reduce", self.rnd, self.name(i))
+            self.warn(f"round {self.rnd}: {self.name(i)} left during the all-reduce")
             self.ring_failed_at = self.now
 
     def on_message(self, i: str, msg: P.Message) -> None:
         """Every message of a member about this round, in one place."""
         if i not in self.nodes:  # entered after this round started: it is in the next one
             if not isinstance(msg, P.Heartbeat):
-                log.warning("ignoring %s from %s: it is not in round %d", msg.type, self.name(i), self.rnd)
+                self.warn(f"ignoring {msg.type} from {self.name(i)}: it is not in round {self.rnd}")
             return
         match msg:
             case P.TrainProgress():
@@ -355,7 +522,7 @@ class Round:
             case P.RoundDone():
                 if (
                     msg.round == self.rnd
-                    and msg.ring_epoch == self.s.ring_epoch
+                    and msg.ring_epoch == self.ring_epoch()
                     and i in self.part()
                     and msg.announced == self.announcing()
                 ):
@@ -363,7 +530,7 @@ class Round:
                     self.done_after.setdefault(i, self.now - self.t_ring)
                 elif (
                     msg.round == self.rnd
-                    and msg.ring_epoch < self.s.ring_epoch
+                    and msg.ring_epoch < self.ring_epoch()
                     and i in self.rings.get(msg.ring_epoch, ())
                     and not msg.announced
                 ):  # an earlier attempt it applied before the retry reached it
@@ -375,7 +542,7 @@ class Round:
             case P.Heartbeat():
                 pass
             case _:
-                log.warning("ignoring unexpected %s from %s in round %d", msg.type, self.name(i), self.rnd)
+                self.warn(f"ignoring unexpected {msg.type} from {self.name(i)} in round {self.rnd}")
 
     def on_progress(self, i: str, msg: P.TrainProgress) -> None:
         u = msg.unit
@@ -393,7 +560,7 @@ class Round:
         if n.trained == 0 and i == self.val_reporter and self.rnd == 0:
             n.t_unit = now
         elif (sps := n.measure(k, now)) is not None:
-            self.s.measured_speed(i, sps)
+            self.out.append(Measured(i, sps))
         n.trained += k
         n.units_after_stop += self.stop_sent
         n.last_progress = now
@@ -434,11 +601,11 @@ class Round:
             if not wrong and msg.trained and msg.delta_norm is None and not msg.delta_error:
                 wrong = "it reported no norm of its Δ"  # without it, nobody can bound the ring's sum
             if msg.delta_error and not wrong:
-                log.warning("node %s: %s; its work this round is redone", self.name(i), msg.delta_error)
+                self.warn(f"node {self.name(i)}: {msg.delta_error}; its work this round is redone")
                 self.note("bad_delta", node_id=i, reason=msg.delta_error, round=self.rnd)
                 self.exclude(i)  # everything granted to it, trained or returned, is redone
             elif wrong:
-                log.warning("node %s: bad work report (%s); its work this round is redone", self.name(i), wrong)
+                self.warn(f"node {self.name(i)}: bad work report ({wrong}); its work this round is redone")
                 self.note("bad_report", node_id=i, reason=wrong, round=self.rnd)
                 self.exclude(i)
             else:  # accounted for: what it trained is in synced, the rest goes back
@@ -448,7 +615,7 @@ class Round:
             self.out.append(RecordVal(self.rnd - 1, msg.val_loss, msg.val_samples, msg.metrics))
 
     def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
-        if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.s.ring_epoch:
+        if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.ring_epoch():
             return
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
             if i in self.applied_before:  # ... and its own RoundDone of that attempt says so
@@ -458,7 +625,7 @@ class Round:
             # Its word alone: a report of a failed ring like any other (the others' RoundDones
             # decide whether the ring finished), and a strike for the claim.
             why = "it said it had applied an attempt of this all-reduce it never reported"
-            log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
+            self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
             self.note("false_claim", node_id=i, name=self.name(i), round=self.rnd, claim="sit_out")
             self.strike(i, why)
         if msg.poisoned:
@@ -466,7 +633,7 @@ class Round:
         if msg.proof is not None and not self.proven(i, msg):
             # Honest code sends only proof it checked: this accuser lied (its word counts for nothing).
             why = "it accused a ring neighbour with proof that does not hold"
-            log.warning("round %d: node %s: %s", self.rnd, self.name(i), why)
+            self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
             self.note("false_accusation", node_id=i, name=self.name(i), round=self.rnd, accused=msg.suspect)
             self.strike(i, why)
         elif msg.suspect in self.part() and msg.suspect != i:
@@ -474,7 +641,7 @@ class Round:
             if msg.proof is not None:
                 self.forgers.add(msg.suspect)
         if self.ring_failed_at is None:
-            log.warning("round %d: %s reports the all-reduce failed: %s", self.rnd, self.name(i), msg.reason)
+            self.warn(f"round {self.rnd}: {self.name(i)} reports the all-reduce failed: {msg.reason}")
             self.ring_failed_at = self.now
 
     def proven(self, i: str, msg: P.RingFailed) -> bool:
@@ -484,7 +651,7 @@ class Round:
         return (
             p.forwarder == msg.suspect != i
             and p.round == self.rnd
-            and p.generation == self.s.ring_epoch
+            and p.generation == self.ring_epoch()
             and p.segment < len(ids)
             and proves_forgery(p, segment_owner(ids, p.segment))
         )
@@ -494,7 +661,7 @@ class Round:
     def stop_all(self, reason: str) -> None:
         if not self.stop_sent:
             self.stop_sent, self.t_stop = True, self.now
-            log.info("round %d: %s; stopping at the next inner step", self.rnd, reason)
+            self.out.append(Log(logging.INFO, f"round {self.rnd}: {reason}; stopping at the next inner step"))
             self.out.append(
                 Send(tuple(i for i in self.part() if self.nodes[i].synced is None), P.StopRound(round=self.rnd))
             )
@@ -554,18 +721,15 @@ class Round:
             spare = len(others) or len([j for j in s.members if j != i])
             if rules.overdue(waited, expected, r.unit_deadline_factor, r.heartbeat_s, spare):
                 name = self.name(i)
-                log.warning(
-                    "node %s has not finished its work in %.1fs (expected %.2fs): its units are "
-                    "reassigned and it sits out this round",
-                    name,
-                    waited,
-                    expected,
+                self.warn(
+                    f"node {name} has not finished its work in {waited:.1f}s (expected {expected:.2f}s): "
+                    "its units are reassigned and it sits out this round"
                 )
                 self.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
                 self.exclude(i)
                 # What we know now: it is at least this slow. Plans (and the choice of evaluators)
                 # from the next round on use that.
-                s.slowed(i, r.batch_size / waited)
+                self.out.append(Slowed(i, r.batch_size / waited))
                 self.send(i, P.StopRound(round=self.rnd))
                 if alone:
                     self.strike(i, "it held the whole swarm up")
@@ -594,7 +758,7 @@ class Round:
             {i: (b.delta_norm or 0.0, rules.steps_of(b.trained, bs)) for i, b in counted.items()}
         ):
             why = "the norm of its Δ is far outside the others'"
-            log.warning("node %s: %s; its work this round is redone", self.name(i), why)
+            self.warn(f"node {self.name(i)}: {why}; its work this round is redone")
             self.note("outlier_delta", node_id=i, name=self.name(i), round=self.rnd, norm=counted[i].delta_norm)
             self.give_back.extend(counted[i].trained)  # (accounted at its sync: no longer in the plan)
             self.exclude(i)
@@ -606,8 +770,9 @@ class Round:
     def send_ring(self) -> None:
         """BarrierReady to every node in the barrier: the ring order and each node's weight."""
         s, part = self.s, self.part()
+        epoch = self.attempt = self.ring_epoch()
         w = rules.weights(self.nodes, part)
-        order = part if s.ring_epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
+        order = part if epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
         self.ring = [
             P.RingMember(
                 node_id=i,
@@ -618,9 +783,9 @@ class Round:
             for i in order
         ]
         self.t_ring, self.done_after = self.now, {}
-        self.rings[s.ring_epoch] = set(part)
+        self.rings[epoch] = set(part)
         self.confirm, self.committed, self.announced = len(self.ring) == 2, False, {}
-        self.note("barrier", round=self.rnd, ring_epoch=s.ring_epoch, nodes=len(self.ring))
+        self.note("barrier", round=self.rnd, ring_epoch=epoch, nodes=len(self.ring))
         self.out.append(
             Send(
                 tuple(part),
@@ -628,7 +793,7 @@ class Round:
                     round=self.rnd,
                     ring=self.ring,
                     codec=self.r.codec,
-                    ring_epoch=s.ring_epoch,
+                    ring_epoch=epoch,
                     confirm=self.confirm,
                     recheck=self.confirm and bool(self.earlier),
                 ),
@@ -661,11 +826,9 @@ class Round:
                     self.diverged(i)
                 for i in self.forgers:
                     self.convict(i, "forged", FORGED, sit_out=False)
-                log.warning(
-                    "round %d: %d node(s) reported a failed all-reduce that the others finished; "
-                    "they get θ from a peer",
-                    self.rnd,
-                    len([i for i in part if i not in done]),
+                self.warn(
+                    f"round {self.rnd}: {len([i for i in part if i not in done])} node(s) reported a failed "
+                    "all-reduce that the others finished; they get θ from a peer"
                 )
                 return True
             self.retry_reason = "a node reported a broken all-reduce and nobody left"
@@ -716,10 +879,10 @@ class Round:
             for i in done:
                 self.nodes[i].done = None
             self.t_ring, self.done_after = now, {}  # the step's own deadline
-            self.out.append(Send(tuple(done), P.Commit(round=self.rnd, ring_epoch=self.s.ring_epoch)))
+            self.out.append(Send(tuple(done), P.Commit(round=self.rnd, ring_epoch=self.attempt)))
             return False
         detail = ", ".join(f"{self.name(i)}={d.checksum[:12]}" for i, d in done.items())
-        self.note("disagreed", round=self.rnd, ring_epoch=self.s.ring_epoch, verdict=verdict.action)
+        self.note("disagreed", round=self.rnd, ring_epoch=self.attempt, verdict=verdict.action)
         if verdict.action == "redo":
             self.earlier = {i: d.checksum for i, d in done.items()}
             self.retry_reason = f"the two nodes' outer steps would give different θ ({detail}); none applied it"
@@ -755,18 +918,17 @@ class Round:
             # (nobody left to redo it: θ stays; the coordinator ends the run only when no node is left at all)
             self.abandon(f"no member is left to redo the all-reduce ({self.retry_reason})")
             return True
-        if self.s.ring_epoch - self.epoch0 >= MAX_RING_RETRIES:
+        if self.attempt - self.epoch0 >= MAX_RING_RETRIES:
             self.abandon(f"the all-reduce failed {MAX_RING_RETRIES + 1} times (last: {self.retry_reason})")
             return True
-        log.warning(
-            "round %d: %s; retrying the all-reduce with %d node(s)", self.rnd, self.retry_reason, len(self.part())
-        )
+        self.warn(f"round {self.rnd}: {self.retry_reason}; retrying the all-reduce with {len(self.part())} node(s)")
         self.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
         self.poisoned, self.forgers = set(), set()
         for n in self.nodes.values():
             n.done, n.behind = None, False
-        self.s.ring_epoch += 1
+        self.attempt += 1
+        self.out.append(NewRingEpoch(self.attempt))
         self.send_ring()
         return False
 
@@ -785,12 +947,9 @@ class Round:
                 self.fell_behind(i)
             elif self.nodes[i].done.checksum != keep:
                 self.diverged(i)
-        log.warning(
-            "round %d: %s, but %d of %d members applied the all-reduce and agree: the round stands",
-            self.rnd,
-            self.retry_reason,
-            len(applied),
-            len(ring),
+        self.warn(
+            f"round {self.rnd}: {self.retry_reason}, but {len(applied)} of {len(ring)} members applied the "
+            "all-reduce and agree: the round stands"
         )
         self.retry_reason = self.ring_failed_at = None
         self.cleared()
@@ -803,7 +962,7 @@ class Round:
         retry passes the culprit was among them, else among the rest (log2 N retries; the
         candidates carry over to the next round). A ring without X that passes, after one
         with X was refused, names X."""
-        part, s = self.part(), self.s
+        part = self.part()
         applied = [i for i in part if self.nodes[i].done is not None]
         if applied and len(applied) < len(part):
             for i in applied:
@@ -814,20 +973,20 @@ class Round:
             return True
         else:
             # (whoever sat the last retry out is not in part: the culprit was in that ring)
-            cands = [i for i in part if i in s.poison_suspects] or part
-            s.poison_suspects = set(cands)
+            cands = [i for i in part if i in self.poison_suspects()] or part
+            self.out.append(Suspects(frozenset(cands)))
             self.bisect_out = cands[len(cands) // 2 :]
             for i in self.bisect_out:
                 self.sit_out(i, "bisect", "finding who poisons the all-reduce", strike=False)
         self.retry_reason = (
             f"{len(self.poisoned)} node(s) refused the all-reduced Δ (larger than the reported norms allow)"
         )
-        self.note("poisoned", round=self.rnd, ring_epoch=s.ring_epoch, refused_by=len(self.poisoned))
+        self.note("poisoned", round=self.rnd, ring_epoch=self.attempt, refused_by=len(self.poisoned))
         return self.retry(now)
 
     def poisoner(self, i: str, why: str) -> None:
         """Node i sent more into the all-reduce than it reported: out of the round and of the run."""
-        self.s.poison_suspects = {i}  # the first one sat out next time
+        self.out.append(Suspects(frozenset({i})))  # the first one sat out next time
         self.convict(i, why, f"it poisoned the all-reduce ({why})")
 
     def convict(self, i: str, reason: str, why: str, sit_out: bool = True) -> None:
@@ -836,12 +995,12 @@ class Round:
         payloads for different members): a `poisoner` event, out of this round's ring (`sit_out`,
         its work redone) and of the run: dropped and refused from now on (a smaller lie next time
         could pass the checks)."""
-        if i not in self.s.members or i in self.s.banned:
+        if i not in self.s.members or i in self.s.banned or self.pending(Ban, i):
             return
         self.note("poisoner", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
         if sit_out and i in self.part():
             self.sit_out(i, "poisoned", why, strike=False)
-        self.s.banned[i] = why
+        self.out.append(Ban(i, why))
         self.drops.append((i, why))
 
     def cleared(self) -> None:
@@ -853,7 +1012,7 @@ class Round:
             why = "its contribution was far outside the others' (named by most of the ring)"
             self.convict(i, "outlier", f"it poisoned the all-reduce ({why})", sit_out=False)
         if self.bisect_out:
-            self.s.poison_suspects = set(self.bisect_out)
+            self.out.append(Suspects(frozenset(self.bisect_out)))
             if len(self.bisect_out) == 1:
                 self.convict(self.bisect_out[0], "bisected", "it poisoned the all-reduce (found by halves)")
 
@@ -878,12 +1037,9 @@ class Round:
         )
         for i in late:
             name = self.name(i)
-            log.warning(
-                "round %d: node %s did not report θ within %.1fs of the all-reduce; the round goes on "
-                "without it and it gets θ from a peer",
-                self.rnd,
-                name,
-                now - self.t_ring,
+            self.warn(
+                f"round {self.rnd}: node {name} did not report θ within {now - self.t_ring:.1f}s of the "
+                "all-reduce; the round goes on without it and it gets θ from a peer"
             )
             self.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
             self.fell_behind(i)
@@ -937,7 +1093,7 @@ class Round:
         (rules.kept) and those holding another are behind, not diverged: no strike, their Δ
         counts (it is in the kept θ), θ comes with Agreed. A member that reports a payload its
         owner did not sign made it up: a strike, as for any false accusation."""
-        rnd, epoch, ring = self.rnd, self.s.ring_epoch, [m.node_id for m in self.ring]
+        rnd, epoch, ring = self.rnd, self.attempt, [m.node_id for m in self.ring]
         found = rules.equivocation(
             {i: [(h.owner, h.digest, h.sig) for h in d.heard] for i, d in self.done().items()},
             ring,
@@ -945,13 +1101,13 @@ class Round:
         )
         for i in found.false:
             why = "it reported an all-gather payload that its owner did not sign"
-            log.warning("round %d: node %s: %s", rnd, self.name(i), why)
+            self.warn(f"round {rnd}: node {self.name(i)}: {why}")
             self.note("false_accusation", node_id=i, name=self.name(i), round=rnd)
             self.strike(i, why)
         if not found.equivocators:
             return
         for x in found.equivocators:
-            log.warning("round %d: node %s: %s", rnd, self.name(x), EQUIVOCATED)
+            self.warn(f"round {rnd}: node {self.name(x)}: {EQUIVOCATED}")
             self.convict(x, "equivocated", EQUIVOCATED, sit_out=False)
             self.fell_behind(x)
         rest = {i: d.checksum for i, d in self.done().items()}
@@ -959,11 +1115,9 @@ class Round:
             raise RoundError(f"after round {rnd} only nodes that sent different payloads reported θ")
         keep = rules.kept(rest, ring)
         for i in [i for i, c in rest.items() if c != keep]:
-            log.warning(
-                "round %d: node %s holds another θ than the one kept (an equivocator's other payload); "
-                "it gets θ from a peer, no strike",
-                rnd,
-                self.name(i),
+            self.warn(
+                f"round {rnd}: node {self.name(i)} holds another θ than the one kept (an equivocator's other "
+                "payload); it gets θ from a peer, no strike"
             )
             self.note("split", node_id=i, name=self.name(i), round=rnd, checksum=rest[i])
             self.fell_behind(i)
@@ -974,7 +1128,7 @@ class Round:
         not redone: every member has applied its step, and a step applied twice is not the round.
         Disagreeing is a strike; twice, and the node is dropped."""
         why = f"its θ after round {self.rnd} disagrees with the majority's"
-        log.warning("round %d: node %s: %s; it gets θ from a peer", self.rnd, self.name(i), why)
+        self.warn(f"round {self.rnd}: node {self.name(i)}: {why}; it gets θ from a peer")
         self.note("diverged", node_id=i, name=self.name(i), round=self.rnd, checksum=self.nodes[i].done.checksum)
         self.fell_behind(i)
         self.strike(i, why)
@@ -985,33 +1139,46 @@ class Round:
         self.nodes[i].done, self.nodes[i].behind = None, True
 
     def strike(self, i: str, why: str) -> None:
-        """A strike for node i (Swarm.strike: they decay); one too many, and it is dropped for `why`."""
-        if self.s.strike(i, self.rnd):
+        """A strike for node i (Swarm.strike: they decay); one too many, and it is dropped for
+        `why` once the round settles."""
+        if self.struck(i, why):
             self.drops.append((i, f"{why}, again"))
+
+    def struck(self, i: str, why: str) -> bool:
+        """A Strike for node i; True if that is one too many (Swarm.struck_out). Its strikes of
+        this event count too: they are not applied yet."""
+        out = self.s.struck_out(i, self.rnd, self.pending(Strike, i) + 1)
+        self.out.append(Strike(i, why))
+        return out
+
+    def poison_suspects(self) -> Set[str]:
+        """The swarm's poison suspects, as this event left them (Suspects not applied yet)."""
+        told = [a.nodes for a in self.out if isinstance(a, Suspects)]
+        return told[-1] if told else self.s.poison_suspects
 
     def sit_out(self, i: str, kind: str, why: str, strike: bool = True) -> None:
         """Out of this round's ring, its work redone; Agreed gives it θ when the round settles. A
         node that keeps misbehaving is dropped (Swarm.strike)."""
-        log.warning("node %s: %s; it sits out this round and its work is redone", self.name(i), why)
+        self.warn(f"node {self.name(i)}: {why}; it sits out this round and its work is redone")
         self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=kind)
         n = self.nodes[i]
         if n.counted:
             self.give_back.extend(n.synced.trained)
         n.excluded = n.sitting_out = True
         n.done = None
-        if strike and self.s.strike(i, self.rnd):
+        if strike and self.struck(i, why):
             self.drop(i, f"{why}, again")
 
     def abandon(self, why: str) -> None:
         """Give up this round's all-reduce: θ stays as it was, every unit of the round is redone."""
-        log.warning("round %d: %s; the round is given up, θ is unchanged and its work is redone", self.rnd, why)
+        self.warn(f"round {self.rnd}: {why}; the round is given up, θ is unchanged and its work is redone")
         self.note("round_abandoned", round=self.rnd, reason=why)
         self.abandoned = why
         for i in self.part():
             if self.nodes[i].counted:
                 self.give_back.extend(self.nodes[i].synced.trained)
         for i in [*self.applied_before, *self.done()]:  # its θ moved: it is no donor of the agreed one
-            self.s.state_round.pop(i, None)
+            self.out.append(Moved(i))
 
     # --- the result ------------------------------------------------------------------------------
 
@@ -1020,7 +1187,7 @@ class Round:
         is now (Agreed): those that sat out, joined meanwhile, or lost an earlier attempt."""
         self.now = now
         result = self._record()
-        s, host = self.s, self.host
+        s = self.s
         told = [
             i
             for i in s.members
@@ -1028,9 +1195,8 @@ class Round:
             and n.done is None
             and (n.role in ("train", "wait") or n.catching_up)
         ]
-        for i in told:  # (their state_round follows from their heartbeats, once they hold it)
-            src = host.state_source(i, force=True)
-            self.send(i, P.Agreed(round=self.rnd, abandoned=self.abandoned is not None, state=src))
+        if told:  # (their state_round follows from their heartbeats, once they hold it)
+            self.out.append(TellAgreed(tuple(told), self.rnd, self.abandoned is not None))
         return result, self.flush()
 
     def prev_settled(self, now: float) -> None:
@@ -1050,9 +1216,7 @@ class Round:
         else:
             done = self.done()
             checksum, weights = next(iter(done.values())).checksum, {m.node_id: m.weight for m in self.ring or []}
-            s.checksums[rnd] = checksum
-            for i in done:
-                s.state_round[i] = rnd
+            self.out.append(AgreedTheta(rnd, checksum, tuple(done)))
         synced = {i: n.synced for i, n in nodes.items() if n.synced is not None}
         counted = {i: b for i, b in synced.items() if weights.get(i, 0) > 0}
         self.given_back = self.give_back + self.plan.leftover()

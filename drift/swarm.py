@@ -1,6 +1,7 @@
 """The swarm's state, with one owner: who is in the run, how fast each node is, which θ each
 holds, its strikes, the agreed checksum of θ after each round and the ring epoch. The
-Coordinator serves connections and the rounds decide; both change this state only through here.
+Coordinator serves connections and applies what the rounds decide (drift.round's actions); it
+changes this state only through the methods here. A round only reads it (round.SwarmView).
 """
 
 from __future__ import annotations
@@ -138,9 +139,39 @@ class Swarm:
         """Count one misbehaviour of node i in round rnd (θ that disagrees, a ring it breaks, a
         round it held up); True once it has had MAX_STRIKES within STRIKE_ROUNDS rounds and should
         be dropped."""
-        recent = [r for r in self.strikes.get(i, []) if r > rnd - STRIKE_ROUNDS]
-        self.strikes[i] = [*recent, rnd]
-        return len(self.strikes[i]) >= MAX_STRIKES
+        out = self.struck_out(i, rnd)
+        self.strikes[i] = [*self._recent(i, rnd), rnd]
+        return out
+
+    def struck_out(self, i: str, rnd: int, more: int = 1) -> bool:
+        """Whether `more` strikes of node i in round rnd would make MAX_STRIKES within
+        STRIKE_ROUNDS rounds (a read: strike() counts one)."""
+        return len(self._recent(i, rnd)) + more >= MAX_STRIKES
+
+    def _recent(self, i: str, rnd: int) -> list[int]:
+        return [r for r in self.strikes.get(i, []) if r > rnd - STRIKE_ROUNDS]
+
+    def ban(self, i: str, why: str) -> None:
+        """Node i is out for the run (proven to poison the all-reduce, forge or equivocate): refused from now on."""
+        self.banned[i] = why
+
+    def ring_renewed(self, epoch: int) -> None:
+        """The all-reduce in flight is retried as ring `epoch`: connections of older epochs are stale."""
+        self.ring_epoch = epoch
+
+    def suspect(self, nodes: set[str] | frozenset[str]) -> None:
+        """One of `nodes` sent more into a ring than it reported: the next search by halves starts there."""
+        self.poison_suspects = set(nodes)
+
+    def moved(self, i: str) -> None:
+        """Node i applied an attempt that was given up: it holds no agreed θ (nobody asks it for one)."""
+        self.state_round.pop(i, None)
+
+    def agreed(self, rnd: int, checksum: str, holders: tuple[str, ...] | list[str]) -> None:
+        """θ after round rnd has this checksum, and `holders` hold it."""
+        self.checksums[rnd] = checksum
+        for i in holders:
+            self.state_round[i] = rnd
 
     def evaluators(self, budget: int) -> set[str]:
         """The members too slow to train this round (rules.evaluators)."""

@@ -49,6 +49,8 @@ class Sim:
         self.sent: list[tuple[str, P._Msg]] = []
         self.notes: list[tuple[str, dict]] = []
         self.dropped: list[tuple[str, str]] = []
+        self.actions: list[R.Action] = []  # everything the round decided, in order
+        self.log: list[str] = []
         self.ids = {n: nid(n) for n in names}
         self.names = {v: k for k, v in self.ids.items()}
         for n, i in self.ids.items():
@@ -64,12 +66,34 @@ class Sim:
 
     def apply(self, actions: list[R.Action]) -> bool:
         settled = False
+        self.actions += actions
         for a in actions:
             match a:
                 case R.Send(nodes=nodes, msg=msg):
                     self.sent += [(i, P.decode(P.encode(msg))) for i in nodes]  # it must encode
+                case R.TellAgreed(nodes=nodes, round=rnd, abandoned=abandoned):
+                    told = [(i, self.host.state_source(i, force=True)) for i in nodes if i in self.s.members]
+                    self.sent += [(i, P.Agreed(round=rnd, abandoned=abandoned, state=src)) for i, src in told]
+                case R.Log(text=text):
+                    self.log.append(text)
                 case R.Note(kind=kind, fields=fields):
                     self.notes.append((kind, fields))
+                case R.Strike(node=i):
+                    self.s.strike(i, self.rd.rnd)
+                case R.Ban(node=i, why=why):
+                    self.s.ban(i, why)
+                case R.Measured(node=i, samples_per_s=sps):
+                    self.s.measured_speed(i, sps)
+                case R.Slowed(node=i, samples_per_s=sps):
+                    self.s.slowed(i, sps)
+                case R.NewRingEpoch(epoch=epoch):
+                    self.s.ring_renewed(epoch)
+                case R.Suspects(nodes=nodes):
+                    self.s.suspect(nodes)
+                case R.Moved(node=i):
+                    self.s.moved(i)
+                case R.AgreedTheta(round=rnd, checksum=checksum, holders=holders):
+                    self.s.agreed(rnd, checksum, holders)
                 case R.Drop(node=i, why=why):
                     self.drop(i, why)
                 case R.Evaluate(node=i):
