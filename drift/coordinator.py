@@ -656,7 +656,8 @@ class Coordinator:
             await self._admit_late_joiners(rnd)
             if not self.swarm.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
-            cur = self.current = Round(self.swarm, self, rnd, queue, time.monotonic(), prev)
+            taken = queue.take_round(R.budget(self.swarm, queue.pending_samples()))
+            cur = self.current = Round(self.swarm, self, rnd, taken, time.monotonic(), prev)
             self.live = [x for x in (prev, cur) if x is not None]
             await self._apply(cur, cur.start(self.samples_seen))
             while True:
@@ -748,6 +749,8 @@ class Coordinator:
                     s.moved(i)
                 case R.AgreedTheta(round=rnd, checksum=checksum, holders=holders):
                     s.agreed(rnd, checksum, holders)
+                case R.GiveBack(units=units):
+                    self.queue.give_back(list(units))
                 case R.CatchUp(node=i) if rd.prev is not None:
                     await self._apply(rd.prev, rd.prev.step(R.CatchingUp(i), time.monotonic()))
                 case R.Drop(node=i, why=why):

@@ -11,8 +11,9 @@ that the Coordinator, its only shell, applies in order. What the round knows of 
 record (rules.NodeRound); the decisions over those records are pure functions in drift.rules.
 The swarm's state (members, speeds, strikes, checksums, ring epoch) belongs to
 drift.swarm.Swarm: the round reads it through a read-only view (SwarmView) and writes nothing
-there, nor into the round before: the shell applies each write (Strike, Ban, Measured, ...) by a
-public method of the Swarm, between one event and the next. Where a decision needs a write of the
+there, nor into the unit queue (the shell takes its units and applies GiveBack) or the round
+before: the shell applies each write (Strike, Ban, Measured, ...) by a public method of the Swarm,
+between one event and the next. Where a decision needs a write of the
 same event (a second strike, a ban), the round counts the actions it has not handed out yet.
 
 Who takes part, in the order a round decides it:
@@ -36,7 +37,7 @@ from drift.gather import signed_payload
 from drift.recipe import Recipe
 from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
-from drift.scheduler import RoundPlan, UnitQueue, check_accounting
+from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer
 
 MAX_RING_RETRIES = 5
@@ -136,6 +137,14 @@ class CatchingUp:
 
 
 Event = Message | Tick | Left | PrevSettled | CatchingUp
+
+
+def budget(swarm: SwarmView, owed: int) -> int:
+    """The samples a round takes from the queue: the recipe's round_samples and what earlier
+    rounds' cuts handed back (`owed`: UnitQueue.pending_samples), trained on top; lockstep:
+    inner_steps batches per member."""
+    r = swarm.recipe
+    return r.round_samples + owed if r.schedule == "steal" else len(swarm.members) * r.inner_steps * r.batch_size
 
 
 # --- actions: what the round decides, for the Coordinator to apply in order --------------------
@@ -288,6 +297,13 @@ class TellAgreed:
 
 
 @dataclass(frozen=True)
+class GiveBack:
+    """The round's units nobody's Δ in θ holds go back to the front of the queue (UnitQueue.give_back)."""
+
+    units: tuple[P.WorkUnit, ...]
+
+
+@dataclass(frozen=True)
 class CatchUp:
     """Overlapped: member `node` takes θ of the round before from its Agreed: the shell hands that
     round CatchingUp(node)."""
@@ -314,6 +330,7 @@ Action = (
     | Moved
     | AgreedTheta
     | TellAgreed
+    | GiveBack
     | CatchUp
 )
 
@@ -321,21 +338,19 @@ Action = (
 class Round:
     """The coordinator's side of round `rnd`; driven by start(), step(event, now), finish()."""
 
-    def __init__(self, swarm: SwarmView, host: Host, rnd: int, queue: UnitQueue, now: float, prev: Round | None = None):
-        """`prev`: with the overlapped sync rule, the round before, still in its all-reduce."""
-        self.s, self.host, self.rnd, self.queue, self.r = swarm, host, rnd, queue, swarm.recipe
+    def __init__(self, swarm: SwarmView, host: Host, rnd: int, taken: Taken, now: float, prev: Round | None = None):
+        """`taken`: the round's units, taken from the queue by the shell (UnitQueue.take_round,
+        for budget()); `prev`: with the overlapped sync rule, the round before, still in its
+        all-reduce."""
+        self.s, self.host, self.rnd, self.r = swarm, host, rnd, swarm.recipe
         self.prev = prev
         self.t0 = self.now = now
         self.out: list[Action] = []  # what the event being handled decided
         self.steal = self.r.schedule == "steal"
         members = swarm.members
-        # What earlier rounds' cuts handed back is trained on top of this round's budget, and the
-        # last round is not cut at all: a run trains rounds × round_samples samples.
+        # The last round is not cut at all: a run trains rounds × round_samples samples.
         self.last = rnd == self.r.rounds - 1
-        owed = queue.pending_samples() if self.steal else 0
-        self.budget = (
-            self.r.round_samples + owed if self.steal else len(members) * self.r.inner_steps * self.r.batch_size
-        )
+        self.budget = taken.budget
         evaluators = swarm.evaluators(self.budget) if self.steal else set()
         # Overlapped: a node that needs θ first (it joined, or its θ is stale) cannot fetch the
         # agreed θ while the round before is being reduced (its donors move on to the next one):
@@ -353,8 +368,8 @@ class Round:
         # Nodes that join later enter the next round: the records are this round's participants.
         self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now, t_unit=now) for i in members}
         self.trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
-        self.queue_before = queue.position()  # the data position before this round took its units
-        self.epoch, units = queue.take(self.budget)
+        self.queue_before = taken.before  # the data position before this round took its units
+        self.epoch, units = taken.epoch, taken.units
         # Lockstep (for comparison) gives every node the same share, whatever its speed.
         self.plan = RoundPlan.make(
             units, self.trainers if self.steal else dict.fromkeys(self.trainers, 1.0), self.steal
@@ -1220,7 +1235,7 @@ class Round:
         synced = {i: n.synced for i, n in nodes.items() if n.synced is not None}
         counted = {i: b for i, b in synced.items() if weights.get(i, 0) > 0}
         self.given_back = self.give_back + self.plan.leftover()
-        self.queue.give_back(self.given_back)
+        self.out.append(GiveBack(tuple(self.given_back)))
         losses = [(b.loss, b.samples) for b in counted.values() if b.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
         # Only the node asked for it reports the round's val loss (any other member's is ignored).

@@ -17,6 +17,17 @@ from dataclasses import dataclass, field
 from drift.protocol import WorkUnit
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A round's share of the queue (UnitQueue.take_round): `units` worth about `budget` samples,
+    the epoch of the first, and the queue's position() before they were taken."""
+
+    budget: int
+    epoch: int
+    units: list[WorkUnit]
+    before: dict
+
+
 class UnitQueue:
     """The samples not yet trained: pieces handed back first, then fresh units of the current
     epoch, then the next epoch's (a round does not stop short at an epoch's end)."""
@@ -50,6 +61,12 @@ class UnitQueue:
             out.append(u)
             got += u.hi - u.lo
         return out[0].epoch, out
+
+    def take_round(self, budget: int) -> Taken:
+        """A round's units (take), with the position before them."""
+        before = self.position()
+        epoch, units = self.take(budget)
+        return Taken(budget, epoch, units, before)
 
     def position(self) -> dict:
         """Where the data stands: every sample of epochs before `epoch`, and of units [0, next_unit)

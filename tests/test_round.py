@@ -96,6 +96,8 @@ class Sim:
                     self.s.agreed(rnd, checksum, holders)
                 case R.Drop(node=i, why=why):
                     self.drop(i, why)
+                case R.GiveBack(units=units):
+                    self.queue.give_back(list(units))
                 case R.Evaluate(node=i):
                     self.s.evaluating.add(i)
                 case R.Settled():
@@ -109,7 +111,8 @@ class Sim:
             self.dropped.append((i, why))
 
     def start(self, rnd: int = 0) -> Round:
-        self.rd = Round(self.s, self.host, rnd, self.queue, self.now)
+        taken = self.queue.take_round(R.budget(self.s, self.queue.pending_samples()))
+        self.rd = Round(self.s, self.host, rnd, taken, self.now)
         self.apply(self.rd.start(0))
         return self.rd
 
@@ -403,7 +406,8 @@ def test_an_abandoned_round_due_a_checkpoint_checkpoints_the_last_agreed_theta(t
     async def settle() -> None:
         coord.endpoint = await Endpoint.bind("local")
         try:
-            rd = coord.current = Round(sim.s, coord, 1, sim.queue, time.monotonic())
+            taken = sim.queue.take_round(R.budget(sim.s, 0))
+            rd = coord.current = Round(sim.s, coord, 1, taken, time.monotonic())
             coord.live = [rd]
             rd.abandon("every Δ was bad")
             await coord._settle(rd)  # round 1 is the last: a checkpoint is due
