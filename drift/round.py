@@ -13,8 +13,8 @@ The swarm's state (members, speeds, strikes, checksums, ring epoch) belongs to
 drift.swarm.Swarm: the round reads it through a read-only view (SwarmView) and writes nothing
 there, nor into the unit queue (the shell takes its units and applies GiveBack) or the round
 before: the shell applies each write (Strike, Ban, Measured, ...) by a public method of the Swarm,
-between one event and the next. Where a decision needs a write of the
-same event (a second strike, a ban), the round counts the actions it has not handed out yet.
+between one event and the next. Where a decision needs a write of the same event (a second
+strike, a ban), the round counts the actions it has not handed out yet.
 
 Who takes part, in the order a round decides it:
   * evaluators: too slow to train without holding everyone back (rules.evaluators);

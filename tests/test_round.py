@@ -7,6 +7,9 @@ swarm meets; what the round decides is asserted through what it sends, notes, st
 
 from __future__ import annotations
 
+import copy
+from types import MappingProxyType
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -608,3 +611,183 @@ def test_random_interleavings_of_hostile_messages_keep_the_invariants(how: str, 
     assert all(
         m.weight == 0 for _, b in sim.sent if isinstance(b, P.BarrierReady) for m in b.ring if m.node_id in liars
     )
+
+
+# --- the round writes nothing: every write is an action the shell applies ----------------------
+
+
+def _of(sim: Sim, kind: type) -> list:
+    return [a for a in sim.actions if isinstance(a, kind)]
+
+
+def _poisoned(sim: Sim, name: str) -> None:
+    """Node `name` refuses the all-reduced sum: larger than the reported norms allow."""
+    e = sim.rd.ring_epoch()
+    sim.msg(name, P.RingFailed(round=sim.rd.rnd, ring_epoch=e, reason="too large", poisoned=True))
+
+
+def test_a_node_that_applied_a_sum_the_others_refused_is_banned_with_its_reason() -> None:
+    sim = Sim(["a", "b", "c", "x"])
+    sim.start()
+    sim.ring()
+    for n in "abc":
+        _poisoned(sim, n)
+    sim.done("x")  # it applied the sum everyone else refused: it sent more than it reported
+    assert not sim.tick(GRACE + 1)
+    why = "it poisoned the all-reduce (it applied an all-reduced Δ that the others refused)"
+    x = sim.ids["x"]
+    assert _of(sim, R.Ban) == [R.Ban(x, why)] and _of(sim, R.Suspects) == [R.Suspects(frozenset({x}))]
+    assert sim.s.banned == {x: why} and sim.s.poison_suspects == {x}  # (applied by the shell)
+    assert sim.rings()[-1] == ["c", "b", "a"]  # redone without it
+    for n in "abc":
+        sim.done(n)
+    assert sim.tick(GRACE + 2)
+    assert sim.dropped == [(x, why)]  # out once the round settled
+
+
+def test_a_ring_retry_is_a_new_ring_epoch_and_only_its_reports_count() -> None:
+    sim = Sim(["a", "b", "c"])
+    sim.start()
+    sim.ring()
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 1)  # nobody finished: redone
+    assert _of(sim, R.NewRingEpoch) == [R.NewRingEpoch(1)] and sim.s.ring_epoch == 1
+    assert [m.ring_epoch for _, m in sim.sent if isinstance(m, P.BarrierReady)] == [0] * 3 + [1] * 3
+    for n in "abc":
+        sim.done(n, checksum="stale", epoch=0)  # reports of the attempt given up count for nothing
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 2)
+    for n in "abc":
+        sim.done(n, epoch=1)
+    assert sim.tick(rules.REDUCE_DEADLINE_S + 3)
+    assert sim.result.checksum == "theta1" and _of(sim, R.AgreedTheta) == [
+        R.AgreedTheta(0, "theta1", tuple(sim.ids.values()))
+    ]
+    assert sim.s.checksums[0] == "theta1" and all(sim.s.state_round[i] == 0 for i in sim.ids.values())
+
+
+def test_two_strikes_in_one_message_drop_the_node() -> None:
+    # One RingFailed with a claim it never proved (sit_out) and a forgery proof that does not
+    # hold: two strikes in one event, the second of which is one too many although the first is
+    # not applied to the swarm yet.
+    sim = Sim(["a", "b", "c", "x"])
+    sim.start()
+    sim.ring()
+    bogus = P.Forgery(
+        forwarder=sim.ids["a"],
+        round=0,
+        generation=0,
+        segment=0,
+        lo=0,
+        hi=1,
+        total=1,
+        digest="00" * 32,
+        owner_sig="00" * 64,
+        step=0,
+        chunk=0,
+        hop_sig="00" * 64,
+    )
+    fail = P.RingFailed(round=0, ring_epoch=0, reason="x", suspect=sim.ids["a"], sit_out=True, proof=bogus)
+    sim.msg("x", fail)
+    x = sim.ids["x"]
+    assert [a.node for a in _of(sim, R.Strike)] == [x, x] and sim.s.strikes[x] == [0, 0]
+    assert not sim.dropped  # (a ring member is dropped once the round settles: dropping it now redoes the ring)
+    for n in "abc":
+        sim.done(n)
+    assert sim.tick(GRACE + 1)
+    assert sim.dropped == [(x, "it accused a ring neighbour with proof that does not hold, again")]
+    assert "a" not in sim.struck()
+
+
+def test_a_second_strike_of_a_node_struck_before_drops_it_at_once_when_it_sits_out() -> None:
+    # A strike in an earlier round is the swarm's (applied by the shell); a sit-out with a strike
+    # now is the second: it is dropped at once (Drop), not when the round settles.
+    sim = Sim(["a", "b", "c", "x"])
+    x = sim.ids["x"]
+    sim.s.strike(x, 0)
+    sim.start(1)
+    sim.ring()
+    for n in "abc":
+        sim.failed(n, suspect="x")  # caught by both its neighbours (and a third)
+    assert not sim.tick(GRACE + 1)
+    why = "both its ring neighbours caught it breaking the all-reduce"
+    assert _of(sim, R.Drop) == [R.Drop(x, f"{why}, again")] and sim.dropped == [(x, f"{why}, again")]
+    assert sim.rings()[-1] == ["c", "b", "a"] and x not in sim.s.members
+
+
+class ReadOnly:
+    """A Swarm seen as a round sees it (round.SwarmView): mappings read-only, sets frozen, and
+    no attribute assignable."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        object.__setattr__(self, "_swarm", swarm)
+
+    def __getattr__(self, name: str):
+        v = getattr(self._swarm, name)
+        if isinstance(v, dict):
+            return MappingProxyType(v)
+        return frozenset(v) if isinstance(v, set) else v
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"a round assigned Swarm.{name}")
+
+
+class Frozen(Sim):
+    """A Sim whose round sees the swarm read-only and whose actions nobody applies: they are
+    only recorded (and the sends, to answer them)."""
+
+    def start(self, rnd: int = 0) -> Round:
+        taken = self.queue.take_round(R.budget(self.s, self.queue.pending_samples()))
+        self.rd = Round(ReadOnly(self.s), self.host, rnd, taken, self.now)
+        self.apply(self.rd.start(0))
+        return self.rd
+
+    def apply(self, actions: list[R.Action]) -> bool:
+        self.actions += actions
+        self.sent += [(i, a.msg) for a in actions if isinstance(a, R.Send) for i in a.nodes]
+        return any(isinstance(a, R.Settled) for a in actions)
+
+    def tick(self, after: float = 0.0) -> bool:
+        self.now = max(self.now, self.t0 + after)
+        if settled := self.apply(self.rd.step(R.Tick(), self.now)):
+            self.rd.settled = True
+            self.result, actions = self.rd.finish(self.now)
+            self.apply(actions)
+        return settled
+
+
+def _public(s: Swarm, q: UnitQueue) -> dict:
+    return copy.deepcopy({**{k: v for k, v in vars(s).items() if k != "note"}, "queue": q.position()})
+
+
+@pytest.mark.parametrize("how", ["poisoned", "abandoned"])
+def test_a_round_driven_through_every_kind_of_write_leaves_the_swarm_as_it_was(how: str) -> None:
+    sim = Frozen(["a", "b", "c", "d", "x"], speeds={"x": 10.0})
+    before = _public(sim.s, sim.queue)
+    rd = sim.start()
+    after_take = _public(sim.s, sim.queue)  # (the shell took the round's units; nothing else)
+    assert {k: v for k, v in after_take.items() if k != "queue"} == {k: v for k, v in before.items() if k != "queue"}
+    sim.now += 1.0  # (speeds are measured over a window)
+    for n in "abcd":
+        sim.train(n)
+    assert not sim.tick(100.0)  # x trained nothing: past its deadline it sits out, slowed
+    assert rd.ring is not None and len(rd.ring) == 4
+    sim.msg("x", P.RingFailed(round=0, ring_epoch=0, reason="x", sit_out=True))  # a claim: a strike
+    if how == "poisoned":
+        for n in "abc":
+            _poisoned(sim, n)
+        sim.done("d", epoch=0)
+        assert not sim.tick(100.0 + GRACE + 1)  # d is convicted; redone without it
+        for n in "abc":
+            sim.done(n, epoch=1)
+        assert sim.tick(100.0 + GRACE + 2)
+    else:
+        sim.failed("a", suspect="b", epoch=0)
+        assert not sim.tick(100.0 + GRACE + 1)
+        for n in "abcd":
+            sim.done(n, epoch=0)
+            sim.failed(n, sit_out=True, epoch=1)
+        assert sim.tick(100.0 + GRACE + 2) and rd.abandoned
+    kinds = {type(a) for a in sim.actions}
+    writes = {R.Measured, R.Slowed, R.Strike, R.NewRingEpoch, R.GiveBack, R.TellAgreed, R.Log}
+    writes |= {R.Ban, R.Suspects, R.AgreedTheta} if how == "poisoned" else {R.Moved}
+    assert writes <= kinds, writes - kinds  # the round decided every kind of write ...
+    assert _public(sim.s, sim.queue) == after_take  # ... and made none
