@@ -484,7 +484,7 @@ class Coordinator:
                     backend=info.backend,
                     commit=rc.commit,
                 )
-            self.swarm.last_seen[peer.id] = time.monotonic()
+            self.swarm.seen(peer.id)
             async with self._joined:  # last: nothing below can fail once the round loop may count on it
                 self._handshaking.pop(peer.id, None)
                 self.ready[peer.id] = peer
@@ -510,7 +510,7 @@ class Coordinator:
         try:
             while True:
                 msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
-                self.swarm.last_seen[peer.id] = time.monotonic()
+                self.swarm.seen(peer.id)
                 self.events.put_nowait((peer, msg))
         except Exception as e:
             silent = isinstance(e, TransportTimeout)
@@ -584,7 +584,7 @@ class Coordinator:
             P.TrainingReady(nodes=[p.id for p in peers], signatures=self.admission.signatures(p.id for p in peers)),
         )
         r = self.recipe
-        self.swarm.checksums[-1] = peers[0].commit.param_checksum
+        self.swarm.agreed(-1, peers[0].commit.param_checksum, ())
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
         self.layout = peers[0].commit.layout  # ParamLayout.digest(): checkpoints are checked against it
         self.frozen = peers[0].commit.frozen_checksum  # the base every node must share (not in θ)
@@ -840,7 +840,7 @@ class Coordinator:
         if self.layout and layout.digest() != self.layout:
             raise CoordinatorError(f"{ck.path}: its tensor names, shapes or order are not those of the nodes' model")
         self.state.publish(ck.round, arrays, got, layout)
-        self.swarm.checksums[ck.round] = got
+        self.swarm.agreed(ck.round, got, ())
         queue.restore(ck.manifest["queue"])
         self.samples_seen = self.samples_at[ck.round] = ck.manifest.get("samples_seen", 0)
         self.positions[ck.round] = ck.manifest["queue"]
@@ -1034,14 +1034,14 @@ class Coordinator:
                 continue
             peer, msg = ev
             if msg is None or peer.id not in self.swarm.members:
-                self.swarm.evaluating.discard(peer.id)
+                self.swarm.evaluated(peer.id)
             elif isinstance(msg, P.EvalResult):
                 self.record_eval(peer.id, msg)
             elif isinstance(msg, P.Heartbeat) and msg.held is not None:
                 self.swarm.holds(peer.id, msg.held)
             elif isinstance(msg, P.AskForMoreWork) and peer.id in self.swarm.evaluating:
                 if self.swarm.state_round.get(peer.id) == self.swarm.newest():
-                    self.swarm.evaluating.discard(peer.id)  # it holds the final θ (a loop without evaluate)
+                    self.swarm.evaluated(peer.id)  # it holds the final θ (a loop without evaluate)
                 else:  # its job named a θ no donor holds any more: the final one, then
                     await self.assign_evaluation(peer, self.swarm.newest(), self.queue.epoch)
         if self.swarm.evaluating:
@@ -1051,7 +1051,7 @@ class Coordinator:
         """Record an evaluator's result; False if it is not the answer to a job we gave."""
         if i not in self.swarm.evaluating or msg.after_round not in self.swarm.checksums:
             return False  # not a job we gave (or for a θ that never was): counts for nothing
-        self.swarm.evaluating.discard(i)
+        self.swarm.evaluated(i)
         self.swarm.holds(i, msg.after_round)  # it took that θ for the job we gave
         if i in self.swarm.members:
             self.swarm.claimed_speed(i, msg.samples_per_s)
@@ -1138,7 +1138,7 @@ class Coordinator:
 
     async def assign_evaluation(self, peer: Peer, rnd: int, epoch: int) -> None:
         """Send an evaluator its next job: the val loss of the newest agreed θ."""
-        self.swarm.evaluating.add(peer.id)
+        self.swarm.evaluates(peer.id)
         await self.send(
             peer,
             P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self.state_source(peer.id)),

@@ -84,6 +84,14 @@ class Swarm:
         self.seen(p.id)
         self.state_round[p.id] = state_round
 
+    def evaluates(self, i: str) -> None:
+        """Evaluator i was given a job."""
+        self.evaluating.add(i)
+
+    def evaluated(self, i: str) -> None:
+        """Evaluator i's job is over (its result came, or it left)."""
+        self.evaluating.discard(i)
+
     def leave(self, i: str) -> Peer | None:
         """Remove node i from the run; returns its connection (None if it was not a member)."""
         self.evaluating.discard(i)
@@ -168,7 +176,7 @@ class Swarm:
         self.state_round.pop(i, None)
 
     def agreed(self, rnd: int, checksum: str, holders: tuple[str, ...] | list[str]) -> None:
-        """θ after round rnd has this checksum, and `holders` hold it."""
+        """θ after round rnd (-1: the initial θ) has this checksum, and `holders` hold it."""
         self.checksums[rnd] = checksum
         for i in holders:
             self.state_round[i] = rnd

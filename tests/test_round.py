@@ -60,7 +60,7 @@ class Sim:
             info = P.NodeInfo(node_id=i, name=n, backend="numpy", device="cpu", ring_ticket=f"ticket-{n}")
             self.s.enter(Peer(info=info, ch=None), -1)  # type: ignore[arg-type]  # (the host sends)
             self.s.speed[i] = (speeds or {}).get(n, 100.0)
-        self.s.checksums[-1] = "theta0"
+        self.s.agreed(-1, "theta0", ())
         self.queue = UnitQueue(10_000, self.recipe.unit_samples)
         self.rd: Round | None = None
         self.t0 = self.now = 1000.0  # the test's clock
@@ -102,7 +102,7 @@ class Sim:
                 case R.GiveBack(units=units):
                     self.queue.give_back(list(units))
                 case R.Evaluate(node=i):
-                    self.s.evaluating.add(i)
+                    self.s.evaluates(i)
                 case R.Settled():
                     settled = True
         return settled
