@@ -1,8 +1,9 @@
 """The coordinator's round logic against attacks, in milliseconds: real protocol messages
 (drift.protocol) replayed as events into a real drift.round.Round over a real drift.swarm.Swarm,
 on a clock the test moves. Round.step returns actions; the test applies them as the Coordinator
-does (sends recorded instead of sent). Each test is one attack of issue 36 or a fault an honest
-swarm meets; what the round decides is asserted through what it sends, notes, strikes and settles.
+does (sends recorded instead of sent, the swarm's writes through its methods): the round itself
+writes nothing outside itself. Each test is one attack of issue 36 or a fault an honest swarm
+meets; what the round decides is asserted through what it sends, notes, strikes and settles.
 """
 
 from __future__ import annotations
