@@ -488,7 +488,8 @@ class Round:
         return out
 
     def step(self, event: Event, now: float) -> list[Action]:
-        """Handle one event at time `now`; returns what to do, in order."""
+        """Handle one event at time `now`; returns what to do, in order. The shell applies them
+        before the round's next event: from then on the round reads their effect in the swarm."""
         self.now = now
         match event:
             case Message(node=i, msg=msg):
