@@ -237,6 +237,7 @@ def start(
                 start_new_session=session,
                 preexec_fn=None if pgid is None else (lambda: os.setpgid(0, pgid)),
             )
+    Path(log).touch()  # there when start() returns, as with a file Popen writes to
     with _server_lock:
         if _server is None or _server.proc.poll() is not None:
             _server = _Server()
