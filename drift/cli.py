@@ -18,7 +18,6 @@ from pathlib import Path
 
 import click
 
-from drift import launch
 from drift.auth import AuthError, KeyLock, NodeKey, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.dashboard import Dashboard, DashboardError, parse_addr
@@ -310,7 +309,7 @@ async def _coord(
         resume=checkpoint,
         repo=root,
     )
-    children: list[tuple[launch.Child | subprocess.Popen, Path]] = []
+    children: list[tuple[subprocess.Popen, Path]] = []
     # Ctrl-C is ours from before the first line the user can react to (a signal that came before
     # the handler once hung the process: asyncio.run's own handler cancelled mid-startup).
     stop = asyncio.Event()
@@ -370,7 +369,10 @@ async def _coord(
             per_node = threads or max(1, (os.cpu_count() or 1) // local)
             for i in range(local):
                 logf = run_dir / f"node-{i}.log"
-                argv = [
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "drift",
                     "join",
                     "--repo",
                     str(root),
@@ -386,31 +388,33 @@ async def _coord(
                     str(run_dir / "repos"),
                 ]
                 env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())}
-                logf.write_text("")
+                cwd = None
+                if script:  # the script as a user runs it, in a clean checkout of the commit
+                    try:
+                        cwd = RepoCache(root, run_dir / "repos").checkout(commit)
+                    except RepoError as e:
+                        monitor.say(f"drift: error: --local: {e}")
+                        stop.set()
+                        break
+                    cmd = [sys.executable, str(cwd / r.task), ticket]
+                    env.update(DRIFT_TICKET=ticket, DRIFT_HOME=str(node_keys[i].path.parent))
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
-                if not script:  # forked from a warm process (drift.launch): no second import of torch
-                    proc = await asyncio.to_thread(launch.start, argv, logf, env, session=True)
-                    children.append((proc, logf))
-                    continue
-                try:  # the script as a user runs it, in a clean checkout of the commit
-                    cwd = RepoCache(root, run_dir / "repos").checkout(commit)
-                except RepoError as e:
-                    monitor.say(f"drift: error: --local: {e}")
-                    stop.set()
-                    break
-                env.update(DRIFT_TICKET=ticket, DRIFT_HOME=str(node_keys[i].path.parent))
                 with open(logf, "w") as fh:
-                    proc = subprocess.Popen(
-                        [sys.executable, str(cwd / r.task), ticket],
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        cwd=cwd,
-                        env=env,
+                    children.append(
+                        (
+                            subprocess.Popen(
+                                cmd,
+                                stdout=fh,
+                                stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                cwd=cwd,
+                                env=env,
+                            ),
+                            logf,
+                        )
                     )
-                children.append((proc, logf))
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children, node_keys, coordinator, monitor))
         stopper = asyncio.ensure_future(stop.wait())
@@ -496,7 +500,7 @@ def _say_reach(monitor: Monitor, endpoint, mode: str, local: int) -> None:
         monitor.say(f"note: no iroh relay reachable; the ticket carries this machine's addresses ({addrs})")
 
 
-async def _wait_children(children: list[tuple[launch.Child | subprocess.Popen, Path]], timeout: float) -> bool:
+async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout: float) -> bool:
     """Wait for local nodes to exit (they were told why); kill what is left. True if all exited."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p, _ in children) and time.monotonic() < deadline:
@@ -511,10 +515,7 @@ async def _wait_children(children: list[tuple[launch.Child | subprocess.Popen, P
 
 
 async def _watch_children(
-    children: list[tuple[launch.Child | subprocess.Popen, Path]],
-    keys: list[NodeKey],
-    coordinator: Coordinator,
-    monitor: Monitor,
+    children: list[tuple[subprocess.Popen, Path]], keys: list[NodeKey], coordinator: Coordinator, monitor: Monitor
 ) -> None:
     """A --local node that dies leaves the run going: it is dropped at once (never asked for θ,
     its units back in the queue) and a line names it, its exit and its log's last line. When the

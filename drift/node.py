@@ -96,17 +96,6 @@ JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, han
 SYNC_MESSAGES = (P.BarrierReady, P.Agreed, P.Commit)  # handled by the sync of a round, not by the round loop
 
 
-def _alive(pid: int) -> bool:
-    """Process `pid` still exists (a --local node is forked by drift.launch's server, not by its coordinator)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 class NodeError(Exception):
     """The node cannot go on; str() is the one line shown to the operator."""
 
@@ -1063,7 +1052,7 @@ class Session:
         parent = int(os.environ.get("DRIFT_PARENT_PID", "0") or 0)
         while True:
             await asyncio.sleep(every_s)
-            if parent and not _alive(parent):
+            if parent and os.getppid() != parent:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
             try:

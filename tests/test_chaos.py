@@ -157,8 +157,7 @@ def test_a_local_node_that_dies_leaves_the_run_going_and_the_last_one_ends_it(tm
 
     try:
         wait_round(lambda e: e["round"] >= 2)
-        children = psutil.Process(coord.pid).children(recursive=True)  # (forked by drift.launch's server)
-        nodes = {p.name().removeprefix("drift "): p for p in children if p.name().startswith("drift local-")}
+        nodes = {p.cmdline()[p.cmdline().index("--name") + 1]: p for p in psutil.Process(coord.pid).children()}
         assert sorted(nodes) == ["local-0", "local-1"], nodes
         first = next(e["name"] for e in _events(run) if e["event"] == "node_joined")
         (survivor,) = set(nodes) - {first}

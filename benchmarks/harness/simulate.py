@@ -20,8 +20,6 @@ from pathlib import Path
 
 import yaml
 
-from drift import launch
-
 ROOT = Path(__file__).resolve().parents[2]
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -114,41 +112,42 @@ class Swarm:
         process_group: int | None = None,
         key: Path | None = None,
         args: tuple[str, ...] = (),
-    ) -> launch.Child | subprocess.Popen:
-        """Start `drift join` (forked warm, drift.launch); `sim_step` is its simulated step time (tests/wrappers/sim_node.py:
+    ) -> subprocess.Popen:
+        """Start `drift join`; `sim_step` is its simulated step time (tests/wrappers/sim_node.py:
         $DRIFT_SIM_STEP; None: the real speed), `wrap` prefixes
         the command (`ip netns exec NS`), `script` runs instead of `python -m drift` (a test's
         wrapper that calls drift.cli.main, e.g. tests/held_node.py); `args` go after join's own."""
         i = len(self.nodes)
         name = name or f"n{i}"
         stem = name if re.fullmatch(r"[\w.-]+", name) else f"n{i}"  # a name made to break things is no file name
-        log = self.work / f"{stem}.log"
-        log.write_text("")
+        log = open(self.work / f"{stem}.log", "w")
         sim = {"DRIFT_SIM_STEP": sim_step} if sim_step else {}
         script = script or (SIM_NODE if sim_step else None)
-        argv = [
-            "join",
-            "--repo",
-            str(self.recipe.parents[1]),
-            "--ticket",
-            self.ticket,
-            "--name",
-            name,
-            "--threads",
-            "1",
-            "--key",
-            str(key or self.work / f"{stem}.key"),
-            "--cache-dir",
-            str(self.work / "cache"),
-            *args,
-        ]
-        env = {**ENV, **sim, **(env or {})}
-        if wrap:  # (in another network namespace: a fresh process started there)
-            launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
-            with open(log, "w") as fh:
-                p = subprocess.Popen([*wrap, *launcher, *argv], stdout=fh, stderr=subprocess.STDOUT, env=env)
-        else:
-            p = launch.start(argv, log, env, script=script, pgid=process_group)
+        launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
+        p = subprocess.Popen(
+            [
+                *(wrap or []),
+                *launcher,
+                "join",
+                "--repo",
+                str(self.recipe.parents[1]),
+                "--ticket",
+                self.ticket,
+                "--name",
+                name,
+                "--threads",
+                "1",
+                "--key",
+                str(key or self.work / f"{stem}.key"),
+                "--cache-dir",
+                str(self.work / "cache"),
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**ENV, **sim, **(env or {})},
+            preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)),
+        )
         self.nodes.append(p)
         return p
 
