@@ -143,13 +143,10 @@ class Swarm:
         """What a missed deadline tells: node i is at least this slow."""
         self.speed[i] = min(self.speed[i], at_most)
 
-    def strike(self, i: str, rnd: int) -> bool:
+    def strike(self, i: str, rnd: int) -> None:
         """Count one misbehaviour of node i in round rnd (θ that disagrees, a ring it breaks, a
-        round it held up); True once it has had MAX_STRIKES within STRIKE_ROUNDS rounds and should
-        be dropped."""
-        out = self.struck_out(i, rnd)
+        round it held up); struck_out() says when it should be dropped."""
         self.strikes[i] = [*self._recent(i, rnd), rnd]
-        return out
 
     def struck_out(self, i: str, rnd: int, more: int = 1) -> bool:
         """Whether `more` strikes of node i in round rnd would make MAX_STRIKES within

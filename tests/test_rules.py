@@ -176,9 +176,10 @@ def test_strikes_decay() -> None:
     from drift.swarm import STRIKE_ROUNDS, Swarm
 
     s = Swarm(Recipe(name="t", task="x.py", rounds=1, inner_steps=1, batch_size=1))
-    assert not s.strike("a", 3)
-    assert not s.strike("a", 3 + STRIKE_ROUNDS)  # the first one expired
-    assert s.strike("a", 4 + STRIKE_ROUNDS)  # two within the window: dropped
+    s.strike("a", 3)
+    assert not s.struck_out("a", 3 + STRIKE_ROUNDS)  # the first one expired
+    s.strike("a", 3 + STRIKE_ROUNDS)
+    assert s.struck_out("a", 4 + STRIKE_ROUNDS)  # two within the window: dropped
 
 
 def test_a_reported_norm_far_outside_the_others_is_an_outlier() -> None:
