@@ -1037,7 +1037,8 @@ class Round:
         behind: the round settles without them and they get θ with Agreed (their Δ is in it: the
         ring finished). Holding the swarm up is a strike; twice, and the node is dropped. With no
         majority past the reduce deadline (rules.reduce_timed_out) the all-reduce is redone; a
-        ring of one that stays silent is struck (nobody else could have held it up)."""
+        ring of one that stays silent is struck (nobody else could have held it up), and so is the
+        silent member of a ring of two whose partner reported, which sits the round out."""
         r = self.r
         extra = {}
         if self.val_reporter is not None:  # it evaluates θ before it reports
@@ -1063,13 +1064,15 @@ class Round:
         waited = now - self.t_ring
         if (
             self.ring_failed_at is None
-            and not self.announcing()
             and waited > rules.REDUCE_DEADLINE_S
             and rules.majority_done_s(self.done_after, self.part()) is None
         ):
             for i in rules.reduce_timed_out(self.part(), self.done(), waited):
                 self.note("deadline", node_id=i, name=self.name(i), round=self.rnd, waited_s=waited, phase="reduce")
-                self.strike(i, "it did not report θ after the all-reduce")
+                if len(self.part()) > 1:  # the others go on without it
+                    self.sit_out(i, "deadline", f"it did not report θ within {waited:.0f}s of the all-reduce")
+                else:
+                    self.strike(i, "it did not report θ after the all-reduce")
             self.retry_reason = f"no majority of the ring reported θ within {rules.REDUCE_DEADLINE_S:g}s"
 
     def announcing(self) -> bool:

@@ -150,11 +150,16 @@ def reduce_timed_out(
     ring: list[str], done: Iterable[str], waited: float, deadline: float = REDUCE_DEADLINE_S
 ) -> list[str]:
     """Past the reduce deadline with no majority of the ring reporting θ: the members to charge.
-    A ring of one has nobody else to blame: its member (it is the whole round). In a larger ring
-    silence is charged to whom two members name (caught), never to everyone still waiting: []."""
-    if waited <= deadline or 2 * len(set(done) & set(ring)) > len(ring):
+    A ring of one has nobody else to blame: its member (it is the whole round). In a ring of two
+    whose other member reported, the silent one: an honest node reports within its ring timeout
+    (RingFailed, naming whom it waited for), however the other behaved. In a larger ring silence
+    is charged to whom two members name (caught), never to everyone still waiting: []."""
+    reported = set(done) & set(ring)
+    if waited <= deadline or 2 * len(reported) > len(ring):
         return []
-    return list(ring) if len(ring) == 1 else []
+    if len(ring) == 1 or (len(ring) == 2 and reported):
+        return [i for i in ring if i not in reported]
+    return []
 
 
 def steps_of(units: list[P.WorkUnit], batch_size: int) -> int:

@@ -326,6 +326,24 @@ def test_a_ring_of_one_that_stays_silent_is_redone_and_struck_at_the_reduce_dead
     assert sim.struck() == {"x"} and len(sim.rings()) == 2
 
 
+def test_a_ring_of_two_whose_partner_never_announces_is_redone_and_the_silent_one_struck() -> None:
+    # x sends its bytes, then neither announces its θ nor says the ring failed, keeping its
+    # connection: the member that announced waits for a Commit that only x's report can bring.
+    sim = Sim(["a", "x"])
+    sim.start()
+    sim.ring()
+    assert sim.rd.confirm
+    sim.done("a", checksum="theta-a", announced=True, before="theta0")
+    assert not sim.tick(rules.REDUCE_DEADLINE_S - 1) and len(sim.rings()) == 1
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 1)
+    # Redone without x (nobody had applied the announced step), and x struck.
+    assert sim.struck() == {"x"} and sim.rings() == [["a", "x"], ["a"]] and not sim.to("a", P.Commit)
+    sim.done("a", checksum="theta-a2")
+    assert sim.tick(rules.REDUCE_DEADLINE_S + 2)
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta-a2"
+    assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets the round's θ from a
+
+
 def test_a_ring_nobody_finishes_is_redone_at_the_deadline_and_nobody_struck() -> None:
     sim = Sim(["a", "b", "c"])
     sim.start()

@@ -136,10 +136,12 @@ def test_a_ring_member_silent_long_after_a_majority_reported_is_behind() -> None
     assert rules.reduce_overdue(["a", "b", "c"], recs, 1e9, 1.0, 4.0, 4.0) == []
 
 
-def test_past_the_reduce_deadline_only_a_ring_of_one_is_charged_for_silence() -> None:
+def test_past_the_reduce_deadline_only_a_ring_of_one_or_a_silent_partner_is_charged() -> None:
     late = rules.REDUCE_DEADLINE_S + 1
     assert rules.reduce_timed_out(["x"], [], late) == ["x"]
     assert rules.reduce_timed_out(["x"], [], rules.REDUCE_DEADLINE_S - 1) == []
+    assert rules.reduce_timed_out(["a", "x"], ["a"], late) == ["x"]  # a announced its θ, x stayed silent
+    assert rules.reduce_timed_out(["a", "x"], [], late) == []  # neither: nobody can tell which held it
     assert rules.reduce_timed_out(["a", "b", "c"], ["a"], late) == []  # whom to charge: whom two name
     assert rules.reduce_timed_out(["a", "b", "c"], ["a", "b"], late) == []  # a majority finished
 
