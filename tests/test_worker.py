@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -142,6 +143,38 @@ def test_set_params_rejects_wrong_names_and_shapes(cached_task: SimpleNamespace)
         w.set_params(dict(good, bogus=np.zeros(1, np.float32)))
     after = w.get_params()
     assert all(np.array_equal(before[k], after[k]) for k in before)  # nothing half-applied
+
+
+def test_an_inner_step_is_torch_adamws_to_the_bit(cached_task: SimpleNamespace) -> None:
+    # The worker's AdamW (torch's functional kernel, no Optimizer class) against torch.optim.AdamW
+    # on a copy of the same model: same groups, gradients, learning rate changes and moment reset.
+    w = make_worker(cached_task, lr=0.02, weight_decay=0.3, betas=(0.8, 0.9), grad_clip=0.0)
+    ref = copy.deepcopy(w.model)
+    params = dict(ref.named_parameters())
+    decay = [n for n in w.param_names() if w._params[n].dim() >= 2]
+    groups = [
+        {"params": [params[n] for n in decay], "weight_decay": 0.3},
+        {"params": [params[n] for n in w.param_names() if n not in decay], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=0.02, betas=(0.8, 0.9), eps=1e-8)
+    rng = np.random.default_rng(0)
+    for k in range(4):
+        if k == 2:
+            w.set_lr(0.005)
+            for g in opt.param_groups:
+                g["lr"] = 0.005
+        if k == 3:
+            w.reset_optimizer()
+            opt.state.clear()
+        idx = rng.integers(0, w.n_train, 8)
+        w.train_step(idx)
+        opt.zero_grad()
+        x, y = cached_task.make_dataset(CFG).batch("train", idx)
+        ref(torch.from_numpy(x).long(), torch.from_numpy(y).long()).backward()
+        opt.step()
+    assert decay and len(decay) < len(w.param_names())
+    for n, got in w.get_params().items():
+        np.testing.assert_array_equal(got, params[n].detach().numpy(), err_msg=n)
 
 
 def test_training_lowers_loss(cached_task: SimpleNamespace) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.adamw import adamw
 
 from .base import (
     OPTIM_DEFAULTS,
@@ -43,6 +44,57 @@ __all__ = ["OPTIM_DEFAULTS", "TorchWorker", "available_devices", "resolve_device
 METRIC_NAME = re.compile(r"[A-Za-z0-9_./-]{1,32}")  # a metric's name: plain and short (shown, plotted)
 MAX_METRICS = 16
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class AdamW:
+    """torch.optim.AdamW's step (its own functional kernel, torch.optim.adamw.adamw: the same
+    single-tensor, foreach or fused code) over parameter groups, without torch.optim.Optimizer:
+    whose step imports torch._dynamo, a second of CPU at every node's first step. `state` and
+    `param_groups` are laid out as torch's (torch.amp.GradScaler reads param_groups)."""
+
+    def __init__(
+        self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float, fused: bool
+    ) -> None:
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        self.fused = fused
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW step of every parameter that has a gradient."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self.state.get(p) or self._new_state(p) for p in params]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(
+                params,
+                [p.grad for p in params],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [],
+                [s["step"] for s in states],
+                fused=self.fused or None,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+
+    def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        # (as torch keeps it: the step count on the CPU unless fused)
+        step = torch.zeros((), dtype=torch.float32, device=p.device if self.fused else "cpu")
+        self.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return self.state[p]
 
 
 def available_devices() -> list[str]:
@@ -155,7 +207,7 @@ class TorchWorker:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": opt["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer: AdamW | torch.optim.Optimizer = AdamW(
             groups, lr=opt["lr"], betas=opt["betas"], eps=opt["eps"], fused=self._device_type == "cuda"
         )
         self._scaler = self._new_scaler()
