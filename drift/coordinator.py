@@ -1033,8 +1033,10 @@ class Coordinator:
             if (ev := await self._next_event(0.5)) is None:
                 continue
             peer, msg = ev
-            if msg is None or peer.id not in self.swarm.members:
+            if peer.id not in self.swarm.members:
                 self.swarm.evaluated(peer.id)
+            elif msg is None:  # its connection ended: it evaluates nothing more, and is not asked again
+                self.drop(peer.id, peer.gone or "connection closed", self.swarm.newest())
             elif isinstance(msg, P.EvalResult):
                 self.record_eval(peer.id, msg)
             elif isinstance(msg, P.Heartbeat) and msg.held is not None:

@@ -7,6 +7,7 @@ while others waited at the barrier (_check_idle)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -84,6 +85,9 @@ def test_node_dies_mid_round(tmp_path: Path) -> None:
     swarm.kill(victim)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [-9, 0, 0], swarm.node_logs()  # the victim was killed
+    # It is dropped with a line, never waited for: not by the rounds, nor for the final θ at the end.
+    assert re.search(r"node n0 \(\w+\) dropped: ", swarm.log()), swarm.log()
+    assert "evaluation(s) still running" not in swarm.log(), swarm.log()
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 4 and rounds[0]["nodes"]["n0"]["weight"] > 0
@@ -181,6 +185,9 @@ def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
     swarm.kill(victim)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [-9, 0, 0], swarm.node_logs()  # the victim was killed
+    # It is dropped with a line, never waited for: not by the rounds, nor for the final θ at the end.
+    assert re.search(r"node n0 \(\w+\) dropped: ", swarm.log()), swarm.log()
+    assert "evaluation(s) still running" not in swarm.log(), swarm.log()
     events = swarm.events()
     retry = [e for e in events if e["event"] == "ring_retry"]
     assert retry and retry[0]["round"] == 1 and retry[0]["nodes"] == 2, [e for e in events if e["event"] != "progress"]
