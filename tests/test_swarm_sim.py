@@ -39,7 +39,7 @@ def _check_idle(events: list[dict]) -> None:
 def test_mixed_speeds(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, inner_steps=12, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    for step_s in ("0.02", "0.05", "0.1"):
+    for step_s in ("0.04", "0.1", "0.2"):  # (well above a step's compute on a loaded 2-core machine)
         swarm.join(step_s)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [0, 0, 0], swarm.node_logs()
@@ -60,8 +60,8 @@ def test_mixed_speeds(tmp_path: Path) -> None:
 def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, inner_steps=10, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    swarm.join("0.02")
-    swarm.join("0.02,0.02,0.2")  # 10x slower from round 2 on (a laptop that got hot)
+    swarm.join("0.04")
+    swarm.join("0.04,0.04,0.4")  # 10x slower from round 2 on (a laptop that got hot)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [0, 0], swarm.node_logs()
     events = swarm.events()

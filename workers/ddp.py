@@ -332,10 +332,20 @@ class RankGroup:
             for r in self._ranks:
                 total += r.conn.recv()
         except (RuntimeError, OSError, EOFError) as e:  # a collective, or a socket, that lost a rank
-            if self.failure is None and all(r.proc.poll() is None for r in self._ranks):
+            if self.failure is None and not self._a_rank_ended(1.0):  # (an error of its own: at once)
                 raise
             self._failed(e)
         return total
+
+    def _a_rank_ended(self, timeout: float) -> bool:
+        """Whether a rank's process ended within `timeout` s. (A killed rank's sockets reset
+        before its exit can be waited for: a collective fails first, then the process is gone.)"""
+        deadline = time.monotonic() + timeout
+        while all(r.proc.poll() is None for r in self._ranks):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     @staticmethod
     def _share(share: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, int]:
