@@ -67,9 +67,10 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     events = swarm.events()
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     vals = [e["val_loss"] for e in events if e["event"] == "round" and e["val_loss"] is not None]
-    # θ was never poisoned: every round is below the initial val loss, the last by 0.5 (with clipping off,
-    # round 1's -10 x Δ raised it, 4.11 -> 4.51, and x1000 to 776)
-    assert len(vals) >= 3 and max(vals) < initial and vals[-1] < initial - 0.5, (initial, vals)
+    # θ was never poisoned: every round's val loss is below the one before, the last well below the
+    # initial one (with clipping off, round 1's -10 x Δ raised it, 4.11 -> 4.51, and x1000 to 776)
+    falls = all(b < a for a, b in zip([initial, *vals], vals))
+    assert len(vals) >= 3 and falls and vals[-1] < initial - 0.25, (initial, vals)
     found = {e["name"]: e["round"] for e in events if e["event"] == "poisoner"}
     assert set(found) <= {"bad"}, found  # no honest node is ever blamed
     # -10 x Δ enters its error feedback, which holds its honest past: its payload may stay under
