@@ -399,13 +399,17 @@ class Coordinator:
             return
         source = source_of(conn)
         if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER:
-            self._drop(None, conn, f"refused: {MAX_JOINING_PER_PEER} connections from this node are already joining")
+            self._drop(
+                None, conn, f"{P.JOIN_BUSY}: {MAX_JOINING_PER_PEER} connections from this node are already joining"
+            )
             return
         if self._joining_by_source.get(source, 0) >= MAX_JOINING_PER_SOURCE:
-            self._drop(None, conn, f"refused: {MAX_JOINING_PER_SOURCE} connections from {source} are already joining")
+            self._drop(
+                None, conn, f"{P.JOIN_BUSY}: {MAX_JOINING_PER_SOURCE} connections from {source} are already joining"
+            )
             return
         if self._joining_conns >= MAX_JOINING:
-            self._drop(None, conn, f"refused: {MAX_JOINING} connections are already joining")
+            self._drop(None, conn, f"{P.JOIN_BUSY}: {MAX_JOINING} connections are already joining")
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1

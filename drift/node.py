@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 import sys
@@ -93,6 +94,20 @@ HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silenc
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
 JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, hangs up without a word
+
+
+def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
+    """Whether a node that never got in tries its handshake again, after `tries` failed ones over
+    `waited_s` seconds. A coordinator whose joining slots are full says so (P.JOIN_BUSY, as many
+    nodes of one machine or network start at once): again until REJOIN_PATIENCE_S. One that was
+    reached but hung up without a word (a refusal always comes with TrainingCancel) met a
+    transient fault, such as a frame garbled on the way: JOIN_TRIES in all. One never reached is
+    a mistake to report now."""
+    if P.JOIN_BUSY in reason:
+        return waited_s < REJOIN_PATIENCE_S
+    return reached and tries < JOIN_TRIES
+
+
 SYNC_MESSAGES = (P.BarrierReady, P.Agreed, P.Commit)  # handled by the sync of a round, not by the round loop
 
 
@@ -264,6 +279,7 @@ class Node:
     async def _sessions(self) -> int:
         """Sessions until the run completes; after a loss, reconnect with backoff."""
         lost_since: float | None = None
+        first_try: float | None = None
         delay = REJOIN_BACKOFF_S[0]
         tries = 0
         while True:
@@ -272,14 +288,14 @@ class Node:
                 return await session.run()
             except Lost as e:
                 if not self.admitted:
-                    # Never got in. A coordinator we cannot reach is a mistake to report now; one we
-                    # reached that hung up mid-handshake without a word (a refusal always comes with
-                    # TrainingCancel) met a transient fault, such as a frame garbled on the way.
                     tries += 1
-                    if session.ctl is None or tries >= JOIN_TRIES:
+                    first_try = first_try or time.monotonic()
+                    if not join_again(str(e), session.ctl is not None, tries, time.monotonic() - first_try):
                         raise NodeError(str(e)) from None
-                    self.opts.say(f"the coordinator hung up during the handshake ({e}); trying again in {delay:.0f}s")
-                    await asyncio.sleep(delay)
+                    wait = delay * random.uniform(0.5, 1.5)  # (nodes that started together spread out)
+                    self.opts.say(f"the coordinator hung up during the handshake ({e}); trying again in {wait:.1f}s")
+                    await asyncio.sleep(wait)
+                    delay = min(2 * delay, REJOIN_BACKOFF_S[1])
                     continue
                 now = time.monotonic()
                 lost_since = lost_since or now

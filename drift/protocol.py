@@ -47,6 +47,7 @@ MAX_RATE = 1e12  # samples/s
 MAX_SECONDS = 1e9  # durations
 MAX_NAME = 64  # node names, devices, backends (HOST_NAME_MAX is 64)
 MAX_TEXT = 1000  # reasons and other free text
+JOIN_BUSY = "busy, try again"  # how a refusal for now begins: the coordinator's joining slots are full
 MAX_TICKET = 4096  # an iroh ticket: ~77 characters on loopback, more with many addresses
 MAX_TOKEN = 256  # checksums, nonces, run ids, commits, signatures
 MAX_PATH = 4096  # repo URLs and paths

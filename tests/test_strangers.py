@@ -23,6 +23,7 @@ from drift.auth import NodeKey
 from drift.coordinator import MAX_JOINING, MAX_JOINING_PER_PEER, MAX_JOINING_PER_SOURCE, Coordinator
 from drift.diloco import ParamLayout, checksum
 from drift.monitor import Monitor
+from drift.node import JOIN_TRIES, REJOIN_PATIENCE_S, join_again
 from drift.recipe import load_recipe
 from drift.state import MAX_CLIENTS, StateError, StateServer, fetch_state, into_arrays
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Endpoint, parse_ticket
@@ -133,6 +134,17 @@ def test_fresh_ids_from_one_address_do_not_lock_out_a_joining_node(
     assert holding == MAX_JOINING_PER_SOURCE + 1 < MAX_JOINING  # the flood's share, and the node
     assert len(rejected) == MAX_JOINING - MAX_JOINING_PER_SOURCE, rejected
     assert all(f"{MAX_JOINING_PER_SOURCE} connections from 127.0.0.2 are already joining" in r for r in rejected)
+    # ... and says it is busy, so that an honest node refused with these (many nodes of one machine
+    # that start at once: `--local 32`) tries again, until the node's patience runs out
+    assert all(join_again(r, reached=False, tries=9, waited_s=60.0) for r in rejected)
+    assert not any(join_again(r, reached=False, tries=9, waited_s=REJOIN_PATIENCE_S + 1) for r in rejected)
+
+
+def test_a_node_tries_its_handshake_again_only_when_that_can_help() -> None:
+    assert not join_again("cannot reach the coordinator: timed out", reached=False, tries=1, waited_s=0.0)
+    hung_up = "connection lost: the peer closed the connection"  # reached, then no word: a transient fault
+    assert join_again(hung_up, reached=True, tries=JOIN_TRIES - 1, waited_s=5.0)
+    assert not join_again(hung_up, reached=True, tries=JOIN_TRIES, waited_s=5.0)
 
 
 def test_strangers_on_the_state_alpn_cost_a_member_nothing() -> None:
