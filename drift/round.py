@@ -904,6 +904,11 @@ class Round:
             self.retry_reason = f"the two nodes' outer steps would give different θ ({detail}); none applied it"
         elif verdict.action == "drop":
             for i, why in verdict.culprits.items():
+                if self.s.state_round.get(i) != self.s.newest():
+                    # The swarm knows it does not hold that θ yet (it sat the round before out and
+                    # fetches it; overlapped, the next ring starts meanwhile): behind, not broken.
+                    self.sit_out(i, "behind", f"it does not hold the θ of round {self.s.newest()} yet")
+                    continue
                 self.sit_out(i, "diverged", why, strike=False)
                 self.drops.append((i, why))
             self.retry_reason = f"{len(verdict.culprits)} node(s) disagreed with their own earlier state"

@@ -344,6 +344,26 @@ def test_a_ring_of_two_whose_partner_never_announces_is_redone_and_the_silent_on
     assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets the round's θ from a
 
 
+def test_of_two_the_one_known_not_to_hold_the_agreed_theta_yet_sits_out_and_is_not_dropped() -> None:
+    # Overlapped: x sat round 0 out (it applied an attempt that was redone without it) and is
+    # fetching round 0's θ while round 1's ring of two already runs. Its step starts from another
+    # state; the swarm's own record says why, so it sits the round out instead of being dropped.
+    sim = Sim(["a", "x"])
+    sim.s.agreed(0, "theta-r0", [sim.ids["a"]])
+    sim.start(1)
+    sim.ring()
+    for attempt in range(2):  # different θ: redone once, then the states they step from decide
+        sim.done("a", checksum="theta-a", announced=True, before="theta-r0")
+        sim.done("x", checksum="theta-x", announced=True, before="theta-attempt0")
+        assert not sim.tick(attempt)
+    assert [sorted(r) for r in sim.rings()] == [["a", "x"], ["a", "x"], ["a"]] and sim.struck() == {"x"}
+    assert [(f["name"], f["reason"]) for f in sim.noted("sat_out")] == [("x", "behind")]
+    sim.done("a", checksum="theta-a2")
+    assert sim.tick(3)
+    assert sim.result.checksum == "theta-a2" and not sim.dropped
+    assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets round 1's θ
+
+
 def test_a_ring_nobody_finishes_is_redone_at_the_deadline_and_nobody_struck() -> None:
     sim = Sim(["a", "b", "c"])
     sim.start()

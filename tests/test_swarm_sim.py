@@ -173,7 +173,7 @@ def test_very_slow_node_evaluates_instead_of_training(tmp_path: Path) -> None:
 
 
 def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
-    """kill -9 a ring member in the middle of the all-reduce (it stops itself right after sending
+    """kill -9 a ring member in the middle of the all-reduce (it stops itself as it is about to send
     its first chunk of round 1, so the reduce cannot finish without it): the survivors retry
     without it, weights renormalised, and no sample is lost or counted twice."""
     recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, inner_steps=4, **SIM)

@@ -1,8 +1,9 @@
 """`drift join` with one injected fault, for tests that must hit an exact moment whatever the
 speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KIND:ROUND names it:
 
-  stop-in-allreduce    stop (SIGSTOP, as a closed laptop lid or a debugger would) right after
-                       sending the first ring chunk of that round: the all-reduce cannot finish
+  stop-in-allreduce    stop (SIGSTOP, as a closed laptop lid or a debugger would) as it is about
+                       to send its first ring chunk of that round: the all-reduce cannot finish
+                       (after one chunk it sometimes could: a tiny Δ fits in few chunks)
   stop-after-progress  stop right after reporting the first finished unit of that round
   nan-params           the model's weights turn NaN during that round (an fp16 overflow)
   nan-ring             send NaN in place of every reduce-scatter chunk of that round's all-reduce
@@ -108,9 +109,9 @@ if kind == "stop-in-allreduce":
 
     @patch(Ring, "_send_chunk")
     async def _(orig, self, ch, payload, codec, round_, *rest):
-        await orig(self, ch, payload, codec, round_, *rest)
         if round_ == at:
             stop()
+        await orig(self, ch, payload, codec, round_, *rest)
 elif kind == "stop-after-progress":
 
     @patch(Session, "send")
