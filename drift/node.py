@@ -280,7 +280,7 @@ class Node:
         """Sessions until the run completes; after a loss, reconnect with backoff."""
         lost_since: float | None = None
         first_try: float | None = None
-        delay = REJOIN_BACKOFF_S[0]
+        delay = join_delay = REJOIN_BACKOFF_S[0]
         tries = 0
         while True:
             session = self.session = Session(self)
@@ -292,10 +292,10 @@ class Node:
                     first_try = first_try or time.monotonic()
                     if not join_again(str(e), session.ctl is not None, tries, time.monotonic() - first_try):
                         raise NodeError(str(e)) from None
-                    wait = delay * random.uniform(0.5, 1.5)  # (nodes that started together spread out)
+                    wait = join_delay * random.uniform(0.5, 1.5)  # (nodes that started together spread out)
                     self.opts.say(f"the coordinator hung up during the handshake ({e}); trying again in {wait:.1f}s")
                     await asyncio.sleep(wait)
-                    delay = min(2 * delay, REJOIN_BACKOFF_S[1])
+                    join_delay = min(2 * join_delay, REJOIN_BACKOFF_S[1])
                     continue
                 now = time.monotonic()
                 lost_since = lost_since or now
