@@ -399,17 +399,15 @@ class Coordinator:
             return
         source = source_of(conn)
         if self._joining_by_peer.get(peer_id, 0) >= MAX_JOINING_PER_PEER:
-            self._drop(
-                None, conn, f"{P.JOIN_BUSY}: {MAX_JOINING_PER_PEER} connections from this node are already joining"
-            )
-            return
-        if self._joining_by_source.get(source, 0) >= MAX_JOINING_PER_SOURCE:
-            self._drop(
-                None, conn, f"{P.JOIN_BUSY}: {MAX_JOINING_PER_SOURCE} connections from {source} are already joining"
-            )
-            return
-        if self._joining_conns >= MAX_JOINING:
-            self._drop(None, conn, f"{P.JOIN_BUSY}: {MAX_JOINING} connections are already joining")
+            full = f"{MAX_JOINING_PER_PEER} connections from this node"
+        elif self._joining_by_source.get(source, 0) >= MAX_JOINING_PER_SOURCE:
+            full = f"{MAX_JOINING_PER_SOURCE} connections from {source}"
+        elif self._joining_conns >= MAX_JOINING:
+            full = f"{MAX_JOINING} connections"
+        else:
+            full = None
+        if full is not None:  # for now: the node tries again (node.join_again)
+            self._drop(None, conn, f"{P.JOIN_BUSY}: {full} are already joining")
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1

@@ -94,6 +94,7 @@ HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silenc
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
 JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, hangs up without a word
+SYNC_MESSAGES = (P.BarrierReady, P.Agreed, P.Commit)  # handled by the sync of a round, not by the round loop
 
 
 def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
@@ -106,9 +107,6 @@ def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
     if P.JOIN_BUSY in reason:
         return waited_s < REJOIN_PATIENCE_S
     return reached and tries < JOIN_TRIES
-
-
-SYNC_MESSAGES = (P.BarrierReady, P.Agreed, P.Commit)  # handled by the sync of a round, not by the round loop
 
 
 class NodeError(Exception):

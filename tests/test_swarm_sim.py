@@ -36,6 +36,13 @@ def _check_idle(events: list[dict]) -> None:
     assert any(v["units_after_stop"] for r in rounds[:-1] for v in r["nodes"].values()), "no round was cut"
 
 
+def _check_dropped_not_waited_for(swarm: Swarm, name: str) -> None:
+    """A killed node is dropped with a line, never waited for: not by the rounds, nor for the
+    final θ at the end."""
+    assert re.search(rf"node {name} \(\w+\) dropped: ", swarm.log()), swarm.log()
+    assert "evaluation(s) still running" not in swarm.log(), swarm.log()
+
+
 def test_mixed_speeds(tmp_path: Path) -> None:
     recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, inner_steps=12, **SIM)
     swarm = Swarm(recipe, tmp_path)
@@ -85,9 +92,7 @@ def test_node_dies_mid_round(tmp_path: Path) -> None:
     swarm.kill(victim)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [-9, 0, 0], swarm.node_logs()  # the victim was killed
-    # It is dropped with a line, never waited for: not by the rounds, nor for the final θ at the end.
-    assert re.search(r"node n0 \(\w+\) dropped: ", swarm.log()), swarm.log()
-    assert "evaluation(s) still running" not in swarm.log(), swarm.log()
+    _check_dropped_not_waited_for(swarm, "n0")
     events = swarm.events()
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 4 and rounds[0]["nodes"]["n0"]["weight"] > 0
@@ -185,9 +190,7 @@ def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
     swarm.kill(victim)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [-9, 0, 0], swarm.node_logs()  # the victim was killed
-    # It is dropped with a line, never waited for: not by the rounds, nor for the final θ at the end.
-    assert re.search(r"node n0 \(\w+\) dropped: ", swarm.log()), swarm.log()
-    assert "evaluation(s) still running" not in swarm.log(), swarm.log()
+    _check_dropped_not_waited_for(swarm, "n0")
     events = swarm.events()
     retry = [e for e in events if e["event"] == "ring_retry"]
     assert retry and retry[0]["round"] == 1 and retry[0]["nodes"] == 2, [e for e in events if e["event"] != "progress"]

@@ -69,9 +69,9 @@ class AdamW:
         """One AdamW step of every parameter that has a gradient."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            states = [self.state.get(p) or self._new_state(p) for p in params]
             if not params:
                 continue
+            states = [self.state.get(p) or self._new_state(p) for p in params]
             beta1, beta2 = group["betas"]
             adamw(
                 params,
