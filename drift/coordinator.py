@@ -792,16 +792,13 @@ class Coordinator:
         await self._apply(rd, actions)
         if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
             await self._event(nxt, R.PrevSettled())
-        rd.settled = True
-        for i, why in rd.drops:  # (after it settled: dropping a ring member mid-round redoes the ring)
-            self.drop(i, why, rd.rnd)
         self.positions[rd.rnd] = (
-            self.queue.position() if nxt is None else UnitQueue.with_pending(nxt.queue_before, rd.given_back)
+            self.queue.position() if nxt is None else UnitQueue.with_pending(nxt.queue_before, result.given_back)
         )
         r = self.recipe
         if checkpoint and not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):
             # A round given up changed nothing: the checkpoint due is the last agreed θ's.
-            due = self.swarm.newest() if rd.abandoned else rd.rnd
+            due = self.swarm.newest() if result.abandoned else rd.rnd
             if due >= 0 and due != self.last_checkpoint:
                 self._start_checkpoint(due)
 

@@ -59,6 +59,8 @@ class RoundResult:
     seconds: float
     trained: list[P.WorkUnit] = field(default_factory=list)  # the units whose samples count
     bytes_sent: dict[str, int] = field(default_factory=dict)  # per member that reported θ
+    abandoned: str | None = None  # why the all-reduce was given up (θ unchanged)
+    given_back: list[P.WorkUnit] = field(default_factory=list)  # what went back to the queue
 
 
 class Host(Protocol):
@@ -383,13 +385,14 @@ class Round:
         # only proof that a member applied an attempt and cannot take part in a retry.
         self.applied_before: dict[str, P.RoundDone] = {}
         self.rings: dict[int, set[str]] = {}  # ring epoch -> its members
-        self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why)
+        self.drops: list[tuple[str, str]] = []  # nodes to drop once the round settles (node, why): finish()
         self.val_reporter: str | None = None  # the node asked for the val loss (report_val)
         self.poisoned: set[str] = set()  # members that refused this attempt's sum (larger than the norms allow)
         self.bisect_out: list[str] = []  # sat out of this attempt to find who poisons the sum
         self.ring: list[P.RingMember] | None = None
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
+        self.failed: set[str] = set()  # members that reported this attempt failed (RingFailed)
         self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
         self.forgers: set[str] = set()  # ring members proven to forward bytes their owner did not sign
         self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
@@ -398,8 +401,7 @@ class Round:
         self.committed = False  # ... and they announced the same θ: Commit sent, the real RoundDones follow
         self.announced: dict[str, str] = {}  # what the committed members announced
         self.earlier: dict[str, str] = {}  # the announcements that disagreed (then every redo rechecks)
-        self.settled = False
-        self.given_back: list[P.WorkUnit] = []  # what went back to the queue when it settled
+        self.settled = False  # set by finish(): read-only for everyone else
         self.epoch0 = swarm.ring_epoch
         self.attempt = swarm.ring_epoch  # the ring epoch of this round's attempt, once its ring is out
 
@@ -568,7 +570,14 @@ class Round:
             return  # a late report, or samples it was never granted: counts for nothing
         n, now = self.nodes[i], self.now
         if any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in n.reported):
-            return  # samples it reported before: a unit counts once
+            # Samples it reported before: a unit counts once, and honest code reports each once.
+            if not n.repeated:
+                n.repeated = True
+                why = "it reported samples it had already reported trained"
+                self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
+                self.note("false_claim", node_id=i, name=self.name(i), round=self.rnd, claim="progress")
+                self.strike(i, why)
+            return
         n.reported.append((u.epoch, u.id, u.lo, u.hi))
         k = u.hi - u.lo
         # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
@@ -633,6 +642,7 @@ class Round:
     def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.ring_epoch():
             return
+        self.failed.add(i)
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
             if i in self.applied_before:  # ... and its own RoundDone of that attempt says so
                 self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
@@ -826,7 +836,7 @@ class Round:
         if (
             self.retry_reason is None
             and self.ring_failed_at is not None
-            and now - self.ring_failed_at > 2 * self.r.heartbeat_s + 1
+            and rules.failure_heard(part, set(done) | self.failed, now - self.ring_failed_at, 2 * self.r.heartbeat_s + 1)
         ):
             if self.poisoned:
                 return self.redo_poisoned(now)
@@ -945,7 +955,7 @@ class Round:
         self.warn(f"round {self.rnd}: {self.retry_reason}; retrying the all-reduce with {len(self.part())} node(s)")
         self.note("ring_retry", round=self.rnd, reason=self.retry_reason, nodes=len(self.part()))
         self.retry_reason, self.ring_failed_at = None, None
-        self.poisoned, self.forgers = set(), set()
+        self.poisoned, self.forgers, self.failed = set(), set(), set()
         for n in self.nodes.values():
             n.done, n.behind = None, False
         self.attempt += 1
@@ -1054,7 +1064,7 @@ class Round:
             now - self.t_ring,
             rules.majority_done_s(self.done_after, self.part()),
             r.unit_deadline_factor,
-            r.stale_after_s,
+            2 * r.heartbeat_s,
             extra,
         )
         for i in late:
@@ -1221,6 +1231,8 @@ class Round:
         ]
         if told:  # (their state_round follows from their heartbeats, once they hold it)
             self.out.append(TellAgreed(tuple(told), self.rnd, self.abandoned is not None))
+        self.settled = True  # (before the drops: dropping a ring member mid-round redoes the ring)
+        self.out.extend(Drop(i, why) for i, why in self.drops)
         return result, self.flush()
 
     def prev_settled(self, now: float) -> None:
@@ -1243,8 +1255,8 @@ class Round:
             self.out.append(AgreedTheta(rnd, checksum, tuple(done)))
         synced = {i: n.synced for i, n in nodes.items() if n.synced is not None}
         counted = {i: b for i, b in synced.items() if weights.get(i, 0) > 0}
-        self.given_back = self.give_back + self.plan.leftover()
-        self.out.append(GiveBack(tuple(self.given_back)))
+        given_back = self.give_back + self.plan.leftover()
+        self.out.append(GiveBack(tuple(given_back)))
         losses = [(b.loss, b.samples) for b in counted.values() if b.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
         # Only the node asked for it reports the round's val loss (any other member's is ignored).
@@ -1263,6 +1275,8 @@ class Round:
             self.now - self.t0,
             [u for b in counted.values() for u in b.trained],
             {i: d.bytes_sent for i, d in done.items()},
+            self.abandoned,
+            given_back,
         )
         self.note(
             "round",

@@ -8,7 +8,7 @@ rule in milliseconds.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +42,7 @@ class NodeRound:
     catching_up: bool = False  # not in this round's ring: told what θ became when it settles
     behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
     reported: list[tuple[int, int, int, int]] = field(default_factory=list)  # units it reported trained (once each)
+    repeated: bool = False  # it reported samples twice this round (named and struck once)
 
     @property
     def counted(self) -> bool:
@@ -141,6 +142,13 @@ def reduce_overdue(
         for i in ring
         if recs[i].done is None and not recs[i].behind and waited > factor * majority_s + slack + extra.get(i, 0.0)
     ]
+
+
+def failure_heard(ring: Iterable[str], heard: Set[str], waited: float, grace: float) -> bool:
+    """A member reported the all-reduce failed `waited` seconds ago: decide (retry, or keep what
+    a majority applied) once every ring member has reported, θ or failure, since nothing more can
+    come; else after `grace`, the time a member still in the ring needs to report."""
+    return waited > grace or all(i in heard for i in ring)
 
 
 REDUCE_DEADLINE_S = 150.0  # an all-reduce no majority finished by then is redone (the nodes' ring timeouts are 120 s)

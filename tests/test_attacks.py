@@ -85,3 +85,7 @@ def test_repeated_progress_and_asks_make_no_node_the_only_trainer(tmp_path: Path
         trainers = {n for n, v in r["nodes"].items() if v["weight"] > 0}
         assert {"good0", "good1"} <= trainers, r["nodes"]  # the honest nodes trained every round
         assert not r.get("evaluators"), r
+    claims = [(e["round"], e["name"]) for e in events if e["event"] == "false_claim"]
+    assert claims[:2] == [(0, "bad"), (1, "bad")], claims  # named, and its second strike drops it
+    left = [e for e in events if e["event"] == "node_left"]
+    assert left and left[0]["name"] == "bad" and "again" in left[0]["reason"], left
