@@ -836,7 +836,9 @@ class Round:
         if (
             self.retry_reason is None
             and self.ring_failed_at is not None
-            and rules.failure_heard(part, set(done) | self.failed, now - self.ring_failed_at, 2 * self.r.heartbeat_s + 1)
+            and rules.failure_heard(
+                part, set(done) | self.failed, now - self.ring_failed_at, 2 * self.r.heartbeat_s + 1
+            )
         ):
             if self.poisoned:
                 return self.redo_poisoned(now)

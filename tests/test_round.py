@@ -396,7 +396,9 @@ def test_repeated_progress_counts_once_and_is_named_and_struck_once_a_round() ->
     u = rd.plan.granted[sim.ids["x"]][0]
     half = u.model_copy(update={"hi": u.lo + (u.hi - u.lo) // 2})
     sim.msg("x", P.TrainProgress(round=0, unit=half, steps=1, loss=1.0, samples_per_s=1e9))
-    sim.msg("x", P.TrainProgress(round=0, unit=u.model_copy(update={"lo": half.hi}), steps=1, loss=1.0, samples_per_s=1.0))
+    sim.msg(
+        "x", P.TrainProgress(round=0, unit=u.model_copy(update={"lo": half.hi}), steps=1, loss=1.0, samples_per_s=1.0)
+    )
     assert not sim.struck()  # the two halves of a unit are no repeat
     for _ in range(50):
         sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1e9))
