@@ -5,7 +5,7 @@ the run's end, the final val loss, who was named (the events that name the attac
 honest node was dropped. Every node steps at the same simulated pace (tests/wrappers/sim_node.py),
 so the wall-clock compares the same work.
 
-    flock /tmp/drift-cpu.lock python3 benchmarks/bench_attacks.py [--rules dense sparse] [--rounds 6]
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_attacks.py [--rules dense sparse] [--rounds 6] [--inner-steps 6]
 
 Not here: withholding in the all-gather (attack 3: its cost is the ring deadline, 150 s a round,
 replayed in milliseconds in tests/test_round.py) and the rendezvous of local ranks (attack 9,
@@ -34,8 +34,8 @@ ATTACKS = {  # fault -> the issue's attack
 NAMING = ("false_claim", "outlier_delta", "poisoner", "sat_out", "node_left", "strike")
 
 
-def run(work: Path, rule: str, fault: str | None, rounds: int) -> dict:
-    recipe = {**TINY_RECIPE, **SIM, "min_nodes": 4, "rounds": rounds, "inner_steps": 6}
+def run(work: Path, rule: str, fault: str | None, rounds: int, inner_steps: int) -> dict:
+    recipe = {**TINY_RECIPE, **SIM, "min_nodes": 4, "rounds": rounds, "inner_steps": inner_steps}
     if rule == "sparse":
         recipe["sync"] = "sparse"
     swarm = Swarm(make_task_repo(work / "repo", recipe), work)
@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rules", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"])
     ap.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--inner-steps", type=int, default=6, help="inner steps a round (20 ms each)")
     args = ap.parse_args()
     print(
         "| rule | attack | exit | wall s | × honest | final val | Δ val vs honest | attacker named by | honest dropped |"
@@ -67,11 +68,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for rule in args.rules:
         with tempfile.TemporaryDirectory() as d:
-            base = run(Path(d), rule, None, args.rounds)
+            base = run(Path(d), rule, None, args.rounds, args.inner_steps)
         print(f"| {rule} | none (4 honest) | {base['code']} | {base['wall']:.1f} | 1.00 | {base['val']:.4f} | | | |")
         for fault in args.attacks:
             with tempfile.TemporaryDirectory() as d:
-                r = run(Path(d), rule, fault, args.rounds)
+                r = run(Path(d), rule, fault, args.rounds, args.inner_steps)
             val, dv = (
                 ("-", "-") if r["val"] is None else (f"{r['val']:.4f}", f"{100 * (r['val'] / base['val'] - 1):+.1f} %")
             )
