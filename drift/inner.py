@@ -81,7 +81,8 @@ class _Piece:
 
 
 class InnerLoop:
-    """Runs rounds for one node; the worker does the math, this decides what to train when."""
+    """Runs rounds for one node; the worker does the math, this decides what to train when.
+    `_apply` handles the coordinator's messages while a round trains, in one `match`."""
 
     def __init__(
         self,
@@ -150,27 +151,29 @@ class InnerLoop:
             self._apply(msg, state)
 
     def _apply(self, msg: P.Message | None, state: dict) -> None:
-        if msg is None:
-            raise StopTraining("lost the connection to the coordinator", lost=True)
-        if isinstance(msg, P.TrainingCancel):
-            raise StopTraining(f"training cancelled by coordinator: {msg.reason}")
-        if not isinstance(msg, (P.AssignNext, P.NoMoreWork, P.StopRound)):
-            self.defer(msg)  # for the round loop, in order
-            if isinstance(msg, (P.ShardAssignment, P.TrainComplete)):
+        """One control message that came while a round trains (None: the connection ended)."""
+        match msg:
+            case None:
+                raise StopTraining("lost the connection to the coordinator", lost=True)
+            case P.TrainingCancel():
+                raise StopTraining(f"training cancelled by coordinator: {msg.reason}")
+            case P.AssignNext() | P.NoMoreWork() | P.StopRound() if msg.round != state["round"]:
+                pass  # a late reply to the previous round
+            case P.AssignNext():
+                state["granted"].append(msg.unit)
+                self._prefetch([msg.unit])
+                state["asked"] = False
+                self.rtt_s = 0.8 * self.rtt_s + 0.2 * (time.perf_counter() - state["asked_at"])
+            case P.NoMoreWork():
+                state["no_more"] = True
+                state["asked"] = False
+            case P.StopRound():
+                state["stop"] = True
+            case P.ShardAssignment() | P.TrainComplete():
+                self.defer(msg)  # for the round loop, in order
                 state["stop"] = True  # the swarm went on without us (we missed a deadline, or it ended)
-            return
-        if msg.round != state["round"]:
-            return  # a late reply to the previous round
-        if isinstance(msg, P.AssignNext):
-            state["granted"].append(msg.unit)
-            self._prefetch([msg.unit])
-            state["asked"] = False
-            self.rtt_s = 0.8 * self.rtt_s + 0.2 * (time.perf_counter() - state["asked_at"])
-        elif isinstance(msg, P.NoMoreWork):
-            state["no_more"] = True
-            state["asked"] = False
-        elif isinstance(msg, P.StopRound):
-            state["stop"] = True
+            case _:
+                self.defer(msg)  # for the round loop, in order
 
     async def run_round(self, a: P.ShardAssignment) -> RoundReport:
         self._round = a.round

@@ -14,6 +14,11 @@ as silent) comes back by itself: it connects again with the same identity, is ve
 fetches θ from a peer and trains from the next round. One `Session` is one connection to the
 coordinator; the `Node` keeps the model, the endpoint and the ring across sessions.
 
+The coordinator's messages go through one router, `Session._read_control`: a `match` that says
+which phase each message type feeds. Each phase then handles its own in one `match`: the round
+loop in `Session._run` (its skips and ends in `Session.expect`), the sync in `Session._sync_loop`,
+and the inner loop of a round in `inner.InnerLoop._apply`.
+
 The node runs in a thread of its own (drift/loop.py); the model is trained by the loop thread
 (a user's script with drift.DiLoCo, or `drift join`'s loop over a task's worker), and every call
 the node makes on the worker runs there, between two inner steps (inner.Steps, inner.OnLoop).
@@ -94,7 +99,6 @@ HANDSHAKE_TIMEOUT = 60.0  # TrainConfig after NodeInfo; the coordinator's silenc
 REJOIN_PATIENCE_S = 600.0  # how long a node that lost its swarm keeps trying to come back
 REJOIN_BACKOFF_S = (1.0, 30.0)
 JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, hangs up without a word
-SYNC_MESSAGES = (P.BarrierReady, P.Agreed, P.Commit)  # handled by the sync of a round, not by the round loop
 
 
 def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
@@ -336,13 +340,15 @@ class Node:
 
 
 class Session:
-    """One connection to the coordinator: handshake, verification, then rounds until it ends."""
+    """One connection to the coordinator: handshake, verification, then rounds until it ends.
+    `_read_control` routes its messages: to `inbox` (the round loop, and the inner loop while a
+    round trains) or `sync_q` (the sync loop)."""
 
     def __init__(self, node: Node):
         self.node = node
         self.opts = node.opts
         self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()  # the round loop's messages
-        self.sync_q: asyncio.Queue[P.Message | None] = asyncio.Queue()  # BarrierReady, Agreed (and the end)
+        self.sync_q: asyncio.Queue[P.Message | None] = asyncio.Queue()  # BarrierReady, Agreed, Commit (and the end)
         self.ctl: Channel | None = None
         self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
         self.round = -1
@@ -363,29 +369,30 @@ class Session:
             raise Lost(f"cannot reach the coordinator: {e}") from None
 
     async def _read_control(self) -> None:
-        """Coordinator frames -> the round loop's inbox, or the sync's queue; the end of the
-        connection (or its silence, or TrainComplete/TrainingCancel) goes to both."""
+        """The router: coordinator frames -> the round loop's inbox, or the sync's queue; the end
+        of the connection (or its silence, or TrainComplete/TrainingCancel) goes to both."""
         try:
             while True:
                 frame = await self.ctl.recv_frame(MAX_CONTROL_FRAME, timeout=self.silence_s)
-                msg = P.decode(frame)
-                if isinstance(msg, P.Ping):
-                    continue
-                if isinstance(msg, P.DataHolders):
-                    if self.node.data is not None:
-                        self.node.data.set_holders(msg.tickets)
-                    continue
-                if isinstance(msg, P.TrainingReady):
-                    # Membership changes are taken here, as they arrive, not when the main loop
-                    # gets to them: a newcomer may ask us for θ a moment later.
-                    self._check_members(msg)
-                if isinstance(msg, SYNC_MESSAGES):
-                    self.sync_q.put_nowait(msg)
-                    continue
-                if isinstance(msg, (P.TrainComplete, P.TrainingCancel)):
-                    self.sync_q.put_nowait(msg)
-                    self.ended.set()
-                self.inbox.put_nowait(msg)
+                match msg := P.decode(frame):
+                    case P.Ping():
+                        pass
+                    case P.DataHolders():
+                        if self.node.data is not None:
+                            self.node.data.set_holders(msg.tickets)
+                    case P.BarrierReady() | P.Agreed() | P.Commit():  # the sync's
+                        self.sync_q.put_nowait(msg)
+                    case P.TrainComplete() | P.TrainingCancel():  # the end: the sync's and the round loop's
+                        self.sync_q.put_nowait(msg)
+                        self.ended.set()
+                        self.inbox.put_nowait(msg)
+                    case P.TrainingReady():
+                        # Membership changes are taken here, as they arrive, not when the main loop
+                        # gets to them: a newcomer may ask us for θ a moment later.
+                        self._check_members(msg)
+                        self.inbox.put_nowait(msg)
+                    case _:  # the round loop's and, while a round trains, the inner loop's
+                        self.inbox.put_nowait(msg)
         except P.ProtocolError as e:  # the coordinator sent garbage: say so, and end the connection
             log.warning("dropping the coordinator's connection: %s", e)
             self.lost_reason = f"the coordinator sent an invalid message ({e})"
@@ -408,26 +415,25 @@ class Session:
             except asyncio.TimeoutError:
                 names = "/".join(t.__name__ for t in types)
                 raise Lost(f"coordinator sent no {names} within {timeout:g}s") from None
-            self._check_end(msg)
-            if isinstance(msg, types):
-                return msg
-            # An earlier round's, or a reply that crossed the end of the inner loop ("stop", "no
-            # more work"): nothing to do.
-            if getattr(msg, "round", self.round) < self.round or isinstance(msg, (P.StopRound, P.NoMoreWork)):
-                continue
-            raise NodeError(f"unexpected {msg.type} from coordinator (expected {'/'.join(t.__name__ for t in types)})")
-
-    def _check_end(self, msg: P.Message | None) -> None:
-        """Raise what the end of the run or of the connection means for this node."""
-        if msg is None:
-            self._stash.appendleft(None)  # every later expect() sees the end too
-            if self.failure is not None:
-                raise self.failure
-            raise Lost(self.lost_reason)
-        if isinstance(msg, P.TrainingCancel):
-            if msg.retry and self.node.admitted:
-                raise Lost(f"the coordinator still holds our old connection ({msg.reason})")
-            raise NodeError(f"training cancelled by coordinator: {msg.reason}")
+            match msg:
+                case None:  # the connection ended (or the sync failed)
+                    self._stash.appendleft(None)  # every later expect() sees the end too
+                    if self.failure is not None:
+                        raise self.failure
+                    raise Lost(self.lost_reason)
+                case P.TrainingCancel(retry=True) if self.node.admitted:
+                    raise Lost(f"the coordinator still holds our old connection ({msg.reason})")
+                case P.TrainingCancel():
+                    raise NodeError(f"training cancelled by coordinator: {msg.reason}")
+                case _ if isinstance(msg, types):
+                    return msg
+                case P.StopRound() | P.NoMoreWork():
+                    pass  # a reply that crossed the end of the inner loop ("stop", "no more work")
+                case _ if getattr(msg, "round", self.round) < self.round:
+                    pass  # an earlier round's
+                case _:
+                    names = "/".join(t.__name__ for t in types)
+                    raise NodeError(f"unexpected {msg.type} from coordinator (expected {names})")
 
     # --- the session ---------------------------------------------------------------------------
 
@@ -479,13 +485,13 @@ class Session:
                 self._data_report(P.DataReport(kind="holds", round=-1, reason="this node's copy matches the manifest"))
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
-            msg = await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady)
-            if isinstance(msg, P.TrainComplete):
-                return self._complete(msg)
-            if isinstance(msg, P.TrainingReady):  # new members (taken by the reader already)
-                await self._verify_ready(msg)
-                continue
-            await self._round(msg)
+            match msg := await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady):
+                case P.ShardAssignment():
+                    await self._round(msg)
+                case P.TrainingReady():  # new members (taken by the reader already)
+                    await self._verify_ready(msg)
+                case P.TrainComplete():
+                    return self._complete(msg)
 
     def _final_word(self) -> P.Message | None:
         """A TrainComplete or TrainingCancel still unread (stashed or queued), if any."""
@@ -812,46 +818,46 @@ class Session:
                     await self._reduced(t, finished)
                     continue  # (the getter, done or not, is looked at next time round)
                 msg, getter = getter.result(), None
-                if msg is None or isinstance(msg, (P.TrainComplete, P.TrainingCancel)):
-                    return
                 p = t.pending
-                if isinstance(msg, P.BarrierReady):
-                    if p is None or msg.round != p.round:
-                        continue  # a retry of a round already settled here (we answered it before)
-                    if reduce is not None:  # a newer ring for the same round: the attempt in flight is moot
-                        reduce.cancel()
-                        reduce = None
-                    p.announced = None  # (a redo: the step it announced was never applied)
-                    if p.applied or p.superseded:  # never a second step on a θ that already moved
-                        p.applied, p.superseded = False, True
-                        p.settled.clear()
-                        await self.send(
-                            P.RingFailed(
-                                round=msg.round,
-                                ring_epoch=msg.ring_epoch,
-                                sit_out=True,
-                                reason="this node already applied the round's outer step",
+                match msg:
+                    case None | P.TrainComplete() | P.TrainingCancel():
+                        return
+                    case P.BarrierReady() if p is None or msg.round != p.round:
+                        pass  # a retry of a round already settled here (we answered it before)
+                    case P.BarrierReady():
+                        if reduce is not None:  # a newer ring for the same round: the attempt in flight is moot
+                            reduce.cancel()
+                            reduce = None
+                        p.announced = None  # (a redo: the step it announced was never applied)
+                        if p.applied or p.superseded:  # never a second step on a θ that already moved
+                            p.applied, p.superseded = False, True
+                            p.settled.clear()
+                            await self.send(
+                                P.RingFailed(
+                                    round=msg.round,
+                                    ring_epoch=msg.ring_epoch,
+                                    sit_out=True,
+                                    reason="this node already applied the round's outer step",
+                                )
                             )
-                        )
-                        continue
-                    reduce = asyncio.ensure_future(self._allreduce(t, msg))
-                    reduce.pending = p  # the round it is for (the round loop may have moved on)
-                elif isinstance(msg, P.Agreed):
-                    if p is None or msg.round != p.round:
+                            continue
+                        reduce = asyncio.ensure_future(self._allreduce(t, msg))
+                        reduce.pending = p  # the round it is for (the round loop may have moved on)
+                    case P.Agreed() if p is None or msg.round != p.round:
                         # A node still in a long step learns the round went on without it before
                         # it reaches the barrier: kept for when it does (see _pend).
                         self._early_agreed[msg.round] = msg
-                        continue
-                    if reduce is not None:
-                        reduce.cancel()
-                        reduce = None
-                    p.announced = None
-                    await self._agreed(t, p, msg)
-                elif isinstance(msg, P.Commit):
-                    a = p.announced if p is not None and msg.round == p.round else None
-                    if a is not None and a.ready.ring_epoch == msg.ring_epoch:
+                    case P.Agreed():
+                        if reduce is not None:
+                            reduce.cancel()
+                            reduce = None
                         p.announced = None
-                        await self._apply(t, p, a.ready, a.stats, a.combined, a.check_s, a.checksum)
+                        await self._agreed(t, p, msg)
+                    case P.Commit():
+                        a = p.announced if p is not None and msg.round == p.round else None
+                        if a is not None and a.ready.ring_epoch == msg.ring_epoch:
+                            p.announced = None
+                            await self._apply(t, p, a.ready, a.stats, a.combined, a.check_s, a.checksum)
         except Exception as e:
             if not isinstance(e, Lost):
                 log.exception("the sync of round %s failed", t.pending.round if t.pending else "?")
