@@ -573,10 +573,7 @@ class Round:
             # Samples it reported before: a unit counts once, and honest code reports each once.
             if not n.repeated:
                 n.repeated = True
-                why = "it reported samples it had already reported trained"
-                self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
-                self.note("false_claim", node_id=i, name=self.name(i), round=self.rnd, claim="progress")
-                self.strike(i, why)
+                self.lied(i, "false_claim", "it reported samples it had already reported trained", claim="progress")
             return
         n.reported.append((u.epoch, u.id, u.lo, u.hi))
         k = u.hi - u.lo
@@ -651,17 +648,13 @@ class Round:
             # Its word alone: a report of a failed ring like any other (the others' RoundDones
             # decide whether the ring finished), and a strike for the claim.
             why = "it said it had applied an attempt of this all-reduce it never reported"
-            self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
-            self.note("false_claim", node_id=i, name=self.name(i), round=self.rnd, claim="sit_out")
-            self.strike(i, why)
+            self.lied(i, "false_claim", why, claim="sit_out")
         if msg.poisoned:
             self.poisoned.add(i)
         if msg.proof is not None and not self.proven(i, msg):
             # Honest code sends only proof it checked: this accuser lied (its word counts for nothing).
             why = "it accused a ring neighbour with proof that does not hold"
-            self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
-            self.note("false_accusation", node_id=i, name=self.name(i), round=self.rnd, accused=msg.suspect)
-            self.strike(i, why)
+            self.lied(i, "false_accusation", why, accused=msg.suspect)
         elif msg.suspect in self.part() and msg.suspect != i:
             self.suspects.setdefault(msg.suspect, set()).add(i)
             if msg.proof is not None:
@@ -1061,7 +1054,7 @@ class Round:
         if self.val_reporter is not None:  # it evaluates θ before it reports
             extra[self.val_reporter] = r.eval_batches * r.batch_size / self.s.speed[self.val_reporter]
         late = rules.reduce_overdue(
-            self.part(),
+            [i for i in self.part() if i not in self.failed],  # (a member that reported a failure is not silent)
             self.nodes,
             now - self.t_ring,
             rules.majority_done_s(self.done_after, self.part()),
@@ -1136,10 +1129,7 @@ class Round:
             lambda owner, digest, sig: signed_payload(owner, rnd, epoch, digest, sig),
         )
         for i in found.false:
-            why = "it reported an all-gather payload that its owner did not sign"
-            self.warn(f"round {rnd}: node {self.name(i)}: {why}")
-            self.note("false_accusation", node_id=i, name=self.name(i), round=rnd)
-            self.strike(i, why)
+            self.lied(i, "false_accusation", "it reported an all-gather payload that its owner did not sign")
         if not found.equivocators:
             return
         for x in found.equivocators:
@@ -1178,6 +1168,16 @@ class Round:
         """A strike for node i (Swarm.strike: they decay); one too many, and it is dropped for
         `why` once the round settles."""
         if self.struck(i, why):
+            self.drops.append((i, f"{why}, again"))
+
+    def lied(self, i: str, kind: str, why: str, **fields) -> None:
+        """Node i said what honest code never says (its claim is contradicted by the round's own
+        record or by a signature): a `kind` event naming it, and a strike. One too many, and it is
+        out for the run (Ban), not only dropped: a liar that rejoined would lie again."""
+        self.warn(f"round {self.rnd}: node {self.name(i)}: {why}")
+        self.note(kind, node_id=i, name=self.name(i), round=self.rnd, **fields)
+        if self.struck(i, why) and not self.pending(Ban, i):
+            self.out.append(Ban(i, f"{why}, again"))
             self.drops.append((i, f"{why}, again"))
 
     def struck(self, i: str, why: str) -> bool:

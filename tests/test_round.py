@@ -743,6 +743,27 @@ def test_two_strikes_in_one_message_drop_the_node() -> None:
     assert "a" not in sim.struck()
 
 
+def test_a_second_lie_bans_the_liar_for_the_run_while_lateness_twice_only_drops() -> None:
+    # x says "I already applied" without a RoundDone, twice; y reports θ late, twice. Both are
+    # struck out, but only x's strikes are lies no honest code tells: x is banned (a rejoin is
+    # refused), y only dropped (a slow node may come back).
+    sim = Sim(["a", "b", "c", "x", "y"])
+    for rnd in range(2):
+        sim.t0 = sim.now = 1000.0 + rnd * 100
+        sim.start(rnd)
+        sim.ring()
+        for n in "abc":
+            sim.done(n)
+        sim.failed("x", sit_out=True)
+        assert not sim.tick(2 * sim.recipe.heartbeat_s + 0.5)  # y is behind
+        assert sim.tick(GRACE + 1)
+    x, y = sim.ids["x"], sim.ids["y"]
+    assert [n["name"] for n in sim.noted("false_claim")] == ["x", "x"]
+    assert [n["name"] for n in sim.noted("deadline")] == ["y", "y"]
+    assert {i for i, _ in sim.dropped} == {x, y}
+    assert set(sim.s.banned) == {x} and "again" in sim.s.banned[x]
+
+
 def test_a_second_strike_of_a_node_struck_before_drops_it_at_once_when_it_sits_out() -> None:
     # A strike in an earlier round is the swarm's (applied by the shell); a sit-out with a strike
     # now is the second: it is dropped at once (Drop), not when the round settles.
