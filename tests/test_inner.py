@@ -57,7 +57,7 @@ class Device:
         return loss
 
 
-async def _round(worker, first: list[P.WorkUnit], replies, unit_steps: int = 2):
+async def _round(worker, first: list[P.WorkUnit], replies, unit_steps: int = 2, rnd: int = 0):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each AskForMoreWork."""
     recipe = Recipe(
         name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=unit_steps
@@ -73,7 +73,7 @@ async def _round(worker, first: list[P.WorkUnit], replies, unit_steps: int = 2):
 
     inner = InnerLoop(worker, recipe, inbox, send)
     inner.rtt_s = 60.0  # a slow link next to a fast device: the node asks ahead at every step
-    report = await inner.run_round(P.ShardAssignment(round=0, epoch=0, units=first))
+    report = await inner.run_round(P.ShardAssignment(round=rnd, epoch=0, units=first))
     return report
 
 
@@ -122,6 +122,27 @@ def test_grants_until_no_more_work_train_everything(worker) -> None:
     report = run_async(_round(worker, granted[:1], replies))
     assert check_accounting(granted, report.trained, report.returned) is None
     assert report.returned == [] and sorted(u.id for u in report.trained) == [0, 1, 2, 3]
+
+
+def test_a_late_reply_of_the_round_before_changes_nothing(worker) -> None:
+    """Replies to the last round's asks that cross into this one (a grant, "no more work", a
+    stop) are not this round's: no unit of the round before is trained, the round does not stop."""
+    granted = [_unit(0)]
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        if n == 1:
+            inbox.put_nowait(P.AssignNext(round=0, unit=_unit(9)))
+            inbox.put_nowait(P.StopRound(round=0))
+            inbox.put_nowait(P.NoMoreWork(round=0))
+        if n <= 2:
+            granted.append(_unit(n))
+            _later(inbox, P.AssignNext(round=1, unit=granted[-1]), 0.01)
+        else:
+            _later(inbox, P.NoMoreWork(round=1), 0.01)
+
+    report = run_async(_round(worker, granted[:1], replies, rnd=1))
+    assert check_accounting(granted, report.trained, report.returned) is None
+    assert report.returned == [] and sorted(u.id for u in report.trained) == [0, 1, 2]
 
 
 class Loop:
