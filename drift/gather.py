@@ -50,6 +50,22 @@ _SIGNED = struct.Struct(">4sII")  # "DGSG", round, generation
 
 log = logging.getLogger("drift.gather")
 
+LATE_FACTOR = 4.0  # a payload still missing this many times what half the others took ...
+LATE_SLACK_S = 5.0  # ... plus this, plus its size at MIN_RATE per payload its sender uploads, is late
+
+
+def late_after(arrivals: list[float], others: int, nbytes: int) -> float | None:
+    """Seconds after the all-gather started by which every other member's payload must have
+    arrived, once at least half of them did (`arrivals`: their arrival times): LATE_FACTOR times
+    what that half took, plus LATE_SLACK_S, plus the time a sender on a link of MIN_RATE takes to
+    upload all `others` payloads of `nbytes` at once. None before then: only the connections' own
+    deadlines apply. A member that withholds its payload (it still receives everyone's) is named
+    by every member it starves, after seconds, not after the connection's timeout."""
+    need = (others + 1) // 2
+    if need == 0 or len(arrivals) < need:
+        return None
+    return LATE_FACTOR * sorted(arrivals)[need - 1] + LATE_SLACK_S + others * nbytes / MIN_RATE
+
 
 def payload_message(owner: str, round_: int, generation: int, digest: bytes) -> bytes:
     """What the owner of a payload signs: round, attempt, its id, sha256 of the payload."""
@@ -127,6 +143,8 @@ class Gather:
         out: list[bytes] = [b""] * len(members)
         out[me] = payload
         heard: dict[int, Heard] = {}  # place -> what came from that member
+        arrived: dict[str, float] = {}  # member -> seconds after t0 its payload was in, signed
+        news = asyncio.Event()  # set at each arrival
         count = [0, 0]  # bytes sent, received
         check = [0.0]  # seconds hashing, signing and verifying (RoundDone.check_s)
 
@@ -147,13 +165,34 @@ class Gather:
             if not signed:
                 raise RingError(f"{m.node_id[:10]} sent a payload it did not sign", suspect=m.node_id)
             heard[k] = Heard(owner=m.node_id, digest=digest.hex(), sig=sig.hex())
+            arrived[m.node_id] = time.perf_counter() - t0
+            news.set()
+
+        async def watch() -> None:
+            while len(arrived) < len(others):
+                news.clear()
+                until = late_after(list(arrived.values()), len(others), nbytes)
+                left = None if until is None else until - (time.perf_counter() - t0)
+                if left is not None and left <= 0:
+                    late = next(m.node_id for _, m in others if m.node_id not in arrived)
+                    raise RingError(
+                        f"{late[:10]} sent no payload within {until:.1f}s, when the others' took "
+                        f"{max(arrived.values()):.1f}s",
+                        suspect=late,
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(news.wait(), left)
 
         t = time.perf_counter()
         head = self.header(round_, generation, payload)
         check[0] += time.perf_counter() - t
         others = [(k, m) for k, m in enumerate(members) if k != me]
         try:
-            await _all([self._send(m, head, payload, count) for _, m in others] + [recv_from(k, m) for k, m in others])
+            await _all(
+                [self._send(m, head, payload, count) for _, m in others]
+                + [recv_from(k, m) for k, m in others]
+                + [watch()]
+            )
         except RingError as e:
             raise RingError(f"all-gather of round {round_} failed: {e}", suspect=e.suspect) from None
         got = [heard[k] for k in sorted(heard)]

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.swarm
 SIM = {**CONF_SIM, "inner_steps": 6, "codec": "fp32"}
 
 
-def _attack(tmp_path: Path, fault: str, nodes: int, rounds: int = 4) -> list[dict]:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=nodes, rounds=rounds, **SIM)
+def _attack(tmp_path: Path, fault: str, nodes: int, rounds: int = 4, **recipe: object) -> tuple[list[dict], str]:
+    """The run's events and the coordinator's log."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=nodes, rounds=rounds, **{**SIM, **recipe})
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": fault})
     good = [swarm.join("0.02", name=f"good{i}") for i in range(nodes - 1)]
@@ -37,14 +38,14 @@ def _attack(tmp_path: Path, fault: str, nodes: int, rounds: int = 4) -> list[dic
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left"), events
     assert all(e["name"] == "bad" or e["reason"] == "deadline" for e in events if e["event"] == "sat_out")
     check_exactly_once(events, 2 * BATCH)
-    return events
+    return events, swarm.log()
 
 
 def test_a_node_that_says_it_already_applied_every_round_neither_ends_nor_voids_the_run(tmp_path: Path) -> None:
     # Before: the coordinator sat it out without a strike and retried; the honest members, who had
     # applied the first attempt, sat the retry out too, and the coordinator exited 1 ("every
     # training node has left"), 6.6 s in.
-    events = _attack(tmp_path, "sit-out-early:1", nodes=3)
+    events, _ = _attack(tmp_path, "sit-out-early:1", nodes=3)
     claims = [(e["round"], e["name"]) for e in events if e["event"] == "false_claim"]
     assert claims[:1] == [(1, "bad")], claims
     assert not [e for e in events if e["event"] == "round_abandoned"]
@@ -55,7 +56,7 @@ def test_a_node_that_says_it_already_applied_every_round_neither_ends_nor_voids_
 def test_a_step_count_lie_cannot_hide_a_poisoned_delta(tmp_path: Path) -> None:
     # Before: a norm x1000 over 10^9 reported steps passed the per-step outlier check, the ring's
     # bound allowed its x1000 Δ, and the run ended "fine" at val loss 133,761 (honest: 3.31).
-    events = _attack(tmp_path, "lie-steps:1", nodes=4)
+    events, _ = _attack(tmp_path, "lie-steps:1", nodes=4)
     named = [(e["round"], e["name"]) for e in events if e["event"] == "outlier_delta"]
     assert named[:1] == [(1, "bad")], named
     assert all(
@@ -65,11 +66,27 @@ def test_a_step_count_lie_cannot_hide_a_poisoned_delta(tmp_path: Path) -> None:
     )
 
 
+def test_a_node_that_withholds_its_all_gather_payload_is_named_by_those_it_starved(tmp_path: Path) -> None:
+    # Attack 3. Before: the withholder, who received everyone's payload, finished first, and the
+    # honest members were struck and dropped; their reports came after their 120 s timeout.
+    events, log = _attack(tmp_path, "withhold-gather:1", nodes=3, sync="sparse")
+    assert "sent no payload within" in log, log  # named seconds after the others' payloads, not at 120 s
+    out = [(e["round"], e["name"], e["reason"]) for e in events if e["event"] == "sat_out"]
+    assert out[:1] == [(1, "bad", "ring")], out  # both honest members named it: caught
+    assert all(
+        r["nodes"].get("bad", {"weight": 0.0})["weight"] == 0
+        for r in events
+        if r["event"] == "round" and r["round"] >= 1
+    )
+    left = [e for e in events if e["event"] == "node_left"]
+    assert left and left[0]["name"] == "bad", left
+
+
 def test_a_node_that_says_it_sat_out_a_round_it_applied_voids_no_round(tmp_path: Path) -> None:
     # Attack 4. Before: every round it did this to was abandoned although every node applied it,
     # and Agreed(abandoned) sent the nodes to fetch θ of the round before from each other while
     # they held their own state's lock: 241 s a round, no θ agreed, no checkpoint.
-    events = _attack(tmp_path, "sit-out-late:1", nodes=3)
+    events, _ = _attack(tmp_path, "sit-out-late:1", nodes=3)
     assert not [e for e in events if e["event"] == "round_abandoned"], events
     claims = [(e["round"], e["name"]) for e in events if e["event"] == "false_claim"]
     assert claims[:1] == [(1, "bad")], claims
@@ -78,7 +95,7 @@ def test_a_node_that_says_it_sat_out_a_round_it_applied_voids_no_round(tmp_path:
 def test_repeated_progress_and_asks_make_no_node_the_only_trainer(tmp_path: Path) -> None:
     # Attack 6. Before: each repeat counted as a unit done and as measured speed, so it became the
     # only trainer and every honest node an evaluator (5,204 progress events in 68 s).
-    events = _attack(tmp_path, "repeat-progress:0", nodes=3)
+    events, _ = _attack(tmp_path, "repeat-progress:0", nodes=3)
     counted = [(e["node_id"], tuple(e["unit"])) for e in events if e["event"] == "progress"]
     assert len(counted) == len(set(counted)), counted  # each unit counted once, as measured speed too
     for r in (e for e in events if e["event"] == "round"):

@@ -15,9 +15,9 @@ from conftest import run_async
 
 from drift import protocol as P
 from drift.diloco import ParamLayout, checksum
-from drift.gather import Gather, signed_payload
+from drift.gather import LATE_FACTOR, LATE_SLACK_S, Gather, late_after, signed_payload
 from drift.recipe import Recipe, RecipeError, load_recipe
-from drift.ring import RingError
+from drift.ring import MIN_RATE, RingError
 from drift.sync import make_rule
 from drift.sync.sparse import Codec, PayloadError
 from drift.transport import GATHER_ALPN, Endpoint
@@ -241,6 +241,17 @@ def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None
         assert out == [bytes([i]) * 3_000_000 for i in range(3)]
         assert stats.bytes_sent > 2 * 3_000_000
     assert all(isinstance(e, RingError) and e.suspect == ring[2].node_id for e in stalled), stalled
+
+
+def test_a_payload_missing_long_after_half_the_others_arrived_is_late() -> None:
+    # Attack 3: a member that withholds its payload, while receiving everyone's, is named after
+    # seconds, relative to what the others took, not after the connection's 120 s timeout.
+    assert late_after([], 3, 0) is None and late_after([0.2], 3, 0) is None  # fewer than half: no clock
+    assert late_after([0.2, 0.3], 3, 0) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S)
+    assert late_after([0.5], 2, 0) == pytest.approx(LATE_FACTOR * 0.5 + LATE_SLACK_S)  # three members
+    assert late_after([], 1, 0) is None  # two members: the one other is all there is
+    # A sender on a slow uplink sends `others` payloads at once: each gets its share of MIN_RATE.
+    assert late_after([0.2, 0.3], 3, 4 * MIN_RATE) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S + 12)
 
 
 def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() -> None:

@@ -56,6 +56,9 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   repeat-progress      from that round on, send each TrainProgress and each AskForMoreWork 20 times:
                        before, the repeats counted as measured speed and units, it became the only
                        trainer, and every honest node was made an evaluator
+  withhold-gather      (sync: sparse) from that round on, send its payload to nobody in the
+                       all-gather while receiving everyone's: before, the honest members waited
+                       their 120 s timeout and were the ones struck (the withholder finished first)
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
@@ -377,6 +380,13 @@ elif kind == "repeat-progress":
         repeats = 20 if isinstance(msg, (P.TrainProgress, P.AskForMoreWork)) and msg.round >= at else 1
         for _ in range(repeats):
             await orig(self, msg)
+elif kind == "withhold-gather":
+
+    @patch(Gather, "_send")
+    async def _(orig, self, m, head, payload, count):
+        if gather_header.unpack(head)[2] >= at:
+            await asyncio.Event().wait()  # (until the attempt is cancelled: a newer ring, or the end)
+        await orig(self, m, head, payload, count)
 else:
     raise SystemExit(f"unknown DRIFT_TEST_FAULT {kind!r}")
 
