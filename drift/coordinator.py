@@ -420,6 +420,10 @@ class Coordinator:
             if (why := self.swarm.banned.get(ch.peer_id)) is not None:
                 await self._refuse(ch, conn, f"excluded from this run: {why}")
                 return
+            rnd = self.current.rnd if self.current is not None else 0
+            if (back := self.swarm.back_from(ch.peer_id, rnd)) is not None:
+                await self._refuse(ch, conn, f"dropped for its strikes; it may rejoin from round {back}", retry=True)
+                return
             if ch.peer_id in self.ready or ch.peer_id in self._handshaking:
                 # One identity, one node. A node that rejoins before we noticed its old connection
                 # died gets retry=True and comes back once that one is gone.

@@ -422,7 +422,7 @@ class Session:
                         raise self.failure
                     raise Lost(self.lost_reason)
                 case P.TrainingCancel(retry=True) if self.node.admitted:
-                    raise Lost(f"the coordinator still holds our old connection ({msg.reason})")
+                    raise Lost(f"the coordinator refused us for now ({msg.reason})")
                 case P.TrainingCancel():
                     raise NodeError(f"training cancelled by coordinator: {msg.reason}")
                 case _ if isinstance(msg, types):

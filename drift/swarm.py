@@ -153,6 +153,13 @@ class Swarm:
         STRIKE_ROUNDS rounds (a read: strike() counts one)."""
         return len(self._recent(i, rnd)) + more >= MAX_STRIKES
 
+    def back_from(self, i: str, rnd: int) -> int | None:
+        """A node dropped for its strikes may rejoin once the oldest of them expired: the round
+        it may come back in, or None if it may now (otherwise it would cost the swarm a deadline
+        every time it came back)."""
+        recent = self._recent(i, rnd)
+        return recent[-MAX_STRIKES] + STRIKE_ROUNDS if len(recent) >= MAX_STRIKES else None
+
     def _recent(self, i: str, rnd: int) -> list[int]:
         return [r for r in self.strikes.get(i, []) if r > rnd - STRIKE_ROUNDS]
 

@@ -182,6 +182,13 @@ def test_strikes_decay() -> None:
     assert not s.struck_out("a", 3 + STRIKE_ROUNDS)  # the first one expired
     s.strike("a", 3 + STRIKE_ROUNDS)
     assert s.struck_out("a", 4 + STRIKE_ROUNDS)  # two within the window: dropped
+    # Dropped for them, it is refused until the older of the two expired, not let back in to be
+    # dropped again at the next strike.
+    s.strike("b", 5)
+    s.strike("b", 6)
+    assert s.back_from("b", 6) == 5 + STRIKE_ROUNDS
+    assert s.back_from("b", 5 + STRIKE_ROUNDS) is None
+    assert s.back_from("a", 4 + STRIKE_ROUNDS) is None  # one strike: it may come back at once
 
 
 def test_a_reported_norm_far_outside_the_others_is_an_outlier() -> None:
