@@ -894,7 +894,7 @@ class Session:
                 result = mine
             else:
                 result, stats = await self.node.gather.allgather(
-                    mine, ready.ring, ready.round, t.rule.payload_nbytes, generation=ready.ring_epoch
+                    mine, ready.ring, ready.round, t.rule.payload_nbytes, ready.ring_epoch, ready.step_s
                 )
         except RingError as e:
             return ready, None, None, e

@@ -815,6 +815,7 @@ class Round:
                     ring_epoch=epoch,
                     confirm=self.confirm,
                     recheck=self.confirm and bool(self.earlier),
+                    step_s=min(3600.0, max(self.r.batch_size / s.speed[i] for i in part)) if self.r.overlap else 0.0,
                 ),
             )
         )

@@ -252,6 +252,8 @@ def test_a_payload_missing_long_after_half_the_others_arrived_is_late() -> None:
     assert late_after([], 1, 0) is None  # two members: the one other is all there is
     # A sender on a slow uplink sends `others` payloads at once: each gets its share of MIN_RATE.
     assert late_after([0.2, 0.3], 3, 4 * MIN_RATE) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S + 12)
+    # Overlapped, each member first finishes the inner step in hand (BarrierReady.step_s).
+    assert late_after([0.2, 0.3], 3, 0, step_s=7.0) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S + 7)
 
 
 def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() -> None:
