@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 import iroh
 import numpy as np
 
-from drift.diloco import ParamLayout
+from drift.diloco import ParamLayout, PieceHash
 from drift.protocol import MAX_ROUND, printable
 from drift.transport import (
     STATE_ALPN,
@@ -331,7 +330,7 @@ async def fetch_state(
                     )
                 write = sink(got_layout)
                 end = time.monotonic() + timeout + 4 * arrays * got_layout.size / min_rate
-                h = hashlib.blake2b(digest_size=12)  # as diloco.checksum: θ's bytes, then the state's
+                h = PieceHash()  # as diloco.checksum: θ's pieces, then the state's
                 for which in range(arrays):
                     got, total = 0, 4 * got_layout.size
                     while got < total:
@@ -353,6 +352,7 @@ async def fetch_state(
                         h.update(view)
                         write(which, got, view)
                         got += len(view)
+                    h.end_array()
                 await ch.send_frame(b"ok")
             finally:
                 ch.close("state received")
