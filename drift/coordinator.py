@@ -314,7 +314,7 @@ class Coordinator:
         t.add_done_callback(self._tasks.discard)
 
     async def _accept_loop(self) -> None:
-        """Serve drift/0 (nodes) and drift-state/0 (θ of a resumed checkpoint) until the endpoint
+        """Serve drift/0 (nodes) and drift-state/1 (θ of a resumed checkpoint) until the endpoint
         closes. A connection that fails, whatever its bytes, ends in one connection_dropped line."""
         assert self.endpoint is not None
         await self.endpoint.serve(
