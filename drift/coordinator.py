@@ -879,7 +879,8 @@ class Coordinator:
         (checksum-verified before it is committed; never all in memory). None (and
         `checkpoint_error` says why) when no node could hand it over. The donors are
         Swarm.donors (never one that left or whose connection is gone), at most DONOR_TRIES of
-        them in turn, each given up after `timeout` s of silence (fetch_state)."""
+        them, pieces from several at once, each given up once it stalls (fetch_state; `timeout`
+        bounds connecting to one)."""
         if self.last_checkpoint == rnd:
             return self.last_checkpoint_path
         if rnd not in self.swarm.checksums or self.endpoint is None:
