@@ -7,7 +7,9 @@ network namespaces where each holder's upload is limited by tc tbf (benchmarks/n
 
 Printed per row: holders asked, seconds from the first connect to the last piece written
 (manifest checked, every piece checked against its digest), MiB/s, and the pieces each holder
-served. θ only (arrays=1, as the sparse rule's transfer): N MiB of float32.
+sent. θ only (arrays=1, as the sparse rule's transfer): N MiB of float32. The two "liar" rows
+add a holder that serves bad pieces under the right manifest, named first: the first fetch
+finds it out on its first piece, the second does not ask it.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ async def holder(args: argparse.Namespace) -> None:
     from drift.transport import STATE_ALPN, Endpoint
 
     theta = _theta(args.mib)
+    agreed = checksum(theta)  # (its piece digests are what this process serves as the manifest)
+    if args.lies:  # θ changed after its checksum was taken: the manifest is right, the pieces not
+        theta[:: 1 << 20] += 1
     server = StateServer(allowed=lambda peer: True)
-    server.publish(0, (theta,), checksum(theta), ParamLayout(("w",), ((theta.size,),)))
+    server.publish(0, (theta,), agreed, ParamLayout(("w",), ((theta.size,),)))
     ep = await Endpoint.bind(args.mode, alpns=(STATE_ALPN,))
     serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
     print(json.dumps({"ticket": ep.ticket()}), flush=True)
@@ -74,8 +79,9 @@ async def joiner(args: argparse.Namespace) -> None:
     await ep.close()
 
 
-def _start(prefix: list[str], role: str, args: argparse.Namespace, mode: str) -> subprocess.Popen:
+def _start(prefix: list[str], role: str, args: argparse.Namespace, mode: str, lies: bool = False) -> subprocess.Popen:
     cmd = [*prefix, sys.executable, str(Path(__file__).resolve()), role, "--mib", str(args.mib), "--mode", mode]
+    cmd += ["--lies"] if lies else []
     return subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
@@ -92,28 +98,33 @@ def _ask(p: subprocess.Popen, line: str) -> dict:
 
 
 def run(args: argparse.Namespace, label: str, swarm=None) -> None:
-    """Holders in processes 1..H (namespaces 1..H), the joiner in process 0; one row per count."""
-    n = max(args.holders)
+    """Holders in processes 1..H (namespaces 1..H), the joiner in process 0; one row per count.
+    With --liar, one more holder serves bad pieces under the right manifest: it is asked first,
+    together with the others, twice (the second time it is remembered as a liar)."""
+    n = max(args.holders) + args.liar
     mode = "local" if swarm is None else "lan"
     prefix = (lambda i: []) if swarm is None else swarm.exec_prefix
     procs: list[subprocess.Popen] = []
     try:
-        procs = [_start(prefix(i + 1), "--holder", args, mode) for i in range(n)]
+        procs = [_start(prefix(i + 1), "--holder", args, mode, lies=args.liar and i == n - 1) for i in range(n)]
         tickets = [json.loads(p.stdout.readline())["ticket"] for p in procs]  # type: ignore[union-attr]
         join = _start(prefix(0), "--joiner", args, mode)
         procs.append(join)
         assert json.loads(join.stdout.readline())["ready"]  # type: ignore[union-attr]
-        for k in args.holders:
-            for rep in range(args.reps):
-                before = [_ask(p, "served")["served"] for p in procs[:n]]
-                s = _ask(join, json.dumps(tickets[:k]))["s"]
-                after = [_ask(p, "served")["served"] for p in procs[:n]]
-                served = [b - a for a, b in zip(before, after)][:k]
-                print(
-                    f"{label:>24}  {args.mib:>5} MiB  holders {k}  rep {rep}  {s:7.2f} s  "
-                    f"{args.mib / s:7.1f} MiB/s  pieces per holder {served}",
-                    flush=True,
-                )
+        plan = [(f"holders {k}", tickets[:k], range(k)) for k in args.holders for _ in range(args.reps)]
+        if args.liar:
+            k, who = max(args.holders), [n - 1, *range(n - 1)]
+            plan += [(f"liar + {k} holders", [tickets[-1], *tickets[: n - 1]], who)] * 2
+        for name, asked, who in plan:
+            before = [_ask(p, "served")["served"] for p in procs[:n]]
+            s = _ask(join, json.dumps(asked))["s"]
+            after = [_ask(p, "served")["served"] for p in procs[:n]]
+            served = [after[i] - before[i] for i in who]
+            print(
+                f"{label:>24}  {args.mib:>5} MiB  {name:<18} {s:7.2f} s  "
+                f"{args.mib / s:7.1f} MiB/s  pieces sent per holder {served}",
+                flush=True,
+            )
     finally:
         for p in procs:
             if p.stdin:
@@ -131,9 +142,11 @@ def main() -> None:
     ap.add_argument("--holder", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--joiner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="local", help=argparse.SUPPRESS)
+    ap.add_argument("--lies", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mib", type=int, default=1024, help="θ size (default 1024 MiB)")
     ap.add_argument("--holders", type=int, nargs="+", default=[1, 4], help="holder counts to compare")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--liar", type=int, choices=(0, 1), default=1, help="add rows with a lying holder (default 1)")
     ap.add_argument("--rate", default="100mbit", help="each holder's upload on the limited links")
     ap.add_argument("--netns-mib", type=int, default=None, help="θ size on limited links (default --mib)")
     ap.add_argument("--no-netns", action="store_true")
@@ -153,7 +166,7 @@ def main() -> None:
         args.mib = args.netns_mib or args.mib
         try:
             # the joiner's download is not the limit: each holder's upload is
-            with Swarm(n=1 + max(args.holders), up=args.rate, down="10gbit") as swarm:
+            with Swarm(n=1 + max(args.holders) + args.liar, up=args.rate, down="10gbit") as swarm:
                 run(args, f"netns, {args.rate} up", swarm)
         except NetnsUnavailable as e:
             print(f"skipping the limited links: {e}")
