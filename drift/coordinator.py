@@ -833,7 +833,10 @@ class Coordinator:
         theta = ck.theta_flat
         arrays = (theta, *ck.state_flat.values())  # mapped from the files, not read
         if (got := checksum(*arrays)) != ck.manifest.get("checksum"):
-            raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
+            raise CoordinatorError(  # (load_checkpoint checked the files' sha256: the bytes are the ones written)
+                f"{ck.path}: θ and outer state do not match the checksum in its manifest "
+                "(checkpoints written before drift-state/1 hashed them another way)"
+            )
         if theta.size != self.n_params:
             raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
         if ck.manifest.get("frozen_base", "") != self.frozen:
