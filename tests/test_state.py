@@ -403,3 +403,16 @@ def test_a_node_taking_theta_from_a_peer_refuses_requests_at_once_instead_of_hol
                 await e.close()
 
     assert "busy: taking θ from a peer" in run_async(main())
+
+
+def test_a_holder_that_no_longer_remembers_the_digests_hashes_its_state_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The piece digests come with the checksum a node computes each round; a holder that has
+    not computed it lately (it took θ long ago, many checksums since) hashes its arrays again to
+    hand out the manifest."""
+    import drift.diloco
+
+    theta, velocity = _state(14)
+    agreed = checksum(theta, velocity)
+    monkeypatch.setattr(drift.diloco, "_RECENT", type(drift.diloco._RECENT)())
+    _, got_theta, got_velocity = _fetch(_serving(5, theta, velocity, announced=agreed), 5, agreed)
+    assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
