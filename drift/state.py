@@ -76,7 +76,7 @@ class StateError(Exception):
 
 
 class _Lied(StateError):
-    """A donor sent a state that is not the one the swarm agreed on (its checksum differs)."""
+    """A holder sent a state that is not the one the swarm agreed on (its manifest or a piece)."""
 
 
 # What a node learned about donors, per its node id, for as long as the process lives: donor id
