@@ -124,7 +124,7 @@ def _swap(a: Path, b: Path) -> bool:
 
 class CheckpointWriter:
     """One checkpoint written while its bytes arrive: the header of each file first (from the
-    layout), then θ's and each state array's bytes in order. commit() fsyncs, writes the manifest
+    layout), then θ's and each state array's bytes, piece by piece in any order. commit() fsyncs, writes the manifest
     and renames the dir into place atomically; abort() leaves nothing."""
 
     def __init__(
@@ -155,14 +155,17 @@ class CheckpointWriter:
         self._files = [open(self.tmp / name, "wb") for name in self._names]
         for f in self._files:
             f.write(len(raw).to_bytes(8, "little") + raw)
+        self._base = 8 + len(raw)
         self._written = [0] * len(self._files)
 
     def write(self, which: int, offset: int, data: memoryview | bytes) -> None:
-        """Bytes of θ (which 0) or of state array which-1, in order: `offset` must be where the
-        last write ended (a transfer arrives in order)."""
-        if offset != self._written[which] or offset + len(data) > self.nbytes:
-            raise ValueError(f"checkpoint bytes out of order at {offset} (have {self._written[which]})")
-        self._files[which].write(data)
+        """Bytes of θ (which 0) or of state array which-1 at byte `offset`, each byte once, in
+        any order (a transfer's pieces arrive from several holders)."""
+        if offset < 0 or offset + len(data) > self.nbytes:
+            raise ValueError(f"checkpoint bytes at {offset}..{offset + len(data)} outside 0..{self.nbytes}")
+        f = self._files[which]
+        f.seek(self._base + offset)
+        f.write(data)
         self._written[which] += len(data)
 
     def commit(self, meta: dict, keep: int = 3) -> Path:

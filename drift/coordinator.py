@@ -314,7 +314,7 @@ class Coordinator:
         t.add_done_callback(self._tasks.discard)
 
     async def _accept_loop(self) -> None:
-        """Serve drift/0 (nodes) and drift-state/0 (θ of a resumed checkpoint) until the endpoint
+        """Serve drift/0 (nodes) and drift-state/1 (θ of a resumed checkpoint) until the endpoint
         closes. A connection that fails, whatever its bytes, ends in one connection_dropped line."""
         assert self.endpoint is not None
         await self.endpoint.serve(
@@ -834,7 +834,10 @@ class Coordinator:
         theta = ck.theta_flat
         arrays = (theta, *ck.state_flat.values())  # mapped from the files, not read
         if (got := checksum(*arrays)) != ck.manifest.get("checksum"):
-            raise CoordinatorError(f"{ck.path}: θ and outer state do not match the checksum in its manifest")
+            raise CoordinatorError(  # (load_checkpoint checked the files' sha256: the bytes are the ones written)
+                f"{ck.path}: θ and outer state do not match the checksum in its manifest "
+                "(checkpoints written before drift-state/1 hashed them another way)"
+            )
         if theta.size != self.n_params:
             raise CoordinatorError(f"{ck.path}: θ has {theta.size} values, the nodes' model {self.n_params}")
         if ck.manifest.get("frozen_base", "") != self.frozen:
@@ -880,7 +883,8 @@ class Coordinator:
         (checksum-verified before it is committed; never all in memory). None (and
         `checkpoint_error` says why) when no node could hand it over. The donors are
         Swarm.donors (never one that left or whose connection is gone), at most DONOR_TRIES of
-        them in turn, each given up after `timeout` s of silence (fetch_state)."""
+        them, pieces from several at once, each given up once it stalls (fetch_state; `timeout`
+        bounds connecting to one)."""
         if self.last_checkpoint == rnd:
             return self.last_checkpoint_path
         if rnd not in self.swarm.checksums or self.endpoint is None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -157,7 +159,7 @@ class NesterovOuter:
         v, mu = self.velocity, self.momentum
         if mu == 0:
             return sgd_preview(theta, grad, self.lr, self.params, v)
-        h = hashlib.blake2b(digest_size=12)
+        h = PieceHash()
         # The same float32 operations as step(), in scratch: θ's bytes first, then the velocity's
         # (the checksum's order), so v*mu + g is computed twice rather than kept.
         vc, gc = np.empty(min(CHUNK, self.params), np.float32), np.empty(min(CHUNK, self.params), np.float32)
@@ -175,6 +177,7 @@ class NesterovOuter:
             np.subtract(theta[a:b], gs, out=gs)
             h.update(gs.view(np.uint8))
         h.update((theta[self.params :] - grad[self.params :]).view(np.uint8))
+        h.end_array()
         for a in range(0, self.params, CHUNK):
             b = min(a + CHUNK, self.params)
             vs = vc[: b - a]
@@ -182,38 +185,123 @@ class NesterovOuter:
             vs += grad[a:b]
             h.update(vs.view(np.uint8))
         h.update(v[self.params :].view(np.uint8))
+        h.end_array()
         return h.hexdigest()
 
 
 def sgd_preview(theta: np.ndarray, grad: np.ndarray, lr: np.float32, params: int, *state: np.ndarray) -> str:
     """checksum(θ, *state) as it would be after sgd_step(θ, grad, lr, params), computed a chunk
     at a time into scratch: θ, `grad` and the state are left as they are."""
-    h = hashlib.blake2b(digest_size=12)
+    h = PieceHash()
     for a in range(0, theta.size, CHUNK):
         b = min(a + CHUNK, theta.size)
         g = grad[a:b].copy()
         if a < params:  # (CHUNK divides nothing in particular: a chunk may hold params and buffers)
             g[: params - a] *= lr
         h.update((theta[a:b] - g).view(np.uint8))
+    h.end_array()
     for x in state:
         h.update(np.ascontiguousarray(x).view(np.uint8))
+        h.end_array()
     return h.hexdigest()
 
 
 def checksum(theta: np.ndarray, *state: np.ndarray) -> str:
     """A short digest of the exact bytes of θ and then of the sync rule's shared state arrays, in
     the rule's order: the swarm agrees on all of them each round, so a peer that hands over a
-    poisoned velocity is caught too."""
-    return checksum_of((theta, *state))
+    poisoned velocity is caught too. It is the root of their pieces (PieceHash), so a transfer
+    can check each piece as it arrives."""
+    return checksum_of([a] for a in (theta, *state))
 
 
-def checksum_of(pieces: Iterable[np.ndarray]) -> str:
-    """checksum() of the arrays' bytes one after another, given in pieces (a step's result a
-    block at a time, never the whole θ at once)."""
-    h = hashlib.blake2b(digest_size=12)
-    for a in pieces:
-        h.update(np.ascontiguousarray(a).view(np.uint8))
+def checksum_of(arrays: Iterable[Iterable[np.ndarray]]) -> str:
+    """checksum() of arrays given each as its blocks, one after another (a step's result a block
+    at a time, never the whole θ at once)."""
+    h = PieceHash()
+    for blocks in arrays:
+        for a in blocks:
+            h.update(np.ascontiguousarray(a).view(np.uint8))
+        h.end_array()
     return h.hexdigest()
+
+
+# The swarm's checksum is content-addressed: each array (θ, then each state array) is cut into
+# PIECE_BYTES pieces, each piece has a blake2b digest, and the checksum is the blake2b of the piece
+# digests in order. A receiver that holds the digests (checked against the checksum) checks each
+# piece on arrival, from whichever holder it came.
+PIECE_BYTES = 4 << 20
+PIECE_DIGEST = 16  # bytes of blake2b per piece
+
+
+class PieceHash:
+    """The checksum of bytes fed in order, array by array (`end_array` after each); `pieces`
+    holds the piece digests so far. Nothing is kept but the digests."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self._h = hashlib.blake2b(digest_size=PIECE_DIGEST)
+        self._n = 0  # bytes in the current piece
+
+    def update(self, data: np.ndarray | bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), PIECE_BYTES - self._n)
+            self._h.update(view[:take])
+            self._n += take
+            view = view[take:]
+            if self._n == PIECE_BYTES:
+                self._cut()
+
+    def end_array(self) -> None:
+        """The current array ends here: its last piece may be short."""
+        if self._n:
+            self._cut()
+
+    def _cut(self) -> None:
+        self.pieces.append(self._h.digest())
+        self._h, self._n = hashlib.blake2b(digest_size=PIECE_DIGEST), 0
+
+    def hexdigest(self) -> str:
+        """The root over the pieces of the arrays ended so far (remembered: pieces_of)."""
+        root = root_of(self.pieces)
+        _remember(root, tuple(self.pieces))
+        return root
+
+
+def root_of(pieces: Iterable[bytes]) -> str:
+    """The checksum of arrays whose piece digests are these, in order."""
+    return hashlib.blake2b(b"".join(pieces), digest_size=12).hexdigest()
+
+
+def piece_digest(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=PIECE_DIGEST).digest()
+
+
+def piece_spans(nbytes: int, arrays: int) -> list[tuple[int, int, int]]:
+    """(which array, byte offset, length) of every piece of `arrays` arrays of `nbytes` each."""
+    return [(w, o, min(PIECE_BYTES, nbytes - o)) for w in range(arrays) for o in range(0, nbytes, PIECE_BYTES)]
+
+
+# The piece digests of the last few checksums computed here, by checksum: a state server hands
+# them to a joiner without hashing θ again (the same checksum means the same pieces, whoever
+# computed it).
+_RECENT: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
+_RECENT_MAX = 16
+_recent_lock = threading.Lock()
+
+
+def _remember(root: str, pieces: tuple[bytes, ...]) -> None:
+    with _recent_lock:
+        _RECENT[root] = pieces
+        _RECENT.move_to_end(root)
+        while len(_RECENT) > _RECENT_MAX:
+            _RECENT.popitem(last=False)
+
+
+def pieces_of(root: str) -> tuple[bytes, ...] | None:
+    """The piece digests of checksum `root`, if this process computed it lately."""
+    with _recent_lock:
+        return _RECENT.get(root)
 
 
 def weighted_delta(theta_global: np.ndarray, theta_local: np.ndarray, weight: float) -> np.ndarray:

@@ -312,7 +312,7 @@ class Node:
                 lost_since, delay = None, REJOIN_BACKOFF_S[0]
 
     async def _accept(self) -> None:
-        """Serve drift-ring/0 (neighbours) and drift-state/0 (θ for peers); a connection that
+        """Serve drift-ring/0 (neighbours) and drift-state/1 (θ for peers); a connection that
         fails, whatever its bytes, is closed with one log line."""
         refusals = Throttle(lambda peer, why: log.warning("refusing %s: %s", peer[:10], why))  # strangers
         await self.endpoint.serve(

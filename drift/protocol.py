@@ -221,7 +221,7 @@ Units = Annotated[list[WorkUnit], Field(max_length=MAX_UNITS)]  # (the frame's M
 
 
 class StateSource(_Msg):
-    """Where a node that lacks the swarm's θ fetches it (ALPN drift-state/0), and what to expect."""
+    """Where a node that lacks the swarm's θ fetches it (ALPN drift-state/1), and what to expect."""
 
     round: RoundOrInitial  # θ after this round's outer step (-1: the initial θ)
     checksum: Token

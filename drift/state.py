@@ -1,33 +1,47 @@
 """Handing the swarm's state (θ and the sync rule's shared state arrays) to whoever lacks it: a late
 joiner, a node that sat a round out, an evaluator, the coordinator writing a checkpoint.
-ALPN ``drift-state/0``, peer to peer.
+ALPN ``drift-state/1``, peer to peer.
+
+The state is content-addressed (drift/diloco.py, PieceHash): each array is cut into PIECE_BYTES
+pieces, and the checksum the coordinator agreed on for a round is the root of the pieces'
+digests. A transfer, on one connection::
+
+    asker: {"round": r}        holder: header: the layout and the piece digests (the manifest)
+    asker: {"piece": i} ...    holder: piece i's bytes, one frame per request, in order
+    asker: "ok"
+
+The asker checks the manifest against the agreed checksum before it takes any piece, and each
+piece against its digest as it arrives: a peer cannot slip in another state, and a piece is
+never written unchecked. It takes the pieces from up to PARALLEL holders at once, each
+connection pulling the next piece wanted from one shared queue (a slow holder serves fewer);
+a holder that sends a piece that is not the swarm's is never asked again by this process, one
+that stalls is dropped from the fetch after one piece's timeout, and their pieces go to the
+others.
 
 Every training node serves its own live θ and state (no copies: a node keeps nothing twice)
-to the members of the run. A transfer streams them in bounded chunks, so there is no size cap and
-neither side ever holds a second copy; the node's outer step waits while a transfer is reading
-(`StateServer.updating`), and a transfer asked for meanwhile waits for the outer step. Either side gives a transfer up once it falls behind MIN_RATE (after
-SLACK_S), so a slow or stalling donor cannot hold a fetch, and a slow reader cannot hold a
-donor's outer step, for longer than SLACK_S + size / MIN_RATE. The receiver checks the checksum the coordinator agreed on for that
-round, over θ and the state arrays, before it uses any of it: a peer cannot slip in another state.
-The arrays follow θ in the rule's order (drift/sync/); both sides run the same rule, so the
-header does not name them.
+to the members of the run. The node's outer step waits while a transfer is reading
+(`StateServer.updating`), and a transfer asked for meanwhile waits for the outer step. Either
+side gives a transfer up once it falls behind MIN_RATE (after SLACK_S), so a slow or stalling
+holder cannot hold a fetch, and a slow reader cannot hold a holder's outer step, for longer
+than SLACK_S + size / MIN_RATE. The arrays follow θ in the rule's order (drift/sync/); both
+sides run the same rule, so the header does not name them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import iroh
 import numpy as np
 
-from drift.diloco import ParamLayout
+from drift.diloco import PIECE_DIGEST, ParamLayout, PieceHash, piece_digest, piece_spans, pieces_of, root_of
 from drift.protocol import MAX_ROUND, printable
 from drift.transport import (
     STATE_ALPN,
@@ -44,14 +58,15 @@ from drift.transport import (
 log = logging.getLogger("drift.state")
 
 REQUEST_TIMEOUT = 10.0  # a peer sends its request as soon as it connects
-DONE_TIMEOUT = 60.0  # for the peer's "ok" once the state is sent
-MAX_REQUEST = 256  # bytes: a request is {"round": N}
+DONE_TIMEOUT = 60.0  # for the peer to hang up once it has our last frame
+MAX_REQUEST = 256  # bytes: a request is {"round": N} or {"piece": i}
 MAX_HEADER = 1 << 24  # bytes: the header names every tensor of the model (16 MiB: ~100k tensors)
 MAX_CLIENTS = 64  # connections served at once; more are refused at once
 MAX_CLIENTS_PER_PEER = 4  # of those, from one peer
 MIN_RATE = 1 << 20  # bytes/s: a transfer slower than this overall (after SLACK_S) is given up, both sides
 SLACK_S = 10.0  # on top of size / MIN_RATE: connecting, the header, a slow start
-CHUNK_BYTES = 4 << 20  # one frame of a transfer
+PARALLEL = 4  # holders a fetch takes pieces from at once
+DEPTH = 2  # piece requests in flight per holder: the next is asked for before the last arrives
 MAX_TENSORS = 1 << 20
 MAX_VALUES = 1 << 40  # values in θ a receiver will accept at all (it also checks the size it expects)
 
@@ -61,7 +76,7 @@ class StateError(Exception):
 
 
 class _Lied(StateError):
-    """A donor sent a state that is not the one the swarm agreed on (its checksum differs)."""
+    """A holder sent a state that is not the one the swarm agreed on (its manifest or a piece)."""
 
 
 # What a node learned about donors, per its node id, for as long as the process lives: donor id
@@ -102,6 +117,7 @@ class StateServer:
         self._fetching = 0  # updating() calls taking the arrays from a peer: requests are refused at once
         self._writers = 0  # updating() calls waiting for the transfers in flight to end
         self._cond = asyncio.Condition()
+        self.served = 0  # pieces handed out so far
 
     def publish(self, rnd: int, arrays: tuple[np.ndarray, ...], checksum: str, layout: ParamLayout) -> None:
         """From now on serve these arrays (θ, then the rule's state) as the state after round
@@ -140,7 +156,8 @@ class StateServer:
     async def handle(
         self, conn: iroh.Connection, on_drop: DropFn | None = None, on_stranger: DropFn | None = None
     ) -> None:
-        """Serve one request: ``{"round": r}`` in, the state after round r (or an error) out.
+        """Serve one transfer: ``{"round": r}`` in, the manifest of the state after round r (or
+        an error) out, then the pieces asked for.
 
         Whatever the peer sends or fails to send, this returns normally: a request that is not
         valid, or a peer that stalls, ends in one on_drop(peer, reason) (default: a log line).
@@ -165,7 +182,7 @@ class StateServer:
                 self._clients -= 1
                 if (left := self._by_peer.pop(peer) - 1) > 0:
                     self._by_peer[peer] = left
-            try:  # the peer says when it has everything (its slot is free already); hanging up is fine too
+            try:  # the peer hangs up once it has read our last frame (its slot is free already)
                 await ch.recv_frame(16, timeout=DONE_TIMEOUT)
             except TransportError:
                 pass
@@ -198,8 +215,12 @@ class StateServer:
             await ch.send_frame(json.dumps({"error": f"have round {have}"}).encode())
             return
         try:
+            spans = piece_spans(cur.arrays[0].nbytes, len(cur.arrays))
             size = sum(a.nbytes for a in cur.arrays)
             end = time.monotonic() + self.slack + size / self.min_rate
+            digests = pieces_of(cur.checksum)
+            if digests is None or len(digests) != len(spans):  # not computed here lately: hash θ again
+                digests = await asyncio.to_thread(_digests, cur.arrays)
             await ch.send_frame(
                 json.dumps(
                     {
@@ -209,17 +230,27 @@ class StateServer:
                         "names": list(cur.layout.names),
                         "shapes": [list(x) for x in cur.layout.shapes],
                         "buffers": cur.layout.n_buffers,
+                        "pieces": [d.hex() for d in digests],
                     }
                 ).encode(),
                 timeout=self.slack,
             )
-            for a in cur.arrays:
-                view = memoryview(a).cast("B")
-                for i in range(0, len(view), CHUNK_BYTES):
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        raise TransportTimeout("")
-                    await ch.send_frame(view[i : i + CHUNK_BYTES], timeout=left)
+            views = [memoryview(a).cast("B") for a in cur.arrays]
+            for _ in range(len(spans)):  # as many pieces as there are, or fewer and "ok"
+                try:
+                    frame = await ch.recv_frame(MAX_REQUEST, timeout=max(end - time.monotonic(), 0.001))
+                except TransportTimeout:
+                    raise
+                except TransportError:  # (not a timeout)
+                    return  # the peer hung up: it has what it wanted, or gave up on us
+                if frame == b"ok":
+                    return
+                which, offset, n = spans[_parse_piece(frame, len(spans))]
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout("")
+                await self._send_piece(ch, views[which][offset : offset + n], left)
+                self.served += 1
         except TransportTimeout:
             raise StateError(
                 f"reader too slow: {size / 2**20:.1f} MiB not taken within {self.slack:g} s + "
@@ -229,6 +260,31 @@ class StateServer:
             async with self._cond:
                 self._reading -= 1
                 self._cond.notify_all()
+
+    async def _send_piece(self, ch: Channel, data: memoryview, timeout: float) -> None:
+        await ch.send_frame(data, timeout=timeout)
+
+
+def _digests(arrays: tuple[np.ndarray, ...]) -> tuple[bytes, ...]:
+    """The piece digests of these arrays (diloco.checksum's pieces)."""
+    h = PieceHash()
+    for a in arrays:
+        h.update(a)
+        h.end_array()
+    h.hexdigest()
+    return tuple(h.pieces)
+
+
+def _parse_piece(frame: bytes, n: int) -> int:
+    """The piece a request asks for; StateError unless it is exactly ``{"piece": i}``, 0 <= i < n."""
+    try:
+        want = json.loads(frame.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise StateError("piece request is not JSON") from None
+    i = want.get("piece") if isinstance(want, dict) and len(want) == 1 else None
+    if type(i) is not int or not 0 <= i < n:
+        raise StateError(f'piece request is not {{"piece": i}} with 0 <= i < {n}')
+    return i
 
 
 def _parse_request(frame: bytes) -> int:
@@ -285,6 +341,114 @@ def _first_difference(got: ParamLayout, want: ParamLayout) -> str:
 Sink = Callable[[int, int, memoryview], None]  # (which: 0 θ / 1.. the state arrays, byte offset, bytes)
 
 
+@dataclass
+class _Fetch:
+    """What one fetch_state shares among its holders' connections."""
+
+    rnd: int
+    want: str
+    layout: ParamLayout | None = None  # known once a holder's manifest checked out
+    write: Sink | None = None
+    digests: list[bytes] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    todo: deque[int] = field(default_factory=deque)  # pieces no connection has asked for
+    left: int = 0  # pieces not written yet
+
+    @property
+    def done(self) -> bool:
+        return self.layout is not None and self.left == 0
+
+
+def _manifest(head: dict, layout: ParamLayout, arrays: int) -> list[bytes]:
+    """The piece digests a holder announces, as many as `arrays` arrays of this layout have."""
+    pieces, want = head.get("pieces"), len(piece_spans(4 * layout.size, arrays))
+    if not isinstance(pieces, list) or len(pieces) != want:
+        n = len(pieces) if isinstance(pieces, list) else "no"
+        raise StateError(f"the peer's manifest has {n} pieces, expected {want}")
+    try:
+        if not all(isinstance(p, str) and len(p) == 2 * PIECE_DIGEST for p in pieces):
+            raise ValueError
+        return [bytes.fromhex(p) for p in pieces]
+    except ValueError:
+        raise StateError("the peer's manifest is malformed") from None
+
+
+async def _take(
+    f: _Fetch,
+    endpoint: Endpoint,
+    ticket: str,
+    sink: Callable[[ParamLayout], Sink],
+    size: int | None,
+    timeout: float,
+    min_rate: float,
+    layout: ParamLayout | None,
+    arrays: int,
+) -> int:
+    """Take pieces of f from one holder until none is left to ask for; returns how many it
+    served. StateError (or _Lied) if it fails; the pieces it was asked for go back to f.todo."""
+    ch = await endpoint.connect(ticket, STATE_ALPN, timeout=timeout)
+    asked: deque[int] = deque()  # in flight on this connection, in order
+    served = 0
+    try:
+        await ch.send_frame(json.dumps({"round": f.rnd}).encode())
+        try:
+            head = json.loads(await ch.recv_frame(MAX_HEADER, timeout=timeout))
+        except (ValueError, RecursionError):
+            raise StateError("the peer's state header is not JSON") from None
+        if not isinstance(head, dict):
+            raise StateError("the peer's state header is malformed")
+        got_layout = _parse_header(head, size)
+        if layout is not None and got_layout != layout:
+            raise StateError(f"the peer's tensors are not this model's: {_first_difference(got_layout, layout)}")
+        digests = _manifest(head, got_layout, arrays)
+        if (root := root_of(digests)) != f.want:
+            raise _Lied(f"its pieces make the checksum {root}, not the swarm's {f.want}")
+        if f.layout is None:
+            f.write = sink(got_layout)
+            f.layout, f.digests = got_layout, digests
+            f.spans = piece_spans(4 * got_layout.size, arrays)
+            f.todo.extend(range(len(f.spans)))
+            f.left = len(f.spans)
+        elif got_layout != f.layout:
+            raise StateError(f"the peer's tensors are not the others': {_first_difference(got_layout, f.layout)}")
+        assert f.write is not None
+        # Each piece must come within slack + its size / min_rate of the one before (a holder that
+        # stalls costs one piece's wait), and all it sends must keep up min_rate after slack.
+        slack, start, got = min(timeout, SLACK_S), time.monotonic(), 0
+        while True:
+            while len(asked) < DEPTH and f.todo:
+                i = f.todo.popleft()
+                asked.append(i)
+                await ch.send_frame(json.dumps({"piece": i}).encode(), timeout=timeout)
+            if not asked:
+                break
+            i = asked[0]
+            which, offset, n = f.spans[i]
+            wait = min(slack + n / min_rate, start + slack + (got + n) / min_rate - time.monotonic())
+            try:
+                if wait <= 0:
+                    raise TransportTimeout("")
+                frame = await ch.recv_frame(n, timeout=wait)
+            except TransportTimeout:
+                raise StateError(
+                    f"piece {i} not received within {max(wait, 0):.3g} s ({slack:g} s + {min_rate / 2**20:g} MiB/s)"
+                ) from None
+            if len(frame) != n:
+                raise StateError(f"piece {i} has {len(frame)} bytes, not {n}")
+            if piece_digest(frame) != f.digests[i]:
+                raise _Lied(f"its piece {i} is not the swarm's (the digest differs)")
+            asked.popleft()
+            f.write(which, offset, memoryview(frame))
+            f.left -= 1
+            got += n
+            served += 1
+        await ch.send_frame(b"ok")
+        return served
+    finally:
+        f.todo.extendleft(reversed(asked))  # first in line for the other holders
+        ch.close("state received")
+
+
 async def fetch_state(
     endpoint: Endpoint,
     tickets: list[str],
@@ -297,72 +461,61 @@ async def fetch_state(
     layout: ParamLayout | None = None,
     arrays: int = 2,
 ) -> ParamLayout:
-    """The state after round `rnd`, streamed from the first peer in `tickets` that has it, into
-    `sink(layout)` (which returns where the bytes go: arrays, or files); returns the layout once
-    the bytes match `want_checksum` (and `size` values, when given). A sink written by a peer that
-    then failed holds garbage: the next peer overwrites it, and StateError means none could.
+    """The state after round `rnd`, from the peers in `tickets` (up to PARALLEL at once, in
+    order), a piece at a time into `sink(layout)` (which returns where the bytes go: arrays, or
+    files; each piece is written once, checked, in no particular order); returns the layout once
+    every piece is in. The pieces' digests must make `want_checksum`, and the layout `size`
+    values, when given. StateError if the holders could not hand over every piece between them.
 
-    `timeout` bounds each step (connecting, each frame); the whole transfer from one peer must
-    also keep up `min_rate` bytes/s after `timeout` s, or that peer is given up. With `layout`
-    (the model this node built itself), the donor's tensor names, shapes and order must be
-    exactly those: same-sized tensors in another order would otherwise load mislabeled.
-    `arrays`: how many arrays of θ's size come (θ and the rule's state arrays)."""
-    errors = []
+    `timeout` bounds connecting and the header; each piece must come within min(timeout,
+    SLACK_S) + its size / `min_rate`, and a holder's pieces altogether keep up `min_rate`, or
+    that holder is given up. With `layout` (the model this node built itself), the holder's
+    tensor names, shapes and order must be exactly those: same-sized tensors in another order
+    would otherwise load mislabeled. `arrays`: how many arrays of θ's size come (θ and the
+    rule's state arrays)."""
+    errors: list[str] = []
     known = _DONORS.setdefault(endpoint.node_id, {})
+    waiting: deque[str] = deque()
     for ticket in sorted(tickets, key=lambda t: known.get(_donor_id(t)) == "failed"):  # (a stable sort)
-        donor = _donor_id(ticket)
-        if known.get(donor) == "lied":
+        if known.get(donor := _donor_id(ticket)) == "lied":
             errors.append(f"{donor[:10]}: not asked: it sent a state that was not the swarm's before")
-            continue
-        try:
-            ch = await endpoint.connect(ticket, STATE_ALPN, timeout=timeout)
-            try:
-                await ch.send_frame(json.dumps({"round": rnd}).encode())
+        else:
+            waiting.append(ticket)
+    f = _Fetch(rnd, want_checksum)
+    taking: dict[asyncio.Task, str] = {}
+    try:
+        while not f.done:
+            while waiting and len(taking) < PARALLEL and (f.layout is None or f.todo):
+                ticket = waiting.popleft()
+                task = asyncio.ensure_future(_take(f, endpoint, ticket, sink, size, timeout, min_rate, layout, arrays))
+                taking[task] = ticket
+            if not taking:
+                break
+            ended, _ = await asyncio.wait(taking, return_when=asyncio.FIRST_COMPLETED)
+            for task in ended:
+                ticket = taking.pop(task)
+                donor = _donor_id(ticket)
                 try:
-                    head = json.loads(await ch.recv_frame(MAX_HEADER, timeout=timeout))
-                except (ValueError, RecursionError):
-                    raise StateError("the peer's state header is not JSON") from None
-                if not isinstance(head, dict):
-                    raise StateError("the peer's state header is malformed")
-                got_layout = _parse_header(head, size)
-                if layout is not None and got_layout != layout:
-                    raise StateError(
-                        f"the peer's tensors are not this model's: {_first_difference(got_layout, layout)}"
-                    )
-                write = sink(got_layout)
-                end = time.monotonic() + timeout + 4 * arrays * got_layout.size / min_rate
-                h = hashlib.blake2b(digest_size=12)  # as diloco.checksum: θ's bytes, then the state's
-                for which in range(arrays):
-                    got, total = 0, 4 * got_layout.size
-                    while got < total:
-                        left = end - time.monotonic()
-                        try:
-                            if left <= 0:
-                                raise TransportTimeout("")
-                            frame = await ch.recv_frame(min(CHUNK_BYTES, total - got), timeout=min(timeout, left))
-                        except TransportTimeout:
-                            if left >= timeout:
-                                raise
-                            raise StateError(
-                                f"transfer too slow: {4 * arrays * got_layout.size / 2**20:.1f} MiB not received within "
-                                f"{timeout:g} s + {min_rate / 2**20:g} MiB/s"
-                            ) from None
-                        if not frame:
-                            raise StateError("the peer sent an empty chunk")
-                        view = memoryview(frame)
-                        h.update(view)
-                        write(which, got, view)
-                        got += len(view)
-                await ch.send_frame(b"ok")
-            finally:
-                ch.close("state received")
-            if h.hexdigest() != want_checksum:
-                raise _Lied(f"checksum {h.hexdigest()} of θ and outer state is not the swarm's {want_checksum}")
-            known.pop(donor, None)
-            return got_layout
-        except (StateError, TransportError) as e:
-            known[donor] = "lied" if isinstance(e, _Lied) else "failed"
-            errors.append(f"{ticket[:20]}...: {e}")
+                    task.result()
+                except (StateError, TransportError) as e:
+                    known[donor] = "lied" if isinstance(e, _Lied) else "failed"
+                    errors.append(f"{ticket[:20]}...: {e}")
+                    if f.layout is not None:
+                        log.warning("passing over state holder %s: %s", donor[:10], e)
+                else:
+                    known.pop(donor, None)
+                    waiting.append(ticket)  # asked again if a piece comes back from another holder
+    finally:
+        for task in taking:
+            task.cancel()
+        if taking:
+            await asyncio.wait(taking)
+            for task in taking:  # (retrieved: their errors no longer matter)
+                if not task.cancelled():
+                    task.exception()
+    if f.done:
+        assert f.layout is not None
+        return f.layout
     raise StateError(f"no peer could hand over the state of round {rnd}: " + "; ".join(errors or ["no peer to ask"]))
 
 

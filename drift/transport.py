@@ -4,7 +4,7 @@ Four ALPNs share one endpoint per process:
   * ``drift/0``        control plane (coordinator <-> node), small typed messages;
   * ``drift-ring/0``   data plane (node <-> ring neighbour), raw tensor chunks;
   * ``drift-gather/0`` data plane (node -> every member), a sync rule's payload (drift/gather.py);
-  * ``drift-state/0``  θ and the outer state for whoever lacks it (drift/state.py).
+  * ``drift-state/1``  θ and the outer state for whoever lacks it, in pieces (drift/state.py).
 
 Every connect, accept and read takes a timeout: iroh does not fail fast on a dead address or an
 ALPN the peer does not serve, it hangs.
@@ -33,7 +33,7 @@ from drift.protocol import ProtocolError, printable
 
 CONTROL_ALPN = b"drift/0"
 RING_ALPN = b"drift-ring/0"
-STATE_ALPN = b"drift-state/0"  # θ + outer state for a node that lacks it (drift/state.py)
+STATE_ALPN = b"drift-state/1"  # θ + outer state for a node that lacks it (drift/state.py)
 GATHER_ALPN = b"drift-gather/0"  # a sync rule's payload, to every member of the round (drift/gather.py)
 DATA_ALPN = b"drift-data/0"  # the task's samples for a node that lacks the data (drift/data.py)
 BASE_ALPN = b"drift-base/0"  # recipe init_weights: θ₀ and the frozen base, from the coordinator (drift/base.py)

@@ -122,7 +122,7 @@ AGREED = checksum(THETA, VELOCITY)
 
 class Donors:
     """Nodes of a coordinator's swarm that hold θ of round 3 and serve it on real iroh endpoints
-    (drift-state/0), as members do; `asked` names each one that was asked, in order."""
+    (drift-state/1), as members do; `asked` names each one that was asked, in order."""
 
     def __init__(self, coord: Coordinator):
         self.coord = coord
@@ -244,5 +244,5 @@ def test_a_checkpoint_asks_at_most_donor_tries_holders(tiny_recipe: Path, tmp_pa
 
     path, asked, why = run_async(main())
     assert path is None and not (tmp_path / "run" / "checkpoints" / "round-000003").exists()
-    assert asked == [f"liar{k}" for k in range(DONOR_TRIES)]
+    assert sorted(set(asked)) == [f"liar{k}" for k in range(DONOR_TRIES)]  # (each perhaps twice: pieces come back)
     assert why.startswith("no peer could hand over the state of round 3: ") and "is not the swarm's" in why, why

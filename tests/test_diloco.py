@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
-from drift.diloco import NesterovOuter, ParamLayout, checksum, epoch_order, unit_indices, weighted_delta
+from drift.diloco import (
+    PIECE_BYTES,
+    NesterovOuter,
+    ParamLayout,
+    checksum,
+    checksum_of,
+    epoch_order,
+    piece_digest,
+    piece_spans,
+    pieces_of,
+    root_of,
+    unit_indices,
+    weighted_delta,
+)
 from drift.protocol import WorkUnit
 from drift.scheduler import UnitQueue, split_proportional
 
@@ -133,3 +148,23 @@ def test_delta_check_refuses_an_absurdly_large_pseudo_gradient() -> None:
     problem = check.problem(base * 1000 * 10, steps=10)
     assert problem is not None and "1000x larger per step than its recent ones" in problem, problem
     assert check.problem(np.full(4, np.nan, np.float32), steps=1) == "its pseudo-gradient has NaN or Inf values"
+
+
+def test_the_checksum_is_the_root_of_the_pieces_however_the_bytes_come() -> None:
+    """Each array is cut into PIECE_BYTES pieces (the last one short); the checksum is the root of
+    their digests in order, the same whether the arrays come whole or in uneven blocks, and the
+    digests are remembered under it (what a state server hands a joiner)."""
+    rng = np.random.default_rng(3)
+    theta, velocity = (rng.standard_normal(1_300_000).astype(np.float32) for _ in range(2))  # 2 pieces each
+    spans = piece_spans(theta.nbytes, 2)
+    assert [n for _, _, n in spans] == [PIECE_BYTES, theta.nbytes - PIECE_BYTES] * 2
+    raw = (theta.view(np.uint8), velocity.view(np.uint8))
+    digests = [piece_digest(raw[w][o : o + n]) for w, o, n in spans]
+    root = checksum(theta, velocity)
+    assert root == root_of(digests) and pieces_of(root) == tuple(digests)
+    cuts = (0, 12_345, 1_000_001, theta.size)
+    blocks = [theta[a:b] for a, b in itertools.pairwise(cuts)]
+    assert checksum_of([blocks, [velocity[:7], velocity[7:]]]) == root
+    velocity[1_200_000] += 1  # one value of the velocity's second piece
+    assert checksum(theta, velocity) != root
+    assert pieces_of(checksum(theta, velocity))[:3] == tuple(digests[:3])

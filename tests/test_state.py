@@ -1,18 +1,20 @@
-"""Handing θ and the outer optimizer's state to a node that lacks it (drift-state/0), over real
-iroh endpoints: streamed in bounded chunks, only to members of the run, and a donor cannot slip
-in another θ or another velocity (the checksum the swarm agreed on covers both)."""
+"""Handing θ and the outer optimizer's state to a node that lacks it (drift-state/1), over real
+iroh endpoints: in bounded pieces, from several holders at once, only to members of the run, and
+a holder cannot slip in another θ or another velocity (the checksum the swarm agreed on is the
+root of every piece's digest, and each piece is checked as it arrives)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import numpy as np
 import pytest
 from conftest import run_async
 
-from drift.diloco import ParamLayout, checksum
-from drift.state import CHUNK_BYTES, MAX_HEADER, StateError, StateServer, fetch_state, into_arrays
+from drift.diloco import PIECE_BYTES, ParamLayout, checksum
+from drift.state import _DONORS, MAX_HEADER, StateError, StateServer, _donor_id, fetch_state, into_arrays
 from drift.transport import STATE_ALPN, Endpoint
 
 LAYOUT = ParamLayout(("a", "b", "bn.running_mean"), ((3, 4), (5,), (2,)), n_buffers=1)
@@ -74,8 +76,8 @@ def test_a_zero_velocity_arrives_as_zeros_whatever_was_there() -> None:
 
 
 def test_a_state_larger_than_one_frame_streams_in_chunks() -> None:
-    """No frame holds a whole θ: a 9.5 MiB θ (and as much velocity) arrives as 3 chunks each of at
-    most CHUNK_BYTES (4 MiB), counted where the receiver writes them, and exact."""
+    """No frame holds a whole θ: a 9.5 MiB θ (and as much velocity) arrives as 3 pieces each of at
+    most PIECE_BYTES (4 MiB), counted where the receiver writes them, and exact."""
     big = ParamLayout(("w",), ((2_500_000,),))
     theta, velocity = _state(5, big)
     server = _serving(1, theta, velocity, big)
@@ -105,8 +107,8 @@ def test_a_state_larger_than_one_frame_streams_in_chunks() -> None:
 
     run_async(main())
     size = 4 * big.size
-    want = [(w, o, min(CHUNK_BYTES, size - o)) for w in (0, 1) for o in range(0, size, CHUNK_BYTES)]
-    assert CHUNK_BYTES == 4 << 20 and len(want) == 6 and chunks == want, chunks
+    want = [(w, o, min(PIECE_BYTES, size - o)) for w in (0, 1) for o in range(0, size, PIECE_BYTES)]
+    assert PIECE_BYTES == 4 << 20 and len(want) == 6 and sorted(chunks) == want, chunks
     assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
 
 
@@ -136,10 +138,10 @@ def test_a_donor_of_another_size_is_refused() -> None:
 def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator's checkpoint: θ and the velocity stream from a donor, chunk by chunk, into
     the checkpoint's files (never whole in memory), and load back exact, buffers named as such."""
-    import drift.state
+    import drift.diloco
     from drift.checkpoint import CheckpointWriter, load_checkpoint
 
-    monkeypatch.setattr(drift.state, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(drift.diloco, "PIECE_BYTES", 4096)
     big = ParamLayout(("w", "b", "bn.running_var"), ((100, 50), (50,), (50,)), n_buffers=1)
     theta, velocity = _state(7, big)
     writers: list[CheckpointWriter] = []
@@ -187,7 +189,10 @@ def test_a_member_that_keeps_asking_cannot_hold_the_outer_step() -> None:
         try:
             first = await a.connect(ep.ticket(), STATE_ALPN)
             await first.send_frame(b'{"round": 4}')
-            assert json.loads(await first.recv_frame(MAX_HEADER))["round"] == 4  # and reads no further
+            head = json.loads(await first.recv_frame(MAX_HEADER))
+            assert head["round"] == 4
+            for i in range(len(head["pieces"])):  # asks for every piece, and reads no further
+                await first.send_frame(json.dumps({"piece": i}).encode())
 
             async def outer_step() -> None:
                 async with server.updating():
@@ -202,7 +207,7 @@ def test_a_member_that_keeps_asking_cannot_hold_the_outer_step() -> None:
             await asyncio.sleep(0.5)  # (without the fix the second transfer starts here)
             got = 0
             while got < total:
-                got += len(await first.recv_frame(CHUNK_BYTES, timeout=60))
+                got += len(await first.recv_frame(PIECE_BYTES, timeout=60))
             # the second reader was held off, then told the round moved on (without the fix: round
             # 4's header, and the step would wait on for a reader that never reads)
             assert json.loads(await answer) == {"error": "have round 5"}
@@ -216,51 +221,158 @@ def test_a_member_that_keeps_asking_cannot_hold_the_outer_step() -> None:
     assert run_async(main()) == ["outer step"]
 
 
-def test_a_donor_that_lied_once_is_not_asked_again() -> None:
-    """A donor serves another velocity under the swarm's checksum: the fetch goes on to an honest
-    donor, and the next fetch (another round, the liar named first again) does not ask it at all,
-    so it cannot cost the node its deadline a second time."""
+async def _holders(servers: list[StateServer], body, held: tuple[StateServer, ...] = (), release=None):
+    """Serve each server on its own endpoint and run `body(client, tickets, asked)` (asked: the
+    servers' names in the order connections reached them). The servers in `held` answer no request
+    until `release(client, tickets, asked)` is true: their outer step is under way (StateServer.updating)."""
+    eps = [await Endpoint.bind("local", alpns=(STATE_ALPN,)) for _ in servers]
+    asked: list[int] = []
+
+    def counting(k: int):
+        async def handle(conn) -> None:
+            asked.append(k)
+            await servers[k].handle(conn)
+
+        return handle
+
+    serving = [asyncio.ensure_future(ep.serve({STATE_ALPN: counting(k)})) for k, ep in enumerate(eps)]
+    client = await Endpoint.bind("local")
+    for server in servers:
+        server.allowed = lambda peer: peer == client.node_id
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for server in held:
+                await stack.enter_async_context(server.updating())
+            tickets = [e.ticket() for e in eps]
+            run = asyncio.ensure_future(body(client, tickets, asked))
+            while held and not run.done() and not release(client, tickets, asked):
+                await asyncio.sleep(0.01)
+        return await run
+    finally:
+        for t in serving:
+            t.cancel()
+        for e in (*eps, client):
+            await e.close()
+
+
+def test_theta_comes_from_several_holders_at_once_and_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three holders, ~300 pieces: the joiner takes pieces from more than one of them at once,
+    and what it writes is θ and the velocity bit for bit."""
+    import drift.diloco
+
+    monkeypatch.setattr(drift.diloco, "PIECE_BYTES", 16 << 10)
+    big = ParamLayout(("w",), ((600_000,),))
+    theta, velocity = _state(11, big)
+    servers = [_serving(6, theta, velocity, big) for _ in range(3)]
+    into = np.full(big.size, np.nan, np.float32), np.full(big.size, np.nan, np.float32)
+
+    async def body(client, tickets, asked):
+        return await fetch_state(client, tickets, 6, checksum(theta, velocity), into_arrays(*into), timeout=10)
+
+    # the holders answer once all three have been asked (none gets a head start)
+    assert (
+        run_async(_holders(servers, body, held=tuple(servers), release=lambda client, tickets, asked: len(asked) == 3))
+        == big
+    )
+    assert np.array_equal(into[0], theta) and np.array_equal(into[1], velocity)
+    served = [s.served for s in servers]
+    assert sum(served) == 2 * -(-theta.nbytes // (16 << 10)) and sum(n > 0 for n in served) >= 2, served
+
+
+def test_a_holder_that_sends_a_bad_piece_is_passed_over_and_never_asked_again(caplog) -> None:
+    """The liar hands out the swarm's manifest but another velocity (its θ changed after its
+    checksum was taken): its first bad piece names it a liar, the others serve that piece
+    instead, and the next fetch (another round, the liar named first again) does not ask it."""
     theta, velocity = _state(4)
-    agreed = checksum(theta, velocity)
+    agreed = checksum(theta, velocity)  # (the digests this process computed: the liar serves them)
     bad = velocity.copy()
     bad[0] += 1.0
-    liar, honest = _serving(3, theta, bad, announced=agreed), _serving(3, theta, velocity)
-    asked: list[str] = []
+    liar, honest = _serving(3, theta, bad, announced=agreed), [_serving(3, theta, velocity) for _ in range(2)]
+    servers = [liar, *honest]
 
-    async def main() -> list[np.ndarray]:
-        eps = [await Endpoint.bind("local", alpns=(STATE_ALPN,)) for _ in range(2)]
-
-        def counting(server: StateServer, name: str):
-            async def handle(conn) -> None:
-                asked.append(name)
-                await server.handle(conn)
-
-            return handle
-
-        serving = [
-            asyncio.ensure_future(ep.serve({STATE_ALPN: counting(server, name)}))
-            for ep, server, name in zip(eps, (liar, honest), ("liar", "honest"))
-        ]
-        client = await Endpoint.bind("local")
-        liar.allowed = honest.allowed = lambda peer: peer == client.node_id
+    async def body(client, tickets, asked):
         got = []
-        try:
-            for rnd in (3, 4):
-                for server in (liar, honest):
-                    server.publish(rnd, (theta, bad if server is liar else velocity), agreed, LAYOUT)
-                into = np.full(LAYOUT.size, np.nan, np.float32), np.full(LAYOUT.size, np.nan, np.float32)
-                await fetch_state(client, [e.ticket() for e in eps], rnd, agreed, into_arrays(*into), timeout=10)
-                got.append(into[1])
-            return got
-        finally:
-            for t in serving:
-                t.cancel()
-            for e in (*eps, client):
-                await e.close()
+        for rnd in (3, 4):
+            for server in servers:
+                server.publish(rnd, (theta, bad if server is liar else velocity), agreed, LAYOUT)
+            into = np.full(LAYOUT.size, np.nan, np.float32), np.full(LAYOUT.size, np.nan, np.float32)
+            await fetch_state(client, tickets, rnd, agreed, into_arrays(*into), timeout=10)
+            got.append(into[1])
+            if rnd == 3:
+                assert _DONORS[client.node_id][_donor_id(tickets[0])] == "lied"
+                assert len(asked) == 3
+        return got
 
-    got = run_async(main())
+    def caught(client, tickets, asked) -> bool:  # the honest holders wait for the liar's bad piece
+        return _DONORS.get(client.node_id, {}).get(_donor_id(tickets[0])) == "lied"
+
+    with caplog.at_level("WARNING", logger="drift.state"):
+        got = run_async(_holders(servers, body, held=tuple(honest), release=caught))
     assert all(np.array_equal(v, velocity) for v in got)
-    assert asked == ["liar", "honest", "honest"]
+    assert "its piece 1 is not the swarm's" in caplog.text
+    assert liar.served == 2  # round 3: θ's piece (good), then the velocity's (bad); round 4: none
+
+
+def test_a_holder_that_stalls_costs_one_piece_timeout(caplog) -> None:
+    """A holder sends the manifest, then nothing: it is dropped after the first piece it was asked
+    for, both pieces it had in flight go to the others, and the fetch ends exact."""
+
+    class Stalling(StateServer):
+        async def _send_piece(self, ch, data, timeout) -> None:
+            asked_piece.set()
+            await asyncio.sleep(3600)
+
+    asked_piece = asyncio.Event()
+    theta, velocity = _state(12)
+    staller = Stalling()
+    staller.publish(7, (theta, velocity), checksum(theta, velocity), LAYOUT)
+    honest = [_serving(7, theta, velocity) for _ in range(2)]
+    into = np.full(LAYOUT.size, np.nan, np.float32), np.full(LAYOUT.size, np.nan, np.float32)
+
+    async def body(client, tickets, asked):
+        await fetch_state(client, tickets, 7, checksum(theta, velocity), into_arrays(*into), timeout=1)
+        return _DONORS[client.node_id][_donor_id(tickets[0])]
+
+    with caplog.at_level("WARNING", logger="drift.state"):
+        known = run_async(
+            _holders(
+                [staller, *honest],
+                body,
+                held=tuple(honest),
+                release=lambda client, tickets, asked: asked_piece.is_set(),
+            )
+        )
+    assert np.array_equal(into[0], theta) and np.array_equal(into[1], velocity)
+    lines = [r.getMessage() for r in caplog.records if "passing over" in r.getMessage()]
+    assert len(lines) == 1 and "piece 0 not received within" in lines[0], lines
+    assert known == "failed" and staller.served == 0 and sum(s.served for s in honest) == 2
+
+
+def test_a_manifest_that_is_not_the_agreed_checksum_is_refused() -> None:
+    """A holder whose θ is not the swarm's (its own checksum, honestly): its manifest does not make
+    the agreed root, so nothing of it is written and it is named a liar."""
+    theta, velocity = _state(13)
+    other = theta.copy()
+    other[5] = 0.0
+    written: list[int] = []
+
+    def sink(layout: ParamLayout):
+        written.append(1)
+        return into_arrays(np.zeros_like(theta), np.zeros_like(velocity))(layout)
+
+    async def body(client, tickets, asked):
+        try:
+            await fetch_state(client, tickets, 2, checksum(theta, velocity), sink, timeout=10)
+        except StateError as e:
+            return str(e), _DONORS[client.node_id][_donor_id(tickets[0])]
+        return "took it", None
+
+    error, known = run_async(_holders([_serving(2, other, velocity)], body))
+    assert (
+        f"its pieces make the checksum {checksum(other, velocity)}, not the swarm's {checksum(theta, velocity)}"
+        in error
+    )
+    assert known == "lied" and written == []
 
 
 def test_a_node_taking_theta_from_a_peer_refuses_requests_at_once_instead_of_holding_them() -> None:
@@ -291,3 +403,16 @@ def test_a_node_taking_theta_from_a_peer_refuses_requests_at_once_instead_of_hol
                 await e.close()
 
     assert "busy: taking θ from a peer" in run_async(main())
+
+
+def test_a_holder_that_no_longer_remembers_the_digests_hashes_its_state_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The piece digests come with the checksum a node computes each round; a holder that has
+    not computed it lately (it took θ long ago, many checksums since) hashes its arrays again to
+    hand out the manifest."""
+    import drift.diloco
+
+    theta, velocity = _state(14)
+    agreed = checksum(theta, velocity)
+    monkeypatch.setattr(drift.diloco, "_RECENT", type(drift.diloco._RECENT)())
+    _, got_theta, got_velocity = _fetch(_serving(5, theta, velocity, announced=agreed), 5, agreed)
+    assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)

@@ -21,7 +21,7 @@ from conftest import dropped, run_async
 from drift import protocol as P
 from drift.auth import NodeKey
 from drift.coordinator import MAX_JOINING, MAX_JOINING_PER_PEER, MAX_JOINING_PER_SOURCE, Coordinator
-from drift.diloco import ParamLayout, checksum
+from drift.diloco import ParamLayout, checksum, pieces_of
 from drift.monitor import Monitor
 from drift.node import JOIN_TRIES, REJOIN_PATIENCE_S, join_again
 from drift.recipe import load_recipe
@@ -185,7 +185,7 @@ def test_strangers_on_the_state_alpn_cost_a_member_nothing() -> None:
 
 
 async def _trickling_donor(layout: ParamLayout, theta: np.ndarray, velocity: np.ndarray):
-    """A hostile donor: a valid header, then one byte a frame, one frame every 0.3 s."""
+    """A hostile donor: a valid header and manifest, then each piece asked for one byte every 0.3 s."""
 
     async def handle(conn) -> None:
         ch = await Endpoint.accept_channel(conn, timeout=10)
@@ -196,10 +196,14 @@ async def _trickling_donor(layout: ParamLayout, theta: np.ndarray, velocity: np.
             "n": layout.size,
             "names": list(layout.names),
             "shapes": [list(s) for s in layout.shapes],
+            "pieces": [d.hex() for d in pieces_of(checksum(theta, velocity))],
         }
         await ch.send_frame(json.dumps(head).encode())
-        for b in np.concatenate([theta, velocity]).tobytes():
-            await ch.send_frame(bytes([b]))
+        i = json.loads(await ch.recv_frame(256, timeout=10))["piece"]
+        data = (theta, velocity)[i].tobytes()
+        await ch._send.write_all(len(data).to_bytes(4, "big"))  # (a frame's header, then its body byte by byte)
+        for b in data:
+            await ch._send.write_all(bytes([b]))
             await asyncio.sleep(0.3)
 
     ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
@@ -214,8 +218,8 @@ def test_a_trickling_donor_cannot_hold_a_fetch_past_its_deadline() -> None:
         donor, serving = await _trickling_donor(layout, theta, velocity)
         client = await Endpoint.bind("local")
         try:
-            with pytest.raises(StateError, match="transfer too slow") as e:
-                # Each frame comes well within timeout=1.0; the transfer as a whole does not.
+            with pytest.raises(StateError, match="piece 0 not received within") as e:
+                # Each byte comes well within timeout=1.0; the piece as a whole does not.
                 await asyncio.wait_for(
                     fetch_state(
                         client,

@@ -4,7 +4,7 @@ A rule declares
   * `Params`: its hyperparameters (a pydantic model: the recipe's `sync_params`, checked when the
     recipe is read; a bad value is one line naming the field);
   * `STATE` and `state`: the outer state every node holds identically, as named flat
-    float32 arrays of θ's size (checksummed, transferred over drift-state/0, checkpointed and
+    float32 arrays of θ's size (checksummed, transferred over drift-state/1, checkpointed and
     resumed by name, in this order);
   * `collective`: what carries the contributions: "ring" (an all-reduce of one dense vector,
     drift/ring.py) or "allgather" (every member's payload reaches every member, drift/gather.py);

@@ -26,7 +26,6 @@ is numpy's, so torch, mlx and numpy workers produce the same payloads.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -303,7 +302,7 @@ class SparseLoCo(SyncRule):
 
     def preview(self, theta: np.ndarray) -> str:
         stepped = (theta[a:b] - step for a, b, step in self._steps(theta))
-        return checksum_of(itertools.chain(stepped, self.state.values()))
+        return checksum_of((stepped, *([a] for a in self.state.values())))
 
     def abandon(self) -> None:
         self._ef_next = None
