@@ -214,6 +214,15 @@ def checksum(theta: np.ndarray, *state: np.ndarray) -> str:
     return checksum_of([a] for a in (theta, *state))
 
 
+def stream_checksum(*arrays: np.ndarray) -> str:
+    """The checksum before drift-state/1: one blake2b over all the bytes. Checkpoints written then
+    carry it in their manifest; only resuming one still reads it."""
+    h = hashlib.blake2b(digest_size=12)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).view(np.uint8))
+    return h.hexdigest()
+
+
 def checksum_of(arrays: Iterable[Iterable[np.ndarray]]) -> str:
     """checksum() of arrays given each as its blocks, one after another (a step's result a block
     at a time, never the whole θ at once)."""

@@ -247,3 +247,29 @@ def test_a_rule_without_shared_state_checkpoints_theta_alone(tmp_path: Path) -> 
     path = save_checkpoint(tmp_path, 4, theta, {}, META)
     assert listing(path) == ["manifest.json", "theta.safetensors"]
     assert load_checkpoint(path).state_flat == {}
+
+
+def test_a_checkpoint_from_before_content_addressed_checksums_still_resumes(tmp_path: Path) -> None:
+    # Its manifest holds the whole-stream blake2b of θ and the outer state (drift-state/0): a
+    # resume takes it (the files' sha256 vouch for the bytes) and serves θ under today's root.
+    from drift.coordinator import Coordinator, CoordinatorError
+    from drift.diloco import checksum, stream_checksum
+    from drift.recipe import Recipe
+    from drift.scheduler import UnitQueue
+
+    recipe = Recipe(name="t", task="x.py", rounds=9, inner_steps=1, batch_size=1)
+    theta, velocity = params(3)
+    fields = {"task": recipe.task, "task_config": recipe.task_config, "seed": recipe.seed}
+    flat = [np.concatenate([a[k].ravel() for k in a]) for a in (theta, velocity)]
+    queue = UnitQueue(100, recipe.unit_samples)
+    for rnd, (digest, ok) in enumerate([(stream_checksum(*flat), True), ("0" * 24, False)]):
+        meta = {**META, "checksum": digest, "recipe_hash": recipe_hash(fields), "queue": queue.position()}
+        ck = load_checkpoint(save_checkpoint(tmp_path / "ck", rnd, theta, {"velocity": velocity}, meta))
+        coord = Coordinator(recipe, tmp_path / "run", resume=ck)
+        coord.n_params = flat[0].size
+        if not ok:
+            with pytest.raises(CoordinatorError, match="do not match the checksum in its manifest"):
+                coord._load_resume(queue)
+            continue
+        assert coord._load_resume(queue) == rnd + 1
+        assert coord.swarm.checksums[rnd] == checksum(*flat) != digest  # served under the new root
