@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def _theta(mib: int) -> np.ndarray:
