@@ -155,10 +155,10 @@ elif kind == "equivocate":
     misled: dict[int, str] = {}  # round -> the one peer that gets the other payload
 
     @patch(Gather, "allgather")
-    async def _(orig, self, payload, members, round_, nbytes, generation=0):
+    async def _(orig, self, payload, members, round_, *args):
         if round_ == at:
             misled[round_] = max((m.node_id for m in members if m.node_id != self.node_id), default="")
-        return await orig(self, payload, members, round_, nbytes, generation)
+        return await orig(self, payload, members, round_, *args)
 
     @patch(Gather, "_send")
     async def _(orig, self, m, head, payload, count):
