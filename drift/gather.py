@@ -50,22 +50,21 @@ _SIGNED = struct.Struct(">4sII")  # "DGSG", round, generation
 
 log = logging.getLogger("drift.gather")
 
-LATE_FACTOR = 4.0  # a payload still missing this many times what half the others took ...
-LATE_SLACK_S = 5.0  # ... plus this, plus its size at MIN_RATE per payload its sender uploads, is late
+LATE_FACTOR = 4.0  # a payload still missing this many times what half the others took, plus
+# a slack (BarrierReady.slack_s), plus its size at MIN_RATE per payload its sender uploads, is late
 
 
-def late_after(arrivals: list[float], others: int, nbytes: int, step_s: float = 0.0) -> float | None:
+def late_after(arrivals: list[float], others: int, nbytes: int, slack_s: float) -> float | None:
     """Seconds after the all-gather started by which every other member's payload must have
     arrived, once at least half of them did (`arrivals`: their arrival times): LATE_FACTOR times
-    what that half took, plus LATE_SLACK_S, plus the time a sender on a link of MIN_RATE takes to
-    upload all `others` payloads of `nbytes` at once, plus `step_s` (BarrierReady.step_s: overlapped,
-    a member first finishes its inner step in hand). None before then: only the connections' own
+    what that half took, plus `slack_s` (BarrierReady.slack_s), plus the time a sender on a link
+    of MIN_RATE takes to upload all `others` payloads of `nbytes` at once. None before then: only the connections' own
     deadlines apply. A member that withholds its payload (it still receives everyone's) is named
     by every member it starves, after seconds, not after the connection's timeout."""
     need = (others + 1) // 2
     if need == 0 or len(arrivals) < need:
         return None
-    return LATE_FACTOR * sorted(arrivals)[need - 1] + LATE_SLACK_S + others * nbytes / MIN_RATE + step_s
+    return LATE_FACTOR * sorted(arrivals)[need - 1] + slack_s + others * nbytes / MIN_RATE
 
 
 def payload_message(owner: str, round_: int, generation: int, digest: bytes) -> bytes:
@@ -136,7 +135,7 @@ class Gather:
         round_: int,
         nbytes: int,
         generation: int = 0,
-        step_s: float = 0.0,
+        slack_s: float = 5.0,
     ) -> tuple[list[bytes], ReduceStats]:
         """Every member's payload, in the members' order (this node's own at its place), and in
         the stats what it got from each other member (`heard`). Each is `nbytes` long or empty (a
@@ -178,7 +177,7 @@ class Gather:
         async def watch() -> None:
             while len(arrived) < len(others):
                 news.clear()
-                until = late_after(list(arrived.values()), len(others), nbytes, step_s)
+                until = late_after(list(arrived.values()), len(others), nbytes, slack_s)
                 left = None if until is None else until - (time.perf_counter() - t0)
                 if left is not None and left <= 0:
                     late = next(m.node_id for _, m in others if m.node_id not in arrived)

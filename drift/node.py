@@ -894,7 +894,7 @@ class Session:
                 result = mine
             else:
                 result, stats = await self.node.gather.allgather(
-                    mine, ready.ring, ready.round, t.rule.payload_nbytes, ready.ring_epoch, ready.step_s
+                    mine, ready.ring, ready.round, t.rule.payload_nbytes, ready.ring_epoch, ready.slack_s
                 )
         except RingError as e:
             return ready, None, None, e

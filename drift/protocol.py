@@ -379,9 +379,10 @@ class BarrierReady(_Msg):
     # redoes one whose announcements disagreed; each also reports the state it steps from (`before`).
     confirm: bool = False
     recheck: bool = False
-    # Overlapped, a member finishes the inner step in hand before it starts its part: one step of
-    # the slowest member (by the coordinator's clock) that every relative deadline allows on top.
-    step_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    # What a member may take beyond the others to send its part before it is named late (the
+    # all-gather's relative deadline): two heartbeats, and overlapped one inner step of the
+    # slowest member by the coordinator's clock (a member finishes the step in hand first).
+    slack_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
 
     @model_validator(mode="after")
     def _distinct(self) -> BarrierReady:

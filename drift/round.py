@@ -815,10 +815,14 @@ class Round:
                     ring_epoch=epoch,
                     confirm=self.confirm,
                     recheck=self.confirm and bool(self.earlier),
-                    step_s=min(3600.0, max(self.r.batch_size / s.speed[i] for i in part)) if self.r.overlap else 0.0,
+                    slack_s=min(3600.0, 2 * self.r.heartbeat_s + (self.slowest_step(part) if self.r.overlap else 0.0)),
                 ),
             )
         )
+
+    def slowest_step(self, part: list[str]) -> float:
+        """Seconds one inner step takes the slowest of these members, by their measured speeds."""
+        return max(self.r.batch_size / self.s.speed[i] for i in part)
 
     def done(self) -> dict[str, P.RoundDone]:
         """The ring members' reports of θ after the outer step (this ring epoch)."""

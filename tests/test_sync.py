@@ -15,7 +15,7 @@ from conftest import run_async
 
 from drift import protocol as P
 from drift.diloco import ParamLayout, checksum
-from drift.gather import LATE_FACTOR, LATE_SLACK_S, Gather, late_after, signed_payload
+from drift.gather import LATE_FACTOR, Gather, late_after, signed_payload
 from drift.recipe import Recipe, RecipeError, load_recipe
 from drift.ring import MIN_RATE, RingError
 from drift.sync import make_rule
@@ -246,14 +246,13 @@ def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None
 def test_a_payload_missing_long_after_half_the_others_arrived_is_late() -> None:
     # Attack 3: a member that withholds its payload, while receiving everyone's, is named after
     # seconds, relative to what the others took, not after the connection's 120 s timeout.
-    assert late_after([], 3, 0) is None and late_after([0.2], 3, 0) is None  # fewer than half: no clock
-    assert late_after([0.2, 0.3], 3, 0) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S)
-    assert late_after([0.5], 2, 0) == pytest.approx(LATE_FACTOR * 0.5 + LATE_SLACK_S)  # three members
-    assert late_after([], 1, 0) is None  # two members: the one other is all there is
+    slack = 1.0  # BarrierReady.slack_s
+    assert late_after([], 3, 0, slack) is None and late_after([0.2], 3, 0, slack) is None  # fewer than half
+    assert late_after([0.2, 0.3], 3, 0, slack) == pytest.approx(LATE_FACTOR * 0.3 + slack)
+    assert late_after([0.5], 2, 0, slack) == pytest.approx(LATE_FACTOR * 0.5 + slack)  # three members
+    assert late_after([], 1, 0, slack) is None  # two members: the one other is all there is
     # A sender on a slow uplink sends `others` payloads at once: each gets its share of MIN_RATE.
-    assert late_after([0.2, 0.3], 3, 4 * MIN_RATE) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S + 12)
-    # Overlapped, each member first finishes the inner step in hand (BarrierReady.step_s).
-    assert late_after([0.2, 0.3], 3, 0, step_s=7.0) == pytest.approx(LATE_FACTOR * 0.3 + LATE_SLACK_S + 7)
+    assert late_after([0.2, 0.3], 3, 4 * MIN_RATE, slack) == pytest.approx(LATE_FACTOR * 0.3 + slack + 12)
 
 
 def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() -> None:
