@@ -18,13 +18,13 @@ a holder that sends a piece that is not the swarm's is never asked again by this
 that stalls is dropped from the fetch after one piece's timeout, and their pieces go to the
 others.
 
-Every training node serves its own live θ and state (no copies: a node keeps nothing twice)
-to the members of the run. The node's outer step waits while a transfer is reading
-(`StateServer.updating`), and a transfer asked for meanwhile waits for the outer step. Either
-side gives a transfer up once it falls behind MIN_RATE (after SLACK_S), so a slow or stalling
-holder cannot hold a fetch, and a slow reader cannot hold a holder's outer step, for longer
-than SLACK_S + size / MIN_RATE. The arrays follow θ in the rule's order (drift/sync/); both
-sides run the same rule, so the header does not name them.
+Every training node serves its own live θ and state to the members of the run (no copy while
+nothing changes them). When its outer step comes while transfers are reading them, those go on
+from a copy of the round they asked for (`StateServer.updating`): no reader, however slow, holds
+the step up; a transfer asked for meanwhile starts after the step. Either side gives a transfer
+up once it falls behind MIN_RATE (after SLACK_S), so a slow or stalling holder cannot hold a
+fetch for longer than SLACK_S + size / MIN_RATE. The arrays follow θ in the rule's order
+(drift/sync/); both sides run the same rule, so the header does not name them.
 """
 
 from __future__ import annotations
@@ -95,9 +95,10 @@ def _donor_id(ticket: str) -> str:
 @dataclass
 class Published:
     round: int  # θ after this round's outer step (-1: the initial θ)
-    arrays: tuple[np.ndarray, ...]  # the node's live θ, then the rule's state arrays: not copies
+    arrays: tuple[np.ndarray, ...]  # the node's live θ, then the rule's state arrays: not copies ...
     checksum: str
     layout: ParamLayout
+    set_aside: bool = False  # ... until the arrays changed under transfers reading them: then a copy
 
 
 class StateServer:
@@ -126,10 +127,10 @@ class StateServer:
 
     @contextlib.asynccontextmanager
     async def updating(self, fetching: bool = False) -> AsyncIterator[None]:
-        """Hold off transfers while the published arrays change (the outer step, a fetch into
-        them): wait for those in flight to end, then keep new ones waiting until we are done.
-        A transfer asked for while we wait starts after us: a member that keeps asking cannot
-        hold the outer step longer than the transfers already in flight (each bounded by MIN_RATE).
+        """Hold off new transfers while the published arrays change (the outer step, a fetch into
+        them). Transfers in flight never hold it up: they go on reading a copy of the round they
+        asked for (made here, only when there are any), so however slow a reader is, the step
+        waits only for that copy. A transfer asked for meanwhile starts after us.
         `fetching`: the arrays come from a peer, for as long as that takes: requests are refused
         at once instead (two nodes fetching from each other would wait on each other for good)."""
         async with self._cond:
@@ -137,7 +138,12 @@ class StateServer:
             self._fetching += fetching
             self._cond.notify_all()  # (requests waiting on an outer step hear they are refused)
             try:
-                await self._cond.wait_for(lambda: self._reading == 0 and not self._writing)
+                await self._cond.wait_for(lambda: not self._writing)
+                cur = self.current
+                if cur is not None and self._reading and not cur.set_aside:
+                    # (no await between reading a piece and copying it: see _serve)
+                    cur.arrays = await asyncio.to_thread(lambda: tuple(a.copy() for a in cur.arrays))
+                    cur.set_aside = True
             except BaseException:
                 self._fetching -= fetching
                 raise
@@ -235,7 +241,6 @@ class StateServer:
                 ).encode(),
                 timeout=self.slack,
             )
-            views = [memoryview(a).cast("B") for a in cur.arrays]
             for _ in range(len(spans)):  # as many pieces as there are, or fewer and "ok"
                 try:
                     frame = await ch.recv_frame(MAX_REQUEST, timeout=max(end - time.monotonic(), 0.001))
@@ -249,19 +254,22 @@ class StateServer:
                 left = end - time.monotonic()
                 if left <= 0:
                     raise TransportTimeout("")
-                await self._send_piece(ch, views[which][offset : offset + n], left)
+                # A copy of the piece, taken before anything is awaited: the arrays may change
+                # once this send is under way (updating() sets cur.arrays aside first).
+                piece = bytes(memoryview(cur.arrays[which]).cast("B")[offset : offset + n])
+                await self._send_piece(ch, piece, left)
                 self.served += 1
         except TransportTimeout:
             raise StateError(
                 f"reader too slow: {size / 2**20:.1f} MiB not taken within {self.slack:g} s + "
-                f"{self.min_rate / 2**20:g} MiB/s; dropped so the outer step can go on"
+                f"{self.min_rate / 2**20:g} MiB/s; dropped"
             ) from None
         finally:
             async with self._cond:
                 self._reading -= 1
                 self._cond.notify_all()
 
-    async def _send_piece(self, ch: Channel, data: memoryview, timeout: float) -> None:
+    async def _send_piece(self, ch: Channel, data: bytes, timeout: float) -> None:
         await ch.send_frame(data, timeout=timeout)
 
 

@@ -221,6 +221,50 @@ def test_a_member_that_keeps_asking_cannot_hold_the_outer_step() -> None:
     assert run_async(main()) == ["outer step"]
 
 
+def test_a_reader_that_does_not_read_cannot_hold_the_outer_step_and_gets_its_round_exact() -> None:
+    """A reader asks for every piece of round 4 and reads none when the outer step comes: the step
+    changes θ and publishes round 5 at once (the reader goes on from a copy of round 4), and the
+    reader, reading at last, gets round 4 bit for bit, not a mix of the two."""
+    big = ParamLayout(("w",), ((8_000_000,),))  # 61 MiB in all: more than the stream lets through unread
+    theta, velocity = _state(7, big)
+    before = (theta.copy(), velocity.copy())
+    server = _serving(4, theta, velocity, big)
+
+    async def main() -> tuple[list[str], bytes]:
+        ep = await Endpoint.bind("local", alpns=(STATE_ALPN,))
+        serving = asyncio.ensure_future(ep.serve({STATE_ALPN: server.handle}))
+        a = await Endpoint.bind("local")
+        server.allowed = lambda peer: peer == a.node_id
+        order: list[str] = []
+        try:
+            reader = await a.connect(ep.ticket(), STATE_ALPN)
+            await reader.send_frame(b'{"round": 4}')
+            head = json.loads(await reader.recv_frame(MAX_HEADER))
+            for i in range(len(head["pieces"])):
+                await reader.send_frame(json.dumps({"piece": i}).encode())
+            await asyncio.sleep(0.2)  # (the holder is sending, into a stream nobody reads)
+
+            async with server.updating():
+                np.add(theta, 1.0, out=theta)  # (in place: the live arrays the reader was served from)
+                np.multiply(velocity, 2.0, out=velocity)
+                server.publish(5, (theta, velocity), checksum(theta, velocity), big)
+            order.append("outer step")
+            got = bytearray()
+            while len(got) < 2 * theta.nbytes:
+                got += await reader.recv_frame(PIECE_BYTES, timeout=60)
+                if len(order) == 1:
+                    order.append("read")
+            return order, bytes(got)
+        finally:
+            serving.cancel()
+            for e in (a, ep):
+                await e.close()
+
+    order, got = run_async(main())
+    assert order == ["outer step", "read"]  # the step did not wait for the reader to read
+    assert got == before[0].tobytes() + before[1].tobytes()
+
+
 async def _holders(servers: list[StateServer], body, held: tuple[StateServer, ...] = (), release=None):
     """Serve each server on its own endpoint and run `body(client, tickets, asked)` (asked: the
     servers' names in the order connections reached them). The servers in `held` answer no request
