@@ -835,7 +835,10 @@ class Round:
             self.retry_reason is None
             and self.ring_failed_at is not None
             and rules.failure_heard(
-                part, set(done) | self.failed, now - self.ring_failed_at, 2 * self.r.heartbeat_s + 1
+                part,
+                set(done) | self.failed | set(rules.caught(self.suspects, part)),
+                now - self.ring_failed_at,
+                2 * self.r.heartbeat_s + 1,
             )
         ):
             if self.poisoned:

@@ -146,8 +146,9 @@ def reduce_overdue(
 
 def failure_heard(ring: Iterable[str], heard: Set[str], waited: float, grace: float) -> bool:
     """A member reported the all-reduce failed `waited` seconds ago: decide (retry, or keep what
-    a majority applied) once every ring member has reported, θ or failure, since nothing more can
-    come; else after `grace`, the time a member still in the ring needs to report."""
+    a majority applied) once every ring member has reported, θ or failure, or is caught (named by
+    two: its own word would change nothing), since nothing more can come; else after `grace`, the
+    time a member still in the ring needs to report."""
     return waited > grace or all(i in heard for i in ring)
 
 

@@ -304,6 +304,18 @@ def test_a_withholder_that_finishes_first_gets_nobody_struck_and_is_caught_by_th
     assert sim.struck() == {"w"} and sim.rings()[-1] == ["c", "b", "a"]  # redone without it
 
 
+def test_a_silent_member_that_two_others_name_is_redone_without_at_once() -> None:
+    # Attack 3 in the all-gather: w withholds its payload and never reports; a and b name it.
+    sim = Sim(["a", "b", "w"])
+    sim.start()
+    sim.ring()
+    sim.failed("a", suspect="w")
+    assert not sim.tick() and len(sim.rings()) == 1  # one name: the others' reports may still come
+    sim.failed("b", suspect="w")
+    assert not sim.tick()  # caught: decided now, not after the grace
+    assert [sorted(r) for r in sim.rings()] == [["a", "b", "w"], ["a", "b"]] and sim.struck() == {"w"}
+
+
 def test_a_member_silent_long_after_a_majority_reported_is_behind() -> None:
     sim = Sim(["a", "b", "c"])
     sim.start()
