@@ -187,17 +187,20 @@ def _combined(rule, result: list[bytes], ring) -> tuple[list[str], np.ndarray]:
     return outliers, np.subtract(np.float32(0), theta)
 
 
-def test_a_contribution_far_outside_the_others_is_clipped_and_named() -> None:
+def test_a_contribution_far_outside_the_others_adds_nothing_and_is_named() -> None:
     ring = members(4)
     honest = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(20 + i), 0.25) for i in range(3)]
-    hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(1000) * _delta(23), 0.25)
     rule = make_rule(LAYOUT, recipe(sync="sparse"))
-    outliers, out = _combined(rule, [*honest, hostile], ring)
-    assert outliers == [ring[3].node_id]
-    norms = [rule.codec.norm(p) for p in honest]
-    bound = 0.25 * (sum(norms) + rule.params.clip * sorted(norms)[1])  # its share clipped to clip x the median
-    assert float(np.linalg.norm(out)) <= bound * (1 + 1e-5)
     _, honest_only = _combined(rule, [*honest, b""], ring)
+    for scale in (1000, -10):  # x1000, and the -10x flip (clipped, it still pulled θ back for a round)
+        hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(scale) * _delta(23), 0.25)
+        outliers, out = _combined(rule, [*honest, hostile], ring)
+        assert outliers == [ring[3].node_id] and np.array_equal(out, honest_only)
+    # Within the outlier bound a contribution is clipped to clip x the median, not dropped.
+    norms = [rule.codec.norm(p) for p in honest]
+    big = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(3) * _delta(23), 0.25)
+    outliers, out = _combined(rule, [*honest, big], ring)
+    assert outliers == [] and not np.array_equal(out, honest_only)
     assert float(np.linalg.norm(out - honest_only)) <= 0.25 * rule.params.clip * sorted(norms)[1] * (1 + 1e-5)
     # A payload that does not decode adds nothing and is named too; two honest ones cannot tell.
     outliers, out = _combined(rule, [*honest, hostile[:-3]], ring)

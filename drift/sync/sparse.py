@@ -248,7 +248,9 @@ class SparseLoCo(SyncRule):
     def combine(self, result: list[bytes | None], ring: list[RingMember]) -> Combined:
         """The update Σ_i w_i · clip(decode(payload_i)), kept as the payloads and their
         coefficients (decoded again by preview and apply: no θ-sized sum); members whose payload
-        does not decode add nothing, and they and any far outside the median are the outliers."""
+        does not decode add nothing, and they and any far outside the median (three or more
+        members: then every member names the same) are the outliers: a far one adds nothing
+        either, where clipped it would still pull θ its way for a round."""
         self._update = []
         bad, norms = [], {}
         for m, payload in zip(ring, result):
@@ -265,11 +267,11 @@ class SparseLoCo(SyncRule):
         ordered = sorted(v for v in norms.values() if v > 0) or [0.0]
         median = ordered[(len(ordered) - 1) // 2]  # the lower one: with two, the smaller
         limit = self.params.clip * median
+        far = [i for i, v in norms.items() if v > self.params.outlier * median] if len(norms) >= 3 else []
         for m, payload in zip(ring, result):
-            if m.node_id in norms:
+            if m.node_id in norms and m.node_id not in far:
                 scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
                 self._update.append((payload, np.float32(m.weight * scale)))
-        far = [i for i, v in norms.items() if v > self.params.outlier * median] if len(norms) >= 3 else []
         return Combined(outliers=bad + far)
 
     def _steps(self, theta: np.ndarray):
