@@ -703,6 +703,9 @@ class Coordinator:
                     pass
                 case P.DataReport():
                     self.data_report(peer, msg)
+                case P.HolderReport(holder=holder):
+                    if self.swarm.named_holder(peer.id, holder):
+                        self.note("holder_named", node_id=holder, name=self.swarm.name(holder), round=msg.round)
                 case P.NodeLog():
                     self.node_log(peer, msg)
                 case P.RoundDone() | P.RingFailed() | P.BarrierSync() if prev is not None and msg.round == prev.rnd:

@@ -70,7 +70,7 @@ from drift.progress import Progress
 from drift.recipe import Data, Recipe
 from drift.repo import RepoError
 from drift.ring import ReduceStats, Ring, RingError
-from drift.state import StateError, StateServer, fetch_state, into_arrays
+from drift.state import StateError, StateServer, fetch_state, into_arrays, lied_to
 from drift.sync import Combined, SyncRule, catch_up, make_rule
 from drift.transport import (
     CONTROL_ALPN,
@@ -1018,7 +1018,9 @@ class Session:
         await self._beat()  # the coordinator learns what we hold now, before it plans the next round
 
     async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
-        """θ_global and the outer state <- the agreed state of round src.round, from a peer."""
+        """θ_global and the outer state <- the agreed state of round src.round, from its holders.
+        A holder that sent a piece that is not the swarm's is reported to the coordinator."""
+        liars = lied_to(self.node.endpoint.node_id)
         try:
             async with self.node.state.updating(fetching=True):
                 await fetch_state(
@@ -1034,6 +1036,10 @@ class Session:
                 t.publish(self.node.state, src.round)
         except StateError as e:
             raise Lost(str(e)) from None  # come back and ask again, rather than train on a stale θ
+        finally:
+            for holder in sorted(lied_to(self.node.endpoint.node_id) - liars):
+                reason = f"a piece of round {src.round} that is not the swarm's"
+                await self.send(P.HolderReport(round=src.round, holder=holder, reason=reason))
         log.info("took θ after round %d from a peer", src.round)
 
     async def _catch_up(self, t: Trainer) -> None:

@@ -271,6 +271,17 @@ class DataReport(_Msg):
     reason: Text = ""
 
 
+class HolderReport(_Msg):
+    """Node -> coordinator: a holder of θ sent it, in a fetch of that round, a piece that is not
+    the swarm's (its digest differs from the agreed checksum's). One member's word: the
+    coordinator passes a holder over once two members named it (Swarm.named_holder)."""
+
+    type: Literal["HolderReport"] = "HolderReport"
+    round: RoundOrInitial
+    holder: NodeId
+    reason: Text = ""
+
+
 class ShardAssignment(_Msg):
     """Coordinator -> node, at the start of a round: the units granted now, and the role.
 
@@ -528,6 +539,7 @@ Message = Annotated[
     | EvalResult
     | Agreed
     | DataReport
+    | HolderReport
     | DataHolders
     | NodeLog
     | TrainComplete,

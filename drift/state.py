@@ -85,6 +85,11 @@ class _Lied(StateError):
 _DONORS: dict[str, dict[str, str]] = {}
 
 
+def lied_to(node_id: str) -> set[str]:
+    """The holders that sent the node `node_id` (this process) a state that was not the swarm's."""
+    return {d for d, how in _DONORS.get(node_id, {}).items() if how == "lied"}
+
+
 def _donor_id(ticket: str) -> str:
     try:
         return str(parse_ticket(ticket).id())

@@ -60,6 +60,9 @@ class Swarm:
         self.measured: set[str] = set()  # nodes whose speed our own clock has measured
         self.poison_suspects: set[str] = set()  # one of these sent more into a ring than it reported
         self.banned: dict[str, str] = {}  # nodes proven to poison the all-reduce -> why: out for the run
+        self.holder_named_by: dict[
+            str, set[str]
+        ] = {}  # holder -> members it sent pieces not the swarm's (HolderReport)
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]
@@ -190,11 +193,23 @@ class Swarm:
         r = self.recipe
         return rules.evaluators({i: self.speed[i] for i in self.members}, budget, r.batch_size, r.slow_node_fraction)
 
+    def named_holder(self, by: str, holder: str) -> bool:
+        """Member `by` says `holder` sent it a piece of θ that is not the swarm's (HolderReport).
+        True when that makes two members who named it: from then on it is nobody's donor
+        (donors), however fast. One member's word alone changes nothing."""
+        if by == holder or by not in self.members or holder not in self.members:
+            return False
+        named = self.holder_named_by.setdefault(holder, set())
+        before = len(named)
+        named.add(by)
+        return before < 2 <= len(named)
+
     def donors(self, rnd: int, but: str | None = None) -> list[str]:
         """The nodes to ask for θ of round `rnd`, fastest first: members that hold it, except `but`,
-        a node on its way out (one banned this round is a member until the round settles) and one
-        whose connection is gone (the round loop has not dropped it yet). A node that left, or
-        whose process exited (drift coord --local drops it), is no member, so never asked."""
+        a node on its way out (one banned this round is a member until the round settles), one
+        whose connection is gone (the round loop has not dropped it yet) and one that two members
+        named for sending pieces that were not the swarm's. A node that left, or whose process
+        exited (drift coord --local drops it), is no member, so never asked."""
         return sorted(
             (
                 i
@@ -204,6 +219,7 @@ class Swarm:
                 and i not in self.banned
                 and p.gone is None
                 and p.broken is None
+                and len(self.holder_named_by.get(i, ())) < 2
             ),
             key=lambda i: -self.speed[i],
         )

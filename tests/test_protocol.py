@@ -49,6 +49,7 @@ SAMPLES = [
     P.Agreed(round=1, abandoned=True, state=P.StateSource(round=0, checksum="c", tickets=["t"])),
     P.TrainConfig(run_id="r", recipe={}, data=P.DataSource(root="ab", size=100, tickets=["t"])),
     P.DataReport(kind="bad_chunk", round=2, samples=3, holder=A, reason="3 samples failed their digest"),
+    P.HolderReport(round=2, holder=A, reason="a piece of round 2 that is not the swarm's"),
     P.DataHolders(tickets=["t", "u"]),
     P.NodeLog(step=12, metrics={"loss": 2.5, "acc/top1": 0.5}),
     P.TrainComplete(rounds=3, final_val_loss=1.0),

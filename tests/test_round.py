@@ -531,6 +531,20 @@ def _every_unit_once(sim: Sim) -> None:
     assert rules.samples([*sim.result.trained, *sim.result.given_back]) == sim.rd.budget
 
 
+def test_a_holder_two_members_name_for_bad_pieces_is_nobodys_donor_and_one_name_changes_nothing() -> None:
+    sim = Sim(["a", "b", "c", "x"], speeds={"x": 1000.0})
+    sim.s.agreed(0, "theta-r0", [sim.ids[n] for n in "abcx"])
+    donors = lambda: [sim.names[i] for i in sim.s.donors(0)]  # noqa: E731
+    assert donors()[0] == "x"  # the fastest is asked first
+    assert not sim.s.named_holder(sim.ids["a"], sim.ids["x"])
+    assert not sim.s.named_holder(sim.ids["a"], sim.ids["x"])  # the same member again counts once
+    assert not sim.s.named_holder(sim.ids["x"], sim.ids["x"])  # nor does its own word
+    assert donors()[0] == "x"
+    assert sim.s.named_holder(sim.ids["b"], sim.ids["x"])  # two members: it is remembered
+    assert "x" not in donors() and sorted(donors()) == ["a", "b", "c"]
+    assert not sim.s.named_holder(sim.ids["c"], sim.ids["x"])  # (said once, when it became two)
+
+
 def test_the_honest_round_settles_with_every_unit_counted_once() -> None:
     sim = Sim(["a", "b", "c"])
     sim.start()
