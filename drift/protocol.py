@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.

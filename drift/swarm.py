@@ -60,9 +60,8 @@ class Swarm:
         self.measured: set[str] = set()  # nodes whose speed our own clock has measured
         self.poison_suspects: set[str] = set()  # one of these sent more into a ring than it reported
         self.banned: dict[str, str] = {}  # nodes proven to poison the all-reduce -> why: out for the run
-        self.holder_named_by: dict[
-            str, set[str]
-        ] = {}  # holder -> members it sent pieces not the swarm's (HolderReport)
+        # holder -> the members it sent pieces that were not the swarm's (HolderReport)
+        self.holder_named_by: dict[str, set[str]] = {}
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]

@@ -71,14 +71,14 @@ def test_the_round_trip_covers_every_message() -> None:
     "frame,needle",
     [
         (b"\xff\xfe", "not JSON"),
-        (b'{"v": 1, "type": "Ping"', "not JSON"),  # truncated
+        (b'{"v": 2, "type": "Ping"', "not JSON"),  # truncated
         (b"[1,2]", "not a JSON object"),
         (b'{"v": 99, "type": "Ping"}', "schema version 99"),
-        (b'{"v": 1, "type": "Launch"}', "type"),
-        (b'{"v": 1, "type": "AssignNext", "round": 1}', "unit"),
-        (b'{"v": 1, "type": "AssignNext", "round": 1, "unit": {"id": -1, "lo": 0, "hi": 1}}', "unit.id"),
-        (b'{"v": 1, "type": "AssignNext", "round": "x", "unit": 1}', "round"),
-        (b'{"v": 1, "type": "Ping", "evil": 1}', "evil"),
+        (b'{"v": 2, "type": "Launch"}', "type"),
+        (b'{"v": 2, "type": "AssignNext", "round": 1}', "unit"),
+        (b'{"v": 2, "type": "AssignNext", "round": 1, "unit": {"id": -1, "lo": 0, "hi": 1}}', "unit.id"),
+        (b'{"v": 2, "type": "AssignNext", "round": "x", "unit": 1}', "round"),
+        (b'{"v": 2, "type": "Ping", "evil": 1}', "evil"),
     ],
 )
 def test_malformed_frames_raise_protocol_error(frame: bytes, needle: str) -> None:
@@ -95,7 +95,7 @@ def test_frames_carry_the_schema_version() -> None:
 
 
 def _frame(**fields) -> bytes:
-    return json.dumps({"v": 1, **fields}).encode()
+    return json.dumps({"v": P.SCHEMA_VERSION, **fields}).encode()
 
 
 UNIT = {"id": 1, "lo": 0, "hi": 8}
@@ -105,24 +105,24 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
     "frame,needle",
     [
         # deep JSON: used to raise RecursionError out of decode
-        (b'{"v":1,"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than"),
+        (b'{"v":2,"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than"),
         (b"[" * 50 + b"]" * 50, "not a JSON object"),
         (
             _frame(type="TrainConfig", run_id="r", recipe={"a": json.loads("[" * 40 + "1" + "]" * 40)}),
             "nested more than",
         ),
         (_frame(type="TrainingReady", nodes=[], signatures=[{}] * 100_001), "more than 100000 values"),
-        (b'{"v":1,"type":"Ping","nonce":' + b"9" * 5000 + b"}", "not JSON"),  # an int of 5000 digits
+        (b'{"v":2,"type":"Ping","nonce":' + b"9" * 5000 + b"}", "not JSON"),  # an int of 5000 digits
         (
             (
-                b'{"v":1,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
+                b'{"v":2,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
                 b'"samples_per_s":1}'
             ),
             "NaN",
         ),
-        (b'{"v":1,"type":"EvalResult","after_round":0,"val_loss":1e999,"val_samples":1}', "too large"),
-        (b'{"v":1,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}', "-Infinity"),
-        (b'{"v":1,"type":"TrainingCancel","reason":"\xff"}', "not JSON"),
+        (b'{"v":2,"type":"EvalResult","after_round":0,"val_loss":1e999,"val_samples":1}', "too large"),
+        (b'{"v":2,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}', "-Infinity"),
+        (b'{"v":2,"type":"TrainingCancel","reason":"\xff"}', "not JSON"),
         # WorkUnit: lo <= hi, both bounded (a negative size used to skew every node's weight)
         (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 50, "hi": 3}), "lo 50 > hi 3"),
         (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 0, "hi": 2**40}), "unit.hi"),
