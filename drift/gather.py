@@ -56,11 +56,11 @@ LATE_FACTOR = 4.0  # a payload still missing this many times what half the other
 
 def late_after(arrivals: list[float], others: int, nbytes: int, slack_s: float) -> float | None:
     """Seconds after the all-gather started by which every other member's payload must have
-    arrived, once at least half of them did (`arrivals`: their arrival times): LATE_FACTOR times
-    what that half took, plus `slack_s` (BarrierReady.slack_s), plus the time a sender on a link
-    of MIN_RATE takes to upload all `others` payloads of `nbytes` at once. None before then: only the connections' own
-    deadlines apply. A member that withholds its payload (it still receives everyone's) is named
-    by every member it starves, after seconds, not after the connection's timeout."""
+    arrived (or taken ours), once at least half of them did (`arrivals`: their times): LATE_FACTOR
+    times what that half took, plus `slack_s` (BarrierReady.slack_s), plus the time a link of
+    MIN_RATE takes to carry all `others` payloads of `nbytes` at once. None before then: only the
+    connections' own deadlines apply. A member that withholds its payload, or never takes ours,
+    is named by every member it holds up, after seconds, not after the connection's timeout."""
     need = (others + 1) // 2
     if need == 0 or len(arrivals) < need:
         return None
@@ -150,6 +150,7 @@ class Gather:
         out[me] = payload
         heard: dict[int, Heard] = {}  # place -> what came from that member
         arrived: dict[str, float] = {}  # member -> seconds after t0 its payload was in, signed
+        acked: dict[str, float] = {}  # member -> seconds after t0 it confirmed ours
         news = asyncio.Event()  # set at each arrival
         count = [0, 0]  # bytes sent, received
         check = [0.0]  # seconds hashing, signing and verifying (RoundDone.check_s)
@@ -174,31 +175,34 @@ class Gather:
             arrived[m.node_id] = time.perf_counter() - t0
             news.set()
 
+        async def send_to(m: RingMember) -> None:
+            await self._send(m, head, payload, count)
+            acked[m.node_id] = time.perf_counter() - t0
+            news.set()
+
         async def watch() -> None:
-            while len(arrived) < len(others):
+            """A member still silent long after half the others were done (late_after) is named."""
+            while len(arrived) < len(others) or len(acked) < len(others):
                 news.clear()
-                until = late_after(list(arrived.values()), len(others), nbytes, slack_s)
-                left = None if until is None else until - (time.perf_counter() - t0)
-                if left is not None and left <= 0:
-                    late = next(m.node_id for _, m in others if m.node_id not in arrived)
-                    raise RingError(
-                        f"{late[:10]} sent no payload within {until:.1f}s, when the others' took "
-                        f"{max(arrived.values()):.1f}s",
-                        suspect=late,
-                    )
+                lefts = []
+                for done, what in ((arrived, "sent no payload"), (acked, "did not take ours")):
+                    until = late_after([*done.values()], len(others), nbytes, slack_s)
+                    if len(done) == len(others) or until is None:
+                        continue
+                    left = until - (time.perf_counter() - t0)
+                    if left <= 0:
+                        late = next(m.node_id for _, m in others if m.node_id not in done)
+                        raise RingError(f"{late[:10]} {what} within {until:.1f}s, as half the others did", suspect=late)
+                    lefts.append(left)
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(news.wait(), left)
+                    await asyncio.wait_for(news.wait(), min(lefts, default=None))
 
         t = time.perf_counter()
         head = self.header(round_, generation, payload)
         check[0] += time.perf_counter() - t
         others = [(k, m) for k, m in enumerate(members) if k != me]
         try:
-            await _all(
-                [self._send(m, head, payload, count) for _, m in others]
-                + [recv_from(k, m) for k, m in others]
-                + [watch()]
-            )
+            await _all([send_to(m) for _, m in others] + [recv_from(k, m) for k, m in others] + [watch()])
         except RingError as e:
             raise RingError(f"all-gather of round {round_} failed: {e}", suspect=e.suspect) from None
         got = [heard[k] for k in sorted(heard)]

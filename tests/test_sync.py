@@ -258,6 +258,40 @@ def test_a_payload_missing_long_after_half_the_others_arrived_is_late() -> None:
     assert late_after([0.2, 0.3], 3, 4 * MIN_RATE, slack) == pytest.approx(LATE_FACTOR * 0.3 + slack + 12)
 
 
+def test_a_member_that_takes_payloads_but_never_confirms_them_is_named_in_seconds() -> None:
+    # Attack 3's other half: x sends its own payload but never confirms ours (it reads, and holds
+    # the connection). Each honest member names it once half the others confirmed, not at 60 s.
+
+    class TakesButNeverConfirms(Gather):  # the attacker's code, not drift's
+        async def _receive(self, ch, peer, size, count):
+            await asyncio.Event().wait()
+
+    async def main():
+        eps = [await Endpoint.bind("local") for _ in range(4)]
+        gathers = [Gather(ep, timeout=60.0) for ep in eps[:3]] + [TakesButNeverConfirms(eps[3], timeout=60.0)]
+        serving = [asyncio.ensure_future(ep.serve({GATHER_ALPN: g.handle_incoming})) for ep, g in zip(eps, gathers)]
+        ring = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=0.25) for ep in eps]
+        hostile = asyncio.ensure_future(gathers[3].allgather(b"x" * 100, ring, 4, 100, 1))
+        try:
+            return ring, await asyncio.wait_for(
+                asyncio.gather(
+                    *(g.allgather(bytes([i]) * 100, ring, 4, 100, 1, slack_s=0.5) for i, g in enumerate(gathers[:3])),
+                    return_exceptions=True,
+                ),
+                30,
+            )
+        finally:
+            hostile.cancel()
+            for s in serving:
+                s.cancel()
+            for ep in eps:
+                await ep.close()
+
+    ring, failed = run_async(main(), 60)
+    assert all(isinstance(e, RingError) and e.suspect == ring[3].node_id for e in failed), failed
+    assert all("did not take ours" in str(e) for e in failed), failed
+
+
 def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() -> None:
     """Each node's stats.heard holds, per other member, sha256 of the payload it got and the
     sender's signature (an empty payload of weight 0 too), valid for this round and attempt only.
