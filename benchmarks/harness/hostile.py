@@ -30,7 +30,7 @@ from drift.transport import (
 # A name no terminal or rich markup may interpret: markup closing tags, ANSI colour and screen
 # clearing escapes, a newline that would forge a log line, a bidi override.
 MARKUP_NAME = "[/x][bold red]\x1b[31m\x1b[2Jevil\nnode joined: forged\u202e"
-DEEP_JSON = b'{"v":1,"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+DEEP_JSON = b'{"v":%d,"type":"Ping","nonce":' % P.SCHEMA_VERSION + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 Attack = Callable[[Endpoint, str, bytes, float], Awaitable[tuple[int, bool]]]
 
@@ -125,9 +125,11 @@ def junk_attacks() -> dict[str, Attack]:
         "truncated frame": _bytes(struct.pack(">I", 100) + b"only ten b", finish=True),
         "empty frame": _frames(b""),
         "deep JSON": _frames(DEEP_JSON),
-        "invalid UTF-8": _frames(b'{"v":1,"type":"\xff\xfe\xfd"}', b"\xc3\x28"),
-        "lone surrogate": _frames(b'{"v":1,"type":"NodeInfo","name":"\\ud800"}'),
-        "NaN and Infinity": _frames(b'{"v":1,"type":"Heartbeat","round":NaN}', b'{"round":Infinity}'),
+        "invalid UTF-8": _frames(b'{"v":%d,"type":"\xff\xfe\xfd"}' % P.SCHEMA_VERSION, b"\xc3\x28"),
+        "lone surrogate": _frames(b'{"v":%d,"type":"NodeInfo","name":"\\ud800"}' % P.SCHEMA_VERSION),
+        "NaN and Infinity": _frames(
+            b'{"v":%d,"type":"Heartbeat","round":NaN}' % P.SCHEMA_VERSION, b'{"round":Infinity}'
+        ),
         "JSON that is not an object": _frames(b"[1,2,3]", b'"string"', b"null"),
         "idle connection": _idle,
         "hang up at once": _hangup,
@@ -136,7 +138,7 @@ def junk_attacks() -> dict[str, Attack]:
 
 def _node_info(ep: Endpoint, **over: object) -> bytes:
     body = {
-        "v": 1,
+        "v": P.SCHEMA_VERSION,
         "type": "NodeInfo",
         "node_id": ep.node_id,
         "name": "hostile",
@@ -183,7 +185,7 @@ def control_attacks(other: Endpoint) -> dict[str, Attack]:
     node may claim as its own."""
     bad_unit = _json(
         {
-            "v": 1,
+            "v": P.SCHEMA_VERSION,
             "type": "BarrierSync",
             "round": 0,
             "samples": 0,
@@ -194,7 +196,7 @@ def control_attacks(other: Endpoint) -> dict[str, Attack]:
     )
     unsigned = _json(
         {
-            "v": 1,
+            "v": P.SCHEMA_VERSION,
             "type": "RepoCommit",
             "repo": "x",
             "commit": None,
