@@ -135,14 +135,12 @@ def test_a_donor_of_another_size_is_refused() -> None:
         _fetch(_serving(1, theta[:4].copy(), velocity[:4].copy(), small), 1, checksum(theta, velocity))
 
 
-def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The coordinator's checkpoint: θ and the velocity stream from a donor, chunk by chunk, into
+def test_a_checkpoint_streams_from_a_donor_to_disk(tmp_path) -> None:
+    """The coordinator's checkpoint: θ and the velocity stream from a donor, piece by piece, into
     the checkpoint's files (never whole in memory), and load back exact, buffers named as such."""
-    import drift.diloco
     from drift.checkpoint import CheckpointWriter, load_checkpoint
 
-    monkeypatch.setattr(drift.diloco, "PIECE_BYTES", 4096)
-    big = ParamLayout(("w", "b", "bn.running_var"), ((100, 50), (50,), (50,)), n_buffers=1)
+    big = ParamLayout(("w", "b", "bn.running_var"), ((1200, 1000), (1000,), (1000,)), n_buffers=1)  # 2 pieces each
     theta, velocity = _state(7, big)
     writers: list[CheckpointWriter] = []
 
@@ -296,13 +294,10 @@ async def _holders(servers: list[StateServer], body, held: tuple[StateServer, ..
             await e.close()
 
 
-def test_theta_comes_from_several_holders_at_once_and_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three holders, ~300 pieces: the joiner takes pieces from more than one of them at once,
+def test_theta_comes_from_several_holders_at_once_and_exact() -> None:
+    """Three holders, 16 pieces: the joiner takes pieces from more than one of them at once,
     and what it writes is θ and the velocity bit for bit."""
-    import drift.diloco
-
-    monkeypatch.setattr(drift.diloco, "PIECE_BYTES", 16 << 10)
-    big = ParamLayout(("w",), ((600_000,),))
+    big = ParamLayout(("w",), ((8 << 20,),))  # 32 MiB of θ and as much velocity
     theta, velocity = _state(11, big)
     servers = [_serving(6, theta, velocity, big) for _ in range(3)]
     into = np.full(big.size, np.nan, np.float32), np.full(big.size, np.nan, np.float32)
@@ -317,7 +312,7 @@ def test_theta_comes_from_several_holders_at_once_and_exact(monkeypatch: pytest.
     )
     assert np.array_equal(into[0], theta) and np.array_equal(into[1], velocity)
     served = [s.served for s in servers]
-    assert sum(served) == 2 * -(-theta.nbytes // (16 << 10)) and sum(n > 0 for n in served) >= 2, served
+    assert sum(served) == 2 * -(-theta.nbytes // PIECE_BYTES) and sum(n > 0 for n in served) >= 2, served
 
 
 def test_a_holder_that_sends_a_bad_piece_is_passed_over_and_never_asked_again(caplog) -> None:
@@ -446,14 +441,16 @@ def test_a_node_taking_theta_from_a_peer_refuses_requests_at_once_instead_of_hol
     assert "busy: taking θ from a peer" in run_async(main())
 
 
-def test_a_holder_that_no_longer_remembers_the_digests_hashes_its_state_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_holder_that_no_longer_remembers_the_digests_hashes_its_state_again() -> None:
     """The piece digests come with the checksum a node computes each round; a holder that has
     not computed it lately (it took θ long ago, many checksums since) hashes its arrays again to
     hand out the manifest."""
-    import drift.diloco
+    from drift.diloco import _RECENT_MAX, pieces_of
 
     theta, velocity = _state(14)
     agreed = checksum(theta, velocity)
-    monkeypatch.setattr(drift.diloco, "_RECENT", type(drift.diloco._RECENT)())
+    for k in range(_RECENT_MAX):  # as many newer checksums as a process remembers
+        checksum(np.full(1, k, np.float32))
+    assert pieces_of(agreed) is None
     _, got_theta, got_velocity = _fetch(_serving(5, theta, velocity, announced=agreed), 5, agreed)
     assert np.array_equal(got_theta, theta) and np.array_equal(got_velocity, velocity)
