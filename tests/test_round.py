@@ -355,6 +355,22 @@ def test_a_ring_of_two_whose_partner_never_announces_is_redone_and_the_silent_on
     assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets the round's θ from a
 
 
+def test_a_committed_ring_of_two_whose_other_member_dies_is_kept_not_given_up() -> None:
+    # --local 2, one node killed after the commit: the survivor applied the step and reported it.
+    # Its leaving counts as a failed ring, but nobody said the attempt failed: the survivor's
+    # report settles the round (before: it was given up at once, and the run ended).
+    sim = Sim(["a", "x"])
+    sim.start()
+    sim.ring()
+    for n in "ax":
+        sim.done(n, checksum="theta-1", announced=True, before="theta0")
+    assert not sim.tick() and sim.to("a", P.Commit)
+    sim.done("a", checksum="theta-1")
+    sim.drop(sim.ids["x"], "its process exited")
+    assert sim.tick()
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta-1"
+
+
 def test_of_two_the_one_known_not_to_hold_the_agreed_theta_yet_sits_out_and_is_not_dropped() -> None:
     # Overlapped: x sat round 0 out (it applied an attempt that was redone without it) and is
     # fetching round 0's θ while round 1's ring of two already runs. Its step starts from another
