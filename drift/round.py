@@ -80,6 +80,8 @@ class SwarmView(Protocol):
     @property
     def speed(self) -> Mapping[str, float]: ...
     @property
+    def measured(self) -> Set[str]: ...
+    @property
     def state_round(self) -> Mapping[str, int]: ...
     @property
     def checksums(self) -> Mapping[int, str]: ...
@@ -587,29 +589,39 @@ class Round:
         n.units_after_stop += self.stop_sent
         n.last_progress = now
         self.out.append(Progress(i, u, k, msg.loss, msg.samples_per_s))
+        if n.ask_held and self._room(i):
+            self._answer_ask(i, self.rnd)
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
         n = self.nodes[i]
         if n.role == "evaluate" and msg.round == self.rnd:  # its job could not start (no donor had
             self.out.append(Evaluate(i))  # that θ any more): a fresh one
             return
+        if msg.round == self.rnd and not n.excluded and not n.early and n.synced is None and not self._room(i):
+            # It holds its allowance already: the answer waits for its progress (asking again and
+            # again hoards nothing, and an honest node that asked early is not told "no more").
+            n.ask_held = True
+            return
+        self._answer_ask(i, msg.round)
+
+    def _room(self, i: str) -> bool:
+        """Node i may be granted one more unit: what it holds not yet reported trained is within
+        its allowance."""
+        in_hand = samples(self.plan.granted.get(i, [])) - self.nodes[i].trained
+        measured = self.s.speed.get(i) if i in self.s.measured else None
+        return in_hand <= rules.ask_allowance(self.r.unit_samples, measured)
+
+    def _answer_ask(self, i: str, rnd: int) -> None:
+        n = self.nodes[i]
+        n.ask_held = False
         nxt = None
-        # At most two units ahead of what it reported trained (one in training, one asked ahead):
-        # asking again and again hoards none.
-        in_hand = samples(self.plan.granted.get(i, [])) - n.trained
-        if (
-            msg.round == self.rnd
-            and not n.excluded
-            and not n.early
-            and n.synced is None
-            and in_hand <= 2 * self.r.unit_samples
-        ):
+        if rnd == self.rnd and not n.excluded and not n.early and n.synced is None:
             nxt = self.plan.next_for(i)
         if nxt is not None:
             n.last_progress = self.now
             self.send(i, P.AssignNext(round=self.rnd, unit=nxt))
             return
-        self.send(i, P.NoMoreWork(round=msg.round))
+        self.send(i, P.NoMoreWork(round=rnd))
         if self.steal and self.plan.remaining() == 0 and not self.last:
             self.stop_all("the round's budget is handed out")
 

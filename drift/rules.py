@@ -7,6 +7,7 @@ rule in milliseconds.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ Role = Literal["train", "evaluate", "wait", "late"]
 
 
 SPEED_WINDOW_S = 0.05  # the shortest time a speed is measured over: the coordinator's clock is no finer under load
+AHEAD_S = 0.25  # a node may hold granted work it has not reported trained worth this long at its measured speed
 
 
 @dataclass
@@ -43,6 +45,7 @@ class NodeRound:
     behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
     reported: list[tuple[int, int, int, int]] = field(default_factory=list)  # units it reported trained (once each)
     repeated: bool = False  # it reported samples twice this round (named and struck once)
+    ask_held: bool = False  # it asked while holding its allowance: answered once its progress shows room
 
     @property
     def counted(self) -> bool:
@@ -63,6 +66,15 @@ class NodeRound:
 
 
 Records = Mapping[str, NodeRound]
+
+
+def ask_allowance(unit_samples: int, measured_sps: float | None) -> int:
+    """The samples a node may hold granted but not yet reported trained: two units (one in
+    training, one asked ahead), or what our clock measured it trains in AHEAD_S if that is more
+    (units shorter than a round trip would leave a fast node idle between grants). Its own word
+    on its speed gives it nothing: an unmeasured node gets two units."""
+    ahead = int(measured_sps * AHEAD_S) if measured_sps is not None and math.isfinite(measured_sps) else 0
+    return max(2 * unit_samples, ahead)
 
 
 def samples(units: list[P.WorkUnit]) -> int:

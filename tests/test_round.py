@@ -454,6 +454,25 @@ def test_asking_again_and_again_grants_at_most_two_units_ahead() -> None:
     # the first unit, and two ahead (one in training, one asked ahead): 20 asks hoard no more
     assert len(rd.plan.granted[sim.ids["x"]]) == 3
     assert len(sim.to("x", P.AssignNext)) == 2
+    assert sim.to("x", P.NoMoreWork) == []  # held, not refused: the plan still has work for it
+
+
+def test_an_ask_ahead_of_its_progress_is_answered_when_the_progress_comes_and_the_round_gets_its_budget() -> None:
+    # A fast node asks ahead of its TrainProgress reports (they cross on the way): the coordinator
+    # holds the ask and grants on the progress, instead of "no more work", which ended a lone
+    # node's round after a few units and left the last round's budget untrained.
+    sim = Sim(["x"], inner_steps=40)
+    rd = sim.start()
+    granted = rd.plan.granted[sim.ids["x"]]
+    reported = 0
+    while not sim.to("x", P.NoMoreWork):
+        for _ in range(3):  # its round trip is longer than a unit: it asks again as each answer
+            sim.msg("x", P.AskForMoreWork(round=0))  # comes, its progress reports still on the way
+        while reported < len(granted):  # (a report may answer the held ask: one more to train)
+            sim.msg("x", P.TrainProgress(round=0, unit=granted[reported], steps=1, loss=1.0, samples_per_s=1.0))
+            reported += 1
+    assert rules.samples(rd.plan.granted[sim.ids["x"]]) == rd.budget  # the whole round's budget
+    assert rd.plan.remaining() == 0
 
 
 def test_a_measured_speed_is_capped_relative_to_the_others_and_cannot_make_them_all_evaluate() -> None:

@@ -356,3 +356,10 @@ def test_the_theta_kept_after_an_equivocation_is_the_most_held_then_the_first_in
     assert rules.kept({"a": "p", "b": "q"}, ["b", "a"]) == "q"
     assert rules.kept({"a": "p", "b": "q"}, ["a", "b"]) == "p"
     assert rules.kept({"a": "p"}, ["x", "a"]) == "p"
+
+
+def test_a_node_may_hold_two_units_or_what_our_clock_measured_it_trains_in_a_quarter_second() -> None:
+    assert rules.ask_allowance(16, None) == 32  # unmeasured (its own word counts for nothing)
+    assert rules.ask_allowance(16, 40.0) == 32  # slow: two units
+    assert rules.ask_allowance(16, 4000.0) == int(4000 * rules.AHEAD_S)  # units shorter than a round trip
+    assert rules.ask_allowance(16, float("inf")) == 32 and rules.ask_allowance(16, float("nan")) == 32
