@@ -37,6 +37,7 @@ STATE_ALPN = b"drift-state/1"  # θ + outer state for a node that lacks it (drif
 GATHER_ALPN = b"drift-gather/0"  # a sync rule's payload, to every member of the round (drift/gather.py)
 DATA_ALPN = b"drift-data/0"  # the task's samples for a node that lacks the data (drift/data.py)
 BASE_ALPN = b"drift-base/0"  # recipe init_weights: θ₀ and the frozen base, from the coordinator (drift/base.py)
+READ_AHEAD = 64 << 10  # frames up to this size are written in one call and read several at a time
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
 MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused
@@ -240,32 +241,59 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._send_lock = asyncio.Lock()  # a frame's header and body must not interleave with another's
+        self._buf = bytearray()  # bytes read ahead of the frame being read
 
     async def send_frame(self, payload, timeout: float = 30.0) -> None:
         """Send one frame: 4-byte big-endian length, then the payload (bytes or a flat buffer)."""
         await self.send_parts([payload], timeout)
 
     async def send_parts(self, parts: list, timeout: float = 30.0) -> None:
-        """Send one frame made of several buffers (header + tensor chunk) without joining them."""
+        """Send one frame made of several buffers (header + tensor chunk) without joining them;
+        a small frame goes in one write (each write is a round trip into iroh's runtime)."""
         views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
         total = sum(len(v) for v in views)
+        head = _LEN.pack(total)
+        if total <= READ_AHEAD:
+            views, head = [], b"".join([head, *views])
         async with self._send_lock:
-            await _timed(self._send.write_all(_LEN.pack(total)), timeout, "sending a frame header")
+            await _timed(self._send.write_all(head), timeout, "sending a frame header")
             for v in views:
                 if len(v):
                     await _timed(self._send.write_all(v), timeout, f"sending {len(v)} bytes")
         self.bytes_sent += total + _LEN.size
 
     async def recv_frame(self, max_size: int, timeout: float = 30.0) -> bytes:
-        """Receive one frame; a frame over max_size is refused before its body is read. Every read
-        has a timeout: iroh never gives up on a silent peer by itself."""
-        head = await _timed(self._recv.read_exact(_LEN.size), timeout, "waiting for a frame")
-        (n,) = _LEN.unpack(head)
+        """Receive one frame; a frame over max_size is refused before its body is read. Every
+        frame has a deadline: iroh never gives up on a silent peer by itself."""
+        deadline = time.monotonic() + timeout
+        (n,) = _LEN.unpack(await self._take(_LEN.size, deadline, "waiting for a frame"))
         if n > max_size:
             raise TransportError(f"frame of {n} bytes exceeds the {max_size}-byte cap")
-        body = await _timed(self._recv.read_exact(n), timeout, f"reading a {n}-byte frame") if n else b""
+        body = await self._take(n, deadline, f"reading a {n}-byte frame") if n else b""
         self.bytes_received += n + _LEN.size
         return body
+
+    async def _take(self, n: int, deadline: float, what: str) -> bytes:
+        """The next n bytes of the stream: what an earlier read brought first. Small reads take
+        whatever has arrived (several small frames in one call into iroh); a large body is read
+        whole."""
+        buf = self._buf
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout(f"timed out {what}")
+            if n - len(buf) > READ_AHEAD:
+                rest = await _timed(self._recv.read_exact(n - len(buf)), left, what)
+                out = b"".join((buf, rest)) if buf else rest
+                buf.clear()
+                return out
+            chunk = await _timed(self._recv.read(READ_AHEAD), left, what)
+            if not chunk:
+                raise TransportError(f"{what} failed: the stream ended")
+            buf += chunk
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
 
     async def finish(self) -> None:
         try:
