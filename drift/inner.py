@@ -324,7 +324,8 @@ class InnerLoop:
         job.stop = job.stop or state["stop"]
 
     async def _collect(self, job: UnitSteps, taken: int, pieces: deque[_Piece], report, state) -> int:
-        """Hand the job's steps done so far to their units; report each unit trained whole."""
+        """Hand the job's steps done so far to their units; report each unit trained whole (the
+        last one also asks for the next unit, when that is due before the next one ends)."""
         upto = len(job.losses)
         while taken < upto:
             p = pieces[0]
@@ -335,11 +336,13 @@ class InnerLoop:
             self.step_s = dt if self.step_s == 0 else 0.7 * self.step_s + 0.3 * dt
             taken += 1
             if len(p.losses) == len(p.batches):
-                await self._report(pieces.popleft(), report, state)
+                pieces.popleft()
+                await self._report(p, report, state, ask=taken == upto and self._ask_soon(job, pieces, state))
         return taken
 
-    async def _report(self, p: _Piece, report: RoundReport, state: dict) -> None:
-        """Account for a unit: the part trained (TrainProgress), and the rest handed back."""
+    async def _report(self, p: _Piece, report: RoundReport, state: dict, ask: bool = False) -> None:
+        """Account for a unit: the part trained (TrainProgress, with the ask for the next unit
+        riding on it if `ask`: one frame instead of two), and the rest handed back."""
         unit, k = p.unit, len(p.losses)
         lo = min(unit.hi, unit.lo + k * self.recipe.batch_size)
         if k:
@@ -348,6 +351,8 @@ class InnerLoop:
             report.samples += lo - unit.lo
             report.steps += k
             report.losses += p.losses
+            if ask:
+                state["asked"], state["asked_at"] = True, time.perf_counter()
             await self.send(
                 P.TrainProgress(
                     round=state["round"],
@@ -355,6 +360,7 @@ class InnerLoop:
                     steps=k,
                     loss=mean_loss(p.losses),
                     samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
+                    ask=ask,
                 )
             )
         if lo < unit.hi:
@@ -362,24 +368,38 @@ class InnerLoop:
 
     async def _ask_ahead(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> None:
         """Ask for the next unit when the steps still in hand cover about one round trip to the
-        coordinator; or tell the thread that trains at which of the job's steps that will be.
-        Served data: ask as soon as the last unit in hand starts, so that the next one's samples
-        are fetched while this one trains."""
+        coordinator; or tell the thread that trains at which of the job's steps that will be."""
         job.ask_at = None
-        if state["asked"] or state["no_more"] or state["stop"] or job.stop:
+        at = self._ask_point(job, pieces, state)
+        if at is None:
             return
+        if at <= len(job.losses):
+            await self._ask(state)
+        elif at < len(job.batches):
+            job.ask_at = at
+
+    def _ask_point(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> int | None:
+        """The job's step at which to ask for the next unit (None: no ask is due this round). Served
+        data: as soon as the last unit in hand starts, so that the next one's samples are fetched
+        while this one trains."""
+        if state["asked"] or state["no_more"] or state["stop"] or job.stop:
+            return None
         bs, done, n = self.recipe.batch_size, len(job.losses), len(job.batches)
         if self.data is not None and not state["granted"]:
-            at = max(done, pieces[-1].start if pieces else done)
-        elif self.step_s == 0:
-            at = done  # no step measured yet
-        else:
-            rest = sum(-(-(u.hi - u.lo) // bs) for u in state["granted"])
-            at = max(done, math.ceil(n + rest - max(self.rtt_s * 2, self.step_s) / self.step_s))
-        if at <= done:
-            await self._ask(state)
-        elif at < n:
-            job.ask_at = at
+            return max(done, pieces[-1].start if pieces else done)
+        step_s = self.step_s or (job.seconds[-1] if job.seconds else 0.0)  # (its first unit: the last step)
+        if step_s == 0:
+            return done  # no step measured yet
+        rest = sum(-(-(u.hi - u.lo) // bs) for u in state["granted"])
+        return max(done, math.ceil(n + rest - max(self.rtt_s * 2, step_s) / step_s))
+
+    def _ask_soon(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> bool:
+        """An ask is due before the unit in hand ends: it may ride on the report of the one that
+        just did (a little early, within the two units the coordinator lets a node hold)."""
+        at = self._ask_point(job, pieces, state)
+        return at is not None and at <= len(job.losses) + (
+            len(pieces[0].batches) - len(pieces[0].losses) if pieces else 0
+        )
 
     def _indices(self, unit: P.WorkUnit) -> np.ndarray:
         return unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)

@@ -34,7 +34,9 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = 2  # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport
+SCHEMA_VERSION = (
+    3  # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask
+)
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -312,6 +314,7 @@ class TrainProgress(_Msg):
     steps: Count
     loss: Loss | None  # None: the node's loss was not finite (it says so at the barrier)
     samples_per_s: Rate
+    ask: bool = False  # ... and an AskForMoreWork with it (one frame a unit instead of two)
 
 
 class AskForMoreWork(_Msg):

@@ -589,7 +589,9 @@ class Round:
         n.units_after_stop += self.stop_sent
         n.last_progress = now
         self.out.append(Progress(i, u, k, msg.loss, msg.samples_per_s))
-        if n.ask_held and self._room(i):
+        if msg.ask:
+            self.on_ask(i, P.AskForMoreWork(round=msg.round))
+        elif n.ask_held and self._room(i):
             self._answer_ask(i, self.rnd)
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,22 +58,27 @@ class Device:
         return loss
 
 
-async def _round(worker, first: list[P.WorkUnit], replies, unit_steps: int = 2, rnd: int = 0):
-    """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each AskForMoreWork."""
+async def _round(
+    worker, first: list[P.WorkUnit], replies, unit_steps: int = 2, rnd: int = 0, rtt_s: float = 60.0, sent=None
+):
+    """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each ask (an
+    AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent."""
     recipe = Recipe(
         name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=unit_steps
     )
     inbox: asyncio.Queue = asyncio.Queue()
     asks = 0
+    sent = [] if sent is None else sent
 
     async def send(msg: P._Msg) -> None:
         nonlocal asks
-        if isinstance(msg, P.AskForMoreWork):
+        sent.append(msg)
+        if isinstance(msg, P.AskForMoreWork) or (isinstance(msg, P.TrainProgress) and msg.ask):
             asks += 1
             replies(asks, inbox)
 
     inner = InnerLoop(worker, recipe, inbox, send)
-    inner.rtt_s = 60.0  # a slow link next to a fast device: the node asks ahead at every step
+    inner.rtt_s = rtt_s  # default: a slow link next to a fast device: the node asks ahead at every step
     report = await inner.run_round(P.ShardAssignment(round=rnd, epoch=0, units=first))
     return report
 
@@ -122,6 +128,37 @@ def test_grants_until_no_more_work_train_everything(worker) -> None:
     report = run_async(_round(worker, granted[:1], replies))
     assert check_accounting(granted, report.trained, report.returned) is None
     assert report.returned == [] and sorted(u.id for u in report.trained) == [0, 1, 2, 3]
+
+
+class Slow(Device):
+    """A device whose steps take 50 ms: the node's loop is always ahead of it."""
+
+    def train_step(self, indices, micro_batches: int = 1) -> float:
+        time.sleep(0.05)
+        return super().train_step(indices, micro_batches)
+
+
+def test_a_node_asks_for_its_next_unit_on_the_report_of_the_last_one(worker) -> None:
+    """On a quick link each unit's report carries the ask for the one after next (one frame a
+    unit, not two): once a unit ended, no ask is a frame of its own."""
+    granted, device, sent = [_unit(0)], Slow(worker), []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        if n <= 6:
+            granted.append(_unit(n))
+            device.during_step(inbox, P.AssignNext(round=0, unit=granted[-1]))
+        else:
+            device.during_step(inbox, P.NoMoreWork(round=0))
+
+    report = run_async(_round(device, granted[:1], replies, rtt_s=0.001, sent=sent))
+    assert check_accounting(granted, report.trained, report.returned) is None
+    assert sorted(u.id for u in report.trained) == list(range(7))
+    first = next(k for k, m in enumerate(sent) if isinstance(m, P.TrainProgress))
+    # (before its first unit ended it knew no step time, and asked at each grant)
+    assert not any(isinstance(m, P.AskForMoreWork) for m in sent[first:])
+    assert sum(m.ask for m in sent if isinstance(m, P.TrainProgress)) >= 3, [
+        (type(m).__name__[:5], getattr(m, "ask", None)) for m in sent
+    ]
 
 
 def test_a_late_reply_of_the_round_before_changes_nothing(worker) -> None:

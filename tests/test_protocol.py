@@ -71,14 +71,17 @@ def test_the_round_trip_covers_every_message() -> None:
     "frame,needle",
     [
         (b"\xff\xfe", "not JSON"),
-        (b'{"v": 2, "type": "Ping"', "not JSON"),  # truncated
+        (b'{"v": %d, "type": "Ping"' % P.SCHEMA_VERSION, "not JSON"),  # truncated
         (b"[1,2]", "not a JSON object"),
         (b'{"v": 99, "type": "Ping"}', "schema version 99"),
-        (b'{"v": 2, "type": "Launch"}', "type"),
-        (b'{"v": 2, "type": "AssignNext", "round": 1}', "unit"),
-        (b'{"v": 2, "type": "AssignNext", "round": 1, "unit": {"id": -1, "lo": 0, "hi": 1}}', "unit.id"),
-        (b'{"v": 2, "type": "AssignNext", "round": "x", "unit": 1}', "round"),
-        (b'{"v": 2, "type": "Ping", "evil": 1}', "evil"),
+        (b'{"v": %d, "type": "Launch"}' % P.SCHEMA_VERSION, "type"),
+        (b'{"v": %d, "type": "AssignNext", "round": 1}' % P.SCHEMA_VERSION, "unit"),
+        (
+            b'{"v": %d, "type": "AssignNext", "round": 1, "unit": {"id": -1, "lo": 0, "hi": 1}}' % P.SCHEMA_VERSION,
+            "unit.id",
+        ),
+        (b'{"v": %d, "type": "AssignNext", "round": "x", "unit": 1}' % P.SCHEMA_VERSION, "round"),
+        (b'{"v": %d, "type": "Ping", "evil": 1}' % P.SCHEMA_VERSION, "evil"),
     ],
 )
 def test_malformed_frames_raise_protocol_error(frame: bytes, needle: str) -> None:
@@ -105,24 +108,33 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
     "frame,needle",
     [
         # deep JSON: used to raise RecursionError out of decode
-        (b'{"v":2,"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested more than"),
+        (
+            b'{"v": %d,"type":"Ping","nonce":' % P.SCHEMA_VERSION + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "nested more than",
+        ),
         (b"[" * 50 + b"]" * 50, "not a JSON object"),
         (
             _frame(type="TrainConfig", run_id="r", recipe={"a": json.loads("[" * 40 + "1" + "]" * 40)}),
             "nested more than",
         ),
         (_frame(type="TrainingReady", nodes=[], signatures=[{}] * 100_001), "more than 100000 values"),
-        (b'{"v":2,"type":"Ping","nonce":' + b"9" * 5000 + b"}", "not JSON"),  # an int of 5000 digits
+        (
+            b'{"v": %d,"type":"Ping","nonce":' % P.SCHEMA_VERSION + b"9" * 5000 + b"}",
+            "not JSON",
+        ),  # an int of 5000 digits
         (
             (
-                b'{"v":2,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
-                b'"samples_per_s":1}'
+                b'{"v": %d,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
+                b'"samples_per_s":1}' % P.SCHEMA_VERSION
             ),
             "NaN",
         ),
-        (b'{"v":2,"type":"EvalResult","after_round":0,"val_loss":1e999,"val_samples":1}', "too large"),
-        (b'{"v":2,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}', "-Infinity"),
-        (b'{"v":2,"type":"TrainingCancel","reason":"\xff"}', "not JSON"),
+        (
+            b'{"v": %d,"type":"EvalResult","after_round":0,"val_loss":1e999,"val_samples":1}' % P.SCHEMA_VERSION,
+            "too large",
+        ),
+        (b'{"v": %d,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}' % P.SCHEMA_VERSION, "-Infinity"),
+        (b'{"v": %d,"type":"TrainingCancel","reason":"\xff"}' % P.SCHEMA_VERSION, "not JSON"),
         # WorkUnit: lo <= hi, both bounded (a negative size used to skew every node's weight)
         (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 50, "hi": 3}), "lo 50 > hi 3"),
         (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 0, "hi": 2**40}), "unit.hi"),

@@ -475,6 +475,18 @@ def test_an_ask_ahead_of_its_progress_is_answered_when_the_progress_comes_and_th
     assert rd.plan.remaining() == 0
 
 
+def test_an_ask_riding_on_a_progress_report_is_answered_as_one() -> None:
+    sim = Sim(["a", "x"])
+    rd = sim.start()
+    u = rd.plan.granted[sim.ids["x"]][0]
+    sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1.0, ask=True))
+    assert rd.nodes[sim.ids["x"]].trained == u.hi - u.lo
+    [grant] = sim.to("x", P.AssignNext)
+    assert grant.unit in rd.plan.granted[sim.ids["x"]] and grant.unit != u
+    sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1.0, ask=True))
+    assert len(sim.to("x", P.AssignNext)) == 1  # a repeated report's ask is not answered either
+
+
 def test_a_measured_speed_is_capped_relative_to_the_others_and_cannot_make_them_all_evaluate() -> None:
     sim = Sim(["a", "b", "c", "x"])
     sim.s.measured_speed(sim.ids["x"], 1e12)
