@@ -695,9 +695,21 @@ class Round:
         if not self.stop_sent:
             self.stop_sent, self.t_stop = True, self.now
             self.out.append(Log(logging.INFO, f"round {self.rnd}: {reason}; stopping at the next inner step"))
-            self.out.append(
-                Send(tuple(i for i in self.part() if self.nodes[i].synced is None), P.StopRound(round=self.rnd))
-            )
+            to = tuple(i for i in self.part() if self.nodes[i].synced is None)
+            self.out.append(Send(to, P.StopRound(round=self.rnd)))
+            for i in to:
+                self._no_more(i)
+
+    def _stop(self, i: str) -> None:
+        """StopRound to node i alone (and "no more" to the ask it waits on, if held)."""
+        self.send(i, P.StopRound(round=self.rnd))
+        self._no_more(i)
+
+    def _no_more(self, i: str) -> None:
+        """A held ask is answered when the node stops: it waits for that answer to sync."""
+        if self.nodes[i].ask_held:
+            self.nodes[i].ask_held = False
+            self.send(i, P.NoMoreWork(round=self.rnd))
 
     def exclude(self, i: str) -> None:
         """Weight 0 this round: everything granted to it (trained or not) is redone by others."""
@@ -726,7 +738,7 @@ class Round:
         in_hand = {i: samples(self.plan.granted.get(i, [])) - self.nodes[i].trained for i in active}
         for i in rules.tail_stops(active, in_hand, self.plan.remaining(), self.s.speed, self.r.batch_size):
             self.nodes[i].early = True
-            self.send(i, P.StopRound(round=self.rnd))
+            self._stop(i)
 
     def deadlines(self, now: float) -> None:
         r, s = self.r, self.s
@@ -763,7 +775,7 @@ class Round:
                 # What we know now: it is at least this slow. Plans (and the choice of evaluators)
                 # from the next round on use that.
                 self.out.append(Slowed(i, r.batch_size / waited))
-                self.send(i, P.StopRound(round=self.rnd))
+                self._stop(i)
                 if alone:
                     self.strike(i, "it held the whole swarm up")
 

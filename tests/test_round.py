@@ -475,6 +475,18 @@ def test_an_ask_ahead_of_its_progress_is_answered_when_the_progress_comes_and_th
     assert rd.plan.remaining() == 0
 
 
+def test_a_held_ask_is_answered_no_more_when_the_round_stops() -> None:
+    # The node waits for the answer to its ask before it syncs: a held one that nobody answered
+    # kept an honest node from the barrier until its deadline.
+    sim = Sim(["a", "x"])
+    rd = sim.start()
+    for _ in range(3):
+        sim.msg("x", P.AskForMoreWork(round=0))
+    assert rd.nodes[sim.ids["x"]].ask_held and sim.to("x", P.NoMoreWork) == []
+    sim.train("a")  # takes the rest of the budget: the round stops
+    assert sim.to("x", P.StopRound) and len(sim.to("x", P.NoMoreWork)) == 1
+
+
 def test_an_ask_riding_on_a_progress_report_is_answered_as_one() -> None:
     sim = Sim(["a", "x"])
     rd = sim.start()
