@@ -34,9 +34,8 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = (
-    3  # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask
-)
+# 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask
+SCHEMA_VERSION = 3
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
