@@ -66,6 +66,7 @@ TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeIn
 # (an honest node sends one "fetched" a round and a few others); the rest are counted, not kept.
 MAX_DATA_REPORTS = 20
 DATA_REPORT_WINDOW_S = 60.0
+MAX_EVENT_BATCH = 4096  # nodes' messages handled between two runs of the round's clocks
 
 
 class CoordinatorError(Exception):
@@ -683,17 +684,37 @@ class Coordinator:
                 return
 
     async def _step(self, prev: Round | None, cur: Round | None) -> bool:
-        """Handle one event (or half a second of none), run the clocks; True once `cur` (or, with
-        no cur, prev) settled. A round that settles is recorded and checkpointed as due."""
-        peer, msg = await self._next_event(0.5) or (None, None)
+        """Handle the events queued (waiting half a second for one), then run the clocks once;
+        True once `cur` (or, with no cur, prev) settled. A round that settles is recorded and
+        checkpointed as due. The clocks look at every node: once per batch of events, not once
+        per event, or a round of N nodes would cost N² (a thousand nodes' messages arrive
+        together, at the barrier and at the end of the all-reduce)."""
+        ev = await self._next_event(0.5)
+        handled = 0
+        while ev is not None:
+            if self.stopping:
+                # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
+                # before Python 3.12 wait_for returns an event that arrived with the cancel instead of
+                # raising it; settling a round here would race interrupt()'s choice of checkpoint.
+                self.events.put_nowait(ev)
+                raise asyncio.CancelledError
+            await self._handle(prev, cur, *ev)
+            handled += 1
+            ev = self.events.get_nowait() if handled < MAX_EVENT_BATCH and not self.events.empty() else None
         if self.stopping:
-            # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
-            # before Python 3.12 wait_for returns an event that arrived with the cancel instead of
-            # raising it; settling a round here would race interrupt()'s choice of checkpoint.
-            if peer is not None:
-                self.events.put_nowait((peer, msg))
             raise asyncio.CancelledError
-        if peer is not None and peer.id in self.swarm.members:  # else: a node already dropped
+        now = time.monotonic()
+        self._check_silence(now, (cur or prev).rnd)
+        for rd in (prev, cur):
+            if rd is None or rd.settled:
+                continue
+            if await self._event(rd, R.Tick(may_reduce=rd is prev or prev is None or prev.settled)):
+                await self._settle(rd)
+        return (cur or prev).settled
+
+    async def _handle(self, prev: Round | None, cur: Round | None, peer: Peer, msg: P.Message | None) -> None:
+        """One event of an admitted node (msg None: its connection ended)."""
+        if peer.id in self.swarm.members:  # else: a node already dropped
             match msg:
                 case None:
                     self.drop(peer.id, peer.gone or "connection closed", (cur or prev).rnd)
@@ -712,14 +733,6 @@ class Coordinator:
                     await self._event(prev, R.Message(peer.id, msg))  # overlapped: the round still being reduced
                 case _:
                     await self._event(cur or prev, R.Message(peer.id, msg))
-        now = time.monotonic()
-        self._check_silence(now, (cur or prev).rnd)
-        for rd in (prev, cur):
-            if rd is None or rd.settled:
-                continue
-            if await self._event(rd, R.Tick(may_reduce=rd is prev or prev is None or prev.settled)):
-                await self._settle(rd)
-        return (cur or prev).settled
 
     async def _event(self, rd: Round, event: R.Event) -> bool:
         """One event of round rd, its actions applied; True once rd settled (then call _settle)."""

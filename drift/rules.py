@@ -113,7 +113,8 @@ def majority_done_s(done_after: Mapping[str, float], ring: list[str]) -> float |
     member -> seconds after BarrierReady of its report); None while fewer have. The first
     reporter proves nothing about the others: a member that withholds its bytes receives everyone
     else's and can be the first to finish, while those it starves cannot."""
-    times = sorted(t for i, t in done_after.items() if i in ring)
+    members = set(ring)
+    times = sorted(t for i, t in done_after.items() if i in members)
     need = len(ring) // 2 + 1
     return times[need - 1] if len(times) >= need else None
 
@@ -182,16 +183,16 @@ def tail_stops(
 ) -> list[str]:
     """Nodes whose next inner step would end after everyone else ran out of work: they stop now,
     so nobody waits at the barrier for most of a slow step. Slowest first; one always goes on."""
-    active = list(active)
     stops: list[str] = []
+    # Running totals over the nodes still going (O(N log N): a round of a thousand nodes runs this every tick).
+    work, rate, going = sum(in_hand[j] for j in active), sum(speed[j] for j in active), len(active)
     for i in sorted(active, key=lambda i: speed[i]):
-        others = [j for j in active if j != i]
-        if not others:
+        if going < 2:
             break
-        left_s = (remaining + sum(in_hand[j] for j in others)) / sum(speed[j] for j in others)
+        left_s = (remaining + work - in_hand[i]) / (rate - speed[i])
         if batch_size / speed[i] > left_s:
             stops.append(i)
-            active.remove(i)
+            work, rate, going = work - in_hand[i], rate - speed[i], going - 1
     return stops
 
 
