@@ -77,6 +77,7 @@ from drift.transport import (
     DATA_ALPN,
     GATHER_ALPN,
     MAX_CONTROL_FRAME,
+    REFUSED,
     RING_ALPN,
     STATE_ALPN,
     Channel,
@@ -104,11 +105,12 @@ JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, han
 def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
     """Whether a node that never got in tries its handshake again, after `tries` failed ones over
     `waited_s` seconds. A coordinator whose joining slots are full says so (P.JOIN_BUSY, as many
-    nodes of one machine or network start at once): again until REJOIN_PATIENCE_S. One that was
+    nodes of one machine or network start at once), or refuses the connection itself while its
+    QUIC handshakes are (transport.REFUSED): again until REJOIN_PATIENCE_S. One that was
     reached but hung up without a word (a refusal always comes with TrainingCancel) met a
     transient fault, such as a frame garbled on the way: JOIN_TRIES in all. One never reached is
     a mistake to report now."""
-    if P.JOIN_BUSY in reason:
+    if P.JOIN_BUSY in reason or REFUSED in reason:
         return waited_s < REJOIN_PATIENCE_S
     return reached and tries < JOIN_TRIES
 

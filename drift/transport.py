@@ -40,6 +40,7 @@ BASE_ALPN = b"drift-base/0"  # recipe init_weights: θ₀ and the frozen base, f
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
 MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused
+REFUSED = "refused to accept a new connection"  # iroh's words when a peer refused our connection (that limit)
 _LEN = struct.Struct(">I")
 
 log = logging.getLogger("drift.transport")

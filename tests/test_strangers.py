@@ -26,7 +26,7 @@ from drift.monitor import Monitor
 from drift.node import JOIN_TRIES, REJOIN_PATIENCE_S, join_again
 from drift.recipe import load_recipe
 from drift.state import MAX_CLIENTS, StateError, StateServer, fetch_state, into_arrays
-from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Endpoint, parse_ticket
+from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Endpoint, TransportError, parse_ticket
 
 IDLE = MAX_JOINING + 16  # more idle connections than there are joining slots in all
 
@@ -138,6 +138,30 @@ def test_fresh_ids_from_one_address_do_not_lock_out_a_joining_node(
     # that start at once: `--local 32`) tries again, until the node's patience runs out
     assert all(join_again(r, reached=False, tries=9, waited_s=60.0) for r in rejected)
     assert not any(join_again(r, reached=False, tries=9, waited_s=REJOIN_PATIENCE_S + 1) for r in rejected)
+
+
+def test_a_node_refused_while_the_coordinator_is_busy_with_handshakes_tries_again() -> None:
+    """An endpoint with its QUIC handshakes full refuses the connection itself (a thousand nodes
+    that start at once): the node is told nothing more, and must come back like one refused as
+    busy, not give up as if the coordinator were unreachable."""
+
+    async def main() -> str:
+        coord = await Endpoint.bind("local", alpns=[CONTROL_ALPN])
+        serving = asyncio.ensure_future(coord.serve({CONTROL_ALPN: lambda conn: asyncio.sleep(1)}, max_handshakes=0))
+        node = await Endpoint.bind("local")
+        try:
+            await node.connect(coord.ticket(), CONTROL_ALPN, timeout=10)
+        except TransportError as e:
+            return str(e)
+        finally:
+            serving.cancel()
+            await node.close()
+            await coord.close()
+        return "connected"
+
+    reason = run_async(main(), 60)
+    assert join_again(reason, reached=False, tries=9, waited_s=60.0), reason
+    assert not join_again(reason, reached=False, tries=9, waited_s=REJOIN_PATIENCE_S + 1)
 
 
 def test_a_node_tries_its_handshake_again_only_when_that_can_help() -> None:
