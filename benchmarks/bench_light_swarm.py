@@ -21,6 +21,7 @@ the nodes' ring all-reduce (2(N-1) hops of N nodes on 2 cores), not the coordina
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.light import LightSwarm  # noqa: E402
+from harness.light import LightSwarm
 
 TICK = 0.05  # how often the coordinator's /proc is read
 
@@ -73,12 +74,12 @@ def run(n: int, per_process: int, rounds: int, timeout: float) -> dict:
                 marks.append((time.monotonic(), cpu))
             time.sleep(TICK)
         events = s.events()
-        rc, light = s.finish(60)
+        rc, _ = s.finish(60)
         nodes = s.nodes()
         done = sum(1 for v in nodes.values() if v["code"] == 0)
         rnds = [e for e in events if e["event"] == "round"]
-        walls = [b[0] - a[0] for a, b in zip(marks[1:], marks[2:])]  # rounds 1..
-        cpus = [b[1] - a[1] for a, b in zip(marks[1:], marks[2:])]
+        walls = [b[0] - a[0] for a, b in itertools.pairwise(marks[1:])]  # rounds 1..
+        cpus = [b[1] - a[1] for a, b in itertools.pairwise(marks[1:])]
         return {
             "n": n,
             "ok": rc == 0 and done == n,
@@ -100,8 +101,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=3600.0, help="per N")
     a = ap.parse_args()
-    print(f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'round s':>8} {'sync s':>7} {'coord cpu s/round':>17} "
-          f"{'rss MiB':>8}  completed")
+    print(
+        f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'round s':>8} {'sync s':>7} {'coord cpu s/round':>17} "
+        f"{'rss MiB':>8}  completed"
+    )
     for n in a.nodes:
         r = run(n, a.per_process, a.rounds, a.timeout)
 

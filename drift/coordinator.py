@@ -546,17 +546,21 @@ class Coordinator:
         stale_after_s knows the coordinator is gone (and tries to rejoin)."""
         while True:
             await asyncio.sleep(self.recipe.heartbeat_s)
+            ping = P.encode(P.Ping())
             for p in list(self.ready.values()):
                 try:
-                    await p.ch.send_frame(P.encode(P.Ping()), timeout=self.recipe.heartbeat_s)
+                    await p.ch.send_frame(ping, timeout=self.recipe.heartbeat_s)
                 except TransportError:
                     pass
 
     # --- the run -------------------------------------------------------------------------------
 
     async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None:
-        """The same message to every peer at once; a failed send only ever costs its own node."""
-        await asyncio.gather(*(self.send(p, msg) for p in peers))
+        """The same message to every peer at once; a failed send only ever costs its own node.
+        Encoded once: a TrainingReady or BarrierReady names every member, so encoding it for each
+        of them would cost the coordinator N² a round."""
+        frame = P.encode(msg) if peers else b""
+        await asyncio.gather(*(self.send(p, msg, frame) for p in peers))
 
     async def _next_event(self, timeout: float) -> tuple[Peer, P.Message | None] | None:
         """The next message of an admitted node (None: its connection ended), or None after
@@ -1167,12 +1171,12 @@ class Coordinator:
             P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self.state_source(peer.id)),
         )
 
-    async def send(self, peer: Peer, msg: P._Msg) -> bool:
-        """Send one message; never raises. A node whose stream fails (it stopped reading, a write
-        timed out) is dropped: its connection is closed here, and the end of it drops the node
-        with one line, in the round loop like any connection that ends."""
+    async def send(self, peer: Peer, msg: P._Msg, frame: bytes | None = None) -> bool:
+        """Send one message (`frame`: it encoded already); never raises. A node whose stream fails
+        (it stopped reading, a write timed out) is dropped: its connection is closed here, and the
+        end of it drops the node with one line, in the round loop like any connection that ends."""
         try:
-            await peer.ch.send_frame(P.encode(msg))
+            await peer.ch.send_frame(P.encode(msg) if frame is None else frame)
             return True
         except Exception as e:
             why = f"sending {msg.type} to it failed ({_why(e)})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import ipaddress
 import logging
 import re
@@ -419,8 +420,9 @@ class Endpoint:
     def addresses(self) -> list[str]:
         return list(self.ep.addr().direct_addresses())
 
-    @property
+    @functools.cached_property
     def node_id(self) -> str:
+        """This endpoint's id (its key's: asked of iroh once, not at every look-up of a ring's members)."""
         return str(self.ep.id())
 
     def ticket(self) -> str:
