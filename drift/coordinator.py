@@ -36,6 +36,7 @@ from drift.transport import (
     BASE_ALPN,
     CONTROL_ALPN,
     DATA_ALPN,
+    HANDSHAKES_FULL,
     MAX_CONTROL_FRAME,
     STATE_ALPN,
     Channel,
@@ -168,6 +169,9 @@ class Coordinator:
         self._joining_by_source: dict[str, int] = {}  # the same, per IP address (MAX_JOINING_PER_SOURCE)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
+        # "Busy, try again" (joining slots or QUIC handshakes full): a thousand nodes starting at
+        # once knock thousands of times; they come back by themselves, so a few lines say it all.
+        self._busy = Throttle(self._dropped)
         self._data_reports: dict[str, tuple[float, int, int]] = {}  # node -> (window start, kept, left out)
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
         self.state_names = rule_class(self.recipe).STATE  # the sync rule's shared state
@@ -333,8 +337,12 @@ class Coordinator:
                     else {}
                 ),
             },
-            on_drop=self._dropped,
+            on_drop=self._served_drop,
         )
+
+    def _served_drop(self, peer: str, why: str) -> None:
+        """A connection the endpoint dropped: a refusal for now (handshakes full) is throttled."""
+        (self._busy if HANDSHAKES_FULL in why else self._dropped)(peer, why)
 
     def _dropped(self, peer: str, why: str) -> None:
         """One line (and one connection_dropped event) per dropped connection; `why` as plain text."""
@@ -408,7 +416,9 @@ class Coordinator:
         else:
             full = None
         if full is not None:  # for now: the node tries again (node.join_again)
-            self._drop(None, conn, f"{P.JOIN_BUSY}: {full} are already joining")
+            why = f"{P.JOIN_BUSY}: {full} are already joining"
+            self._busy(peer_id, why)
+            close_conn(conn, why)
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1

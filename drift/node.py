@@ -404,6 +404,8 @@ class Session:
             self.lost_reason = (
                 "coordinator silent" if isinstance(e, TransportTimeout) else "coordinator closed the connection"
             )
+            if P.JOIN_BUSY in str(e):  # its joining slots were full: join_again tries again
+                self.lost_reason += f" ({P.JOIN_BUSY})"
         self.inbox.put_nowait(None)
         self.sync_q.put_nowait(None)
         self.ended.set()

@@ -88,7 +88,7 @@ def test_idle_connections_of_one_endpoint_do_not_lock_out_a_joining_node(
     if allowlisted:  # a stranger's flood is a line of metrics.jsonl, not two per connection
         assert len(about_flood) == 1 and "not on this swarm's allowlist" in about_flood[0]["reason"], about_flood
         assert not [e for e in _events(run_dir) if e["event"] == "node_refused"]
-    else:  # 4 of its connections hold slots; each one more is refused with a line
+    else:  # 4 of its connections hold slots; the others are refused, a line at most a minute
         assert 1 <= len(about_flood) <= IDLE - MAX_JOINING_PER_PEER, about_flood
         assert all("connections from this node are already joining" in e["reason"] for e in about_flood)
 
@@ -119,20 +119,22 @@ def test_fresh_ids_from_one_address_do_not_lock_out_a_joining_node(
         node = await Endpoint.bind("local")
         try:
             held = [c for ep in flood for c in await _idle_connections(ep, ticket, CONTROL_ALPN, MAX_JOINING_PER_PEER)]
-            while coord._joining_conns + len(dropped(caplog)) < len(held):  # it has seen each of them
+            while coord._joining_conns + coord._busy.count < len(held):  # it has seen each of them
                 await asyncio.sleep(0.02)
             answer = await _hello(node, ticket)
-            return coord._joining_conns, dropped(caplog), answer
+            return coord._joining_conns, coord._busy.count, dropped(caplog), answer
         finally:
             await coord.close()
             monitor.close()
             for ep in (*flood, node):
                 await ep.close()
 
-    holding, rejected, answer = run_async(main(), 120)
+    holding, refused, rejected, answer = run_async(main(), 120)
     assert isinstance(answer, P.TrainConfig), answer  # admitted to the handshake, not "already joining"
     assert holding == MAX_JOINING_PER_SOURCE + 1 < MAX_JOINING  # the flood's share, and the node
-    assert len(rejected) == MAX_JOINING - MAX_JOINING_PER_SOURCE, rejected
+    assert refused == MAX_JOINING - MAX_JOINING_PER_SOURCE
+    # a line per node id at most (they come back by themselves: a thousand knocking is a few lines)
+    assert 1 <= len(rejected) <= ids, rejected
     assert all(f"{MAX_JOINING_PER_SOURCE} connections from 127.0.0.2 are already joining" in r for r in rejected)
     # ... and says it is busy, so that an honest node refused with these (many nodes of one machine
     # that start at once: `--local 32`) tries again, until the node's patience runs out

@@ -79,8 +79,10 @@ def light_recipe(nodes: int, **overrides) -> dict:
         "eval_batches": 1,
         "codec": "fp32",
         "outer_optimizer": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
-        "heartbeat_s": 5.0,
-        "stale_after_s": 120.0,
+        # On one machine every node checks every member's signed RepoCommit (N² in all) as the
+        # first round starts: deadlines get that much slack (2 heartbeats), and silence more.
+        "heartbeat_s": max(5.0, nodes / 25),
+        "stale_after_s": max(120.0, nodes / 4),
         "checkpoint_every": 1000,
         "network": "local",
         **overrides,
@@ -244,6 +246,7 @@ async def _run(ticket: str, repo: Path, count: int, first: int, start_s: float) 
         try:
             return await node.run()
         except NodeError as e:
+            print(f"light: {node.opts.name}: {e}", file=sys.stderr, flush=True)
             return str(e)
 
     codes = await asyncio.gather(*(one(k, n) for k, n in enumerate(nodes)), return_exceptions=True)
