@@ -360,6 +360,7 @@ class Session:
         self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
         self.failure: Exception | None = None  # an error of the sync, raised in the round loop
         self._early_agreed: dict[int, P.Agreed] = {}  # Agreed for a round this node has not synced yet
+        self._checked: dict[int, tuple[P.TrainingReady, str | None]] = {}  # TrainingReady -> its check, on arrival
         self.progress = Progress(self.opts.say, self.opts.live)
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -391,7 +392,7 @@ class Session:
                     case P.TrainingReady():
                         # Membership changes are taken here, as they arrive, not when the main loop
                         # gets to them: a newcomer may ask us for θ a moment later.
-                        self._check_members(msg)
+                        self._checked[id(msg)] = (msg, self._check_members(msg))
                         self.inbox.put_nowait(msg)
                     case _:  # the round loop's and, while a round trains, the inner loop's
                         self.inbox.put_nowait(msg)
@@ -714,8 +715,11 @@ class Session:
         return None
 
     async def _verify_ready(self, ready: P.TrainingReady) -> None:
-        """Refuse to go on with peers this node cannot verify."""
-        problem = self._check_members(ready)
+        """Refuse to go on with peers this node cannot verify (checked once, as it arrived: a
+        thousand members' signatures are a tenth of a second)."""
+        msg, problem = self._checked.pop(id(ready), (None, None))
+        if msg is not ready:
+            problem = self._check_members(ready)
         if problem:
             raise await self._refuse(problem)
 

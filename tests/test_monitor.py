@@ -34,7 +34,9 @@ def test_the_live_table_shows_the_slowest_nodes_and_sums_up_the_rest(tmp_path: P
     monitor = Monitor(tmp_path / "run", live=False)
     try:
         for i in range(1000):
-            monitor.nodes[f"{i:064x}"] = NodeView(f"n{i}", "cpu", samples_per_s=1000.0 - i, samples=10, bytes_sent=2**20)
+            monitor.nodes[f"{i:064x}"] = NodeView(
+                f"n{i}", "cpu", samples_per_s=1000.0 - i, samples=10, bytes_sent=2**20
+            )
         screen = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
         screen.print(monitor._table())
     finally:

@@ -81,10 +81,11 @@ def light_recipe(nodes: int, **overrides) -> dict:
         "outer_optimizer": {"lr": 1.0, "momentum": 0.0, "nesterov": False},
         # On one machine every node checks every member's signed RepoCommit (N² in all) as the
         # first round starts: deadlines get that much slack (2 heartbeats), and silence more.
-        "heartbeat_s": max(5.0, nodes / 25),
+        "heartbeat_s": max(5.0, nodes / 20),
         "stale_after_s": max(120.0, nodes / 4),
         "checkpoint_every": 1000,
         "network": "local",
+        "seed": 0,
         **overrides,
     }
 
@@ -308,11 +309,19 @@ class LightSwarm:
                 break
         return events
 
-    def finish(self, timeout: float) -> tuple[int, list[int]]:
-        """(the coordinator's exit code, each light process's); whatever is left then is killed."""
+    def finish(self, timeout: float) -> tuple[int | None, list[int | None]]:
+        """(the coordinator's exit code, each light process's; None: still running, after
+        `timeout` s and a minute more for the nodes); whatever is left then is killed."""
+
+        def wait(p: subprocess.Popen, t: float) -> int | None:
+            try:
+                return p.wait(t)
+            except subprocess.TimeoutExpired:
+                return None
+
         try:
-            rc = self.coord.wait(timeout)
-            return rc, [p.wait(60) for p in self.procs]
+            rc = wait(self.coord, timeout)
+            return rc, [wait(p, 60 if rc is not None else 0.1) for p in self.procs]
         finally:
             for p in [self.coord, *self.procs]:
                 if p.poll() is None:
