@@ -36,6 +36,7 @@ from drift.transport import (
     BASE_ALPN,
     CONTROL_ALPN,
     DATA_ALPN,
+    HANDSHAKES_FULL,
     MAX_CONTROL_FRAME,
     STATE_ALPN,
     Channel,
@@ -66,6 +67,7 @@ TELL_TIMEOUT = 5.0  # for a stranger's first stream (an honest node sends NodeIn
 # (an honest node sends one "fetched" a round and a few others); the rest are counted, not kept.
 MAX_DATA_REPORTS = 20
 DATA_REPORT_WINDOW_S = 60.0
+MAX_EVENT_BATCH = 4096  # nodes' messages handled between two runs of the round's clocks
 
 
 class CoordinatorError(Exception):
@@ -167,6 +169,9 @@ class Coordinator:
         self._joining_by_source: dict[str, int] = {}  # the same, per IP address (MAX_JOINING_PER_SOURCE)
         self._telling: set[str] = set()  # strangers being told why they are refused (MAX_TELLING)
         self._refusals = Throttle(self._dropped)  # strangers: a flood of them stays a few lines
+        # "Busy, try again" (joining slots or QUIC handshakes full): a thousand nodes starting at
+        # once knock thousands of times; they come back by themselves, so a few lines say it all.
+        self._busy = Throttle(self._dropped)
         self._data_reports: dict[str, tuple[float, int, int]] = {}  # node -> (window start, kept, left out)
         self.layout = ""  # ParamLayout.digest() of the nodes' θ, once they agreed on it
         self.state_names = rule_class(self.recipe).STATE  # the sync rule's shared state
@@ -332,8 +337,12 @@ class Coordinator:
                     else {}
                 ),
             },
-            on_drop=self._dropped,
+            on_drop=self._served_drop,
         )
+
+    def _served_drop(self, peer: str, why: str) -> None:
+        """A connection the endpoint dropped: a refusal for now (handshakes full) is throttled."""
+        (self._busy if HANDSHAKES_FULL in why else self._dropped)(peer, why)
 
     def _dropped(self, peer: str, why: str) -> None:
         """One line (and one connection_dropped event) per dropped connection; `why` as plain text."""
@@ -407,7 +416,9 @@ class Coordinator:
         else:
             full = None
         if full is not None:  # for now: the node tries again (node.join_again)
-            self._drop(None, conn, f"{P.JOIN_BUSY}: {full} are already joining")
+            why = f"{P.JOIN_BUSY}: {full} are already joining"
+            self._busy(peer_id, why)
+            close_conn(conn, why)
             return
         self._joining_conns += 1
         self._joining_by_peer[peer_id] = self._joining_by_peer.get(peer_id, 0) + 1
@@ -545,17 +556,21 @@ class Coordinator:
         stale_after_s knows the coordinator is gone (and tries to rejoin)."""
         while True:
             await asyncio.sleep(self.recipe.heartbeat_s)
+            ping = P.encode(P.Ping())
             for p in list(self.ready.values()):
                 try:
-                    await p.ch.send_frame(P.encode(P.Ping()), timeout=self.recipe.heartbeat_s)
+                    await p.ch.send_frame(ping, timeout=self.recipe.heartbeat_s)
                 except TransportError:
                     pass
 
     # --- the run -------------------------------------------------------------------------------
 
     async def broadcast(self, peers: list[Peer], msg: P._Msg) -> None:
-        """The same message to every peer at once; a failed send only ever costs its own node."""
-        await asyncio.gather(*(self.send(p, msg) for p in peers))
+        """The same message to every peer at once; a failed send only ever costs its own node.
+        Encoded once: a TrainingReady or BarrierReady names every member, so encoding it for each
+        of them would cost the coordinator N² a round."""
+        frame = P.encode(msg) if peers else b""
+        await asyncio.gather(*(self.send(p, msg, frame) for p in peers))
 
     async def _next_event(self, timeout: float) -> tuple[Peer, P.Message | None] | None:
         """The next message of an admitted node (None: its connection ended), or None after
@@ -683,17 +698,37 @@ class Coordinator:
                 return
 
     async def _step(self, prev: Round | None, cur: Round | None) -> bool:
-        """Handle one event (or half a second of none), run the clocks; True once `cur` (or, with
-        no cur, prev) settled. A round that settles is recorded and checkpointed as due."""
-        peer, msg = await self._next_event(0.5) or (None, None)
+        """Handle the events queued (waiting half a second for one), then run the clocks once;
+        True once `cur` (or, with no cur, prev) settled. A round that settles is recorded and
+        checkpointed as due. The clocks look at every node: once per batch of events, not once
+        per event, or a round of N nodes would cost N² (a thousand nodes' messages arrive
+        together, at the barrier and at the end of the all-reduce)."""
+        ev = await self._next_event(0.5)
+        handled = 0
+        while ev is not None:
+            if self.stopping:
+                # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
+                # before Python 3.12 wait_for returns an event that arrived with the cancel instead of
+                # raising it; settling a round here would race interrupt()'s choice of checkpoint.
+                self.events.put_nowait(ev)
+                raise asyncio.CancelledError
+            await self._handle(prev, cur, *ev)
+            handled += 1
+            ev = self.events.get_nowait() if handled < MAX_EVENT_BATCH and not self.events.empty() else None
         if self.stopping:
-            # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
-            # before Python 3.12 wait_for returns an event that arrived with the cancel instead of
-            # raising it; settling a round here would race interrupt()'s choice of checkpoint.
-            if peer is not None:
-                self.events.put_nowait((peer, msg))
             raise asyncio.CancelledError
-        if peer is not None and peer.id in self.swarm.members:  # else: a node already dropped
+        now = time.monotonic()
+        self._check_silence(now, (cur or prev).rnd)
+        for rd in (prev, cur):
+            if rd is None or rd.settled:
+                continue
+            if await self._event(rd, R.Tick(may_reduce=rd is prev or prev is None or prev.settled)):
+                await self._settle(rd)
+        return (cur or prev).settled
+
+    async def _handle(self, prev: Round | None, cur: Round | None, peer: Peer, msg: P.Message | None) -> None:
+        """One event of an admitted node (msg None: its connection ended)."""
+        if peer.id in self.swarm.members:  # else: a node already dropped
             match msg:
                 case None:
                     self.drop(peer.id, peer.gone or "connection closed", (cur or prev).rnd)
@@ -712,14 +747,6 @@ class Coordinator:
                     await self._event(prev, R.Message(peer.id, msg))  # overlapped: the round still being reduced
                 case _:
                     await self._event(cur or prev, R.Message(peer.id, msg))
-        now = time.monotonic()
-        self._check_silence(now, (cur or prev).rnd)
-        for rd in (prev, cur):
-            if rd is None or rd.settled:
-                continue
-            if await self._event(rd, R.Tick(may_reduce=rd is prev or prev is None or prev.settled)):
-                await self._settle(rd)
-        return (cur or prev).settled
 
     async def _event(self, rd: Round, event: R.Event) -> bool:
         """One event of round rd, its actions applied; True once rd settled (then call _settle)."""
@@ -1154,12 +1181,12 @@ class Coordinator:
             P.ShardAssignment(round=rnd, epoch=epoch, units=[], role="evaluate", state=self.state_source(peer.id)),
         )
 
-    async def send(self, peer: Peer, msg: P._Msg) -> bool:
-        """Send one message; never raises. A node whose stream fails (it stopped reading, a write
-        timed out) is dropped: its connection is closed here, and the end of it drops the node
-        with one line, in the round loop like any connection that ends."""
+    async def send(self, peer: Peer, msg: P._Msg, frame: bytes | None = None) -> bool:
+        """Send one message (`frame`: it encoded already); never raises. A node whose stream fails
+        (it stopped reading, a write timed out) is dropped: its connection is closed here, and the
+        end of it drops the node with one line, in the round loop like any connection that ends."""
         try:
-            await peer.ch.send_frame(P.encode(msg))
+            await peer.ch.send_frame(P.encode(msg) if frame is None else frame)
             return True
         except Exception as e:
             why = f"sending {msg.type} to it failed ({_why(e)})"

@@ -26,6 +26,9 @@ from drift.protocol import MAX_NAME, printable
 
 log = logging.getLogger("drift.monitor")
 
+JOIN_LINES = 16  # nodes named as they join; after them one line each time the count doubles
+TABLE_ROWS = 16  # nodes in the live table: the slowest; one more row sums up the rest
+
 
 @dataclass
 class NodeView:
@@ -68,6 +71,7 @@ class Monitor:
             self._live = Live(self._table(), console=self.console, refresh_per_second=4)
             self._live.start()
         self._board = Board.open(self.run_dir)
+        self._joined = 0  # node_joined events so far (the terminal names the first JOIN_LINES)
 
     def fail(self, error: str) -> None:
         """The run dir cannot be written (metrics or a checkpoint): the run is to end cleanly."""
@@ -93,7 +97,13 @@ class Monitor:
                 log.exception("monitor: a subscriber failed on a %s event", kind)
         if self._live:
             self._live.update(self._table())
-        elif kind in ("node_joined", "initial", "round", "complete", "error", "node_left"):
+        elif kind == "node_joined":
+            self._joined += 1
+            if self._joined <= JOIN_LINES:
+                self.say(_line(rec))
+            elif self._joined & (self._joined - 1) == 0:  # a swarm of a thousand: ~6 lines, not 1,000
+                self.say(f"nodes joined: {self._joined} (the last: {printable(rec['name'], MAX_NAME)})")
+        elif kind in ("initial", "round", "complete", "error", "node_left"):
             eta = f"  ETA {_duration(self._eta.seconds_left(self.rounds, rec['t']))}" if kind == "round" else ""
             self.say(_line(rec) + eta)
 
@@ -111,7 +121,15 @@ class Monitor:
         )
         for col in ("node", "device", "samples/s", "loss", "samples", "MiB sent"):
             t.add_column(col, justify="right" if col not in ("node", "device") else "left")
-        for n in self.nodes.values():
+        nodes = list(self.nodes.values())
+        if len(nodes) > TABLE_ROWS:  # the slowest, then the rest summed up: readable at a thousand nodes
+            nodes.sort(key=lambda n: n.samples_per_s)
+            nodes, rest = nodes[:TABLE_ROWS], nodes[TABLE_ROWS:]
+            t.caption = (
+                f"{len(rest)} faster nodes not shown: {sum(n.samples_per_s for n in rest):.0f} samples/s, "
+                f"{sum(n.samples for n in rest)} samples, {sum(n.bytes_sent for n in rest) / 2**20:.1f} MiB sent"
+            )
+        for n in nodes:
             t.add_row(
                 Text(printable(n.name, MAX_NAME)),
                 Text(printable(n.device, MAX_NAME)),

@@ -77,6 +77,7 @@ from drift.transport import (
     DATA_ALPN,
     GATHER_ALPN,
     MAX_CONTROL_FRAME,
+    REFUSED,
     RING_ALPN,
     STATE_ALPN,
     Channel,
@@ -104,11 +105,12 @@ JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, han
 def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
     """Whether a node that never got in tries its handshake again, after `tries` failed ones over
     `waited_s` seconds. A coordinator whose joining slots are full says so (P.JOIN_BUSY, as many
-    nodes of one machine or network start at once): again until REJOIN_PATIENCE_S. One that was
+    nodes of one machine or network start at once), or refuses the connection itself while its
+    QUIC handshakes are (transport.REFUSED): again until REJOIN_PATIENCE_S. One that was
     reached but hung up without a word (a refusal always comes with TrainingCancel) met a
     transient fault, such as a frame garbled on the way: JOIN_TRIES in all. One never reached is
     a mistake to report now."""
-    if P.JOIN_BUSY in reason:
+    if P.JOIN_BUSY in reason or REFUSED in reason:
         return waited_s < REJOIN_PATIENCE_S
     return reached and tries < JOIN_TRIES
 
@@ -358,6 +360,7 @@ class Session:
         self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
         self.failure: Exception | None = None  # an error of the sync, raised in the round loop
         self._early_agreed: dict[int, P.Agreed] = {}  # Agreed for a round this node has not synced yet
+        self._checked: dict[int, tuple[P.TrainingReady, str | None]] = {}  # TrainingReady -> its check, on arrival
         self.progress = Progress(self.opts.say, self.opts.live)
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -389,7 +392,7 @@ class Session:
                     case P.TrainingReady():
                         # Membership changes are taken here, as they arrive, not when the main loop
                         # gets to them: a newcomer may ask us for θ a moment later.
-                        self._check_members(msg)
+                        self._checked[id(msg)] = (msg, self._check_members(msg))
                         self.inbox.put_nowait(msg)
                     case _:  # the round loop's and, while a round trains, the inner loop's
                         self.inbox.put_nowait(msg)
@@ -402,6 +405,8 @@ class Session:
             self.lost_reason = (
                 "coordinator silent" if isinstance(e, TransportTimeout) else "coordinator closed the connection"
             )
+            if P.JOIN_BUSY in str(e):  # its joining slots were full: join_again tries again
+                self.lost_reason += f" ({P.JOIN_BUSY})"
         self.inbox.put_nowait(None)
         self.sync_q.put_nowait(None)
         self.ended.set()
@@ -710,8 +715,11 @@ class Session:
         return None
 
     async def _verify_ready(self, ready: P.TrainingReady) -> None:
-        """Refuse to go on with peers this node cannot verify."""
-        problem = self._check_members(ready)
+        """Refuse to go on with peers this node cannot verify (checked once, as it arrived: a
+        thousand members' signatures are a tenth of a second)."""
+        msg, problem = self._checked.pop(id(ready), (None, None))
+        if msg is not ready:
+            problem = self._check_members(ready)
         if problem:
             raise await self._refuse(problem)
 

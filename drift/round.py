@@ -744,6 +744,7 @@ class Round:
         r, s = self.r, self.s
         if (self.prev is not None and not self.prev.settled) or self.ring is not None:
             return  # overlapped: the nodes wait at this barrier for the round before to land
+        in_part = {j for j in self.part() if not self.nodes[j].excluded}  # (once: not a scan per node)
         for i, n in list(self.nodes.items()):
             if n.role in ("evaluate", "late") or n.synced is not None or n.excluded:
                 continue
@@ -759,11 +760,11 @@ class Round:
             if self.rnd == 0 and i == self.fastest and not self.stop_sent:  # it evaluates θ0 before training
                 expected += r.eval_batches * r.batch_size / s.speed[i]
             waited = now - since
-            others = [j for j in self.part() if j != i and not self.nodes[j].excluded]
+            others = len(in_part) - (i in in_part)
             # The only trainer has a deadline too when anyone else could take over (evaluators):
             # it holds the whole swarm up, so missing it counts as a strike.
             alone = not others
-            spare = len(others) or len([j for j in s.members if j != i])
+            spare = others or len([j for j in s.members if j != i])
             if rules.overdue(waited, expected, r.unit_deadline_factor, r.heartbeat_s, spare):
                 name = self.name(i)
                 self.warn(
@@ -772,6 +773,7 @@ class Round:
                 )
                 self.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=waited, expected_s=expected)
                 self.exclude(i)
+                in_part.discard(i)
                 # What we know now: it is at least this slow. Plans (and the choice of evaluators)
                 # from the next round on use that.
                 self.out.append(Slowed(i, r.batch_size / waited))

@@ -81,8 +81,12 @@ class Swarm:
     def enter(self, p: Peer, state_round: int) -> None:
         self.members[p.id] = p
         self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
-        for i in [i for i in self.members if i not in self.measured]:  # every claim against the new set
-            self.speed[i] = self.bounded(i, self.speed[i])
+        # Every claim against the new set (as bounded() would one by one, in one pass over it).
+        fastest = max((self.speed[j] for j in self.members if j in self.measured), default=None)
+        cap = fastest if fastest is not None else rules.claims_cap([self.speed[j] for j in self.members])
+        for i in self.members:
+            if i not in self.measured:
+                self.speed[i] = min(self.speed[i], cap)
         self.seen(p.id)
         self.state_round[p.id] = state_round
 

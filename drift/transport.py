@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import ipaddress
 import logging
 import re
@@ -41,6 +42,8 @@ READ_AHEAD = 64 << 10  # frames up to this size are written in one call and read
 MAX_CONTROL_FRAME = 1 << 20  # control messages are small; anything bigger is an attack or a bug
 HANDSHAKE_TIMEOUT = 15.0  # a QUIC handshake still unfinished after this is stalled, or hostile
 MAX_HANDSHAKES = 64  # QUIC handshakes in progress at once (Endpoint.serve); more are refused
+REFUSED = "refused to accept a new connection"  # iroh's words when a peer refused our connection (that limit)
+HANDSHAKES_FULL = "QUIC handshakes already in progress"  # how serve() reports such a refusal
 _LEN = struct.Struct(">I")
 
 log = logging.getLogger("drift.transport")
@@ -321,8 +324,10 @@ class Throttle:
         self._window_start = -1e18
         self._shown = 0  # lines shown in the current window (all peers)
         self._held_all = 0  # refusals held back by the overall limit since the last line shown
+        self.count = 0  # refusals in all, shown or not
 
     def __call__(self, peer: str, why: str) -> None:
+        self.count += 1
         now = time.monotonic()
         if now - self._window_start >= self.window:
             self._window_start, self._shown = now, 0
@@ -446,8 +451,9 @@ class Endpoint:
     def addresses(self) -> list[str]:
         return list(self.ep.addr().direct_addresses())
 
-    @property
+    @functools.cached_property
     def node_id(self) -> str:
+        """This endpoint's id (its key's: asked of iroh once, not at every look-up of a ring's members)."""
         return str(self.ep.id())
 
     def ticket(self) -> str:
@@ -530,7 +536,7 @@ class Endpoint:
                     _safe(
                         drop,
                         await _incoming_addr(inc),
-                        f"refused: {max_handshakes} QUIC handshakes already in progress",
+                        f"refused: {max_handshakes} {HANDSHAKES_FULL}",
                     )
                     try:
                         await asyncio.wait_for(inc.refuse(), 1.0)

@@ -173,6 +173,38 @@ def test_an_unmeasured_claim_is_at_most_the_median_claim() -> None:
     assert rules.bound_claim(1e9, []) == 1e9  # alone, it is the only speed there is
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_capping_every_claim_at_once_is_capping_them_one_by_one(seed: int) -> None:
+    """A swarm of a thousand enters with one pass (claims_cap), not a median a node: the same speeds."""
+    import random
+
+    rng = random.Random(seed)
+    claims = [rng.choice([rng.uniform(1, 100), 1e9, 50.0]) for _ in range(rng.randint(0, 30))]
+    one_by_one = list(claims)
+    for k in range(len(one_by_one)):
+        one_by_one[k] = rules.bound_claim(one_by_one[k], one_by_one[:k] + one_by_one[k + 1 :])
+    cap = rules.claims_cap(claims)
+    assert [min(c, cap) for c in claims] == one_by_one
+    if len(claims) >= 3:
+        assert max(one_by_one) <= sorted(claims)[(len(claims) - 1) // 2]  # no liar above the median
+
+
+def test_tail_stops_slowest_first_while_the_others_would_finish_first() -> None:
+    """A node whose next step ends after the others' work in hand and the round's rest stops; the
+    others' totals are running sums (a round of a thousand nodes runs this every tick)."""
+    speed = {"slow": 1.0, "mid": 10.0, "fast": 100.0, "fast2": 100.0}
+    in_hand = {"slow": 8, "mid": 8, "fast": 80, "fast2": 80}
+    # others finish 168 samples + 0 remaining at 210/s: 0.8 s; slow's step of 4 takes 4 s -> stops;
+    # then mid's step (0.4 s) against 160/200 = 0.8 s -> goes on
+    assert rules.tail_stops(list(speed), in_hand, 0, speed, 4) == ["slow"]
+    assert rules.tail_stops(list(speed), in_hand, 10_000, speed, 4) == []  # plenty left for everyone
+    assert rules.tail_stops(["slow"], {"slow": 8}, 0, {"slow": 1.0}, 4) == []  # one always goes on
+    # a node that stopped no longer counts as one of "the others": its samples in hand go back
+    speed2 = {"a": 1.0, "b": 1.9, "c": 100.0}
+    in_hand2 = {"a": 300, "b": 0, "c": 100}  # b: 2.1 s a step, c alone finishes in 1 s (with a's: ~4 s)
+    assert rules.tail_stops(list(speed2), in_hand2, 0, speed2, 4) == ["a", "b"]
+
+
 def test_strikes_decay() -> None:
     from drift.recipe import Recipe
     from drift.swarm import STRIKE_ROUNDS, Swarm

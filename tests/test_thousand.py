@@ -1,0 +1,66 @@
+"""A swarm of 256 lightweight nodes (issue 40): the real `drift coord` process admits them all,
+plans the round, runs the barrier and settles a ring all-reduce of 256 members, and its terminal
+stays a few dozen lines.
+
+The nodes are drift's own Node (benchmarks/harness/light.py): two processes of 128, each node
+with its own iroh endpoint and key, speaking the real protocol. Their stand-in task moves θ by a
+deterministic function of the samples trained, so θ after the round is recomputed here from the
+units metrics.jsonl says were trained, and every node must hold exactly that.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import check_exactly_once
+
+from drift.monitor import JOIN_LINES
+from drift.transport import Throttle
+from harness.light import LIGHT_SIZE, LightSwarm, light_theta, theta0
+
+pytestmark = pytest.mark.swarm
+
+N = 256
+
+
+def test_256_lightweight_nodes_join_train_and_agree_on_theta(tmp_path: Path) -> None:
+    s = LightSwarm(tmp_path, N, processes=2, rounds=1)
+    rc, light = s.finish(timeout=280)
+    events = s.events()
+    assert rc == 0 and light == [0, 0], s.logs()
+
+    # every node admitted, and every one of them in the round's barrier and ring
+    joined = {e["node_id"] for e in events if e["event"] == "node_joined"}
+    assert len(joined) == N
+    assert next(e for e in events if e["event"] == "training_started")["nodes"] == N
+    (rnd,) = [e for e in events if e["event"] == "round"]
+    assert rnd["abandoned"] is None
+    assert {n["node_id"] for n in rnd["nodes"].values()} == joined
+    assert all(n["role"] == "train" for n in rnd["nodes"].values())
+    r = s.recipe
+    assert rnd["samples"] == N * r["inner_steps"] * r["batch_size"]  # the round's budget, all of it
+    check_exactly_once(events, r["unit_steps"] * r["batch_size"])
+
+    # θ: every node holds the round's agreed θ, and it is θ0 moved by the mean f(s) of the round's samples
+    nodes = s.nodes()
+    assert len(nodes) == N and all(v["code"] == 0 for v in nodes.values())
+    assert {v["checksum"] for v in nodes.values()} == {rnd["checksum"]}
+    assert {v["held"] for v in nodes.values()} == {0}
+    want = light_theta(events, LIGHT_SIZE, r["task_config"]["n_train"], r["unit_steps"] * r["batch_size"], r["seed"])
+    got = s.theta()
+    moved = np.abs(want - theta0(LIGHT_SIZE)).max()
+    assert moved > 0
+    # float32: each node's Δ rounded once, times its weight, summed around a ring of N
+    assert np.abs(got - want).max() <= (N + 2) * 2**-23 * (moved + np.abs(want).max()), (got, want)
+
+    # the coordinator's terminal: the first JOIN_LINES nodes by name, then a count at each doubling;
+    # refusals (a machine's 256 nodes knock at once) at most Throttle's burst a minute; then the run
+    lines = s.coord_log.read_text().splitlines()
+    named = [line for line in lines if re.search(r"\blight-\d+\b", line)]
+    assert len(named) <= JOIN_LINES + math.ceil(math.log2(N)), named
+    minutes = math.ceil(max(e["t"] for e in events) / 60) + 1
+    assert len(lines) <= 40 + len(named) + Throttle(print).burst * minutes, "\n".join(lines)
