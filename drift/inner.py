@@ -31,6 +31,8 @@ from drift.diloco import epoch_order, unit_indices
 
 log = logging.getLogger("drift.node")
 
+ASK_EARLY_S = 0.05  # an ask due this soon rides on a unit's report (one frame, not two)
+
 
 class StopTraining(Exception):
     """The coordinator cancelled the run (`lost` False) or went away (`lost` True)."""
@@ -394,12 +396,14 @@ class InnerLoop:
         return max(done, math.ceil(n + rest - max(self.rtt_s * 2, step_s) / step_s))
 
     def _ask_soon(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> bool:
-        """An ask is due before the unit in hand ends: it may ride on the report of the one that
-        just did (a little early, within the two units the coordinator lets a node hold)."""
+        """An ask is due within the next ASK_EARLY_S of steps (and before the unit in hand ends): it
+        may ride on the report of the unit that just did. A slow device asks at its time."""
         at = self._ask_point(job, pieces, state)
-        return at is not None and at <= len(job.losses) + (
-            len(pieces[0].batches) - len(pieces[0].losses) if pieces else 0
-        )
+        step_s = self.step_s or (job.seconds[-1] if job.seconds else 0.0)
+        if at is None or step_s <= 0:
+            return False
+        rest = len(pieces[0].batches) - len(pieces[0].losses) if pieces else 0
+        return at <= len(job.losses) + min(rest, int(ASK_EARLY_S / step_s))
 
     def _indices(self, unit: P.WorkUnit) -> np.ndarray:
         return unit_indices(self._order(unit.epoch), unit, self.recipe.unit_samples)

@@ -131,10 +131,10 @@ def test_grants_until_no_more_work_train_everything(worker) -> None:
 
 
 class Slow(Device):
-    """A device whose steps take 50 ms: the node's loop is always ahead of it."""
+    """A device whose steps take 25 ms: the node's loop is always ahead of it."""
 
     def train_step(self, indices, micro_batches: int = 1) -> float:
-        time.sleep(0.05)
+        time.sleep(0.025)
         return super().train_step(indices, micro_batches)
 
 
