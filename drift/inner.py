@@ -389,17 +389,21 @@ class InnerLoop:
         bs, done, n = self.recipe.batch_size, len(job.losses), len(job.batches)
         if self.data is not None and not state["granted"]:
             return max(done, pieces[-1].start if pieces else done)
-        step_s = self.step_s or (job.seconds[-1] if job.seconds else 0.0)  # (its first unit: the last step)
+        step_s = self._step_s(job)
         if step_s == 0:
             return done  # no step measured yet
         rest = sum(-(-(u.hi - u.lo) // bs) for u in state["granted"])
         return max(done, math.ceil(n + rest - max(self.rtt_s * 2, step_s) / step_s))
 
+    def _step_s(self, job: UnitSteps) -> float:
+        """An inner step's time: the running average, or in the first unit its last step (0: none yet)."""
+        return self.step_s or (job.seconds[-1] if job.seconds else 0.0)
+
     def _ask_soon(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> bool:
         """An ask is due within the next ASK_EARLY_S of steps (and before the unit in hand ends): it
         may ride on the report of the unit that just did. A slow device asks at its time."""
         at = self._ask_point(job, pieces, state)
-        step_s = self.step_s or (job.seconds[-1] if job.seconds else 0.0)
+        step_s = self._step_s(job)
         if at is None or step_s <= 0:
             return False
         rest = len(pieces[0].batches) - len(pieces[0].losses) if pieces else 0

@@ -609,9 +609,12 @@ class Round:
     def _room(self, i: str) -> bool:
         """Node i may be granted one more unit: what it holds not yet reported trained is within
         its allowance."""
-        in_hand = samples(self.plan.granted.get(i, [])) - self.nodes[i].trained
         measured = self.s.speed.get(i) if i in self.s.measured else None
-        return in_hand <= rules.ask_allowance(self.r.unit_samples, measured)
+        return self.in_hand(i) <= rules.ask_allowance(self.r.unit_samples, measured)
+
+    def in_hand(self, i: str) -> int:
+        """Samples granted to node i that it has not reported trained."""
+        return samples(self.plan.granted.get(i, [])) - self.nodes[i].trained
 
     def _answer_ask(self, i: str, rnd: int) -> None:
         n = self.nodes[i]
@@ -735,7 +738,7 @@ class Round:
         """A node whose next inner step would end after everyone else ran out of work stops now
         (rules.tail_stops)."""
         active = [i for i in self.part() if (n := self.nodes[i]).synced is None and not n.excluded and not n.early]
-        in_hand = {i: samples(self.plan.granted.get(i, [])) - self.nodes[i].trained for i in active}
+        in_hand = {i: self.in_hand(i) for i in active}
         for i in rules.tail_stops(active, in_hand, self.plan.remaining(), self.s.speed, self.r.batch_size):
             self.nodes[i].early = True
             self._stop(i)
