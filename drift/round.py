@@ -867,9 +867,9 @@ class Round:
             and self.ring_failed_at is not None
             and rules.failure_heard(
                 part,
-                # (heard early only once a member said the attempt failed: a member that left
-                # lets the others' RoundDones of the next moment settle the round as usual)
-                set(done) | self.failed | set(rules.caught(self.suspects, part)) if self.failed else set(),
+                set(done),
+                self.failed,
+                set(rules.caught(self.suspects, part)),
                 now - self.ring_failed_at,
                 2 * self.r.heartbeat_s + 1,
             )

@@ -157,12 +157,16 @@ def reduce_overdue(
     ]
 
 
-def failure_heard(ring: Iterable[str], heard: Set[str], waited: float, grace: float) -> bool:
-    """A member reported the all-reduce failed `waited` seconds ago: decide (retry, or keep what
-    a majority applied) once every ring member has reported, θ or failure, or is caught (named by
-    two: its own word would change nothing), since nothing more can come; else after `grace`, the
-    time a member still in the ring needs to report."""
-    return waited > grace or all(i in heard for i in ring)
+def failure_heard(
+    ring: Iterable[str], done: Set[str], failed: Set[str], caught: Set[str], waited: float, grace: float
+) -> bool:
+    """The all-reduce broke `waited` seconds ago (a member left, or `failed` reported it): decide
+    (retry, or keep what a majority applied) after `grace`, the time a member still in the ring
+    needs to report; or sooner, once a member reported the failure and every ring member has
+    reported (θ or failure) or is caught (named by two: its own word would change nothing). A
+    member that only left decides nothing early: the others' RoundDones settle the round."""
+    heard = done | failed | caught
+    return waited > grace or (bool(failed) and all(i in heard for i in ring))
 
 
 REDUCE_DEADLINE_S = 150.0  # an all-reduce no majority finished by then is redone (the nodes' ring timeouts are 120 s)

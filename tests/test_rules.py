@@ -395,3 +395,13 @@ def test_a_node_may_hold_two_units_or_what_our_clock_measured_it_trains_in_a_qua
     assert rules.ask_allowance(16, 40.0) == 32  # slow: two units
     assert rules.ask_allowance(16, 4000.0) == int(4000 * rules.AHEAD_S)  # units shorter than a round trip
     assert rules.ask_allowance(16, float("inf")) == 32 and rules.ask_allowance(16, float("nan")) == 32
+
+
+def test_a_failed_ring_is_decided_early_only_once_a_member_reported_the_failure() -> None:
+    ring = ["a", "b", "c"]
+    assert rules.failure_heard(ring, {"a", "b"}, {"c"}, set(), waited=0.1, grace=5.0)  # all heard
+    assert not rules.failure_heard(ring, {"a"}, {"c"}, set(), waited=0.1, grace=5.0)  # b not yet
+    assert rules.failure_heard(ring, {"a"}, {"c"}, {"b"}, waited=0.1, grace=5.0)  # b caught
+    # a member left (nobody reported a failure): the others' RoundDones settle it, not this rule
+    assert not rules.failure_heard(["a", "b"], {"a", "b"}, set(), set(), waited=0.1, grace=5.0)
+    assert rules.failure_heard(["a", "b"], set(), set(), set(), waited=6.0, grace=5.0)

@@ -30,7 +30,8 @@ from drift.transport import (
 # A name no terminal or rich markup may interpret: markup closing tags, ANSI colour and screen
 # clearing escapes, a newline that would forge a log line, a bidi override.
 MARKUP_NAME = "[/x][bold red]\x1b[31m\x1b[2Jevil\nnode joined: forged\u202e"
-DEEP_JSON = b'{"v":%d,"type":"Ping","nonce":' % P.SCHEMA_VERSION + b"[" * 100_000 + b"]" * 100_000 + b"}"
+V = b'{"v":%d,' % P.SCHEMA_VERSION  # how a raw frame of this schema begins
+DEEP_JSON = V + b'"type":"Ping","nonce":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 Attack = Callable[[Endpoint, str, bytes, float], Awaitable[tuple[int, bool]]]
 
@@ -125,11 +126,9 @@ def junk_attacks() -> dict[str, Attack]:
         "truncated frame": _bytes(struct.pack(">I", 100) + b"only ten b", finish=True),
         "empty frame": _frames(b""),
         "deep JSON": _frames(DEEP_JSON),
-        "invalid UTF-8": _frames(b'{"v":%d,"type":"\xff\xfe\xfd"}' % P.SCHEMA_VERSION, b"\xc3\x28"),
-        "lone surrogate": _frames(b'{"v":%d,"type":"NodeInfo","name":"\\ud800"}' % P.SCHEMA_VERSION),
-        "NaN and Infinity": _frames(
-            b'{"v":%d,"type":"Heartbeat","round":NaN}' % P.SCHEMA_VERSION, b'{"round":Infinity}'
-        ),
+        "invalid UTF-8": _frames(V + b'"type":"\xff\xfe\xfd"}', b"\xc3\x28"),
+        "lone surrogate": _frames(V + b'"type":"NodeInfo","name":"\\ud800"}'),
+        "NaN and Infinity": _frames(V + b'"type":"Heartbeat","round":NaN}', b'{"round":Infinity}'),
         "JSON that is not an object": _frames(b"[1,2,3]", b'"string"', b"null"),
         "idle connection": _idle,
         "hang up at once": _hangup,
