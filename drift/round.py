@@ -627,7 +627,15 @@ class Round:
             self.send(i, P.AssignNext(round=self.rnd, unit=nxt))
             return
         self.send(i, P.NoMoreWork(round=rnd))
-        if self.steal and self.plan.remaining() == 0 and not self.last:
+        if rnd == self.rnd:
+            self._out_of_work(i)
+
+    def _out_of_work(self, i: str) -> None:
+        """Nothing is left to grant and node i holds nothing more to train: the others stop at their
+        next inner step (the round of a schedule that steals ends once its budget is handed out).
+        A node that asked ahead still trains what it holds first: by what we granted and it
+        reported, not by its ask."""
+        if self.steal and not self.last and self.plan.remaining() == 0 and self.in_hand(i) <= 0:
             self.stop_all("the round's budget is handed out")
 
     def on_sync(self, i: str, msg: P.BarrierSync) -> None:
@@ -635,6 +643,8 @@ class Round:
         if msg.round != self.rnd or n.sitting_out or n.synced is not None:
             return  # a node that sat out a round reports it late: its work there is redone already
         n.synced, n.t_sync = msg, self.now
+        if n.role == "train" and not n.excluded and not n.early:
+            self._out_of_work(i)  # (it asked ahead and was told "no more": it trained what it held)
         if not n.excluded and n.role != "evaluate":
             wrong = check_accounting(self.plan.granted.get(i, []), msg.trained, msg.returned)
             if not wrong and msg.trained and msg.delta_norm is None and not msg.delta_error:
@@ -760,7 +770,8 @@ class Round:
                 since, expected = n.last_progress, r.unit_samples / s.speed[i]
             else:
                 continue
-            if self.rnd == 0 and i == self.fastest and not self.stop_sent:  # it evaluates θ0 before training
+            if self.rnd == 0 and i == self.val_reporter and n.trained == 0:
+                # It evaluates θ0 before it trains: a StopRound that comes meanwhile waits for that too.
                 expected += r.eval_batches * r.batch_size / s.speed[i]
             waited = now - since
             others = len(in_part) - (i in in_part)

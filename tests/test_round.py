@@ -487,6 +487,49 @@ def test_a_held_ask_is_answered_no_more_when_the_round_stops() -> None:
     assert sim.to("x", P.StopRound) and len(sim.to("x", P.NoMoreWork)) == 1
 
 
+def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_it_holds() -> None:
+    # Seen under load: a node asking ahead took the last unit, its next ask was answered "no more"
+    # and stopped everyone at once, so the units held ahead went back untrained (a round of 96
+    # samples trained 16, and a node sat it out).
+    sim = Sim(["a", "b"], inner_steps=8)
+    rd = sim.start()
+    a, reported = sim.ids["a"], 0
+    while not sim.to("a", P.NoMoreWork):
+        sim.msg("a", P.AskForMoreWork(round=0))
+        granted = rd.plan.granted[a]
+        while reported < len(granted) - 1:  # it always holds the unit it asked ahead for
+            sim.msg("a", P.TrainProgress(round=0, unit=granted[reported], steps=1, loss=1.0, samples_per_s=1.0))
+            reported += 1
+    assert rd.plan.remaining() == 0 and rd.in_hand(a) > 0
+    assert sim.to("b", P.StopRound) == [] and sim.to("a", P.StopRound) == []  # b trains on meanwhile
+    last = rd.plan.granted[a][-1]
+    sim.msg("a", P.TrainProgress(round=0, unit=last, steps=1, loss=1.0, samples_per_s=1.0))
+    assert sim.to("b", P.StopRound) == []
+    trained, n = rd.plan.granted[a], rd.nodes[a].trained
+    sim.msg("a", P.BarrierSync(round=0, samples=n, steps=n // BATCH, loss=1.0, trained=trained, delta_norm=1.0))
+    assert len(sim.to("b", P.StopRound)) == 1 and sim.to("a", P.StopRound) == []  # a is at the barrier
+
+
+def test_the_val_reporter_stopped_while_it_evaluates_theta0_keeps_the_time_of_that_evaluation() -> None:
+    # Seen under load: the others took round 0's budget while the node asked for the val loss still
+    # evaluated θ0; after StopRound its deadline was one inner step, it sat round 0 out and the
+    # run had no initial val loss.
+    sim = Sim(["a", "x"], speeds={"a": 100.0, "x": 200.0})
+    rd = sim.start()
+    x = sim.ids["x"]
+    assert rd.val_reporter == x
+    sim.train("a")
+    assert sim.to("x", P.StopRound)
+    r, step_s = sim.recipe, BATCH / 200.0
+    eval_s = r.eval_batches * BATCH / 200.0
+    past_one_step = r.unit_deadline_factor * step_s + 2 * r.heartbeat_s + 0.1
+    assert past_one_step < r.unit_deadline_factor * (step_s + eval_s) + 2 * r.heartbeat_s
+    sim.tick(past_one_step)
+    assert sim.noted("deadline") == [] and not rd.nodes[x].excluded
+    sim.tick(r.unit_deadline_factor * (step_s + eval_s) + 2 * r.heartbeat_s + 0.1)
+    assert [f["name"] for f in sim.noted("deadline")] == ["x"]  # but not forever
+
+
 def test_an_ask_riding_on_a_progress_report_is_answered_as_one() -> None:
     sim = Sim(["a", "x"])
     rd = sim.start()
