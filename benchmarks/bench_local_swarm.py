@@ -11,7 +11,8 @@ real iroh on loopback) training a tiny task: shakespeare_char.py as a 1-layer ch
   rounds  --local N for each N of --nodes (default 8 and 32), 10 inner steps a node a round, torch
           threads as --local gives them (usable cores / N, at least 1). Per round: the coordinator's own
           round time (`seconds` of metrics.jsonl's round events, from the round's start to θ
-          agreed), and the wall time between two round events (rounds 1-3); median over the run.
+          agreed), the wall time between two round events (rounds 1-3), and the samples a round
+          trained (rounds 0-2; the last round trains whatever is left); median over the run.
   steps   one node alone against two nodes at once (--threads 1 each, so two fit two cores),
           200 inner steps a node a round: seconds per inner step of each node, by the
           coordinator's clock (from the round's start to the node's BarrierSync, over its steps;
@@ -97,6 +98,8 @@ def round_figures(events: list[dict]) -> dict:
         "round_s": statistics.median(e["seconds"] for e in rounds),
         "wall_s": statistics.median(walls),
         "joined_s": max(joined) if joined else float("nan"),
+        # (a round cut short is quicker: its samples say whether it trained its budget)
+        "samples": statistics.median(e["samples"] for e in rounds[:-1]) if len(rounds) > 1 else float("nan"),
     }
 
 
@@ -156,6 +159,10 @@ def main() -> None:
                 )
                 print(
                     f"{' ' * len(str(n))}        {' ' * len(names[t])}  all joined at {spread([x['joined_s'] for x in f])}"
+                )
+                print(
+                    f"{' ' * len(str(n))}        {' ' * len(names[t])}  samples a round (rounds 0-2, budget {n * 10 * 8}) "
+                    f"{spread([x['samples'] for x in f], '')}"
                 )
 
     if not a.rounds_only:

@@ -586,7 +586,7 @@ class Round:
         elif (sps := n.measure(k, now)) is not None:
             self.out.append(Measured(i, sps))
         n.trained += k
-        n.units_after_stop += self.stop_sent
+        n.units_after_stop += self.stop_sent or n.early
         n.last_progress = now
         self.out.append(Progress(i, u, k, msg.loss, msg.samples_per_s))
         if msg.ask:

@@ -34,7 +34,7 @@ class NodeRound:
     t_unit: float = 0.0  # since when its unmeasured samples have been in the works (start, last measurement)
     unmeasured: int = 0  # samples of units finished since t_unit, not yet in a speed measurement
     trained: int = 0  # samples of its granted units it reported trained so far (TrainProgress)
-    units_after_stop: int = 0  # units it reported after the round's budget was handed out (StopRound)
+    units_after_stop: int = 0  # units it reported after it was told StopRound (the budget handed out, or the tail)
     synced: P.BarrierSync | None = None  # its report at the barrier
     t_sync: float = 0.0
     done: P.RoundDone | None = None  # its θ after the outer step (this ring epoch)

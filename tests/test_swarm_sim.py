@@ -24,11 +24,11 @@ pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 
 def _check_idle(events: list[dict]) -> None:
-    """Nobody trains on while others wait at the barrier: once a round's budget is handed out
-    (StopRound), every trainer reports at most the unit it had in flight, cut at its next inner
-    step (tests/test_inner.py), and one whose report crossed StopRound on the wire, never the
-    units granted ahead; and rounds were cut at all (all but the last, which trains its whole
-    budget)."""
+    """Nobody trains on while others wait at the barrier: once told StopRound (the round's budget
+    handed out, or the tail rule), every trainer reports at most the unit it had in flight, cut at
+    its next inner step (tests/test_inner.py), and one whose report crossed StopRound on the wire,
+    never the units granted ahead; and rounds were cut at all (all but the last, which trains its
+    whole budget)."""
     rounds = [e for e in events if e["event"] == "round"]
     for r in rounds[:-1]:
         for name, v in r["nodes"].items():
