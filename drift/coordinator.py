@@ -18,6 +18,7 @@ from pathlib import Path
 
 from drift import protocol as P
 from drift import round as R
+from drift import rules
 from drift.auth import Admission, AuthError
 from drift.base import MIN_RATE as BASE_MIN_RATE
 from drift.base import BaseError, BaseServer, task_state
@@ -134,6 +135,7 @@ class Coordinator:
         self.ready: dict[str, Peer] = {}  # admitted and connected (members, joiners, evaluators)
         self._handshaking: dict[str, Channel] = {}  # connected, not yet admitted (they load the task)
         self.events: asyncio.Queue[tuple[Peer, P.Message | None]] = asyncio.Queue()
+        self._clock_at = 0.0  # when the rounds' clocks run next (_step)
         self._joined = asyncio.Condition()
         self._started = False
         self._finished = False
@@ -698,12 +700,13 @@ class Coordinator:
                 return
 
     async def _step(self, prev: Round | None, cur: Round | None) -> bool:
-        """Handle the events queued (waiting half a second for one), then run the clocks once;
-        True once `cur` (or, with no cur, prev) settled. A round that settles is recorded and
-        checkpointed as due. The clocks look at every node: once per batch of events, not once
-        per event, or a round of N nodes would cost N² (a thousand nodes' messages arrive
-        together, at the barrier and at the end of the all-reduce)."""
-        ev = await self._next_event(0.5)
+        """Handle the events queued (waiting for one until the clocks are due), then run the
+        clocks if due; True once `cur` (or, with no cur, prev) settled. A round that settles is
+        recorded and checkpointed as due. The clocks look at every node: once per batch of
+        events and at most every rules.clock_interval, or a round of N nodes would cost N² (a
+        thousand nodes' messages come one by one while they train, and together at the barrier)."""
+        wait = min(0.5, self._clock_at - time.monotonic())
+        ev = self.events.get_nowait() if not self.events.empty() else await self._next_event(wait) if wait > 0 else None
         handled = 0
         while ev is not None:
             if self.stopping:
@@ -718,6 +721,9 @@ class Coordinator:
         if self.stopping:
             raise asyncio.CancelledError
         now = time.monotonic()
+        if now < self._clock_at:
+            return (cur or prev).settled
+        self._clock_at = now + rules.clock_interval(len(self.swarm.members))
         self._check_silence(now, (cur or prev).rnd)
         for rd in (prev, cur):
             if rd is None or rd.settled:
