@@ -113,15 +113,16 @@ def barrier(recs: Records) -> BarrierDecision:
     return BarrierDecision("ring", tuple(unsynced))
 
 
-CLOCK_S_PER_NODE = 20e-6  # seconds between two runs of a round's clocks, per member of the swarm
+CLOCK_S_PER_NODE = 100e-6  # seconds between two runs of a round's clocks, per member of the swarm
 
 
 def clock_interval(members: int) -> float:
     """Seconds between two runs of a round's clocks (deadlines, the tail, the barrier, silence),
     which look at every node: they run after the events that came meanwhile, at most this often,
     so their cost stays a fixed share of the coordinator's time at any N (a run per event, as the
-    events of a thousand nodes trickle in one by one, was N² a round). Eight nodes: every 0.16
-    ms; a thousand: every 20 ms, on rounds of seconds."""
+    events of a thousand nodes trickle in one by one, was N² a round; a run takes about 3 µs a
+    node, so this is ~3 % of a core). Eight nodes: every 0.8 ms; a thousand: every 0.1 s, on
+    rounds of seconds and deadlines of heartbeats."""
     return members * CLOCK_S_PER_NODE
 
 
