@@ -135,7 +135,8 @@ class Coordinator:
         self.ready: dict[str, Peer] = {}  # admitted and connected (members, joiners, evaluators)
         self._handshaking: dict[str, Channel] = {}  # connected, not yet admitted (they load the task)
         self.events: asyncio.Queue[tuple[Peer, P.Message | None]] = asyncio.Queue()
-        self._clock_at = 0.0  # when the rounds' clocks run next (_step)
+        self._clock_at = 0.0  # the rounds' clocks run no sooner than this (_step) ...
+        self._unticked = False  # ... after events they have not seen yet
         self._joined = asyncio.Condition()
         self._started = False
         self._finished = False
@@ -705,9 +706,10 @@ class Coordinator:
         recorded and checkpointed as due. The clocks look at every node: once per batch of
         events and at most every rules.clock_interval, or a round of N nodes would cost N² (a
         thousand nodes' messages come one by one while they train, and together at the barrier)."""
-        wait = min(0.5, self._clock_at - time.monotonic())
+        wait = self._clock_at - time.monotonic() if self._unticked else 0.5  # (no event: the clocks every 0.5 s)
         ev = self.events.get_nowait() if not self.events.empty() else await self._next_event(wait) if wait > 0 else None
         handled = 0
+        self._unticked = self._unticked or ev is not None
         while ev is not None:
             if self.stopping:
                 # Ctrl-C: interrupt() owns the rounds and the events now. This task was cancelled, but
@@ -721,9 +723,9 @@ class Coordinator:
         if self.stopping:
             raise asyncio.CancelledError
         now = time.monotonic()
-        if now < self._clock_at:
+        if self._unticked and now < self._clock_at:
             return (cur or prev).settled
-        self._clock_at = now + rules.clock_interval(len(self.swarm.members))
+        self._unticked, self._clock_at = False, now + rules.clock_interval(len(self.swarm.members))
         self._check_silence(now, (cur or prev).rnd)
         for rd in (prev, cur):
             if rd is None or rd.settled:
