@@ -17,7 +17,9 @@ real iroh on loopback) training a tiny task: shakespeare_char.py as a 1-layer ch
           200 inner steps a node a round: seconds per inner step of each node, by the
           coordinator's clock (from the round's start to the node's BarrierSync, over its steps;
           rounds 1-3). The ratio 2 nodes / 1 node is what contention between the nodes' own threads
-          costs (1.0: nothing beyond their compute).
+          costs (1.0: nothing beyond their compute). Beside it, in the same reps: one and two
+          plain loops of the same worker (`drift.ranks.task_worker`, no node around it), the
+          compute's own contention on these cores.
 
 Each configuration runs --reps times (A/B interleaved when several --tree are given: each tree's
 drift runs with TREE first on PYTHONPATH, its own recipes/shakespeare_char.py as the task); min and median
@@ -113,6 +115,42 @@ def step_figure(events: list[dict]) -> float:
     return statistics.mean(statistics.median(v) for v in per_node.values())
 
 
+# One plain loop of the task's worker, as `drift join` builds it (drift.ranks.task_worker), without
+# a node around it: no coordinator, no event loop, no iroh. Prints seconds per inner step.
+PLAIN = """
+import sys, time
+from pathlib import Path
+import numpy as np
+from drift.ranks import task_worker
+from drift.recipe import load_recipe
+path, steps = Path(sys.argv[1]), int(sys.argv[2])
+r, repo = load_recipe(path), path.parent.parent
+w = task_worker(repo, repo / r.task, r, "torch", "cpu", 1)
+rng = np.random.default_rng(0)
+for _ in range(20):
+    w.train_step(rng.integers(0, w.n_train, r.batch_size))
+t = time.perf_counter()
+for _ in range(steps):
+    w.train_step(rng.integers(0, w.n_train, r.batch_size))
+print((time.perf_counter() - t) / steps)
+"""
+
+
+def plain_step(tree: Path, n: int, steps: int) -> float:
+    """Seconds per inner step of n plain loops of the task's worker at once (one torch thread
+    each), the mean over them: what the cores alone do to two trainings side by side."""
+    with tempfile.TemporaryDirectory(prefix="bench-plain-") as tmp:
+        recipe = make_repo(Path(tmp) / "repo", tree, n, steps)
+        path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        cmd = [sys.executable, "-c", PLAIN, str(recipe), str(steps)]
+        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+        outs = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"bench_local_swarm: a plain loop ({tree}) failed")
+        return statistics.mean(float(o.split()[-1]) for o in outs)
+
+
 def tree_name(tree: Path) -> str:
     try:
         head = subprocess.run(
@@ -168,10 +206,17 @@ def main() -> None:
     if not a.rounds_only:
         got1: dict[Path, list[float]] = {t: [] for t in trees}
         got2: dict[Path, list[float]] = {t: [] for t in trees}
+        plain1: list[float] = []
+        plain2: list[float] = []
         for _ in range(a.reps):
             for t in trees:
                 got1[t].append(step_figure(run_swarm(t, 1, 200, 1, a.timeout)))
                 got2[t].append(step_figure(run_swarm(t, 2, 200, 1, a.timeout)))
+            plain1.append(plain_step(trees[-1], 1, 800))
+            plain2.append(plain_step(trees[-1], 2, 800))
+        print(f"step, 1 plain loop,     {names[trees[-1]]}: {spread([x * 1e3 for x in plain1], 'ms')}")
+        print(f"step, 2 plain loops,    {names[trees[-1]]}: {spread([x * 1e3 for x in plain2], 'ms')}")
+        print(f"  2 plain loops / 1 (medians): {statistics.median(plain2) / statistics.median(plain1):.2f}")
         for t in trees:
             one, two = got1[t], got2[t]
             print(f"step, 1 node,  {names[t]}: {spread([x * 1e3 for x in one], 'ms')}")
