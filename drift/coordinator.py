@@ -577,9 +577,14 @@ class Coordinator:
 
     async def _next_event(self, timeout: float) -> tuple[Peer, P.Message | None] | None:
         """The next message of an admitted node (None: its connection ended), or None after
-        `timeout` seconds of none. Every phase of the run reads the nodes' messages through here."""
+        `timeout` seconds of none (at once when one is queued; at once, None, when `timeout` ≤ 0).
+        Every phase of the run reads the nodes' messages through here."""
+        if not self.events.empty():
+            return self.events.get_nowait()
+        if timeout <= 0:
+            return None
         try:
-            return await asyncio.wait_for(self.events.get(), max(0.0, timeout))
+            return await asyncio.wait_for(self.events.get(), timeout)
         except asyncio.TimeoutError:
             return None
 
@@ -707,7 +712,7 @@ class Coordinator:
         events and at most every rules.clock_interval, or a round of N nodes would cost N² (a
         thousand nodes' messages come one by one while they train, and together at the barrier)."""
         wait = self._clock_at - time.monotonic() if self._unticked else 0.5  # (no event: the clocks every 0.5 s)
-        ev = self.events.get_nowait() if not self.events.empty() else await self._next_event(wait) if wait > 0 else None
+        ev = await self._next_event(wait)
         handled = 0
         self._unticked = self._unticked or ev is not None
         while ev is not None:
@@ -719,7 +724,7 @@ class Coordinator:
                 raise asyncio.CancelledError
             await self._handle(prev, cur, *ev)
             handled += 1
-            ev = self.events.get_nowait() if handled < MAX_EVENT_BATCH and not self.events.empty() else None
+            ev = await self._next_event(0) if handled < MAX_EVENT_BATCH else None
         if self.stopping:
             raise asyncio.CancelledError
         now = time.monotonic()
