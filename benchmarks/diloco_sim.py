@@ -24,9 +24,11 @@ momentum). `--int8`: the dense mean of int8-coded Δs, as the ring's codec would
 `--uneven [DEAL]`: each round deals the replicas unequal steps, as the steal schedule does (H - 3
 to H + 1 each, at random from the seed DEAL, 7 by default, N x H in all: a real 4-node round at H 10 ranged 7 to 11),
 and weights each Δ by its share of the round's samples, as drift does. `--hostile F`: replica 0
-sends F x its Δ (what an attacker achieves within the sparse rule's clip). The last line counts
-what each node would send over the run: a ring sends 2(N-1)/N payloads per node per round, the
-direct all-gather N-1.
+sends F x its Δ (what an attacker achieves within the sparse rule's clip). `--fanout G`: the
+sparse payloads go up drift/hierarchy.py's levels of at most G blocks (benchmarks/harness/tree.py:
+each replica merges what its node would receive), where the default all-gathers them flat. The
+last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per node
+per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from drift import hierarchy  # noqa: E402
 from drift import protocol as P  # noqa: E402
 from drift.compress import make_codec  # noqa: E402
 from drift.diloco import NesterovOuter, ParamLayout, epoch_order  # noqa: E402
@@ -45,6 +48,7 @@ from drift.recipe import Recipe, load_recipe  # noqa: E402
 from drift.sync import make_rule  # noqa: E402
 from drift.workers import load_task  # noqa: E402
 from drift.workers.torch_worker import TorchWorker  # noqa: E402
+from harness.tree import hierarchical_round  # noqa: E402
 
 
 def main() -> None:
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--sync", choices=["dense", "sparse"], default="dense")
     ap.add_argument("--int8", action="store_true", help="dense: each Δ through drift's int8 codec")
     ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
+    ap.add_argument("--fanout", type=int, default=0, help="sparse: the hierarchy's fanout (0: all-gather flat)")
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
     ap.add_argument(
         "--uneven",
@@ -130,7 +135,7 @@ def main() -> None:
             }
         )
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
-        per_round = (N - 1) * rules[0].payload_nbytes
+        per_round = (hierarchy.transfers(N, a.fanout)[0] if a.fanout else N - 1) * rules[0].payload_nbytes
         scratch = np.zeros_like(theta)  # where the other replicas apply the same step
     else:
         codec = make_codec("int8" if a.int8 else "fp32")
@@ -142,6 +147,11 @@ def main() -> None:
         sent += per_round
         if a.hostile is not None:
             deltas[0] = deltas[0] * np.float32(a.hostile)
+        if a.sync == "sparse" and a.fanout:
+            hierarchical_round(rules, deltas, list(shares), a.fanout)
+            for rule in rules:
+                rule.apply(theta if rule is rules[0] else scratch)
+            return
         if a.sync == "sparse":
             ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
             payloads = [rule.contribute(d, w) for rule, d, w in zip(rules, deltas, shares)]

@@ -16,8 +16,13 @@ since it cannot sign in its name.
 One connection per sender, receiver and attempt. Its first frame is a header, then the payload in
 frames of at most CHUNK_BYTES, then the receiver answers ``ok`` and the sender hangs up::
 
-    >4s B I I Q 64s = magic "DGTH", version, round, generation (the coordinator's ring epoch),
-                      payload bytes, the owner's signature of payload_message
+    >4s B I I Q 64s B = magic "DGTH", version, round, generation (the coordinator's ring epoch),
+                        payload bytes, the owner's signature of payload_message, level
+
+A swarm larger than the sparse rule's `fanout` gathers in levels (drift/hierarchy.py, `tree`):
+at level 0 each member's own payload, above it the payload of its block, which the sender
+computed (SparseLoCo.merge) and signs as its own for that level, so what it sends at one level
+can be checked against what it sent at another only by the level's number, which it signs too.
 
 Trust, as the ring's: only members this node verified connect or are connected to; a member has
 at most one connection waiting (a newer one replaces it); every frame is bounded by the size the
@@ -33,20 +38,27 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import struct
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import nacl.signing
 
+from drift import hierarchy
 from drift.protocol import MAX_ROUND, Heard, RingMember, printable
 from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, MIN_RATE, ReduceStats, RingError, recv_by, verify
 from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
-_HEADER = struct.Struct(">4sBIIQ64s")
+_HEADER = struct.Struct(">4sBIIQ64sB")
 _MAGIC = b"DGTH"
-_VERSION = 2  # 2: the owner's signature in the header (1 had none, and a tree mode)
-_SIGNED = struct.Struct(">4sII")  # "DGSG", round, generation
+_VERSION = 3  # 3: the level (2 had none: one flat all-gather; 1 no signature, and a tree mode)
+_SIGNED = struct.Struct(">4sIIB")  # "DGSG", round, generation, level
+MAX_LEVEL = 16  # levels of a hierarchy (hierarchy.shape: log_fanout of the members, fanout >= 2)
+
+if TYPE_CHECKING:
+    from drift.sync import Combined
 
 log = logging.getLogger("drift.gather")
 
@@ -67,16 +79,17 @@ def late_after(arrivals: list[float], others: int, nbytes: int, slack_s: float) 
     return LATE_FACTOR * sorted(arrivals)[need - 1] + slack_s + others * nbytes / MIN_RATE
 
 
-def payload_message(owner: str, round_: int, generation: int, digest: bytes) -> bytes:
-    """What the owner of a payload signs: round, attempt, its id, sha256 of the payload."""
-    return _SIGNED.pack(b"DGSG", round_, generation) + bytes.fromhex(owner) + digest
+def payload_message(owner: str, round_: int, generation: int, digest: bytes, level: int = 0) -> bytes:
+    """What the sender of a payload signs: round, attempt, level, its id, sha256 of the payload."""
+    return _SIGNED.pack(b"DGSG", round_, generation, level) + bytes.fromhex(owner) + digest
 
 
-def signed_payload(owner: str, round_: int, generation: int, digest: str, sig: str) -> bool:
+def signed_payload(owner: str, round_: int, generation: int, digest: str, sig: str, level: int = 0) -> bool:
     """True when `sig` (hex) is `owner`'s signature of the payload of sha256 `digest` (hex) in
-    this round and attempt (what RoundDone.heard reports)."""
+    this round, attempt and level (what RoundDone.heard reports)."""
     try:
-        return verify(owner, payload_message(owner, round_, generation, bytes.fromhex(digest)), bytes.fromhex(sig))
+        message = payload_message(owner, round_, generation, bytes.fromhex(digest), level)
+        return verify(owner, message, bytes.fromhex(sig))
     except (ValueError, struct.error):
         return False
 
@@ -90,8 +103,8 @@ class Gather:
         self.node_id = endpoint.node_id
         self._key = nacl.signing.SigningKey(bytes(endpoint.ep.secret_key().to_bytes()))  # its node id's key
         self.timeout = timeout
-        # member -> (round, generation, payload bytes, signature, channel)
-        self._incoming: dict[str, tuple[int, int, int, bytes, Channel]] = {}
+        # member -> (round, generation, level, payload bytes, signature, channel)
+        self._incoming: dict[str, tuple[int, int, int, int, bytes, Channel]] = {}
         self._arrived = asyncio.Condition()
 
     async def handle_incoming(self, conn) -> None:
@@ -108,8 +121,8 @@ class Gather:
             head = await ch.recv_frame(_HEADER.size, timeout=t)
             if len(head) != _HEADER.size:
                 raise RingError(f"gather header of {len(head)} bytes")
-            magic, version, rnd, gen, size, sig = _HEADER.unpack(head)
-            if magic != _MAGIC or version != _VERSION or rnd > MAX_ROUND or gen > MAX_ROUND:
+            magic, version, rnd, gen, size, sig, level = _HEADER.unpack(head)
+            if magic != _MAGIC or version != _VERSION or rnd > MAX_ROUND or gen > MAX_ROUND or level > MAX_LEVEL:
                 raise RingError("not a drift gather header")
         except Exception as e:
             why = e if isinstance(e, (RingError, TransportError)) else repr(e)
@@ -120,13 +133,14 @@ class Gather:
             old = self._incoming.pop(peer, None)
             if old is not None:
                 old[4].close("replaced by a newer connection")
-            self._incoming[peer] = (rnd, gen, size, sig, ch)
+            self._incoming[peer] = (rnd, gen, level, size, sig, ch)
             self._arrived.notify_all()
 
-    def header(self, round_: int, generation: int, payload: bytes) -> bytes:
+    def header(self, round_: int, generation: int, payload: bytes, level: int = 0) -> bytes:
         """The header of our payload: its size and our signature of it."""
-        signed = payload_message(self.node_id, round_, generation, hashlib.sha256(payload).digest())
-        return _HEADER.pack(_MAGIC, _VERSION, round_, generation, len(payload), self._key.sign(signed).signature)
+        signed = payload_message(self.node_id, round_, generation, hashlib.sha256(payload).digest(), level)
+        sig = self._key.sign(signed).signature
+        return _HEADER.pack(_MAGIC, _VERSION, round_, generation, len(payload), sig, level)
 
     async def allgather(
         self,
@@ -141,13 +155,71 @@ class Gather:
         the stats what it got from each other member (`heard`). Each is `nbytes` long or empty (a
         member with nothing to send), and signed by its sender. RingError if any member's payload
         does not arrive, whole, signed and as expected, within the deadlines."""
+        others = [m for m in members if m.node_id != self.node_id]
+        return await self.exchange(payload, members, others, round_, nbytes, generation, slack_s)
+
+    async def tree(
+        self,
+        payload: bytes,
+        ring: list[RingMember],
+        round_: int,
+        nbytes: int,
+        generation: int,
+        slack_s: float,
+        fanout: int,
+        merge: Callable[[list[bytes], list[RingMember]], tuple[bytes, float, Combined]],
+    ) -> tuple[list[bytes], list[RingMember], ReduceStats, list[str]]:
+        """The hierarchy's gather (drift/hierarchy.py): level by level, the payloads of the
+        blocks this node's parent joins, from the members plan() names, merged into the parent's
+        payload (`merge`: (payloads, the children as members, each weighing what its members weigh
+        together) -> (payload, weight, what it found), SparseLoCo.merge). At the top: the top's payloads and children
+        for the rule's combine, the stats of all levels (`heard` tagged with each level) and the
+        merges' outliers. With at most `fanout` members: one level, the flat all-gather."""
         t0 = time.perf_counter()
-        ids = [m.node_id for m in members]
+        me = next(i for i, m in enumerate(ring) if m.node_id == self.node_id)
+        levels = hierarchy.plan(len(ring), fanout)
+        total = ReduceStats(0.0, 0, 0, codec="sparse")
+        outliers: list[str] = []
+        for depth, level in enumerate(levels):
+            sources = level.sources(me)
+            children = [
+                ring[src].model_copy(update={"weight": min(1.0, math.fsum(ring[i].weight for i in child))})
+                for (_, src), child in zip(sources, level.children(me))
+            ]
+            give = [ring[t] for t in level.targets(me)]
+            result, stats = await self.exchange(payload, children, give, round_, nbytes, generation, slack_s, depth)
+            total.bytes_sent += stats.bytes_sent
+            total.bytes_received += stats.bytes_received
+            total.check_seconds += stats.check_seconds
+            total.heard += stats.heard
+            if depth == len(levels) - 1:
+                total.seconds = time.perf_counter() - t0
+                return result, children, total, outliers
+            payload, _, found = merge(result, children)
+            outliers += found.outliers
+        raise AssertionError("a plan always has a top level")
+
+    async def exchange(
+        self,
+        payload: bytes,
+        take: list[RingMember],
+        give: list[RingMember],
+        round_: int,
+        nbytes: int,
+        generation: int = 0,
+        slack_s: float = 5.0,
+        level: int = 0,
+    ) -> tuple[list[bytes], ReduceStats]:
+        """The payloads of the members in `take`, in its order (this node's own at its place),
+        while ours goes to every member in `give`; in the stats what it got from each (`heard`).
+        Each is `nbytes` long or empty (a member with nothing to send), and signed by its sender
+        for this level. RingError if any payload does not arrive, or ours is not taken, whole,
+        signed and as expected, within the deadlines."""
+        t0 = time.perf_counter()
+        ids = [m.node_id for m in take] + [m.node_id for m in give]
         if unverified := [i for i in ids if i != self.node_id and not self.trusted(i)]:
             raise RingError(f"the ring names {unverified[0][:10]}, a node this one has not verified")
-        me = ids.index(self.node_id)
-        out: list[bytes] = [b""] * len(members)
-        out[me] = payload
+        out: list[bytes] = [payload if m.node_id == self.node_id else b"" for m in take]
         heard: dict[int, Heard] = {}  # place -> what came from that member
         arrived: dict[str, float] = {}  # member -> seconds after t0 its payload was in, signed
         acked: dict[str, float] = {}  # member -> seconds after t0 it confirmed ours
@@ -156,7 +228,7 @@ class Gather:
         check = [0.0]  # seconds hashing, signing and verifying (RoundDone.check_s)
 
         async def recv_from(k: int, m: RingMember) -> None:
-            size, sig, ch = await self._take(m.node_id, round_, generation)
+            size, sig, ch = await self._take(m.node_id, round_, generation, level)
             try:
                 if size not in (0, nbytes):
                     raise RingError(
@@ -167,11 +239,11 @@ class Gather:
                 ch.close("payload received")
             t = time.perf_counter()
             digest = hashlib.sha256(out[k]).digest()
-            signed = verify(m.node_id, payload_message(m.node_id, round_, generation, digest), sig)
+            signed = verify(m.node_id, payload_message(m.node_id, round_, generation, digest, level), sig)
             check[0] += time.perf_counter() - t
             if not signed:
                 raise RingError(f"{m.node_id[:10]} sent a payload it did not sign", suspect=m.node_id)
-            heard[k] = Heard(owner=m.node_id, digest=digest.hex(), sig=sig.hex())
+            heard[k] = Heard(owner=m.node_id, digest=digest.hex(), sig=sig.hex(), level=level)
             arrived[m.node_id] = time.perf_counter() - t0
             news.set()
 
@@ -182,27 +254,31 @@ class Gather:
 
         async def watch() -> None:
             """A member still silent long after half the others were done (late_after) is named."""
-            while len(arrived) < len(others) or len(acked) < len(others):
+            while len(arrived) < len(others) or len(acked) < len(give):
                 news.clear()
                 lefts = []
-                for done, what in ((arrived, "sent no payload"), (acked, "did not take ours")):
-                    until = late_after([*done.values()], len(others), nbytes, slack_s)
-                    if len(done) == len(others) or until is None:
+                for done, want, what in ((arrived, others, "sent no payload"), (acked, give, "did not take ours")):
+                    until = late_after([*done.values()], len(want), nbytes, slack_s)
+                    if len(done) == len(want) or until is None:
                         continue
                     left = until - (time.perf_counter() - t0)
                     if left <= 0:
-                        late = next(m.node_id for _, m in others if m.node_id not in done)
+                        late = next(m.node_id for m in want if m.node_id not in done)
                         raise RingError(f"{late[:10]} {what} within {until:.1f}s, as half the others did", suspect=late)
                     lefts.append(left)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(news.wait(), min(lefts, default=None))
 
         t = time.perf_counter()
-        head = self.header(round_, generation, payload)
+        head = self.header(round_, generation, payload, level)
         check[0] += time.perf_counter() - t
-        others = [(k, m) for k, m in enumerate(members) if k != me]
+        others = [m for m in take if m.node_id != self.node_id]
         try:
-            await _all([send_to(m) for _, m in others] + [recv_from(k, m) for k, m in others] + [watch()])
+            await _all(
+                [send_to(m) for m in give]
+                + [recv_from(k, m) for k, m in enumerate(take) if m.node_id != self.node_id]
+                + [watch()]
+            )
         except RingError as e:
             raise RingError(f"all-gather of round {round_} failed: {e}", suspect=e.suspect) from None
         got = [heard[k] for k in sorted(heard)]
@@ -231,16 +307,16 @@ class Gather:
         finally:
             ch.close("payload sent")
 
-    async def _take(self, peer: str, round_: int, generation: int) -> tuple[int, bytes, Channel]:
-        """(size, signature, channel) of the connection `peer` opened for this round and attempt,
-        once there."""
+    async def _take(self, peer: str, round_: int, generation: int, level: int) -> tuple[int, bytes, Channel]:
+        """(size, signature, channel) of the connection `peer` opened for this round, attempt
+        and level, once there."""
+        want = (round_, generation, level)
         try:
             async with self._arrived:
                 await asyncio.wait_for(
-                    self._arrived.wait_for(lambda: self._incoming.get(peer, (-1, -1))[:2] == (round_, generation)),
-                    self.timeout,
+                    self._arrived.wait_for(lambda: self._incoming.get(peer, (-1, -1, -1))[:3] == want), self.timeout
                 )
-                return self._incoming.pop(peer)[2:]
+                return self._incoming.pop(peer)[3:]
         except asyncio.TimeoutError:
             raise RingError(f"{peer[:10]} never sent its payload (waited {self.timeout:g}s)", suspect=peer) from None
 

@@ -881,10 +881,12 @@ class Session:
     async def _allreduce(self, t: Trainer, ready: P.BarrierReady):
         """One attempt at the round's sync: the rule's contribution from Δ (recomputed: an earlier
         attempt left the buffer garbled) and this node's weight, through the rule's collective:
-        summed around the ring, or all-gathered. (ready, result, stats or None, error)."""
+        summed around the ring, or all-gathered (level by level above the rule's fanout: the
+        top level's payloads and children, drift/hierarchy.py). (ready, result, the members the
+        result is of, outliers its merges named, stats or None, error)."""
         me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
         if me is None:
-            return ready, None, None, None  # not in this ring: θ comes with Agreed
+            return ready, None, ready.ring, [], None, None  # not in this ring: θ comes with Agreed
         async with t.lock:
             t.pseudo_gradient(t.snap)
         mine = t.rule.contribute(t.delta, me.weight)
@@ -899,14 +901,20 @@ class Session:
                     kernels=t.worker.codec_kernels,
                     generation=ready.ring_epoch,
                 )
-                result = mine
-            else:
-                result, stats = await self.node.gather.allgather(
-                    mine, ready.ring, ready.round, t.rule.payload_nbytes, ready.ring_epoch, ready.slack_s
-                )
+                return ready, mine, ready.ring, [], stats, None
+            result, members, stats, named = await self.node.gather.tree(
+                mine,
+                ready.ring,
+                ready.round,
+                t.rule.payload_nbytes,
+                ready.ring_epoch,
+                ready.slack_s,
+                t.rule.params.fanout,
+                t.rule.merge,
+            )
+            return ready, result, members, named, stats, None
         except RingError as e:
-            return ready, None, None, e
-        return ready, result, stats, None
+            return ready, None, ready.ring, [], None, e
 
     async def _reduced(self, t: Trainer, task: asyncio.Task) -> None:
         """An all-reduce attempt ended: apply the outer step and report the checksum, or report
@@ -914,7 +922,7 @@ class Session:
         p = task.pending
         if task.cancelled() or p is not t.pending or p.settled.is_set():
             return
-        ready, result, stats, error = task.result()
+        ready, result, members, named, stats, error = task.result()
         if error is not None:
             log.warning("all-reduce of round %d failed: %s; waiting for the coordinator's retry", p.round, error)
             await self.send(
@@ -929,7 +937,8 @@ class Session:
             return
         if stats is None:
             return
-        combined = t.rule.combine(result, ready.ring)
+        combined = t.rule.combine(result, members)
+        combined.outliers = named + combined.outliers
         if (bad := combined.problem) is not None:
             # Someone sent more than it reported: θ must not move. The coordinator redoes the
             # round without the culprit (it recomputes Δ from the snapshot for the retry).

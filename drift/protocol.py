@@ -34,8 +34,9 @@ from pydantic import (
     model_validator,
 )
 
-# 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask
-SCHEMA_VERSION = 3
+# 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask;
+# 4: Heard.level (the sparse rule's hierarchy)
+SCHEMA_VERSION = 4
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -433,6 +434,7 @@ class Heard(_Msg):
     owner: NodeId
     digest: Annotated[StrictStr, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
     sig: Annotated[StrictStr, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+    level: Annotated[int, Field(ge=0, le=16)] = 0  # of the hierarchy (drift/hierarchy.py); 0: the owner's own
 
 
 class RingFailed(_Msg):

@@ -1176,9 +1176,9 @@ class Round:
         owner did not sign made it up: a strike, as for any false accusation."""
         rnd, epoch, ring = self.rnd, self.attempt, [m.node_id for m in self.ring]
         found = rules.equivocation(
-            {i: [(h.owner, h.digest, h.sig) for h in d.heard] for i, d in self.done().items()},
+            {i: [(h.owner, h.digest, h.sig, h.level) for h in d.heard] for i, d in self.done().items()},
             ring,
-            lambda owner, digest, sig: signed_payload(owner, rnd, epoch, digest, sig),
+            lambda owner, digest, sig, level: signed_payload(owner, rnd, epoch, digest, sig, level),
         )
         for i in found.false:
             self.lied(i, "false_accusation", "it reported an all-gather payload that its owner did not sign")

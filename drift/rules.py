@@ -269,32 +269,37 @@ class Equivocation:
 
 
 def equivocation(
-    heard: Mapping[str, Iterable[tuple[str, str, str]]], ring: list[str], signed: Callable[[str, str, str], bool]
+    heard: Mapping[str, Iterable[tuple[str, str, str, int]]],
+    ring: list[str],
+    signed: Callable[[str, str, str, int], bool],
 ) -> Equivocation:
-    """What the members' reports of one all-gather attempt prove. `heard`: reporter -> (owner,
-    sha256 of the payload it got from that owner, the owner's signature of it), per other ring
-    member; `signed(owner, digest, sig)`: whether that is the owner's signature of that digest for
-    this round and attempt (drift.gather.signed_payload). An owner of which two different digests
-    are reported, each signed, sent different payloads to different members: only it can sign in
-    its name, so no reporter can frame it. A report whose signature does not hold is made up by
-    its reporter (honest code reports only payloads whose signature it checked). Reports on
-    non-members or on the reporter itself are ignored; each distinct report is checked once."""
+    """What the members' reports of one all-gather attempt prove. `heard`: reporter -> (sender,
+    sha256 of the payload it got from that sender, the sender's signature of it, the level of
+    the hierarchy: 0 for the sender's own payload), per payload received; `signed(sender, digest,
+    sig, level)`: whether that is the sender's signature of that digest for this round, attempt
+    and level (drift.gather.signed_payload). A sender of which two different digests are
+    reported for one level, each signed, sent different payloads where it owed everyone the same
+    (its own, or its block's, which its block computes alike): only it can sign in its name, so
+    no reporter can frame it. A report whose signature does not hold is made up by its reporter
+    (honest code reports only payloads whose signature it checked). Reports on non-members or on
+    the reporter itself are ignored; each distinct report is checked once."""
     members = set(ring)
-    checked: dict[tuple[str, str, str], bool] = {}
-    digests: dict[str, set[str]] = {}
+    checked: dict[tuple[str, str, str, int], bool] = {}
+    digests: dict[tuple[str, int], set[str]] = {}
     false: set[str] = set()
     for i, reports in heard.items():
         for report in reports:
-            owner, digest, _ = report
-            if owner == i or owner not in members:
+            sender, digest, _, level = report
+            if sender == i or sender not in members:
                 continue
             if report not in checked:
                 checked[report] = signed(*report)
             if checked[report]:
-                digests.setdefault(owner, set()).add(digest)
+                digests.setdefault((sender, level), set()).add(digest)
             else:
                 false.add(i)
-    return Equivocation([j for j in ring if len(digests.get(j, ())) > 1], [i for i in ring if i in false])
+    twice = {j for (j, _), seen in digests.items() if len(seen) > 1}
+    return Equivocation([j for j in ring if j in twice], [i for i in ring if i in false])
 
 
 def kept(checksums: Mapping[str, str], ring: list[str]) -> str:

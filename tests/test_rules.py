@@ -319,15 +319,17 @@ def _keys(n: int) -> tuple[list[str], list[nacl.signing.SigningKey]]:
     return [bytes(k.verify_key).hex() for k in keys], keys
 
 
-def _heard(key: nacl.signing.SigningKey, payload: bytes, rnd: int = RND, epoch: int = EPOCH) -> tuple[str, str, str]:
-    """(owner, digest, sig) of a payload as its owner signs it (drift.gather.Gather.header)."""
+def _heard(
+    key: nacl.signing.SigningKey, payload: bytes, rnd: int = RND, epoch: int = EPOCH, level: int = 0
+) -> tuple[str, str, str, int]:
+    """(sender, digest, sig, level) of a payload as its sender signs it (drift.gather.Gather.header)."""
     owner, digest = bytes(key.verify_key).hex(), hashlib.sha256(payload).digest()
-    sig = key.sign(payload_message(owner, rnd, epoch, digest)).signature
-    return owner, digest.hex(), sig.hex()
+    sig = key.sign(payload_message(owner, rnd, epoch, digest, level)).signature
+    return owner, digest.hex(), sig.hex(), level
 
 
-def _signed(owner: str, digest: str, sig: str) -> bool:
-    return signed_payload(owner, RND, EPOCH, digest, sig)
+def _signed(owner: str, digest: str, sig: str, level: int) -> bool:
+    return signed_payload(owner, RND, EPOCH, digest, sig, level)
 
 
 def test_a_member_that_signed_two_payloads_is_proven_and_nobody_else() -> None:
@@ -349,16 +351,28 @@ def test_a_member_that_signed_two_payloads_is_proven_and_nobody_else() -> None:
     assert rules.equivocation(same, ring, _signed) == rules.Equivocation([], [])
 
 
+def test_in_a_hierarchy_a_sender_owes_one_payload_a_level_and_two_at_one_level_prove_it() -> None:
+    # drift/hierarchy.py: x sends its own payload at level 0 and its block's at level 1, each to
+    # several members; different payloads at different levels are what it owes, at one level not.
+    (x, a, b, c), (kx, *_) = _keys(4)
+    ring = [x, a, b, c]
+    own, block = _heard(kx, b"X"), _heard(kx, b"X's block", level=1)
+    assert rules.equivocation({a: [own], b: [block], c: [block]}, ring, _signed) == rules.Equivocation([], [])
+    other = _heard(kx, b"X's block, altered for c", level=1)
+    assert rules.equivocation({a: [own], b: [block], c: [other]}, ring, _signed).equivocators == [x]
+
+
 def test_a_report_its_owner_did_not_sign_is_a_false_accusation_not_proof() -> None:
     (x, a, b), (kx, ka, _) = _keys(3)
     ring = [x, a, b]
     honest = _heard(ka, b"A")
     lies = [
-        (a, hashlib.sha256(b"A, as b says").hexdigest(), honest[2]),  # a's signature, other bytes
+        (a, hashlib.sha256(b"A, as b says").hexdigest(), honest[2], 0),  # a's signature, other bytes
         _heard(ka, b"A before", rnd=RND - 1),  # a signed it, for the round before
         _heard(ka, b"A before", epoch=EPOCH - 1),  # ... or for the attempt before
+        (*_heard(ka, b"A's block", level=1)[:3], 0),  # ... or for another level of the hierarchy
         (a, *_heard(kx, b"A, as b says")[1:]),  # signed with another key
-        (a, "zz", "00"),  # garbage
+        (a, "zz", "00", 0),  # garbage
     ]
     for lie in lies:
         got = rules.equivocation({x: [honest], b: [lie, _heard(kx, b"X")]}, ring, _signed)
@@ -367,16 +381,16 @@ def test_a_report_its_owner_did_not_sign_is_a_false_accusation_not_proof() -> No
 
 def test_reports_on_oneself_or_a_non_member_are_ignored_and_each_report_is_checked_once() -> None:
     (x, a, b, stranger), (kx, ka, kb, ks) = _keys(4)
-    checks: list[tuple[str, str, str]] = []
+    checks: list[tuple[str, str, str, int]] = []
 
-    def counted(owner: str, digest: str, sig: str) -> bool:
-        checks.append((owner, digest, sig))
-        return _signed(owner, digest, sig)
+    def counted(owner: str, digest: str, sig: str, level: int) -> bool:
+        checks.append((owner, digest, sig, level))
+        return _signed(owner, digest, sig, level)
 
     ring = [x, a, b]
     one = _heard(kx, b"X")
     heard = {
-        a: [one, (a, "00" * 32, "00" * 64), _heard(ks, b"S"), (stranger, "00" * 32, "00" * 64)],
+        a: [one, (a, "00" * 32, "00" * 64, 0), _heard(ks, b"S"), (stranger, "00" * 32, "00" * 64, 0)],
         b: [one, _heard(kb, b"B, other"), _heard(ka, b"A")],
     }
     assert rules.equivocation(heard, ring, counted) == rules.Equivocation([], [])

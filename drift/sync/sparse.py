@@ -56,6 +56,7 @@ class SparseParams(Params):
     # 1, not 3: a liar under the outlier bound, clipped to 3 x, undid a 4-node run (BENCHMARKS.md)
     clip: float = Field(1.0, ge=1, description="each contribution's norm is clipped to clip x the round's median")
     outlier: float = Field(6.0, ge=1, description="a contribution over outlier x the median is reported")
+    fanout: int = Field(16, ge=2, le=256, description="above this many members, payloads gather in levels")
 
     @model_validator(mode="after")
     def _shape(self) -> SparseParams:
@@ -273,6 +274,32 @@ class SparseLoCo(SyncRule):
                 scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
                 self._update.append((payload, np.float32(m.weight * scale)))
         return Combined(outliers=bad + far)
+
+    def merge(self, result: list[bytes | None], ring: list[RingMember]) -> tuple[bytes, float, Combined]:
+        """One level of the hierarchy below its top (drift/hierarchy.py): the payload of the block
+        whose children's payloads are `result` (in order; `ring`: the children as members, each
+        weighing what its members weigh together), and the block's weight. The children are
+        combined as `combine` does; their sum over the block's weight W is encoded as one payload,
+        the same bytes on every member. What it does not carry, sum / W - decode(payload), joins
+        this node's error feedback when the round is applied: a member contributing w sends w x
+        that later, so the block's members together send all of it, as a member sends what its
+        own payload left out. Nothing is lost, only delayed."""
+        found = self.combine(result, ring)
+        weight = math.fsum(m.weight for m in ring)
+        update, self._update = self._update, []
+        if not update or weight == 0:
+            return b"", 0.0, found
+        total = np.zeros(self.layout.size, np.float32)
+        for payload, coef in update:
+            for flat, vals in self.codec.pieces(payload, coef):
+                total[flat] += vals
+        total /= np.float32(weight)
+        payload = self.codec.encode(total)
+        if self._ef_next is not None:
+            for flat, vals in self.codec.pieces(payload):
+                total[flat] -= vals
+            self._ef_next += total
+        return payload, weight, found
 
     def _steps(self, theta: np.ndarray):
         """θ after the step, a block of chunks at a time: (a, b, θ[a:b]'s step, lr x the update

@@ -154,15 +154,15 @@ elif kind == "tamper-forward":
 elif kind == "equivocate":
     misled: dict[int, str] = {}  # round -> the one peer that gets the other payload
 
-    @patch(Gather, "allgather")
-    async def _(orig, self, payload, members, round_, *args):
+    @patch(Gather, "exchange")
+    async def _(orig, self, payload, take, give, round_, *args):
         if round_ == at:
-            misled[round_] = max((m.node_id for m in members if m.node_id != self.node_id), default="")
-        return await orig(self, payload, members, round_, *args)
+            misled[round_] = max((m.node_id for m in give), default="")
+        return await orig(self, payload, take, give, round_, *args)
 
     @patch(Gather, "_send")
     async def _(orig, self, m, head, payload, count):
-        _, _, rnd, gen, _, _ = gather_header.unpack(head)
+        _, _, rnd, gen, *_ = gather_header.unpack(head)
         if payload and misled.get(rnd) == m.node_id:
             # halve the first chunk's two magnitudes: it still decodes, and moves θ well past a
             # rounding error (a flipped low mantissa bit often vanished in θ's float32 sum)

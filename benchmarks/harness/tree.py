@@ -1,0 +1,43 @@
+"""The sparse rule's hierarchy (drift/hierarchy.py) run in one process: every member's rule
+takes, level by level, the payloads its sources hold, as a swarm's nodes would receive them.
+For tests of the arithmetic and for benchmarks/diloco_sim.py's large swarms."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from drift import hierarchy
+from drift import protocol as P
+from drift.sync import Combined
+from drift.sync.sparse import SparseLoCo
+
+
+def node_id(i: int) -> str:
+    return f"{i:064x}"
+
+
+def hierarchical_round(
+    rules: list[SparseLoCo], deltas: list[np.ndarray], weights: list[float], fanout: int = hierarchy.FANOUT
+) -> list[Combined]:
+    """One round: member i contributes deltas[i] (its rule's buffer from then on) at weights[i];
+    then every level, each member merges (the last level: combines) the payloads of its parent's
+    children, taken from the members plan() names. What each member found at the top."""
+    n = len(rules)
+    held = [(rule.contribute(d, w), w) for rule, d, w in zip(rules, deltas, weights)]
+    levels = hierarchy.plan(n, fanout)
+    for depth, level in enumerate(levels):
+        top = depth == len(levels) - 1
+        found, nxt = [], []
+        for m in range(n):
+            sources = level.sources(m)
+            result = [held[src][0] for _, src in sources]
+            ring = [P.RingMember(node_id=node_id(src), ticket="t", weight=held[src][1]) for _, src in sources]
+            if top:
+                found.append(rules[m].combine(result, ring))
+            else:
+                payload, weight, _ = rules[m].merge(result, ring)
+                nxt.append((payload, weight))
+        if top:
+            return found
+        held = nxt
+    raise AssertionError("a plan always has a top level")

@@ -1,0 +1,97 @@
+"""Who sends which payload to whom in the sparse rule's hierarchy: the all-gather of a swarm too
+large for every member to send its payload to every other (issue 39).
+
+In a flat all-gather each member uploads N - 1 payloads and downloads N - 1, so its bytes grow
+with the swarm. Here the members (in ring order) form L levels of blocks. Level 0's blocks are
+the members themselves; each level joins runs of about g consecutive blocks of the level below
+(its *children*) into one block, until one block holds everyone. L = ceil(log_FANOUT N) and
+g = ceil(N ** (1 / L)): a swarm of at most FANOUT members is one level, the flat all-gather.
+
+At each level every member holds its own block's payload (at level 0 its own) and needs the
+payload of every sibling block (the other children of its parent). A member at position p of
+its block takes sibling b's payload from b's member at position p mod |b|, so each member
+downloads g - 1 payloads a level and uploads about as many (blocks' sizes differ little).
+With all of them it computes the parent's payload (drift.sync.sparse.SparseLoCo.merge: the
+same bytes on every member of the parent), and the last level's sum is the round's update.
+
+Per member and round: (g - 1) x L payloads each way, where the flat all-gather moves N - 1:
+15 at 16 members (flat), 14 at 64, 30 at 256, 27 at 1,000 (`transfers`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FANOUT = 16  # most blocks a parent joins; a swarm of at most this many all-gathers flat
+
+
+def shape(n: int, fanout: int = FANOUT) -> tuple[int, int]:
+    """(levels, children per parent) for n members: the fewest levels of at most `fanout`
+    children, and the children per parent that spreads n evenly over them."""
+    if n < 1 or fanout < 2:
+        raise ValueError(f"a hierarchy needs n >= 1 and fanout >= 2, got n={n}, fanout={fanout}")
+    levels = 1
+    while fanout**levels < n:
+        levels += 1
+    g = max(2, math.ceil(round(n ** (1 / levels), 9)))  # (round: 1000 ** (1/3) is 9.999999999999998)
+    return levels, g
+
+
+def _split(count: int, parts: int) -> list[int]:
+    """`count` consecutive items into `parts` runs whose lengths differ by at most one."""
+    q, r = divmod(count, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level: its parents, each the list of its children, each a range of member places."""
+
+    parents: list[list[range]]
+
+    def _place(self, m: int) -> tuple[list[range], range]:
+        parent = next(p for p in self.parents if p[0].start <= m < p[-1].stop)
+        return parent, next(c for c in parent if m in c)
+
+    def sources(self, m: int) -> list[tuple[int, int]]:
+        """(child's index in the parent, the member m takes its payload from) for each child of
+        m's parent, in order; m's own block's entry names m itself."""
+        parent, own = self._place(m)
+        pos = m - own.start
+        return [(k, m if c is own else c.start + pos % len(c)) for k, c in enumerate(parent)]
+
+    def targets(self, m: int) -> list[int]:
+        """The members that take m's block's payload from m."""
+        parent, own = self._place(m)
+        pos = m - own.start
+        return [t for c in parent if c is not own for t in c if (t - c.start) % len(own) == pos]
+
+    def children(self, m: int) -> list[range]:
+        """The blocks m's parent joins, in order (m's own among them)."""
+        return self._place(m)[0]
+
+
+def plan(n: int, fanout: int = FANOUT) -> list[Level]:
+    """The levels of a swarm of n members, bottom up; the last has one parent, everyone."""
+    levels, g = shape(n, fanout)
+    blocks = [range(i, i + 1) for i in range(n)]
+    out = []
+    for _ in range(levels):
+        parents, i = [], 0
+        for size in _split(len(blocks), -(-len(blocks) // g)):
+            parents.append(blocks[i : i + size])
+            i += size
+        out.append(Level(parents))
+        blocks = [range(p[0].start, p[-1].stop) for p in parents]
+    return out
+
+
+def transfers(n: int, fanout: int = FANOUT) -> tuple[int, int]:
+    """(most payloads any member uploads, most it downloads) in one round."""
+    up, down = [0] * n, [0] * n
+    for level in plan(n, fanout):
+        for m in range(n):
+            up[m] += len(level.targets(m))
+            down[m] += len(level.sources(m)) - 1
+    return max(up), max(down)

@@ -1,0 +1,155 @@
+"""The sparse rule's hierarchy (drift/hierarchy.py, SparseLoCo.merge), in milliseconds: every
+member receives each sibling block's payload exactly once a level, its bytes stay bounded as the
+swarm grows, and the round's update is the flat all-gather's less what stayed in the members'
+error feedback, the same bits on every member."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from conftest import run_async
+
+from drift import hierarchy
+from drift import protocol as P
+from drift.diloco import ParamLayout, checksum
+from drift.gather import Gather, signed_payload
+from drift.recipe import Recipe
+from drift.sync import make_rule
+from drift.transport import GATHER_ALPN, Endpoint
+from harness.tree import hierarchical_round
+
+LAYOUT = ParamLayout(("w",), ((12_000,),))
+SPARSE = Recipe.model_validate(
+    {
+        "name": "x",
+        "task": "t.py",
+        "rounds": 1,
+        "inner_steps": 1,
+        "batch_size": 1,
+        "sync": "sparse",
+        "sync_params": {"chunk": 1024, "k": 16, "clip": 1e6, "outlier": 1e6},  # no clip: the sum is exact
+    }
+)
+
+
+@pytest.mark.parametrize("n", [*range(1, 40), 64, 100, 255, 256, 257, 1000])
+def test_each_member_receives_every_sibling_blocks_payload_once_from_a_member_of_it(n: int) -> None:
+    levels = hierarchy.plan(n, fanout=8 if n < 40 else hierarchy.FANOUT)
+    assert len(levels[-1].parents) == 1 and levels[-1].parents[0][0].start == 0  # the top holds everyone
+    assert levels[-1].parents[0][-1].stop == n
+    for level in levels:
+        for m in range(n):
+            children = level.children(m)
+            sources = level.sources(m)
+            assert [k for k, _ in sources] == list(range(len(children)))
+            for (_, src), child in zip(sources, children):
+                assert src in child  # every member of a block holds its payload
+                assert src == m or m in level.targets(src)  # ... and the one named sends it to m
+            assert sum(m in c for c in children) == 1
+
+
+def test_per_member_bytes_at_a_thousand_are_within_twice_those_at_sixteen() -> None:
+    up16, down16 = hierarchy.transfers(16)
+    assert (up16, down16) == (15, 15)  # at most FANOUT members: the flat all-gather
+    for n in (64, 256, 1000):
+        up, down = hierarchy.transfers(n)
+        assert up <= 2 * up16 and down <= 2 * down16, (n, up, down)
+    assert hierarchy.transfers(1000) == (27, 27)  # 3 levels of 10, where flat moves 999 each way
+
+
+def _deltas(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    common = rng.normal(0, 1e-3, LAYOUT.size).astype(np.float32)  # members' Δs overlap, as in training
+    return [common + rng.normal(0, 1e-3, LAYOUT.size).astype(np.float32) for _ in range(n)]
+
+
+def test_the_hierarchys_update_is_the_flat_one_less_what_stays_in_error_feedback() -> None:
+    n, fanout = 12, 4  # 2 levels: 3 blocks of 4, then the 3 blocks
+    assert hierarchy.shape(n, fanout) == (2, 4)
+    weights = list(np.random.default_rng(3).dirichlet(np.ones(n)))
+    deltas = _deltas(n, 1)
+
+    flat = [make_rule(LAYOUT, SPARSE) for _ in range(n)]
+    hier = [make_rule(LAYOUT, SPARSE) for _ in range(n)]
+    hierarchical_round(flat, [d.copy() for d in deltas], weights, fanout=n)  # one level: flat
+    found = hierarchical_round(hier, [d.copy() for d in deltas], weights, fanout=fanout)
+    assert all(f.outliers == [] for f in found)
+
+    theta0 = np.zeros(LAYOUT.size, np.float32)  # (θ of 0: the update itself, no rounding of θ + it)
+    previews = {rule.preview(theta0) for rule in hier}
+    assert len(previews) == 1  # every member lands on the same θ
+    thetas = []
+    for rules in (flat, hier):
+        theta = theta0.copy()
+        for i, rule in enumerate(rules):
+            rule.apply(theta if i == 0 else theta0.copy())
+        thetas.append(theta)
+    assert checksum(thetas[1]) == previews.pop()
+    lr = np.float32(flat[0].params.lr)
+    update_flat, update_hier = ((theta0 - t) / lr for t in thetas)
+    kept = sum(np.float64(w) * (h.ef - f.ef) for w, h, f in zip(weights, hier, flat))  # the merges' residuals
+    assert np.linalg.norm(update_hier - update_flat) > 0.1 * np.linalg.norm(update_flat)  # re-encoding loses much...
+    np.testing.assert_allclose(update_hier + kept, update_flat, atol=1e-5 * np.abs(update_flat).max())  # ... all kept
+
+
+def test_the_members_of_a_block_agree_on_its_payload_and_a_zero_weight_member_keeps_nothing() -> None:
+    n = 6
+    weights = [0.2, 0.2, 0.0, 0.2, 0.2, 0.2]  # member 2 sat the round out
+    rules = [make_rule(LAYOUT, SPARSE) for _ in range(n)]
+    hierarchical_round(rules, _deltas(n, 2), weights, fanout=3)  # 2 blocks of 3
+    theta = np.zeros(LAYOUT.size, np.float32)
+    assert len({r.preview(theta) for r in rules}) == 1
+    for r in rules:
+        r.apply(np.zeros(LAYOUT.size, np.float32))
+    assert rules[2].ef is None  # it sent nothing and keeps nothing for the others
+    assert all(np.abs(r.ef).sum() > 0 for i, r in enumerate(rules) if i != 2)
+
+
+def test_real_endpoints_gather_level_by_level_and_land_on_the_in_process_result() -> None:
+    # 7 members, fanout 3: blocks of 3, 2 and 2 gather inside, then the three blocks' payloads
+    # meet. Every node ends on the same θ, the one benchmarks/harness/tree.py computes, and
+    # reports what it heard at each level, signed for that level.
+    n, fanout = 7, 3
+    weights = [0.1, 0.2, 0.1, 0.15, 0.15, 0.2, 0.1]
+    deltas = _deltas(n, 5)
+    params = {**SPARSE.sync_params, "fanout": fanout}
+    recipe = SPARSE.model_copy(update={"sync_params": params})
+
+    async def main():
+        eps = [await Endpoint.bind("local") for _ in range(n)]
+        gathers = [Gather(ep, timeout=10.0) for ep in eps]
+        serving = [asyncio.ensure_future(ep.serve({GATHER_ALPN: g.handle_incoming})) for ep, g in zip(eps, gathers)]
+        ring = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=w) for ep, w in zip(eps, weights)]
+        rules = [make_rule(LAYOUT, recipe) for _ in range(n)]
+        mine = [rule.contribute(d.copy(), w) for rule, d, w in zip(rules, deltas, weights)]
+        try:
+            got = await asyncio.gather(
+                *(
+                    g.tree(p, ring, 3, rules[0].payload_nbytes, 1, 5.0, fanout, r.merge)
+                    for g, p, r in zip(gathers, mine, rules)
+                )
+            )
+            return rules, got
+        finally:
+            for s in serving:
+                s.cancel()
+            for ep in eps:
+                await ep.close()
+
+    rules, got = run_async(main(), 60)
+    theta = np.zeros(LAYOUT.size, np.float32)
+    previews = set()
+    for rule, (result, members, stats, outliers) in zip(rules, got):
+        assert len(result) == 3 and outliers == []  # the top joins three blocks
+        assert rule.combine(result, members).outliers == []
+        previews.add(rule.preview(theta))
+        assert sorted({h.level for h in stats.heard}) == [0, 1]
+        for h in stats.heard:
+            assert signed_payload(h.owner, 3, 1, h.digest, h.sig, h.level)
+            assert not signed_payload(h.owner, 3, 1, h.digest, h.sig, 1 - h.level)
+    assert len(previews) == 1
+    local = [make_rule(LAYOUT, recipe) for _ in range(n)]
+    hierarchical_round(local, [d.copy() for d in deltas], weights, fanout)
+    assert {r.preview(theta) for r in local} == previews
