@@ -71,6 +71,10 @@ class Level:
         """The blocks m's parent joins, in order (m's own among them)."""
         return self._place(m)[0]
 
+    def block(self, m: int) -> range:
+        """m's own block: the child of its parent that holds it (whose payload m sends)."""
+        return self._place(m)[1]
+
 
 def plan(n: int, fanout: int = FANOUT) -> list[Level]:
     """The levels of a swarm of n members, bottom up; the last has one parent, everyone."""

@@ -31,18 +31,20 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from drift import hierarchy, rules
 from drift import protocol as P
-from drift import rules
 from drift.gather import signed_payload
 from drift.recipe import Recipe
 from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer
+from drift.sync import rule_class
 
 MAX_RING_RETRIES = 5
 FORGED = "it forwarded ring bytes that their owner did not sign (proven by its own signature)"
 EQUIVOCATED = "it sent different payloads to different members of one all-gather (proven by its own signatures)"
+FALSE_SUM = "it sent a block payload other than its block computed (proven by its signature and two of its block's)"
 
 
 class RoundError(Exception):
@@ -1172,21 +1174,31 @@ class Round:
         one the equivocator signed), and each has applied its own, so the round cannot be redone
         (a member that applied an attempt sits the retry out): the θ most of them hold is kept
         (rules.kept) and those holding another are behind, not diverged: no strike, their Δ
-        counts (it is in the kept θ), θ comes with Agreed. A member that reports a payload its
-        owner did not sign made it up: a strike, as for any false accusation."""
+        counts (it is in the kept θ), θ comes with Agreed. A member proven to have sent a false
+        block payload in the hierarchy (drift/hierarchy.py) is out the same way, and those it
+        misled are behind. A member that reports a payload its owner did not sign made it up: a
+        strike, as for any false accusation."""
         rnd, epoch, ring = self.rnd, self.attempt, [m.node_id for m in self.ring]
+        fanout = getattr(rule_class(self.r).Params.model_validate(self.r.sync_params), "fanout", 0)
+        levels = hierarchy.plan(len(ring), fanout) if fanout and ring else []
+        place = {j: k for k, j in enumerate(ring)}
         found = rules.equivocation(
             {i: [(h.owner, h.digest, h.sig, h.level) for h in d.heard] for i, d in self.done().items()},
             ring,
             lambda owner, digest, sig, level: signed_payload(owner, rnd, epoch, digest, sig, level),
+            lambda j, level: levels[level].block(place[j]).start if level < len(levels) else j,
         )
         for i in found.false:
             self.lied(i, "false_accusation", "it reported an all-gather payload that its owner did not sign")
-        if not found.equivocators:
+        if not found.equivocators and not found.false_sums:
             return
         for x in found.equivocators:
             self.warn(f"round {rnd}: node {self.name(x)}: {EQUIVOCATED}")
             self.convict(x, "equivocated", EQUIVOCATED, sit_out=False)
+            self.fell_behind(x)
+        for x in found.false_sums:
+            self.warn(f"round {rnd}: node {self.name(x)}: {FALSE_SUM}")
+            self.convict(x, "false_sum", FALSE_SUM, sit_out=False)
             self.fell_behind(x)
         rest = {i: d.checksum for i, d in self.done().items()}
         if not rest:

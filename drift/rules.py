@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Set
+from collections.abc import Callable, Hashable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -266,12 +266,15 @@ def minority(checksums: Mapping[str, str]) -> list[str]:
 class Equivocation:
     equivocators: list[str]  # members proven to have signed two different payloads (ring order)
     false: list[str]  # members that reported a payload its owner did not sign (ring order)
+    false_sums: list[str] = field(default_factory=list)  # members proven to have signed a false
+    # block payload of the hierarchy (ring order)
 
 
 def equivocation(
     heard: Mapping[str, Iterable[tuple[str, str, str, int]]],
     ring: list[str],
     signed: Callable[[str, str, str, int], bool],
+    block: Callable[[str, int], Hashable] = lambda sender, level: sender,
 ) -> Equivocation:
     """What the members' reports of one all-gather attempt prove. `heard`: reporter -> (sender,
     sha256 of the payload it got from that sender, the sender's signature of it, the level of
@@ -282,10 +285,19 @@ def equivocation(
     (its own, or its block's, which its block computes alike): only it can sign in its name, so
     no reporter can frame it. A report whose signature does not hold is made up by its reporter
     (honest code reports only payloads whose signature it checked). Reports on non-members or on
-    the reporter itself are ignored; each distinct report is checked once."""
+    the reporter itself are ignored; each distinct report is checked once.
+    Above level 0 a sender sends its block's payload (`block(sender, level)`: which block), which
+    every member of the block computes alike from what it received below (SparseLoCo.merge): a
+    member that signed another digest than two or more of its block did, and more than signed
+    any other, summed falsely, by their signatures and its own (drift/hierarchy.py counts on
+    blocks of several members: liars that outnumber their block could frame one). Levels are
+    judged bottom up, and a member that received a payload proven false, or of an equivocator,
+    or of a block whose members disagree with no majority, computed its own block's payload
+    from it honestly: it is misled, not judged, at the levels above."""
     members = set(ring)
     checked: dict[tuple[str, str, str, int], bool] = {}
     digests: dict[tuple[str, int], set[str]] = {}
+    got: list[tuple[str, str, int, str]] = []  # (reporter, sender, level, digest): the signed reports
     false: set[str] = set()
     for i, reports in heard.items():
         for report in reports:
@@ -296,10 +308,31 @@ def equivocation(
                 checked[report] = signed(*report)
             if checked[report]:
                 digests.setdefault((sender, level), set()).add(digest)
+                got.append((i, sender, level, digest))
             else:
                 false.add(i)
     twice = {j for (j, _), seen in digests.items() if len(seen) > 1}
-    return Equivocation([j for j in ring if j in twice], [i for i in ring if i in false])
+    wrong: set[str] = set()  # proven to have summed falsely
+    misled: set[str] = set()  # received a payload proven bad (or disputed) below
+    for level in sorted({lv for _, lv in digests}):
+        said: dict[Hashable, dict[str, str]] = {}  # block -> sender -> the digest it signed
+        for (j, lv), seen in digests.items():
+            if lv == level and j not in twice and j not in misled:
+                said.setdefault(block(j, level), {})[j] = next(iter(seen))
+        right: dict[Hashable, str] = {}  # block -> its payload's digest, where proven
+        for b, claims in said.items():
+            (top, n), *rest = Counter(claims.values()).most_common()
+            if level > 0 and n >= 2 and all(m < n for _, m in rest):
+                right[b] = top
+                wrong |= {j for j, d in claims.items() if d != top}
+        disputed = {b for b, claims in said.items() if b not in right and len(set(claims.values())) > 1}
+        for i, j, lv, d in got:
+            b = block(j, level) if lv == level else None
+            if lv == level and (j in twice or j in wrong or b in disputed or right.get(b, d) != d):
+                misled.add(i)
+    return Equivocation(
+        [j for j in ring if j in twice], [i for i in ring if i in false], [j for j in ring if j in wrong]
+    )
 
 
 def kept(checksums: Mapping[str, str], ring: list[str]) -> str:

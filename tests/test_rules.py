@@ -362,6 +362,38 @@ def test_in_a_hierarchy_a_sender_owes_one_payload_a_level_and_two_at_one_level_p
     assert rules.equivocation({a: [own], b: [block], c: [other]}, ring, _signed).equivocators == [x]
 
 
+def test_a_false_block_payload_is_proven_by_its_block_and_those_it_misled_are_not_blamed() -> None:
+    # Two levels above the members' own payloads: blocks {a, b, x} and {c, d, e} gather inside
+    # (level 1 sends each block's payload to the other), then the two halves of a larger swarm
+    # (level 2: {a, b, x, c, d, e} against others, here only what its members signed). x sends
+    # c a false level-1 payload of its block; c computes its level-2 payload from it honestly.
+    (a, b, x, c, d, e), keys = _keys(6)
+    ka, kb, kx, kc, kd, ke = keys
+    ring = [a, b, x, c, d, e]
+    block = {**dict.fromkeys([a, b, x], "abx"), **dict.fromkeys([c, d, e], "cde")}
+
+    def blocks(j: str, level: int) -> str:
+        return j if level == 0 else block[j] if level == 1 else "all"
+
+    ab_x, false_ab_x, cde = _heard(ka, b"ABX", level=1), _heard(kx, b"ABX, false", level=1), b"CDE"
+    heard = {
+        c: [
+            false_ab_x,
+            _heard(kc, b"ALL, from the false one", level=2),
+        ],  # c was misled (its own level-2 claim: others hear it)
+        d: [ab_x, _heard(kd, b"ALL", level=2)],
+        e: [_heard(kb, b"ABX", level=1), _heard(ke, b"ALL", level=2)],
+        a: [_heard(kc, cde, level=1), _heard(kx, b"ALL", level=2)],
+        b: [_heard(kd, cde, level=1), _heard(kc, b"ALL, from the false one", level=2)],
+        x: [_heard(ke, cde, level=1), _heard(ka, b"ALL", level=2)],
+    }
+    got = rules.equivocation(heard, ring, _signed, blocks)
+    assert got == rules.Equivocation([], [], [x])  # a and b signed ABX: x's other digest is false; c is not blamed
+    # without a second witness in x's block nobody is proven, and c's claim above is not judged either
+    alone = {i: [r for r in reports if r[0] != b] for i, reports in heard.items()}
+    assert rules.equivocation(alone, ring, _signed, blocks) == rules.Equivocation([], [], [])
+
+
 def test_a_report_its_owner_did_not_sign_is_a_false_accusation_not_proof() -> None:
     (x, a, b), (kx, ka, _) = _keys(3)
     ring = [x, a, b]

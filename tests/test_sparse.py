@@ -21,6 +21,7 @@ from drift.diloco import ParamLayout
 from drift.protocol import RingMember
 from drift.recipe import Recipe
 from drift.sync import make_rule
+from drift.sync.sparse import Codec
 from harness.simulate import Swarm
 
 SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "sync_params": {"chunk": 1024, "k": 64}}
@@ -147,6 +148,40 @@ def test_a_node_that_reports_payloads_their_owners_did_not_sign_is_struck_not_be
     left = [e for e in events if e["event"] == "node_left"]
     assert [(e["name"], e["round"]) for e in left] == [("bad", 2)] and "again" in left[0]["reason"], left
     _honest_untouched(events)
+
+
+@pytest.mark.swarm
+def test_above_its_fanout_a_swarm_gathers_in_levels_and_a_false_block_payload_is_proven(tmp_path: Path) -> None:
+    # 6 nodes, fanout 3 (drift/hierarchy.py): two blocks of 3 all-gather inside, then each member
+    # sends its block's payload to one member of the other block. A node uploads 3 payloads a
+    # round where the flat all-gather takes 5. In round 1 `bad` sends the other block a false
+    # block payload, signed as its own: its two block-mates signed the true one, which proves it;
+    # the member it misled ends the round with another θ and gets the kept one, no strike.
+    sim = {**SIM, "sync_params": {**SIM["sync_params"], "fanout": 3}}
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=6, rounds=3, unit_deadline_factor=50.0, **sim)
+    swarm = Swarm(recipe, tmp_path)
+    bad = swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "false-sum:1"})
+    good = [swarm.join("0.02", name=f"good{i}") for i in range(5)]
+    assert swarm.finish(leave=[bad, *good]) == 0, swarm.log()
+    assert swarm.node_exits()[1:] == [0] * 5, swarm.node_logs()
+    events = swarm.events()
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 3
+    check_exactly_once(events, 2 * BATCH)
+    found = [(e["name"], e["round"], e["reason"]) for e in events if e["event"] == "poisoner"]
+    assert found == [("bad", 1, "false_sum")], found
+    split = [(e["name"], e["round"]) for e in events if e["event"] == "split"]
+    assert len(split) == 1 and split[0][0].startswith("good") and split[0][1] == 1, split
+    _honest_untouched(events)
+    assert "bad" not in rounds[2]["nodes"] or rounds[2]["nodes"]["bad"]["weight"] == 0  # out for the run
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert rounds[-1]["val_loss"] is None or rounds[-1]["val_loss"] < initial
+    n = sum(
+        v.size for v in load_file(str(swarm.run_dir / "checkpoints" / "round-000002" / "theta.safetensors")).values()
+    )
+    payload = Codec(n, 1024, 64).nbytes
+    sent = [node["bytes_sent"] for r in rounds for node in r["nodes"].values()]
+    assert max(sent) < 4 * payload < 5 * payload, (sent, payload)  # 3 payloads and their headers, not 5
 
 
 def _bits_gradient(rng: np.random.Generator, n: int, i: int) -> np.ndarray:

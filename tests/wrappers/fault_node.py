@@ -15,6 +15,9 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   equivocate           (sync: sparse) in that round's all-gather, send one peer (the one of the
                        largest id) a payload altered in its values, signed as its own, and the
                        others the real one: before, that peer alone ended with another θ
+  false-sum            (sync: sparse, above the rule's fanout) in that round, send the block payload it
+                       owes at every level above its own (drift/hierarchy.py) altered in its values,
+                       alike to every member it sends it to, signed as its own for that level
   false-heard          (sync: sparse) from that round on, report in RoundDone.heard what the others
                        sent the round before (their real signatures, of another round)
   blip-in-allreduce    the ring connections break at the first chunk of that round's first
@@ -169,6 +172,16 @@ elif kind == "equivocate":
             scales = np.frombuffer(payload, "<f4", count=2) / np.float32(2)
             payload = scales.tobytes() + payload[8:]
             head = self.header(rnd, gen, payload)  # signed with its own key, as an honest payload is
+        await orig(self, m, head, payload, count)
+elif kind == "false-sum":
+
+    @patch(Gather, "_send")
+    async def _(orig, self, m, head, payload, count):
+        _, _, rnd, gen, *_, level = gather_header.unpack(head)
+        if payload and rnd == at and level >= 1:
+            scales = np.frombuffer(payload, "<f4", count=2) / np.float32(2)  # (as equivocate's)
+            payload = scales.tobytes() + payload[8:]
+            head = self.header(rnd, gen, payload, level)
         await orig(self, m, head, payload, count)
 elif kind == "false-heard":
     heard_before: list[list[P.Heard]] = [[]]
