@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 from conftest import check_exactly_once
 
+from drift import hierarchy
+from drift.gather import _HEADER as GATHER_HEADER
 from drift.monitor import JOIN_LINES
+from drift.sync.sparse import Codec
 from drift.transport import Throttle
 from harness.light import LIGHT_SIZE, LightSwarm, light_theta, theta0
 
@@ -64,3 +67,23 @@ def test_256_lightweight_nodes_join_train_and_agree_on_theta(tmp_path: Path) -> 
     assert len(named) <= JOIN_LINES + math.ceil(math.log2(N)), named
     minutes = math.ceil(max(e["t"] for e in events) / 60) + 1
     assert len(lines) <= 40 + len(named) + Throttle(print).burst * minutes, "\n".join(lines)
+
+
+def test_64_lightweight_nodes_gather_the_sparse_rule_in_levels_of_bounded_bytes(tmp_path: Path) -> None:
+    # sync: sparse above its fanout (16): 8 blocks of 8 (drift/hierarchy.py). Every node holds the
+    # same θ after each round, and uploads 14 payloads a round where the flat all-gather takes 63.
+    n, params = 64, {"chunk": 64, "k": 8, "fanout": 16}
+    s = LightSwarm(tmp_path, n, processes=2, rounds=2, sync="sparse", sync_params=params)
+    rc, light = s.finish(timeout=200)
+    events = s.events()
+    assert rc == 0 and light == [0, 0], s.logs()
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 2 and all(r["abandoned"] is None and len(r["nodes"]) == n for r in rounds)
+    nodes = s.nodes()
+    assert {v["checksum"] for v in nodes.values()} == {rounds[-1]["checksum"]}
+    assert np.abs(s.theta() - theta0(LIGHT_SIZE)).max() > 0  # θ moved
+    # a transfer: the gather header (with its 4-byte frame length), then the payload in one frame
+    each = GATHER_HEADER.size + 4 + Codec(LIGHT_SIZE, params["chunk"], params["k"]).nbytes + 4
+    assert hierarchy.transfers(n, params["fanout"]) == (14, 14)
+    sent = [node["bytes_sent"] for r in rounds for node in r["nodes"].values()]
+    assert max(sent) == 14 * each, (sorted(sent), each)
