@@ -1,0 +1,75 @@
+"""Per-node bytes a round, and the sync time a link model gives, by swarm size and collective
+(issue 39): the int8 ring, the sparse rule's flat all-gather, and its hierarchy (drift/hierarchy.py).
+
+    python3 benchmarks/bench_collectives.py
+    python3 benchmarks/bench_collectives.py --params 415232 1e9 7e9 --nodes 4 16 64 256 1000 --up-mbit 20 --down-mbit 100 --rtt-ms 40
+
+Bytes are counted from the code, not estimated: int8's encoded size (drift.compress) times the
+ring's 2(N-1)/N segments a node sends (and receives); a sparse payload's size (drift.sync.sparse.Codec at
+the rule's defaults, or --chunk/--k) times the payloads the busiest node uploads and downloads
+(N - 1 flat; hierarchy.transfers). tests/test_thousand.py checks the hierarchy's count against a
+real 64-node swarm's bytes; frame headers (94 bytes a transfer) are left out here.
+
+Sync time is a model, not a measurement: each step of a collective takes the longer of its upload
+at --up-mbit and its download at --down-mbit, plus half an RTT; the ring runs 2(N-1) such steps of
+one segment each, the flat all-gather one step of N-1 payloads, the hierarchy one step a level.
+It is not yet calibrated against emulated home links (issue 39, item 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from drift import hierarchy
+from drift.compress import make_codec
+from drift.sync.sparse import Codec, SparseParams
+
+
+def rows(n_params: int, nodes: list[int], chunk: int, k: int, up: float, down: float, rtt: float):
+    """(N, collective, bytes up, bytes down, seconds) per swarm size and collective."""
+    seg = make_codec("int8").encoded_nbytes(n_params)
+    payload = Codec(n_params, chunk, k).nbytes
+    for n in nodes:
+        ring = int(2 * (n - 1) / n * seg)
+        ring_s = 2 * (n - 1) * (max(seg / n / up, seg / n / down) + rtt / 2) if n > 1 else 0.0
+        yield n, "int8 ring", ring, ring, ring_s
+        flat = (n - 1) * payload
+        yield n, "sparse, flat all-gather", flat, flat, max(flat / up, flat / down) + rtt / 2
+        t, (most_up, most_down) = 0.0, hierarchy.transfers(n)
+        for level in hierarchy.plan(n):
+            u = max(len(level.targets(m)) for m in range(n)) * payload
+            d = max(len(level.sources(m)) - 1 for m in range(n)) * payload
+            t += max(u / up, d / down) + rtt / 2
+        yield n, f"sparse, hierarchy (fanout {hierarchy.FANOUT})", most_up * payload, most_down * payload, t
+
+
+def human(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024 or unit == "GiB":
+            return f"{b:,.1f} {unit}" if unit != "B" else f"{b:,.0f} B"
+        b /= 1024
+    return ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, nargs="+", default=[415232, 1e9, 7e9])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64, 256, 1000])
+    ap.add_argument("--chunk", type=int, default=SparseParams().chunk)
+    ap.add_argument("--k", type=int, default=SparseParams().k)
+    ap.add_argument("--up-mbit", type=float, default=20.0)
+    ap.add_argument("--down-mbit", type=float, default=100.0)
+    ap.add_argument("--rtt-ms", type=float, default=40.0)
+    a = ap.parse_args()
+    up, down, rtt = a.up_mbit * 1e6 / 8, a.down_mbit * 1e6 / 8, a.rtt_ms / 1e3
+    for p in a.params:
+        n_params = int(p)
+        print(f"\nθ of {n_params:,} values; sparse {a.k} of {a.chunk}; {a.up_mbit:g}/{a.down_mbit:g} Mbit, RTT {a.rtt_ms:g} ms")
+        print("| N | collective | per node up a round | down | sync time (model) |")
+        print("|---|---|---|---|---|")
+        for n, name, bu, bd, s in rows(n_params, a.nodes, a.chunk, a.k, up, down, rtt):
+            print(f"| {n} | {name} | {human(bu)} | {human(bd)} | {s:,.2f} s |")
+
+
+if __name__ == "__main__":
+    main()
