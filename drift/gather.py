@@ -195,7 +195,7 @@ class Gather:
             if depth == len(levels) - 1:
                 total.seconds = time.perf_counter() - t0
                 return result, children, total, outliers
-            payload, _, found = merge(result, children)
+            payload, _, found = await asyncio.to_thread(merge, result, children)  # (θ-sized: off the loop)
             outliers += found.outliers
         raise AssertionError("a plan always has a top level")
 
