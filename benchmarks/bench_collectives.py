@@ -64,7 +64,9 @@ def main() -> None:
     up, down, rtt = a.up_mbit * 1e6 / 8, a.down_mbit * 1e6 / 8, a.rtt_ms / 1e3
     for p in a.params:
         n_params = int(p)
-        print(f"\nθ of {n_params:,} values; sparse {a.k} of {a.chunk}; {a.up_mbit:g}/{a.down_mbit:g} Mbit, RTT {a.rtt_ms:g} ms")
+        print(
+            f"\nθ of {n_params:,} values; sparse {a.k} of {a.chunk}; {a.up_mbit:g}/{a.down_mbit:g} Mbit, RTT {a.rtt_ms:g} ms"
+        )
         print("| N | collective | per node up a round | down | sync time (model) |")
         print("|---|---|---|---|---|")
         for n, name, bu, bd, s in rows(n_params, a.nodes, a.chunk, a.k, up, down, rtt):
