@@ -132,7 +132,7 @@ class Gather:
         async with self._arrived:
             old = self._incoming.pop(peer, None)
             if old is not None:
-                old[4].close("replaced by a newer connection")
+                old[-1].close("replaced by a newer connection")
             self._incoming[peer] = (rnd, gen, level, size, sig, ch)
             self._arrived.notify_all()
 
@@ -187,7 +187,10 @@ class Gather:
                 for (_, src), child in zip(sources, level.children(me))
             ]
             give = [ring[t] for t in level.targets(me)]
-            result, stats = await self.exchange(payload, children, give, round_, nbytes, generation, slack_s, depth)
+            try:
+                result, stats = await self.exchange(payload, children, give, round_, nbytes, generation, slack_s, depth)
+            except RingError as e:
+                raise RingError(f"level {depth}: {e}", suspect=e.suspect, level=depth) from None
             total.bytes_sent += stats.bytes_sent
             total.bytes_received += stats.bytes_received
             total.check_seconds += stats.check_seconds

@@ -932,6 +932,7 @@ class Session:
                     reason=str(error)[:500],
                     suspect=error.suspect,
                     proof=error.proof,
+                    level=error.level,
                 )
             )
             return

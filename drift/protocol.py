@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask;
-# 4: Heard.level (the sparse rule's hierarchy)
+# 4: Heard.level, RingFailed.level (the sparse rule's hierarchy)
 SCHEMA_VERSION = 4
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
@@ -448,6 +448,7 @@ class RingFailed(_Msg):
     sit_out: bool = False  # this node already applied this round's outer step: it cannot redo it
     poisoned: bool = False  # the ring finished, but its sum is larger than the reported norms allow
     proof: Forgery | None = None  # the suspect forwarded bytes their owner did not sign (drift.ring)
+    level: Annotated[int, Field(ge=0, le=16)] = 0  # of the hierarchy, where it failed (drift/hierarchy.py)
 
 
 class RoundDone(_Msg):

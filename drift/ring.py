@@ -124,10 +124,11 @@ class RingError(Exception):
     is the neighbour whose bytes or connection failed, when that is known (not when it only
     passed on another node's failure); `proof`, when the suspect signed bytes its owner did not."""
 
-    def __init__(self, msg: str, suspect: str = "", proof: Forgery | None = None):
+    def __init__(self, msg: str, suspect: str = "", proof: Forgery | None = None, level: int = 0):
         super().__init__(msg)
         self.suspect = suspect
         self.proof = proof
+        self.level = level  # of the sparse rule's hierarchy (drift/hierarchy.py) where it failed
 
 
 def owner_message(owner: str, round_: int, generation: int, seg: int, lo: int, hi: int, total: int, digest: bytes):

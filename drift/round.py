@@ -397,7 +397,10 @@ class Round:
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
         self.failed: set[str] = set()  # members that reported this attempt failed (RingFailed)
-        self.suspects: dict[str, set[str]] = {}  # ring member -> the neighbours that caught it sending bad bytes
+        # (attempt, suspect, accuser, level): who named whom for bad bytes or silence, at which level
+        # of the hierarchy (drift/hierarchy.py; 0 for a ring), and at which level each reporter failed
+        self.accusations: list[tuple[int, str, str, int]] = []
+        self.failed_at: dict[tuple[int, str], tuple[int, str]] = {}
         self.forgers: set[str] = set()  # ring members proven to forward bytes their owner did not sign
         self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
         # A ring of two (BarrierReady.confirm): its members announce θ before applying the step.
@@ -669,6 +672,7 @@ class Round:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.ring_epoch():
             return
         self.failed.add(i)
+        self.failed_at.setdefault((self.attempt, i), (msg.level, msg.suspect))
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
             if i in self.applied_before:  # ... and its own RoundDone of that attempt says so
                 self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
@@ -685,12 +689,17 @@ class Round:
             why = "it accused a ring neighbour with proof that does not hold"
             self.lied(i, "false_accusation", why, accused=msg.suspect)
         elif msg.suspect in self.part() and msg.suspect != i:
-            self.suspects.setdefault(msg.suspect, set()).add(i)
+            self.accusations.append((self.attempt, msg.suspect, i, msg.level))
             if msg.proof is not None:
                 self.forgers.add(msg.suspect)
         if self.ring_failed_at is None:
             self.warn(f"round {self.rnd}: {self.name(i)} reports the all-reduce failed: {msg.reason}")
             self.ring_failed_at = self.now
+
+    def suspects(self) -> dict[str, set[str]]:
+        """Ring member -> the members that named it (rules.accused: not those its own failure
+        below explains)."""
+        return rules.accused(self.accusations, self.failed_at)
 
     def proven(self, i: str, msg: P.RingFailed) -> bool:
         """Whether msg.proof shows that msg.suspect forwarded, in this attempt's ring, bytes of a
@@ -882,7 +891,7 @@ class Round:
                 part,
                 set(done),
                 self.failed,
-                set(rules.caught(self.suspects, part)),
+                set(rules.caught(self.suspects(), part)),
                 now - self.ring_failed_at,
                 2 * self.r.heartbeat_s + 1,
             )
@@ -984,7 +993,7 @@ class Round:
         # bad node cannot hold the all-reduce hostage.
         for i in self.forgers:
             self.convict(i, "forged", FORGED)
-        for i in rules.caught(self.suspects, self.part()):
+        for i in rules.caught(self.suspects(), self.part()):
             if i in self.part():
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         # Members that applied the last attempt cannot redo it (announced steps were never applied)

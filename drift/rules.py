@@ -389,6 +389,34 @@ def finished_by_majority(ring: list[str], done: set[str]) -> bool:
     return bool(failed) and 2 * (len(ring) - len(failed)) > len(ring)
 
 
+def accused(
+    accusations: Iterable[tuple[int, str, str, int]], failed: Mapping[tuple[int, str], tuple[int, str]]
+) -> dict[str, set[str]]:
+    """Member -> the members whose accusation of it counts (RingFailed.suspect), from (attempt,
+    suspect, accuser, level) over a round's attempts; `failed`: (attempt, member) -> (the level
+    at which it reported failing, whom it named). In the sparse rule's hierarchy
+    (drift/hierarchy.py) a member whose gather failed at a level sends nothing above it, so those
+    that wait for it there name it. Such an accusation does not count when the accused failed
+    lower in that attempt and is excused: it named a member caught (two counted accusers) or
+    excused itself. Levels are taken bottom up, so the one that withheld is caught and those it
+    held up are not; one that only claims to have been held up names somebody nobody else
+    names, is not excused, and is caught by those it held up."""
+    out: dict[str, set[str]] = {}
+    for attempt in sorted({a for a, *_ in accusations}):
+        here = [(s, by, lv) for a, s, by, lv in accusations if a == attempt]
+        excused: set[str] = set()
+        for level in sorted({lv for *_, lv in here}):
+            for suspect, accuser, lv in here:
+                low = failed.get((attempt, suspect), (level, ""))[0] < level
+                if lv == level and not (suspect in excused and low):
+                    out.setdefault(suspect, set()).add(accuser)
+            caught = {s for s, by in out.items() if len(by) >= 2}
+            excused |= {
+                x for (a, x), (lv, y) in failed.items() if a == attempt and lv <= level and y in caught | excused
+            }
+    return out
+
+
 def caught(suspects: Mapping[str, set[str]], ring: list[str]) -> list[str]:
     """Ring members caught breaking the all-reduce by both their neighbours (the ring reverses on
     every retry, so each node's output reaches two neighbours; one node alone cannot frame another)."""

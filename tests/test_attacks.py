@@ -82,6 +82,20 @@ def test_a_node_that_withholds_its_all_gather_payload_is_named_by_those_it_starv
     assert left and left[0]["name"] == "bad", left
 
 
+def test_in_levels_the_withholder_is_caught_and_not_those_it_held_up(tmp_path: Path) -> None:
+    # 6 nodes above a fanout of 3 (drift/hierarchy.py): two blocks of 3. The withholder's two
+    # block-mates fail at level 0 naming it, so they send nothing at level 1, where the other
+    # block's members, starved, may name them in turn before the retry; their own failure below
+    # explains that (rules.accused, tested in test_rules.py): only the withholder sits out.
+    params = {"chunk": 1024, "k": 64, "fanout": 3}
+    events, log = _attack(tmp_path, "withhold-gather:1", nodes=6, sync="sparse", sync_params=params)
+    assert "level 0: all-gather of round 1 failed" in log and "sent no payload within" in log, log
+    out = [(e["round"], e["name"], e["reason"]) for e in events if e["event"] == "sat_out"]
+    assert out[:1] == [(1, "bad", "ring")], out
+    left = [e for e in events if e["event"] == "node_left"]
+    assert left and left[0]["name"] == "bad", left
+
+
 def test_a_node_that_says_it_sat_out_a_round_it_applied_voids_no_round(tmp_path: Path) -> None:
     # Attack 4. Before: every round it did this to was abandoned although every node applied it,
     # and Agreed(abandoned) sent the nodes to fetch θ of the round before from each other while

@@ -105,6 +105,30 @@ def test_only_a_node_caught_by_both_neighbours_sits_out() -> None:
     assert rules.caught(suspects, ["a", "b", "c"]) == ["a"]
 
 
+def test_in_a_hierarchy_the_member_that_withheld_is_caught_not_those_it_held_up() -> None:
+    # drift/hierarchy.py: s withholds its payload at level 0 from t1 and t2, which fail there
+    # naming it and so send nothing at level 1; their targets u1, u2 (and u3, u4) fail at level 1
+    # naming them and send nothing at level 2, where v1, v2 name u1. Only s is caught.
+    accusations = [(0, "s", "t1", 0), (0, "s", "t2", 0), (0, "t1", "u1", 1), (0, "t1", "u2", 1)]
+    accusations += [(0, "t2", "u3", 1), (0, "t2", "u4", 1), (0, "u1", "v1", 2), (0, "u1", "v2", 2)]
+    failed = {(0, "t1"): (0, "s"), (0, "t2"): (0, "s"), (0, "u1"): (1, "t1"), (0, "u2"): (1, "t1")}
+    failed |= {(0, "u3"): (1, "t2"), (0, "u4"): (1, "t2"), (0, "v1"): (2, "u1"), (0, "v2"): (2, "u1")}
+    ring = ["s", "t1", "t2", "u1", "u2", "u3", "u4", "v1", "v2"]
+    assert rules.caught(rules.accused(accusations, failed), ring) == ["s"]
+    # without the levels every one of them that held somebody up would be caught
+    flat = [(a, s, by, 0) for a, s, by, _ in accusations]
+    assert rules.caught(rules.accused(flat, {}), ring) == ["s", "t1", "t2", "u1"]
+
+
+def test_a_member_that_only_claims_it_was_held_up_is_caught_by_those_it_held_up() -> None:
+    # s withholds at level 1 and says it failed at level 0, naming y, whom nobody else names
+    accusations = [(0, "y", "s", 0), (0, "s", "a", 1), (0, "s", "b", 1)]
+    failed = {(0, "s"): (0, "y"), (0, "a"): (1, "s"), (0, "b"): (1, "s")}
+    assert rules.caught(rules.accused(accusations, failed), ["s", "y", "a", "b"]) == ["s"]
+    # a failure of another attempt excuses nothing in this one
+    assert rules.caught(rules.accused([(1, "s", "a", 1), (1, "s", "b", 1)], failed), ["s", "a", "b"]) == ["s"]
+
+
 def test_evaluators_are_the_nodes_too_slow_to_train() -> None:
     speeds = {"gpu": 6000.0, "cpu": 10.0, "mid": 3000.0}
     # A round of 6400 samples is ~0.7 s on the trainers; one step of the CPU takes 6.4 s.
