@@ -20,9 +20,10 @@ frames of at most CHUNK_BYTES, then the receiver answers ``ok`` and the sender h
                         payload bytes, the owner's signature of payload_message, level
 
 A swarm larger than the sparse rule's `fanout` gathers in levels (drift/hierarchy.py, `tree`):
-at level 0 each member's own payload, above it the payload of its block, which the sender
-computed (SparseLoCo.merge) and signs as its own for that level, so what it sends at one level
-can be checked against what it sent at another only by the level's number, which it signs too.
+at level 0 each member's own payload, above it the payload of the sender's block, which it
+computed (SparseLoCo.merge) and signs as its own with the level's number: a payload signed for
+one level cannot pass for another, and one that differs from what its block signed is proof
+(drift.rules.equivocation).
 
 Trust, as the ring's: only members this node verified connect or are connected to; a member has
 at most one connection waiting (a newer one replaces it); every frame is bounded by the size the
@@ -171,10 +172,11 @@ class Gather:
     ) -> tuple[list[bytes], list[RingMember], ReduceStats, list[str]]:
         """The hierarchy's gather (drift/hierarchy.py): level by level, the payloads of the
         blocks this node's parent joins, from the members plan() names, merged into the parent's
-        payload (`merge`: (payloads, the children as members, each weighing what its members weigh
-        together) -> (payload, weight, what it found), SparseLoCo.merge). At the top: the top's payloads and children
-        for the rule's combine, the stats of all levels (`heard` tagged with each level) and the
-        merges' outliers. With at most `fanout` members: one level, the flat all-gather."""
+        payload (`merge`, SparseLoCo.merge: (payloads, the children as members, each weighing what
+        its members weigh together) -> (payload, weight, what it found)). At the top: the top's
+        payloads and children for the rule's combine, the stats of all levels (`heard` tagged
+        with each level) and the merges' outliers. At most `fanout` members: the flat all-gather.
+        RingError names the level where it failed."""
         t0 = time.perf_counter()
         me = next(i for i, m in enumerate(ring) if m.node_id == self.node_id)
         levels = hierarchy.plan(len(ring), fanout)
