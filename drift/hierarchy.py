@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 FANOUT = 16  # most blocks a parent joins; a swarm of at most this many all-gathers flat
 
@@ -50,9 +51,14 @@ class Level:
 
     parents: list[list[range]]
 
+    @cached_property
+    def _where(self) -> list[tuple[int, int]]:
+        """Each member's (parent, child) indices."""
+        return [(i, k) for i, p in enumerate(self.parents) for k, c in enumerate(p) for _ in c]
+
     def _place(self, m: int) -> tuple[list[range], range]:
-        parent = next(p for p in self.parents if p[0].start <= m < p[-1].stop)
-        return parent, next(c for c in parent if m in c)
+        i, k = self._where[m]
+        return self.parents[i], self.parents[i][k]
 
     def sources(self, m: int) -> list[tuple[int, int]]:
         """(child's index in the parent, the member m takes its payload from) for each child of
