@@ -168,12 +168,12 @@ class Gather:
         generation: int,
         slack_s: float,
         fanout: int,
-        merge: Callable[[list[bytes], list[RingMember]], tuple[bytes, float, Combined]],
+        merge: Callable[[list[bytes], list[RingMember]], tuple[bytes, Combined]],
     ) -> tuple[list[bytes], list[RingMember], ReduceStats, list[str]]:
         """The hierarchy's gather (drift/hierarchy.py): level by level, the payloads of the
         blocks this node's parent joins, from the members plan() names, merged into the parent's
         payload (`merge`, SparseLoCo.merge: (payloads, the children as members, each weighing what
-        its members weigh together) -> (payload, weight, what it found)). At the top: the top's
+        its members weigh together) -> (payload, what it found)). At the top: the top's
         payloads and children for the rule's combine, the stats of all levels (`heard` tagged
         with each level) and the merges' outliers. At most `fanout` members: the flat all-gather.
         RingError names the level where it failed."""
@@ -200,7 +200,7 @@ class Gather:
             if depth == len(levels) - 1:
                 total.seconds = time.perf_counter() - t0
                 return result, children, total, outliers
-            payload, _, found = await asyncio.to_thread(merge, result, children)  # (θ-sized: off the loop)
+            payload, found = await asyncio.to_thread(merge, result, children)  # (θ-sized: off the loop)
             outliers += found.outliers
         raise AssertionError("a plan always has a top level")
 

@@ -1,8 +1,11 @@
 """The sparse rule's hierarchy (drift/hierarchy.py) run in one process: every member's rule
-takes, level by level, the payloads its sources hold, as a swarm's nodes would receive them.
-For tests of the arithmetic and for benchmarks/diloco_sim.py's large swarms."""
+takes, level by level, the payloads its sources hold, as a swarm's nodes would receive them
+(drift.gather.Gather.tree over the network). For tests of the arithmetic and for
+benchmarks/diloco_sim.py's large swarms."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -21,23 +24,25 @@ def hierarchical_round(
 ) -> list[Combined]:
     """One round: member i contributes deltas[i] (its rule's buffer from then on) at weights[i];
     then every level, each member merges (the last level: combines) the payloads of its parent's
-    children, taken from the members plan() names. What each member found at the top."""
+    children, taken from the members plan() names, each child weighing what its members weigh
+    together (as Gather.tree). What each member found at the top."""
     n = len(rules)
-    held = [(rule.contribute(d, w), w) for rule, d, w in zip(rules, deltas, weights)]
+    held = [rule.contribute(d, w) for rule, d, w in zip(rules, deltas, weights)]
     levels = hierarchy.plan(n, fanout)
     for depth, level in enumerate(levels):
-        top = depth == len(levels) - 1
         found, nxt = [], []
         for m in range(n):
             sources = level.sources(m)
-            result = [held[src][0] for _, src in sources]
-            ring = [P.RingMember(node_id=node_id(src), ticket="t", weight=held[src][1]) for _, src in sources]
-            if top:
+            result = [held[src] for _, src in sources]
+            ring = [
+                P.RingMember(node_id=node_id(src), ticket="t", weight=min(1.0, math.fsum(weights[i] for i in child)))
+                for (_, src), child in zip(sources, level.children(m))
+            ]
+            if depth == len(levels) - 1:
                 found.append(rules[m].combine(result, ring))
             else:
-                payload, weight, _ = rules[m].merge(result, ring)
-                nxt.append((payload, weight))
-        if top:
+                nxt.append(rules[m].merge(result, ring)[0])
+        if depth == len(levels) - 1:
             return found
         held = nxt
     raise AssertionError("a plan always has a top level")

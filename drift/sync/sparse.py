@@ -275,10 +275,10 @@ class SparseLoCo(SyncRule):
                 self._update.append((payload, np.float32(m.weight * scale)))
         return Combined(outliers=bad + far)
 
-    def merge(self, result: list[bytes | None], ring: list[RingMember]) -> tuple[bytes, float, Combined]:
+    def merge(self, result: list[bytes | None], ring: list[RingMember]) -> tuple[bytes, Combined]:
         """One level of the hierarchy below its top (drift/hierarchy.py): the payload of the block
         whose children's payloads are `result` (in order; `ring`: the children as members, each
-        weighing what its members weigh together), and the block's weight. The children are
+        weighing what its members weigh together), and what looked wrong. The children are
         combined as `combine` does; their sum over the block's weight W is encoded as one payload,
         the same bytes on every member. What it does not carry, sum / W - decode(payload), joins
         this node's error feedback when the round is applied: a member contributing w sends w x
@@ -288,7 +288,7 @@ class SparseLoCo(SyncRule):
         weight = math.fsum(m.weight for m in ring)
         update, self._update = self._update, []
         if not update or weight == 0:
-            return b"", 0.0, found
+            return b"", found
         total = np.zeros(self.layout.size, np.float32)
         for payload, coef in update:
             for flat, vals in self.codec.pieces(payload, coef):
@@ -299,7 +299,7 @@ class SparseLoCo(SyncRule):
             for flat, vals in self.codec.pieces(payload):
                 total[flat] -= vals
             self._ef_next += total
-        return payload, weight, found
+        return payload, found
 
     def _steps(self, theta: np.ndarray):
         """θ after the step, a block of chunks at a time: (a, b, θ[a:b]'s step, lr x the update
