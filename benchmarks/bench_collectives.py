@@ -25,7 +25,7 @@ from drift.compress import make_codec
 from drift.sync.sparse import Codec, SparseParams
 
 
-def rows(n_params: int, nodes: list[int], chunk: int, k: int, up: float, down: float, rtt: float):
+def rows(n_params: int, nodes: list[int], chunk: int, k: int, fanouts: list[int], up: float, down: float, rtt: float):
     """(N, collective, bytes up, bytes down, seconds) per swarm size and collective."""
     seg = make_codec("int8").encoded_nbytes(n_params)
     payload = Codec(n_params, chunk, k).nbytes
@@ -35,12 +35,15 @@ def rows(n_params: int, nodes: list[int], chunk: int, k: int, up: float, down: f
         yield n, "int8 ring", ring, ring, ring_s
         flat = (n - 1) * payload
         yield n, "sparse, flat all-gather", flat, flat, max(flat / up, flat / down) + rtt / 2
-        t, (most_up, most_down) = 0.0, hierarchy.transfers(n)
-        for level in hierarchy.plan(n):
-            u = max(len(level.targets(m)) for m in range(n)) * payload
-            d = max(len(level.sources(m)) - 1 for m in range(n)) * payload
-            t += max(u / up, d / down) + rtt / 2
-        yield n, f"sparse, hierarchy (fanout {hierarchy.FANOUT})", most_up * payload, most_down * payload, t
+        for fanout in fanouts:
+            if n <= fanout:
+                continue  # (flat)
+            t, (most_up, most_down) = 0.0, hierarchy.transfers(n, fanout)
+            for level in hierarchy.plan(n, fanout):
+                u = max(len(level.targets(m)) for m in range(n)) * payload
+                d = max(len(level.sources(m)) - 1 for m in range(n)) * payload
+                t += max(u / up, d / down) + rtt / 2
+            yield n, f"sparse, hierarchy (fanout {fanout})", most_up * payload, most_down * payload, t
 
 
 def human(b: float) -> str:
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64, 256, 1000])
     ap.add_argument("--chunk", type=int, default=SparseParams().chunk)
     ap.add_argument("--k", type=int, default=SparseParams().k)
+    ap.add_argument("--fanout", type=int, nargs="+", default=[16, hierarchy.FANOUT], help="the hierarchy's")
     ap.add_argument("--up-mbit", type=float, default=20.0)
     ap.add_argument("--down-mbit", type=float, default=100.0)
     ap.add_argument("--rtt-ms", type=float, default=40.0)
@@ -69,7 +73,7 @@ def main() -> None:
         )
         print("| N | collective | per node up a round | down | sync time (model) |")
         print("|---|---|---|---|---|")
-        for n, name, bu, bd, s in rows(n_params, a.nodes, a.chunk, a.k, up, down, rtt):
+        for n, name, bu, bd, s in rows(n_params, a.nodes, a.chunk, a.k, a.fanout, up, down, rtt):
             print(f"| {n} | {name} | {human(bu)} | {human(bd)} | {s:,.2f} s |")
 
 

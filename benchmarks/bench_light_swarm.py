@@ -1,7 +1,7 @@
 """The control plane at scale (issue 40, item 3): a real `drift coord` and N lightweight nodes.
 
     flock /tmp/drift-cpu.lock python3 benchmarks/bench_light_swarm.py --nodes 4 16 64 256 1000
-    flock /tmp/drift-cpu.lock python3 benchmarks/bench_light_swarm.py --nodes 256 1000 --sync sparse
+    flock /tmp/drift-cpu.lock python3 benchmarks/bench_light_swarm.py --nodes 256 1000 --sync sparse --fanout 16
 
 Lightweight nodes (benchmarks/harness/light.py) are drift's own Node, many per process, each with
 its own iroh endpoint and key, training a stand-in task whose steps cost microseconds: what is
@@ -23,8 +23,8 @@ The nodes share the machine with the coordinator: on 2 cores, a round's wall tim
 the nodes' ring all-reduce (2(N-1) hops, each of N nodes, on 2 cores), not the coordinator. A
 configuration that does not finish within --timeout prints what it reached. `--sync sparse`: the
 sparse rule (8 of each 64 values: θ is 64 values) in place of the fp32 ring, all-gathered in
-levels above its fanout (drift/hierarchy.py): 27 transfers a node at 1,000 where the ring takes
-2 x 999 hops.
+levels above its `--fanout` (drift/hierarchy.py; 16: 27 transfers a node at 1,000, where the ring
+takes 2 x 999 hops; the rule's default, 64: 62).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from drift import hierarchy
 from harness.light import LightSwarm
 
 TICK = 0.05  # how often the coordinator's /proc and metrics.jsonl are read
@@ -57,8 +58,8 @@ def hwm_mib(pid: int) -> float:
     return 0.0
 
 
-def run(n: int, per_process: int, rounds: int, timeout: float, sync: str) -> dict:
-    rule = {"sync": "sparse", "sync_params": {"chunk": 64, "k": 8}} if sync == "sparse" else {}
+def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout: int) -> dict:
+    rule = {"sync": "sparse", "sync_params": {"chunk": 64, "k": 8, "fanout": fanout}} if sync == "sparse" else {}
     with tempfile.TemporaryDirectory(prefix="drift-light-") as tmp:
         s = LightSwarm(Path(tmp), n, max(1, -(-n // per_process)), rounds=rounds, **rule)
         pid = s.coord.pid
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=900.0, help="per N (then what was reached is printed)")
     ap.add_argument("--sync", choices=["dense", "sparse"], default="dense", help="the rule (dense: the fp32 ring)")
+    ap.add_argument("--fanout", type=int, default=hierarchy.FANOUT, help="sparse: the hierarchy's fanout")
     a = ap.parse_args()
     print(
         f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'train cpu s':>11} {'round s':>8} {'sync s':>7} "
@@ -126,7 +128,7 @@ def main() -> None:
         flush=True,
     )
     for n in a.nodes:
-        r = run(n, a.per_process, a.rounds, a.timeout, a.sync)
+        r = run(n, a.per_process, a.rounds, a.timeout, a.sync, a.fanout)
         print(
             f"{n:>5} {_f(r['joined_s'], '{:.1f}'):>9} {_f(r['join_cpu_s']):>10} {_f(r['train_cpu_s'], '{:.3f}'):>11} "
             f"{_f(r['round_s']):>8} {_f(r['sync_s']):>7} {_f(r['coord_cpu_s'], '{:.3f}'):>17} "

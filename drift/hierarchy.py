@@ -14,8 +14,9 @@ downloads g - 1 payloads a level and uploads about as many (blocks' sizes differ
 With all of them it computes the parent's payload (drift.sync.sparse.SparseLoCo.merge: the
 same bytes on every member of the parent), and the last level's sum is the round's update.
 
-Per member and round: (g - 1) x L payloads each way, where the flat all-gather moves N - 1:
-15 at 16 members (flat), 14 at 64, 30 at 256, 27 at 1,000 (`transfers`).
+Per member and round: (g - 1) x L payloads each way, where the flat all-gather moves N - 1: at
+the default fanout of 64, 63 at 64 members (flat), 30 at 256, 62 down and at most 69 up at 1,000;
+at fanout 16, 15 at 16 (flat), 14 at 64, 30 at 256, 27 at 1,000 (`transfers`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-FANOUT = 16  # most blocks a parent joins; a swarm of at most this many all-gathers flat
+# Most blocks a parent joins; a swarm of at most this many all-gathers flat. Measured (BENCHMARKS.md,
+# "Swarm size"): at 64 nodes the flat all-gather ended 0.3 % above the int8 ring's val loss and the
+# hierarchy 11 % (a block's payload carries a 1/g of its sum; the rest waits in error feedback), while
+# at the rule's defaults the flat all-gather moves fewer bytes than the int8 ring up to ~112 nodes.
+# 16 keeps a node's payloads at 1,000 nodes within 2x of those at 16 (27), at that cost in loss.
+FANOUT = 64
 
 
 def shape(n: int, fanout: int = FANOUT) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import Field, model_validator
 
+from drift import hierarchy
 from drift.compress import Bf16
 from drift.diloco import CHUNK, ParamLayout, checksum_of
 from drift.sync import Combined, Params, SyncRule
@@ -56,7 +57,9 @@ class SparseParams(Params):
     # 1, not 3: a liar under the outlier bound, clipped to 3 x, undid a 4-node run (BENCHMARKS.md)
     clip: float = Field(1.0, ge=1, description="each contribution's norm is clipped to clip x the round's median")
     outlier: float = Field(6.0, ge=1, description="a contribution over outlier x the median is reported")
-    fanout: int = Field(16, ge=2, le=256, description="above this many members, payloads gather in levels")
+    fanout: int = Field(
+        hierarchy.FANOUT, ge=2, le=256, description="above this many members, payloads gather in levels"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> SparseParams:
