@@ -165,13 +165,13 @@ elif kind == "equivocate":
 
     @patch(Gather, "_send")
     async def _(orig, self, m, head, payload, count):
-        _, _, rnd, gen, *_ = gather_header.unpack(head)
+        _, _, rnd, gen, *_, level = gather_header.unpack(head)
         if payload and misled.get(rnd) == m.node_id:
             # halve the first chunk's two magnitudes: it still decodes, and moves θ well past a
             # rounding error (a flipped low mantissa bit often vanished in θ's float32 sum)
             scales = np.frombuffer(payload, "<f4", count=2) / np.float32(2)
             payload = scales.tobytes() + payload[8:]
-            head = self.header(rnd, gen, payload)  # signed with its own key, as an honest payload is
+            head = self.header(rnd, gen, payload, level)  # signed with its own key, as an honest payload is
         await orig(self, m, head, payload, count)
 elif kind == "false-sum":
 
