@@ -88,7 +88,7 @@ def test_in_levels_the_withholder_is_caught_and_not_those_it_held_up(tmp_path: P
     # block's members, starved, may name them in turn before the retry; their own failure below
     # explains that (rules.accused, tested in test_rules.py): only the withholder sits out.
     params = {"chunk": 1024, "k": 64, "fanout": 3}
-    events, log = _attack(tmp_path, "withhold-gather:1", nodes=6, rounds=3, sync="sparse", sync_params=params)
+    events, log = _attack(tmp_path, "withhold-gather:1", nodes=6, sync="sparse", sync_params=params)
     assert "level 0: all-gather of round 1 failed" in log and "sent no payload within" in log, log
     out = [(e["round"], e["name"], e["reason"]) for e in events if e["event"] == "sat_out"]
     assert out[:1] == [(1, "bad", "ring")], out
