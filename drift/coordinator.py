@@ -643,6 +643,7 @@ class Coordinator:
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         behind = await self._hand_final_theta(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
+        final = self.vals.get(self.swarm.newest()) if final is None else final
         self._finished = True
         await self._last_word(list(self.ready.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
@@ -1061,14 +1062,18 @@ class Coordinator:
     async def _hand_final_theta(self, timeout: float) -> list[str]:
         """Members that do not hold the final θ (they evaluated or sat out the last round) take
         it before the run ends, as a job to evaluate it: every node leaves with the swarm's
-        model (an own loop's model object is what its script saves next). The names of those
-        that still do not hold it."""
+        model (an own loop's model object is what its script saves next). When none does and the
+        last round has no val loss (the member asked for it was excluded in that round), the
+        fastest member evaluates the final θ. The names of those that still do not hold it."""
         last = self.swarm.newest()
         behind = [
             p
             for i, p in self.swarm.members.items()
             if self.swarm.state_round.get(i) != last and i not in self.swarm.evaluating  # (those: out of time)
         ]
+        if not behind and self.results and self.results[-1].val_loss is None and last not in self.vals:
+            fastest = max(self.swarm.members, key=lambda i: self.swarm.speed.get(i, 0.0), default=None)
+            behind = [self.swarm.members[fastest]] if fastest is not None else []
         for p in behind:
             await self.assign_evaluation(p, last, self.queue.epoch)
         await self._finish_evaluations(timeout)
