@@ -458,7 +458,7 @@ async def _coord(
                 raise CoordinatorError(f"local node local-{i} {_exit(proc.returncode)}; see {logf}")
         first = coordinator.initial_val_loss
         first = first if first is not None else results[0].val_loss
-        vals = [f"{v:.4f}" if v is not None else "?" for v in (first, results[-1].val_loss)]
+        vals = [f"{v:.4f}" if v is not None else "?" for v in (first, coordinator.final_val_loss)]
         monitor.say(
             f"done: {len(results)} rounds, val loss {vals[0]} -> {vals[1]}; metrics in {run_dir / 'metrics.jsonl'}"
         )

@@ -143,6 +143,7 @@ class Coordinator:
         self._tasks: set[asyncio.Task] = set()
         self.results: list[RoundResult] = []
         self.initial_val_loss: float | None = None
+        self.final_val_loss: float | None = None  # of the final θ, once the run completed
         self.vals: dict[int, float] = {}  # the val loss of θ after each round (-1: the initial θ)
         self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
         self.ledger = Ledger()
@@ -643,7 +644,7 @@ class Coordinator:
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         behind = await self._hand_final_theta(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
-        final = self.vals.get(self.swarm.newest()) if final is None else final
+        final = self.final_val_loss = self.vals.get(self.swarm.newest()) if final is None else final
         self._finished = True
         await self._last_word(list(self.ready.values()), P.TrainComplete(rounds=r.rounds, final_val_loss=final))
         if self.monitor:
