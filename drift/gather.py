@@ -200,7 +200,9 @@ class Gather:
             if depth == len(levels) - 1:
                 total.seconds = time.perf_counter() - t0
                 return result, children, total, outliers
-            payload, found = await asyncio.to_thread(merge, result, children)  # (θ-sized: off the loop)
+            # On the loop, as combine and apply are: an attempt cancelled for a retry must not leave
+            # a merge running that would still write the rule's buffers under the new attempt.
+            payload, found = merge(result, children)
             outliers += found.outliers
         raise AssertionError("a plan always has a top level")
 
