@@ -78,12 +78,17 @@ def test_64_lightweight_nodes_gather_the_sparse_rule_in_levels_of_bounded_bytes(
     events = s.events()
     assert rc == 0 and light == [0, 0], s.logs()
     rounds = [e for e in events if e["event"] == "round"]
-    assert len(rounds) == 2 and all(r["abandoned"] is None and len(r["nodes"]) == n for r in rounds)
+    assert len(rounds) == 2 and all(r["abandoned"] is None for r in rounds), rounds
     nodes = s.nodes()
-    assert {v["checksum"] for v in nodes.values()} == {rounds[-1]["checksum"]}
+    assert len(nodes) == n and {v["checksum"] for v in nodes.values()} == {rounds[-1]["checksum"]}
     assert np.abs(s.theta() - theta0(LIGHT_SIZE)).max() > 0  # θ moved
-    # a transfer: the gather header (with its 4-byte frame length), then the payload in one frame
+    # A transfer: the gather header (with its 4-byte frame length), then the payload in one frame.
+    # With all 64 in the ring a node makes 14 a round, where the flat all-gather takes 63 (a loaded
+    # machine may sit a node out of a round: then the plan of those left, hierarchy.transfers).
     each = GATHER_HEADER.size + 4 + Codec(LIGHT_SIZE, params["chunk"], params["k"]).nbytes + 4
     assert hierarchy.transfers(n, params["fanout"]) == (14, 14)
-    sent = [node["bytes_sent"] for r in rounds for node in r["nodes"].values()]
-    assert max(sent) == 14 * each, (sorted(sent), each)
+    for r in rounds:
+        sent = [v["bytes_sent"] for v in r["nodes"].values()]
+        ring = sum(1 for x in sent if x > 0)
+        up = hierarchy.transfers(ring, params["fanout"])[0]
+        assert all(x % each == 0 for x in sent) and max(sent) == up * each < (n - 1) * each, (ring, sorted(sent))
