@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import struct
 import time
 from collections.abc import Callable
@@ -184,10 +183,8 @@ class Gather:
         outliers: list[str] = []
         for depth, level in enumerate(levels):
             sources = level.sources(me)
-            children = [
-                ring[src].model_copy(update={"weight": min(1.0, math.fsum(ring[i].weight for i in child))})
-                for (_, src), child in zip(sources, level.children(me))
-            ]
+            weights = level.weights(me, [m.weight for m in ring])
+            children = [ring[src].model_copy(update={"weight": w}) for (_, src), w in zip(sources, weights)]
             give = [ring[t] for t in level.targets(me)]
             try:
                 result, stats = await self.exchange(payload, children, give, round_, nbytes, generation, slack_s, depth)

@@ -83,6 +83,11 @@ class Level:
         """The blocks m's parent joins, in order (m's own among them)."""
         return self._place(m)[0]
 
+    def weights(self, m: int, weights: list[float]) -> list[float]:
+        """What each child of m's parent weighs: its members' weights together (at most 1), the
+        same bits on every member."""
+        return [min(1.0, math.fsum(weights[i] for i in child)) for child in self.children(m)]
+
     def block(self, m: int) -> range:
         """m's own block: the child of its parent that holds it (whose payload m sends)."""
         return self._place(m)[1]

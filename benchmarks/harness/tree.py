@@ -5,8 +5,6 @@ benchmarks/diloco_sim.py's large swarms."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from drift import hierarchy
@@ -35,8 +33,8 @@ def hierarchical_round(
             sources = level.sources(m)
             result = [held[src] for _, src in sources]
             ring = [
-                P.RingMember(node_id=node_id(src), ticket="t", weight=min(1.0, math.fsum(weights[i] for i in child)))
-                for (_, src), child in zip(sources, level.children(m))
+                P.RingMember(node_id=node_id(src), ticket="t", weight=w)
+                for (_, src), w in zip(sources, level.weights(m, weights))
             ]
             if depth == len(levels) - 1:
                 found.append(rules[m].combine(result, ring))
