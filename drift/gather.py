@@ -13,8 +13,11 @@ payloads to different members signs each of them, and two reports of different d
 signed, prove it (drift.rules.equivocation); no member can make such proof against another,
 since it cannot sign in its name.
 
-One connection per sender, receiver and attempt. Its first frame is a header, then the payload in
-frames of at most CHUNK_BYTES, then the receiver answers ``ok`` and the sender hangs up::
+A stream per payload, on a connection each sender keeps to each receiver across levels, attempts
+and rounds (a new QUIC connection per payload was most of a round's sync at 256 nodes on one
+machine, and costs a round trip a level on real links). A stream's first frame is a header, then
+the payload in frames of at most CHUNK_BYTES, then the receiver answers ``ok`` and both ends
+finish the stream; a transfer that fails closes its connection, and the next opens a new one::
 
     >4s B I I Q 64s B = magic "DGTH", version, round, generation (the coordinator's ring epoch),
                         payload bytes, the owner's signature of payload_message, level
@@ -26,7 +29,8 @@ one level cannot pass for another, and one that differs from what its block sign
 (drift.rules.equivocation).
 
 Trust, as the ring's: only members this node verified connect or are connected to; a member has
-at most one connection waiting (a newer one replaces it); every frame is bounded by the size the
+at most one connection (a newer one replaces it), STREAMS streams open on it at once, and one
+payload waiting (a newer one replaces it); every frame is bounded by the size the
 rule expects (its payload size, or 0 for a member with nothing to send); every connect, read and
 write has a deadline, and a member that stalls, sends what was not expected or a payload it did
 not sign fails the attempt with RingError naming it (`suspect`), which the node reports like a
@@ -56,6 +60,7 @@ _MAGIC = b"DGTH"
 _VERSION = 3  # 3: the level (2 had none: one flat all-gather; 1 no signature, and a tree mode)
 _SIGNED = struct.Struct(">4sIIB")  # "DGSG", round, generation, level
 MAX_LEVEL = 16  # levels of a hierarchy (hierarchy.shape: log_fanout of the members, fanout >= 2)
+STREAMS = 4  # streams a member may have open on its connection to us at once (it sends one at a time)
 
 if TYPE_CHECKING:
     from drift.sync import Combined
@@ -106,35 +111,60 @@ class Gather:
         # member -> (round, generation, level, payload bytes, signature, channel)
         self._incoming: dict[str, tuple[int, int, int, int, bytes, Channel]] = {}
         self._arrived = asyncio.Condition()
+        self._from: dict[str, object] = {}  # member -> its connection to us (iroh.Connection)
+        self._to: dict[str, tuple[str, object]] = {}  # member -> (its ticket, our connection to it)
 
     async def handle_incoming(self, conn) -> None:
-        """Keep a member's incoming payload connection (its header read) until an all-gather
-        takes it. Returns normally whatever the peer does (a bad one is closed with a log line)."""
+        """Serve a member's payload connection while it lasts: each stream's header is read and
+        kept until an all-gather takes the stream. Returns normally whatever the peer does (a bad
+        one is closed with a log line)."""
         peer = peer_of(conn)
         if not self.trusted(peer):
             log.warning("dropping gather connection from %s: not a verified member of this run", peer[:10])
             close_conn(conn, "not a verified member of this run")
             return
+        with contextlib.suppress(Exception):
+            conn.set_max_concurrent_bi_streams(STREAMS)
+        if (old := self._from.pop(peer, None)) is not None:
+            close_conn(old, "replaced by a newer connection")
+        self._from[peer] = conn
+        try:
+            while True:
+                try:
+                    ch = await Endpoint.accept_channel(conn, timeout=None)
+                except TransportError:
+                    return  # the connection closed
+                if not await self._header(peer, conn, ch):
+                    return
+        finally:
+            if self._from.get(peer) is conn:
+                del self._from[peer]
+
+    async def _header(self, peer: str, conn, ch: Channel) -> bool:
+        """Read a new stream's header and keep the stream for the exchange that takes it; a bad
+        header, or a member no longer verified, closes the connection (False)."""
         try:
             t = min(self.timeout, HELLO_TIMEOUT)
-            ch = await Endpoint.accept_channel(conn, timeout=t)
             head = await ch.recv_frame(_HEADER.size, timeout=t)
             if len(head) != _HEADER.size:
                 raise RingError(f"gather header of {len(head)} bytes")
             magic, version, rnd, gen, size, sig, level = _HEADER.unpack(head)
             if magic != _MAGIC or version != _VERSION or rnd > MAX_ROUND or gen > MAX_ROUND or level > MAX_LEVEL:
                 raise RingError("not a drift gather header")
+            if not self.trusted(peer):
+                raise RingError("no longer a verified member of this run")
         except Exception as e:
             why = e if isinstance(e, (RingError, TransportError)) else repr(e)
             log.warning("dropping gather connection from %s: %s", peer[:10], printable(f"{why}", 300))
             close_conn(conn, "bad gather header")
-            return
+            return False
         async with self._arrived:
             old = self._incoming.pop(peer, None)
-            if old is not None:
-                old[-1].close("replaced by a newer connection")
             self._incoming[peer] = (rnd, gen, level, size, sig, ch)
             self._arrived.notify_all()
+        if old is not None:
+            await old[-1].abort()  # replaced by a newer payload
+        return True
 
     def header(self, round_: int, generation: int, payload: bytes, level: int = 0) -> bytes:
         """The header of our payload: its size and our signature of it."""
@@ -239,8 +269,10 @@ class Gather:
                         f"{m.node_id[:10]} announced a payload of {size} bytes, expected {nbytes}", suspect=m.node_id
                     )
                 out[k] = await self._receive(ch, m.node_id, size, count)
-            finally:
-                ch.close("payload received")
+            except BaseException:
+                ch.close("payload not received")
+                raise
+            await ch.finish()
             t = time.perf_counter()
             digest = hashlib.sha256(out[k]).digest()
             signed = verify(m.node_id, payload_message(m.node_id, round_, generation, digest, level), sig)
@@ -291,25 +323,55 @@ class Gather:
         )
 
     async def _send(self, m: RingMember, head: bytes, payload: bytes, count: list[int]) -> None:
-        """Connect to `m`, send the header, then the payload in CHUNK_BYTES frames; wait for ok."""
+        """On a new stream to `m`, the header, then the payload in CHUNK_BYTES frames; wait for
+        ok. A kept connection that broke since its last payload is replaced, once."""
+        for retry in (False, True):
+            ch, kept = await self._open(m)
+            try:
+                await ch.send_frame(head, self.timeout)
+                view = memoryview(payload)
+                for a in range(0, len(view), CHUNK_BYTES):
+                    await ch.send_frame(view[a : a + CHUNK_BYTES], self.timeout)
+                if await ch.recv_frame(16, self.timeout) != b"ok":
+                    raise RingError(f"{m.node_id[:10]} did not confirm our payload", suspect=m.node_id)
+                count[0] += ch.bytes_sent
+                await ch.finish()
+                return
+            except TransportTimeout as e:
+                self._forget(m.node_id)
+                raise RingError(f"sending to {m.node_id[:10]}: {e}", suspect=m.node_id) from None
+            except TransportError as e:
+                self._forget(m.node_id)
+                if kept and not retry:
+                    log.debug("connection to %s broke since its last payload (%s): a new one", m.node_id[:10], e)
+                    continue
+                raise RingError(f"sending to {m.node_id[:10]}: {e}") from None
+            except BaseException:
+                self._forget(m.node_id)
+                raise
+
+    async def _open(self, m: RingMember) -> tuple[Channel, bool]:
+        """A new stream to `m`, and whether it is on the connection kept from an earlier payload
+        (else a new connection, kept from now on). A member that came back with a new ticket (a
+        restarted node) gets a new connection."""
+        ticket, conn = self._to.get(m.node_id, ("", None))
+        if conn is not None and ticket == m.ticket and conn.close_reason() is None:
+            with contextlib.suppress(TransportError):
+                return await Endpoint.open_channel(conn, self.timeout), True
+        self._forget(m.node_id)
         try:
-            ch = await self.endpoint.connect(m.ticket, GATHER_ALPN, timeout=self.timeout)
+            conn = await self.endpoint.dial(m.ticket, GATHER_ALPN, timeout=self.timeout)
+            ch = await Endpoint.open_channel(conn, self.timeout)
         except TransportError as e:
             raise RingError(f"could not reach {m.node_id[:10]}: {e}", suspect=m.node_id) from None
-        try:
-            await ch.send_frame(head, self.timeout)
-            view = memoryview(payload)
-            for a in range(0, len(view), CHUNK_BYTES):
-                await ch.send_frame(view[a : a + CHUNK_BYTES], self.timeout)
-            if await ch.recv_frame(16, self.timeout) != b"ok":
-                raise RingError(f"{m.node_id[:10]} did not confirm our payload", suspect=m.node_id)
-            count[0] += ch.bytes_sent
-        except TransportTimeout as e:
-            raise RingError(f"sending to {m.node_id[:10]}: {e}", suspect=m.node_id) from None
-        except TransportError as e:
-            raise RingError(f"sending to {m.node_id[:10]}: {e}") from None
-        finally:
-            ch.close("payload sent")
+        self._forget(m.node_id)  # another transfer may have kept one meanwhile
+        self._to[m.node_id] = (m.ticket, conn)
+        return ch, False
+
+    def _forget(self, peer: str) -> None:
+        """Close and drop the connection kept to `peer`, if any."""
+        if (kept := self._to.pop(peer, None)) is not None:
+            close_conn(kept[1], "payload not sent")
 
     async def _take(self, peer: str, round_: int, generation: int, level: int) -> tuple[int, bytes, Channel]:
         """(size, signature, channel) of the connection `peer` opened for this round, attempt

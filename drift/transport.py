@@ -13,6 +13,7 @@ ALPN the peer does not serve, it hangs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import ipaddress
@@ -305,10 +306,17 @@ class Channel:
             pass
 
     def close(self, reason: str = "") -> None:
+        """Close the whole connection (every stream on it)."""
         try:
             self.conn.close(0, reason.encode()[:100])
         except Exception:
             pass
+
+    async def abort(self) -> None:
+        """Abandon this stream only (its connection stays): reset our side, stop reading theirs."""
+        for end in (self._send.reset(1), self._recv.stop(1)):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(end, 2.0)
 
 
 class Throttle:
@@ -461,16 +469,23 @@ class Endpoint:
 
     async def connect(self, ticket: str, alpn: bytes, timeout: float = 15.0) -> Channel:
         """Connect to the endpoint in `ticket` and open one bidirectional stream."""
+        return await self.open_channel(await self.dial(ticket, alpn, timeout), timeout)
+
+    async def dial(self, ticket: str, alpn: bytes, timeout: float = 15.0) -> iroh.Connection:
+        """A new connection to the endpoint in `ticket` (streams on it: open_channel)."""
         addr = parse_ticket(ticket)
         what = f"connecting to {describe_addr(addr)} ({alpn.decode()})"
         try:
-            conn = await _timed(self.ep.connect(addr, alpn), timeout, what)
+            return await _timed(self.ep.connect(addr, alpn), timeout, what)
         except TransportError as e:
             if loopback_only(addr):  # the one mistake worth naming: a --local/`network: local` ticket
                 raise TransportError(f"{e}: {LOOPBACK_HINT}") from None
             raise
-        bi = await _timed(conn.open_bi(), timeout, what + ": opening a stream")
-        return Channel(conn, bi)
+
+    @staticmethod
+    async def open_channel(conn: iroh.Connection, timeout: float = 15.0) -> Channel:
+        """Open one more bidirectional stream on a connection of ours."""
+        return Channel(conn, await _timed(conn.open_bi(), timeout, "opening a stream"))
 
     async def accept(self, timeout: float | None = None) -> tuple[bytes, iroh.Connection]:
         """Accept the next incoming connection: (alpn, connection)."""

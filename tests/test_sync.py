@@ -246,6 +246,51 @@ def test_allgather_brings_every_payload_and_names_a_member_that_stalls() -> None
     assert all(isinstance(e, RingError) and e.suspect == ring[2].node_id for e in stalled), stalled
 
 
+def test_members_keep_their_gather_connections_across_rounds_and_replace_broken_ones() -> None:
+    # Each payload is a stream on a connection its sender keeps to the receiver: a second round
+    # opens no new connection (a handshake a payload was most of a 256-node round's sync), and
+    # after a member's connections closed between rounds (an idle timeout, a restarted router)
+    # every payload still arrives the next round, on new ones.
+    async def main():
+        eps = [await Endpoint.bind("local") for _ in range(3)]
+        gathers = [Gather(ep, timeout=3.0) for ep in eps]
+        accepted: list[list] = [[] for _ in eps]  # the connections each endpoint accepted
+
+        def counting(g: Gather, seen: list):
+            async def handle(conn) -> None:
+                seen.append(conn)
+                await g.handle_incoming(conn)
+
+            return handle
+
+        serving = [
+            asyncio.ensure_future(ep.serve({GATHER_ALPN: counting(g, seen)}))
+            for ep, g, seen in zip(eps, gathers, accepted)
+        ]
+        ring = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=1 / 3) for ep in eps]
+        payloads = [bytes([i]) * 1000 for i in range(3)]
+        try:
+            rounds = [
+                await asyncio.gather(*(g.allgather(p, ring, r, 1000, 1) for g, p in zip(gathers, payloads)))
+                for r in range(2)
+            ]
+            kept = [len(seen) for seen in accepted]
+            for conn in accepted[0]:
+                conn.close(0, b"gone")
+            rounds.append(await asyncio.gather(*(g.allgather(p, ring, 2, 1000, 1) for g, p in zip(gathers, payloads))))
+            return rounds, kept, [len(seen) for seen in accepted]
+        finally:
+            for s in serving:
+                s.cancel()
+            for ep in eps:
+                await ep.close()
+
+    rounds, kept, final = run_async(main(), 60)
+    assert all(out == [bytes([i]) * 1000 for i in range(3)] for got in rounds for out, _ in got)
+    assert kept == [2, 2, 2]  # one connection from each other member, for both rounds
+    assert final == [4, 2, 2]  # the two it closed were replaced, once each
+
+
 def test_a_payload_missing_long_after_half_the_others_arrived_is_late() -> None:
     # Attack 3: a member that withholds its payload, while receiving everyone's, is named after
     # seconds, relative to what the others took, not after the connection's 120 s timeout.
