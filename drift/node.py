@@ -369,7 +369,10 @@ class Session:
         try:
             await self.ctl.send_frame(P.encode(msg))
         except TransportError as e:
-            raise Lost(f"cannot reach the coordinator: {e}") from None
+            why = self.ctl.close_reason()
+            raise Lost(
+                f"cannot reach the coordinator: {e}" + (f" ({why})" if why and why not in str(e) else "")
+            ) from None
 
     async def _read_control(self) -> None:
         """The router: coordinator frames -> the round loop's inbox, or the sync's queue; the end
@@ -405,7 +408,8 @@ class Session:
             self.lost_reason = (
                 "coordinator silent" if isinstance(e, TransportTimeout) else "coordinator closed the connection"
             )
-            if P.JOIN_BUSY in str(e):  # its joining slots were full: join_again tries again
+            # (a read can fail before it sees why the coordinator closed: the connection says why)
+            if P.JOIN_BUSY in f"{e} {self.ctl.close_reason()}":  # its joining slots were full: join_again tries again
                 self.lost_reason += f" ({P.JOIN_BUSY})"
         self.inbox.put_nowait(None)
         self.sync_q.put_nowait(None)

@@ -312,6 +312,15 @@ class Channel:
         except Exception:
             pass
 
+    def close_reason(self) -> str:
+        """Why the connection closed (as the peer put it when it closed it), as plain text; ''
+        while it is open."""
+        try:
+            why = self.conn.close_reason()
+        except Exception:
+            return ""
+        return "" if why is None else printable(str(why), 300)
+
     async def abort(self) -> None:
         """Abandon this stream only (its connection stays): reset our side, stop reading theirs."""
         for end in (self._send.reset(1), self._recv.stop(1)):
