@@ -183,9 +183,11 @@ def verify_peers(
     run_id: str | None = None,
     threshold: int = 1,
     allowlist: frozenset[str] | None = None,
+    known: frozenset[str] = frozenset(),
 ) -> None:
     """A node's check of TrainingReady: every listed node has a valid RepoCommit for this run and
-    commit, there are at least `threshold` of them, and (if given) all are allowlisted."""
+    commit, in this message or (`known`) verified from an earlier one, there are at least
+    `threshold` of them, and (if given) all are allowlisted."""
     by_id: dict[str, dict[str, Any]] = {}
     for s in signatures:
         if not isinstance(s, dict):
@@ -197,7 +199,7 @@ def verify_peers(
         if run_id is not None and s.get("run_id") != run_id:
             raise AuthError(f"peer {_short(nid)}'s RepoCommit is for another run ({s.get('run_id')!r})")
         by_id[nid] = s
-    unsigned = [n for n in nodes if n not in by_id]
+    unsigned = [n for n in nodes if n not in by_id and n not in known]
     if unsigned:
         raise AuthError(f"TrainingReady lists node {_short(unsigned[0])} without its signed RepoCommit")
     if len(set(nodes)) < threshold:

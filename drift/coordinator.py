@@ -166,6 +166,7 @@ class Coordinator:
         self.current: Round | None = None  # the round in progress (or the last one)
         self.live: list[Round] = []  # rounds not settled yet (two with the overlapped sync)
         self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
+        self._skipped: int | None = None  # the newest round whose checkpoint was due while one was being written
         self.positions: dict[int, dict] = {}  # the data position after each settled round
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
@@ -641,6 +642,13 @@ class Coordinator:
         if self.stopping:
             return self.results
         await self._wait_checkpoint()
+        if self._skipped is not None and self._skipped > (
+            self.last_checkpoint if self.last_checkpoint is not None else -1
+        ):
+            # The last round's checkpoint came due while an earlier one was still being written
+            # (rounds shorter than a save): the run does not end without it.
+            self._start_checkpoint(self._skipped)
+            await self._wait_checkpoint()
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         behind = await self._hand_final_theta(timeout=max(30.0, 3 * r.stale_after_s))
         final = self.results[-1].val_loss if self.results else None
@@ -903,6 +911,7 @@ class Coordinator:
         `timeout`: per node asked (see checkpoint)."""
         if self._saver is not None and not self._saver.done():
             log.warning("the checkpoint of an earlier round is still being written: none for round %d", rnd)
+            self._skipped = rnd
             return
         meta = {
             "checksum": self.swarm.checksums[rnd],
@@ -1131,6 +1140,7 @@ class Coordinator:
         """Nodes admitted during the last round join now; they fetch θ from a peer first."""
         async with self._joined:
             joining, self.joining = self.joining, []
+        entered: list[str] = []
         for p in joining:
             if _task_of(p) != (
                 self.swarm.checksums[-1],
@@ -1144,13 +1154,24 @@ class Coordinator:
                 self.note("node_refused", node_id=p.id, reason=why)
                 continue
             self.swarm.enter(p, -1)
+            entered.append(p.id)
             self.note("node_entered", node_id=p.id, name=p.info.name, round=rnd)
-        if joining:
-            # Everyone learns the new membership, with every member's signed RepoCommit: the nodes
-            # already training check the newcomers themselves before any ring or state connection.
-            ids = list(self.swarm.members)
-            await self.broadcast(
-                list(self.swarm.members.values()), P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids))
+        if entered:
+            # Everyone learns the new membership: the newcomers with every member's signed
+            # RepoCommit, the others with the newcomers' only (they verified the rest before: all
+            # of them to each member would be N² bytes from this uplink a join). Each checks the
+            # newcomers itself before any ring or state connection.
+            ids, new = list(self.swarm.members), set(entered)
+            members = list(self.swarm.members.values())
+            await asyncio.gather(
+                self.broadcast(
+                    [p for p in members if p.id in new],
+                    P.TrainingReady(nodes=ids, signatures=self.admission.signatures(ids)),
+                ),
+                self.broadcast(
+                    [p for p in members if p.id not in new],
+                    P.TrainingReady(nodes=ids, signatures=self.admission.signatures(entered)),
+                ),
             )
 
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None:

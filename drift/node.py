@@ -696,8 +696,9 @@ class Session:
         return P.RepoCommit.model_validate(sign_message(node.key, rc.model_dump(mode="json")))
 
     def _check_members(self, ready: P.TrainingReady) -> str | None:
-        """Verify every peer's signed RepoCommit in a TrainingReady; on success they become the
-        peers this node trains with (ring, state transfer). Returns what is wrong, or None."""
+        """Verify the signed RepoCommit of every peer in a TrainingReady that this node has not
+        verified before; on success they become the peers this node trains with (ring, state
+        transfer). Returns what is wrong, or None."""
         t = self.node.trainer
         if t is None:
             return "TrainingReady before this node loaded the task"
@@ -710,6 +711,7 @@ class Session:
                 run_id=t.run_id,
                 threshold=recipe.auth_threshold or 1,
                 allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist),
+                known=frozenset(self.node.members),
             )
         except AuthError as e:
             return f"peer check failed: {e}"

@@ -233,6 +233,12 @@ def test_node_checks_its_peers_signatures() -> None:
         verify_peers(sigs, ids, commit=COMMIT, allowlist=frozenset(ids[:1]))
     with pytest.raises(AuthError, match="another run"):
         verify_peers(sigs, ids, commit=COMMIT, run_id="run2")
+    # a member verified from an earlier TrainingReady needs no signature in a later one (a join
+    # sends the members only the newcomers'); one never verified still does
+    verify_peers(sigs[1:], ids, commit=COMMIT, known=frozenset(ids[:1]))
+    c = NodeKey.generate()
+    with pytest.raises(AuthError, match=f"lists node {c.node_id[:10]}.* without its signed RepoCommit"):
+        verify_peers(sigs[1:], [*ids, c.node_id], commit=COMMIT, known=frozenset(ids[:1]))
 
 
 # --- the repo cache ------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SIM, drift_cmd, make_task_repo
+from conftest import SIM, WRAPPERS, drift_cmd, make_task_repo
 
 from drift.checkpoint import latest_checkpoint
 from drift.monitor import Monitor
+from harness.simulate import Swarm
 
 
 def _coord(recipe: Path, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -26,6 +27,21 @@ def _coord(recipe: Path, run_dir: Path, *args: str) -> subprocess.CompletedProce
         timeout=300,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+@pytest.mark.swarm
+def test_the_last_rounds_checkpoint_is_written_when_rounds_are_shorter_than_a_save(tmp_path: Path) -> None:
+    # Each checkpoint is due every round, and each save takes seconds (the only holder of θ serves
+    # every piece 1 s late): the rounds after round 0 end while its save is still being written.
+    # Before, their checkpoints were skipped and the run ended with round 0's as its newest.
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=1, rounds=3, checkpoint_every=1, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    swarm.join("0.02", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "slow-serve:0"})
+    assert swarm.finish() == 0, swarm.log()
+    saved = [e["round"] for e in swarm.events() if e["event"] == "checkpoint"]
+    assert saved[0] == 0 and saved[-1] == 2, saved  # (rounds 1 and 2 ended during round 0's save)
+    ckpt, _ = latest_checkpoint(swarm.run_dir / "checkpoints")
+    assert ckpt is not None and ckpt.round == 2
 
 
 @pytest.mark.swarm

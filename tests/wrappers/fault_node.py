@@ -62,6 +62,8 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   withhold-gather      (sync: sparse) from that round on, send its payload to nobody in the
                        all-gather while receiving everyone's: before, the honest members waited
                        their 120 s timeout and were the ones struck (the withholder finished first)
+  slow-serve           every piece of θ or outer state it serves (to a joiner, or to the coordinator
+                       for a checkpoint) goes 1 s late, as over a slow uplink; ROUND is ignored
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
@@ -87,6 +89,7 @@ from drift.gather import Gather
 from drift.inner import InnerLoop
 from drift.node import Session, Trainer
 from drift.ring import Ring
+from drift.state import StateServer
 from drift.sync import rules
 from drift.transport import Channel, TransportError
 
@@ -240,6 +243,13 @@ elif kind == "diverge":
     async def _(orig, self, a):
         Session.current_round = a.round
         return await orig(self, a)
+elif kind == "slow-serve":
+
+    @patch(StateServer, "_send_piece")
+    async def _send_piece(original, self, ch, data, timeout):
+        await asyncio.sleep(1.0)
+        await original(self, ch, data, timeout)
+
 elif kind == "stop-reading":
     stopped: list[Channel] = []
 
