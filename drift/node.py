@@ -711,7 +711,7 @@ class Session:
                 run_id=t.run_id,
                 threshold=recipe.auth_threshold or 1,
                 allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist),
-                known=frozenset(self.node.members),
+                known=frozenset({*self.node.members, self.node.endpoint.node_id}),  # (verified before)
             )
         except AuthError as e:
             return f"peer check failed: {e}"
