@@ -139,6 +139,9 @@ class Gather:
         finally:
             if self._from.get(peer) is conn:
                 del self._from[peer]
+            waiting = self._incoming.get(peer)
+            if waiting is not None and waiting[-1].conn is conn:  # its stream ended with it
+                del self._incoming[peer]
 
     async def _header(self, peer: str, conn, ch: Channel) -> bool:
         """Read a new stream's header and keep the stream for the exchange that takes it; a bad
@@ -269,6 +272,9 @@ class Gather:
                         f"{m.node_id[:10]} announced a payload of {size} bytes, expected {nbytes}", suspect=m.node_id
                     )
                 out[k] = await self._receive(ch, m.node_id, size, count)
+            except asyncio.CancelledError:
+                _abort_soon(ch)  # this stream only: the connection may carry the next attempt's
+                raise
             except BaseException:
                 ch.close("payload not received")
                 raise
@@ -324,54 +330,67 @@ class Gather:
 
     async def _send(self, m: RingMember, head: bytes, payload: bytes, count: list[int]) -> None:
         """On a new stream to `m`, the header, then the payload in CHUNK_BYTES frames; wait for
-        ok. A kept connection that broke since its last payload is replaced, once."""
-        for retry in (False, True):
-            ch, kept = await self._open(m)
-            try:
-                await ch.send_frame(head, self.timeout)
-                view = memoryview(payload)
-                for a in range(0, len(view), CHUNK_BYTES):
-                    await ch.send_frame(view[a : a + CHUNK_BYTES], self.timeout)
-                if await ch.recv_frame(16, self.timeout) != b"ok":
-                    raise RingError(f"{m.node_id[:10]} did not confirm our payload", suspect=m.node_id)
-                count[0] += ch.bytes_sent
-                await ch.finish()
-                return
-            except TransportTimeout as e:
-                self._forget(m.node_id)
-                raise RingError(f"sending to {m.node_id[:10]}: {e}", suspect=m.node_id) from None
-            except TransportError as e:
-                self._forget(m.node_id)
-                if kept and not retry:
-                    log.debug("connection to %s broke since its last payload (%s): a new one", m.node_id[:10], e)
-                    continue
-                raise RingError(f"sending to {m.node_id[:10]}: {e}") from None
-            except BaseException:
-                self._forget(m.node_id)
-                raise
+        ok. A transfer that fails closes its connection (the next opens a new one); one cancelled
+        (a newer attempt) abandons its stream only."""
+        ch = await self._open(m)
+        try:
+            await ch.send_frame(head, self.timeout)
+            view = memoryview(payload)
+            for a in range(0, len(view), CHUNK_BYTES):
+                await ch.send_frame(view[a : a + CHUNK_BYTES], self.timeout)
+            if await ch.recv_frame(16, self.timeout) != b"ok":
+                raise RingError(f"{m.node_id[:10]} did not confirm our payload", suspect=m.node_id)
+            count[0] += ch.bytes_sent
+            await ch.finish()
+        except asyncio.CancelledError:
+            _abort_soon(ch)
+            raise
+        except TransportTimeout as e:
+            self._forget(m.node_id, ch.conn)
+            raise RingError(f"sending to {m.node_id[:10]}: {e}", suspect=m.node_id) from None
+        except TransportError as e:
+            self._forget(m.node_id, ch.conn)
+            raise RingError(f"sending to {m.node_id[:10]}: {e}") from None
+        except BaseException:
+            self._forget(m.node_id, ch.conn)
+            raise
 
-    async def _open(self, m: RingMember) -> tuple[Channel, bool]:
-        """A new stream to `m`, and whether it is on the connection kept from an earlier payload
-        (else a new connection, kept from now on). A member that came back with a new ticket (a
+    async def _open(self, m: RingMember) -> Channel:
+        """A new stream to `m`: on the connection kept from an earlier payload while it is open,
+        else on a new one, kept from then on. A member that came back with a new ticket (a
         restarted node) gets a new connection."""
         ticket, conn = self._to.get(m.node_id, ("", None))
         if conn is not None and ticket == m.ticket and conn.close_reason() is None:
             with contextlib.suppress(TransportError):
-                return await Endpoint.open_channel(conn, self.timeout), True
-        self._forget(m.node_id)
+                return await Endpoint.open_channel(conn, min(self.timeout, HELLO_TIMEOUT))
+        self._forget(m.node_id, conn)
         try:
             conn = await self.endpoint.dial(m.ticket, GATHER_ALPN, timeout=self.timeout)
             ch = await Endpoint.open_channel(conn, self.timeout)
         except TransportError as e:
             raise RingError(f"could not reach {m.node_id[:10]}: {e}", suspect=m.node_id) from None
-        self._forget(m.node_id)  # another transfer may have kept one meanwhile
         self._to[m.node_id] = (m.ticket, conn)
-        return ch, False
+        return ch
 
-    def _forget(self, peer: str) -> None:
-        """Close and drop the connection kept to `peer`, if any."""
-        if (kept := self._to.pop(peer, None)) is not None:
-            close_conn(kept[1], "payload not sent")
+    def _forget(self, peer: str, conn) -> None:
+        """Close `conn` and drop it if it is the one kept to `peer` (a newer may be kept by now)."""
+        if conn is None:
+            return
+        close_conn(conn, "payload not sent")
+        if self._to.get(peer, ("", None))[1] is conn:
+            del self._to[peer]
+
+    def connected(self, peer: str) -> bool:
+        """Whether this node keeps an open connection to `peer` for its next payload."""
+        conn = self._to.get(peer, ("", None))[1]
+        return conn is not None and conn.close_reason() is None
+
+    def retain(self, members: set[str]) -> None:
+        """Close the connections to and from anyone not in `members` (who left the run)."""
+        for peer in [p for p in self._to if p not in members]:
+            close_conn(self._to.pop(peer)[1], "no longer a member")
+        for peer in [p for p in self._from if p not in members]:
+            close_conn(self._from.pop(peer), "no longer a member")
 
     async def _take(self, peer: str, round_: int, generation: int, level: int) -> tuple[int, bytes, Channel]:
         """(size, signature, channel) of the connection `peer` opened for this round, attempt
@@ -387,8 +406,8 @@ class Gather:
             raise RingError(f"{peer[:10]} never sent its payload (waited {self.timeout:g}s)", suspect=peer) from None
 
     async def _receive(self, ch: Channel, peer: str, size: int, count: list[int]) -> bytes:
-        """A payload of exactly `size` bytes, the last read of this connection: then answer ok,
-        wait for the sender to hang up and count the bytes received."""
+        """A payload of exactly `size` bytes, the last read of this stream: then answer ok, wait
+        for the sender to finish its side and count the bytes received."""
         try:
             parts, got = [], 0
             until = time.monotonic() + self.timeout + size / MIN_RATE  # for the whole payload, not each frame
@@ -407,6 +426,16 @@ class Gather:
             raise RingError(f"receiving from {peer[:10]}: {e}", suspect=peer) from None
         except TransportError as e:
             raise RingError(f"receiving from {peer[:10]}: {e}") from None
+
+
+_aborting: set[asyncio.Task] = set()
+
+
+def _abort_soon(ch: Channel) -> None:
+    """Abandon a stream without waiting (from a task being cancelled)."""
+    task = asyncio.ensure_future(ch.abort())
+    _aborting.add(task)
+    task.add_done_callback(_aborting.discard)
 
 
 async def _all(coros) -> None:

@@ -718,6 +718,7 @@ class Session:
         if self.node.endpoint.node_id not in ready.nodes:
             return "TrainingReady does not list this node"
         self.node.members = set(ready.nodes) - {self.node.endpoint.node_id}
+        self.node.gather.retain(self.node.members)
         return None
 
     async def _verify_ready(self, ready: P.TrainingReady) -> None:

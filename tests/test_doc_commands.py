@@ -170,10 +170,9 @@ def test_ci_runs_the_readme_test_command() -> None:
     failure ends CI with its exit status); the first line, the main command, is
     tests/test_readme.py's."""
     main, tests = [m.group(1) for m in _BLOCK.finditer((ROOT / "README.md").read_text())][:2]
-    # the whole suite, a tier at a time (CI prints each tier's time), on both cores (pytest-xdist; the
-    # slow tier on three workers: its tests wait on sleeping nodes and deadlines, CONTRIBUTING.md)
+    # the whole suite, a tier at a time (CI prints each tier's time), each on both cores (pytest-xdist)
     assert "drift coord" in main and tests.endswith(
-        'python3 -m pytest -q -n 2 -m "not swarm" && python3 -m pytest -q -n 3 -m swarm'
+        'python3 -m pytest -q -n 2 -m "not swarm" && python3 -m pytest -q -n 2 -m swarm'
     )
     assert main.split(" && pip install")[0] == tests.split(" && pip install")[0]  # one virtualenv
     assert f"{tests} || exit" in (ROOT / ".ci" / "run").read_text().splitlines()
