@@ -642,12 +642,11 @@ class Coordinator:
         if self.stopping:
             return self.results
         await self._wait_checkpoint()
-        newest, last = self.swarm.newest(), self.last_checkpoint
         failed = self.stopping or (self.monitor is not None and self.monitor.error is not None)
-        if self._skipped is not None and not failed and newest > (last if last is not None else -1):
-            # A checkpoint came due while an earlier one was still being written (rounds shorter
-            # than a save), the last round's among them: the run does not end without it.
-            self._start_checkpoint(newest)
+        if (
+            owed := rules.checkpoint_owed(self._skipped, self.swarm.newest(), self.last_checkpoint, failed)
+        ) is not None:
+            self._start_checkpoint(owed)
             await self._wait_checkpoint()
         await self._finish_evaluations(timeout=max(30.0, 3 * r.stale_after_s))
         behind = await self._hand_final_theta(timeout=max(30.0, 3 * r.stale_after_s))

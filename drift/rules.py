@@ -68,6 +68,16 @@ class NodeRound:
 Records = Mapping[str, NodeRound]
 
 
+def checkpoint_owed(skipped: int | None, newest: int, last: int | None, failed: bool) -> int | None:
+    """The round whose checkpoint a run that ends must still write, or None: the newest agreed
+    round, when a checkpoint came due while an earlier one was being written (`skipped`: the
+    newest such round; rounds shorter than a save) and none as new was written since. None when
+    the run is stopping or a save already failed (a full disk would only fail again)."""
+    if skipped is None or failed or newest < 0:
+        return None
+    return newest if newest > (last if last is not None else -1) else None
+
+
 def ask_allowance(unit_samples: int, measured_sps: float | None) -> int:
     """The samples a node may hold granted but not yet reported trained: two units (one in
     training, one asked ahead), or what our clock measured it trains in AHEAD_S if that is more

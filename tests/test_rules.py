@@ -475,3 +475,14 @@ def test_a_failed_ring_is_decided_early_only_once_a_member_reported_the_failure(
     # a member left (nobody reported a failure): the others' RoundDones settle it, not this rule
     assert not rules.failure_heard(["a", "b"], {"a", "b"}, set(), set(), waited=0.1, grace=5.0)
     assert rules.failure_heard(["a", "b"], set(), set(), set(), waited=6.0, grace=5.0)
+
+
+def test_a_run_that_ends_writes_the_checkpoint_it_skipped_while_saving_unless_a_save_failed() -> None:
+    # The case of test_run_dir's slow holder: 3 rounds, a checkpoint due each; rounds 1 and 2
+    # settled while round 0's save was being written (skipped 2), round 0's is the last written.
+    assert rules.checkpoint_owed(skipped=2, newest=2, last=0, failed=False) == 2
+    assert rules.checkpoint_owed(skipped=1, newest=2, last=None, failed=False) == 2  # round 0's θ could not be fetched
+    assert rules.checkpoint_owed(skipped=None, newest=2, last=1, failed=False) is None  # none skipped (2 was not due)
+    assert rules.checkpoint_owed(skipped=1, newest=2, last=2, failed=False) is None  # a later save wrote it
+    assert rules.checkpoint_owed(skipped=2, newest=2, last=0, failed=True) is None  # a full disk, or Ctrl-C
+    assert rules.checkpoint_owed(skipped=0, newest=-1, last=None, failed=False) is None  # no round agreed
