@@ -735,8 +735,11 @@ class Session:
     async def _round(self, a: P.ShardAssignment) -> None:
         t = self.node.trainer
         self.round = a.round
-        if a.state is not None and (t.held, t.held_checksum) != (a.state.round, a.state.checksum):
-            # a late joiner, an evaluator or a node that sat out: take the swarm's θ first
+        in_flight = t.pending is not None and not t.pending.settled.is_set()
+        if a.state is not None and not in_flight and (t.held, t.held_checksum) != (a.state.round, a.state.checksum):
+            # A late joiner, an evaluator or a node that sat out: take the swarm's θ first. (While
+            # a round of ours is being reduced, θ is the sync's: an Agreed brings what we lack,
+            # and a θ that is not the swarm's shows in that round's checksums.)
             try:
                 await self._fetch(t, a.state)
             except Lost:
@@ -858,6 +861,12 @@ class Session:
                             continue
                         reduce = asyncio.ensure_future(self._allreduce(t, msg))
                         reduce.pending = p  # the round it is for (the round loop may have moved on)
+                    case P.Agreed() if p is not None and msg.round < p.round:
+                        # A round we applied ourselves (an attempt the coordinator then redid
+                        # without us) settled otherwise, and we synced the next one meanwhile.
+                        if msg.round == t.held:
+                            await self._rebase(t, msg.state)
+                            await self._beat()
                     case P.Agreed() if p is None or msg.round != p.round:
                         # A node still in a long step learns the round went on without it before
                         # it reaches the barrier: kept for when it does (see _pend).
@@ -1025,22 +1034,44 @@ class Session:
         A node that reads this late (it was stuck in a long step) may find no donor with that θ
         any more: it keeps its θ, and the coordinator, told what it holds, hands it the newest
         at its next assignment."""
-        changed = t.held_checksum != msg.state.checksum
-        if changed:
-            try:
-                await self._fetch(t, msg.state)
-            except Lost as e:
-                log.warning(
-                    "could not take θ of round %d (%s); the next assignment brings the newest", msg.state.round, e
-                )
-        if not p.applied:
+        if p.applied:  # our own attempt, which the coordinator redid without us
+            await self._rebase(t, msg.state)
+        else:
+            if t.held_checksum != msg.state.checksum:
+                try:
+                    await self._fetch(t, msg.state)
+                except Lost as e:
+                    log.warning(
+                        "could not take θ of round %d (%s); the next assignment brings the newest", msg.state.round, e
+                    )
             t.rule.abandon()  # our contribution's bookkeeping (error feedback) stays as it was
-        if changed or not p.applied:
             await self._catch_up(t)
         p.applied = p.superseded = False
         self.progress.settled(p.round, 0, None, abandoned=msg.abandoned)
         p.settled.set()
         await self._beat()  # the coordinator learns what we hold now, before it plans the next round
+
+    async def _rebase(self, t: Trainer, src: P.StateSource) -> None:
+        """θ_global <- the agreed state of round src.round in place of the one this node applied
+        itself. The local copy (and the snapshot of a round synced since) move by the same
+        difference, so the work since and its Δ stay as they are. Under the model's lock: the
+        round loop's barrier reads θ and the snapshot together, and its own fetch (a blocking
+        node's next assignment) ends by loading θ into the worker under it."""
+        async with t.lock:
+            if (t.held, t.held_checksum) == (src.round, src.checksum):
+                return
+            moved = t.theta.copy()
+            try:
+                await self._fetch(t, src)
+            except Lost as e:
+                t.theta[...] = moved  # (the pieces that came were written in place)
+                log.warning("could not take θ of round %d (%s); the next assignment brings the newest", src.round, e)
+                return
+            np.subtract(t.theta, moved, out=moved)
+            t.worker.add_to_state(t.layout.unflatten(moved))
+            if t.snap is not None:
+                t.snap += moved
+        trim_heap()
 
     async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
         """θ_global and the outer state <- the agreed state of round src.round, from its holders.

@@ -200,6 +200,32 @@ def test_node_dies_during_the_all_reduce(tmp_path: Path) -> None:
     check_exactly_once(events, 2 * BATCH)
 
 
+@pytest.mark.parametrize("sync", ["blocking", "overlapped"])
+def test_a_node_whose_own_attempt_was_redone_without_it_keeps_the_work_it_did_since(tmp_path: Path, sync: str) -> None:
+    """Two of three nodes report round 2's all-reduce failed after it finished, so the third
+    alone applied that attempt; the coordinator redoes it without the third, which trained on
+    meanwhile (overlapped: it synced round 3 already). It takes round 2's agreed θ without losing
+    that work and reduces round 3 with the others (before, overlapped: it dropped round 3's sync
+    and the swarm waited 150 s for it)."""
+    n = 6
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=n, inner_steps=6, sync=sync, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    for _ in range(2):
+        swarm.join("0.05", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "deny-ring:2"})
+    swarm.join("0.05", name="honest")
+    assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0, 0], swarm.node_logs()
+    events = swarm.events()
+    sat_out = [(e["name"], e["round"], e["reason"]) for e in events if e["event"] == "sat_out"]
+    assert sat_out == [("honest", 2, "retry")], swarm.log()
+    assert not [e for e in events if e["event"] in ("deadline", "diverged", "disagreed", "round_abandoned")]
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [r["round"] for r in rounds] == list(range(n))
+    assert rounds[2]["nodes"]["honest"]["weight"] == 0  # its attempt was not the round's
+    assert all(r["nodes"]["honest"]["weight"] > 0 for r in rounds[3:])  # and it trains on with the swarm
+    check_exactly_once(events, 2 * BATCH)
+
+
 def test_a_retry_that_comes_while_a_node_reports_its_failure_is_not_lost(tmp_path: Path) -> None:
     """A network blip breaks round 1's all-reduce on one node, and its report of it is slow to
     leave: the coordinator's retry reaches that node while it is still reporting, and it must

@@ -172,7 +172,7 @@ class Swarm:
             if self.coord.poll() is not None:
                 break
             time.sleep(0.05)
-        raise AssertionError("event never came; coordinator log:\n" + self.log())
+        raise AssertionError("event never came; coordinator log:\n" + self.log() + "\nnode logs:\n" + self.node_logs())
 
     def kill(self, p: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
         p.send_signal(sig)

@@ -23,6 +23,11 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
   blip-in-allreduce    the ring connections break at the first chunk of that round's first
                        all-reduce attempt (a network blip), and the report of it takes 4 s to
                        reach the coordinator (a congested link): its retry arrives meanwhile
+  deny-ring            finish that round's first all-reduce attempt, then report it failed 4 s
+                       later instead of applying it (a node whose check of the sum failed, or a
+                       liar): with two of three doing so, the third alone applied that attempt,
+                       the coordinator redoes it without the third, which has synced the next
+                       round by then
   lie-report           report, at that round's barrier, one of its units twice
   diverge              apply a different outer step in that round (θ no longer matches the swarm's)
   announce-wrong       in a ring of two, announce a wrong θ for that round's outer step, once (a
@@ -77,6 +82,7 @@ import hashlib
 import os
 import signal
 import sys
+import threading
 
 import numpy as np
 import sim_node  # noqa: F401 - a simulated device when $DRIFT_SIM_STEP is set
@@ -88,7 +94,7 @@ from drift.gather import _HEADER as gather_header
 from drift.gather import Gather
 from drift.inner import InnerLoop
 from drift.node import Session, Trainer
-from drift.ring import Ring
+from drift.ring import Ring, RingError
 from drift.state import StateServer
 from drift.sync import rules
 from drift.transport import Channel, TransportError
@@ -98,7 +104,10 @@ at = int(arg)
 
 
 def stop() -> None:
-    os.kill(os.getpid(), signal.SIGSTOP)
+    """SIGSTOP, taken by the calling thread itself: sent to the process, it is taken by whichever
+    thread the kernel picks (the training thread, say), and until that one runs the node's own
+    thread went on sending (seen on a loaded machine: three more ring chunks)."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def patch(cls, name: str):
@@ -221,6 +230,18 @@ elif kind == "blip-in-allreduce":
         if isinstance(msg, P.RingFailed) and msg.round == at:
             await asyncio.sleep(4.0)
         await orig(self, msg)
+elif kind == "deny-ring":
+    denied = False
+
+    @patch(Session, "_allreduce")
+    async def _(orig, self, t, ready):
+        global denied
+        out = await orig(self, t, ready)
+        if ready.round == at and not denied:
+            denied = True
+            await asyncio.sleep(4.0)
+            return (*out[:4], None, RingError("injected: the sum did not check out"))
+        return out
 elif kind == "lie-report":
 
     @patch(Session, "send")
