@@ -736,19 +736,21 @@ class Session:
         t = self.node.trainer
         self.round = a.round
         in_flight = t.pending is not None and not t.pending.settled.is_set()
-        if a.state is not None and not in_flight and (t.held, t.held_checksum) != (a.state.round, a.state.checksum):
+        if a.state is not None and not in_flight and not self._holds(t, a.state):
             # A late joiner, an evaluator or a node that sat out: take the swarm's θ first. (While
             # a round of ours is being reduced, θ is the sync's: an Agreed brings what we lack,
-            # and a θ that is not the swarm's shows in that round's checksums.)
-            try:
-                await self._fetch(t, a.state)
-            except Lost:
-                if a.role != "evaluate":
-                    raise
-            else:
-                t.pending = None
-                async with t.lock:
-                    t.load_worker()
+            # and a θ that is not the swarm's shows in that round's checksums.) Under the model's
+            # lock, as an Agreed's rebase: one writer of θ at a time.
+            async with t.lock:
+                if not self._holds(t, a.state):
+                    try:
+                        await self._fetch(t, a.state)
+                    except Lost:
+                        if a.role != "evaluate":
+                            raise
+                    else:
+                        t.pending = None
+                        t.load_worker()
         if a.catch_up is not None and (t.pending is None or t.pending.settled.is_set()):
             # overlapped: that round lands while we train (Agreed brings it)
             t.snap[...] = t.theta
@@ -756,7 +758,7 @@ class Session:
         if a.role == "wait":  # overlapped: θ comes with the Agreed of the round in flight
             return
         if a.role == "evaluate":
-            if a.state is not None and t.held != a.state.round:  # no donor had that θ any more
+            if a.state is not None and not self._holds(t, a.state):  # no donor had it, or a round is in flight
                 await asyncio.sleep(1.0)
                 await self.send(P.AskForMoreWork(round=a.round))
                 return
@@ -1034,7 +1036,7 @@ class Session:
         A node that reads this late (it was stuck in a long step) may find no donor with that θ
         any more: it keeps its θ, and the coordinator, told what it holds, hands it the newest
         at its next assignment."""
-        if p.applied:  # our own attempt, which the coordinator redid without us
+        if p.applied or p.superseded:  # our own attempt, which the coordinator redid without us
             await self._rebase(t, msg.state)
         else:
             if t.held_checksum != msg.state.checksum:
@@ -1054,24 +1056,30 @@ class Session:
     async def _rebase(self, t: Trainer, src: P.StateSource) -> None:
         """θ_global <- the agreed state of round src.round in place of the one this node applied
         itself. The local copy (and the snapshot of a round synced since) move by the same
-        difference, so the work since and its Δ stay as they are. Under the model's lock: the
-        round loop's barrier reads θ and the snapshot together, and its own fetch (a blocking
-        node's next assignment) ends by loading θ into the worker under it."""
+        difference, so the work since and its Δ stay as they are. Under the model's lock, as the
+        round loop's own fetch: its barrier reads θ and the snapshot together. If no holder hands
+        the state over, every array is as it was."""
         async with t.lock:
-            if (t.held, t.held_checksum) == (src.round, src.checksum):
+            if self._holds(t, src):
                 return
-            moved = t.theta.copy()
+            before = [a.copy() for a in t.arrays]
             try:
                 await self._fetch(t, src)
             except Lost as e:
-                t.theta[...] = moved  # (the pieces that came were written in place)
+                for a, b in zip(t.arrays, before):
+                    a[...] = b  # (the pieces that came were written in place)
                 log.warning("could not take θ of round %d (%s); the next assignment brings the newest", src.round, e)
                 return
+            moved = before[0]
             np.subtract(t.theta, moved, out=moved)
             t.worker.add_to_state(t.layout.unflatten(moved))
             if t.snap is not None:
                 t.snap += moved
         trim_heap()
+
+    @staticmethod
+    def _holds(t: Trainer, src: P.StateSource) -> bool:
+        return (t.held, t.held_checksum) == (src.round, src.checksum)
 
     async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
         """θ_global and the outer state <- the agreed state of round src.round, from its holders.

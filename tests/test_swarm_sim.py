@@ -207,7 +207,7 @@ def test_a_node_whose_own_attempt_was_redone_without_it_keeps_the_work_it_did_si
     meanwhile (overlapped: it synced round 3 already). It takes round 2's agreed θ without losing
     that work and reduces round 3 with the others (before, overlapped: it dropped round 3's sync
     and the swarm waited 150 s for it)."""
-    n = 6
+    n = 4
     recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=n, inner_steps=6, sync=sync, **SIM)
     swarm = Swarm(recipe, tmp_path)
     for _ in range(2):
