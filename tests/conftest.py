@@ -58,6 +58,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _swarm_test[0] = False
 
 
+# The slow tier's longest tests (CONTRIBUTING.md, Suite time), started first: collected in file
+# order they came last, and the suite then waited on one worker running one of them alone.
+LONGEST_FIRST = ("test_readme.py", "test_thousand.py", "test_base_swarm.py", "test_simulation.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # (stable: else in file order)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for name, (ok, why) in NEEDS.items():
         if item.get_closest_marker(name) is not None and not ok():
