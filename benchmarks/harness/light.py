@@ -140,7 +140,8 @@ class LightWorker(ParamsOnly):
         self._n = 0
 
     def add_to_state(self, deltas: dict[str, np.ndarray]) -> None:
-        raise NotImplementedError("lightweight nodes run the blocking sync (overlap: false)")
+        check_params({"w": (self.size,)}, deltas)
+        self._base = self._base + np.asarray(deltas["w"], np.float32)  # (the samples since stay)
 
     def reset_optimizer(self) -> None:
         pass
