@@ -233,6 +233,10 @@ class Trainer:
         """The swarm's state as this node holds it: θ_global, then the rule's shared state arrays."""
         return (self.theta, *self.rule.state.values())
 
+    def holds(self, src: P.StateSource) -> bool:
+        """Whether θ_global is already the state `src` names (its round and checksum)."""
+        return (self.held, self.held_checksum) == (src.round, src.checksum)
+
     def publish(self, server: StateServer, rnd: int, known: str = "") -> None:
         """Serve the state of round rnd; `known`: its checksum, when computed already (a preview)."""
         self.held, self.held_checksum = rnd, known or checksum(*self.arrays)
@@ -736,13 +740,13 @@ class Session:
         t = self.node.trainer
         self.round = a.round
         in_flight = t.pending is not None and not t.pending.settled.is_set()
-        if a.state is not None and not in_flight and not self._holds(t, a.state):
+        if a.state is not None and not in_flight and not t.holds(a.state):
             # A late joiner, an evaluator or a node that sat out: take the swarm's θ first. (While
             # a round of ours is being reduced, θ is the sync's: an Agreed brings what we lack,
             # and a θ that is not the swarm's shows in that round's checksums.) Under the model's
             # lock, as an Agreed's rebase: one writer of θ at a time.
             async with t.lock:
-                if not self._holds(t, a.state):
+                if not t.holds(a.state):
                     try:
                         await self._fetch(t, a.state)
                     except Lost:
@@ -758,7 +762,7 @@ class Session:
         if a.role == "wait":  # overlapped: θ comes with the Agreed of the round in flight
             return
         if a.role == "evaluate":
-            if a.state is not None and not self._holds(t, a.state):  # no donor had it, or a round is in flight
+            if a.state is not None and not t.holds(a.state):  # no donor had it, or a round is in flight
                 await asyncio.sleep(1.0)
                 await self.send(P.AskForMoreWork(round=a.round))
                 return
@@ -1034,18 +1038,12 @@ class Session:
         up leaves θ as it was: the catch-up then takes back what the round trained locally).
 
         A node that reads this late (it was stuck in a long step) may find no donor with that θ
-        any more: it keeps its θ, and the coordinator, told what it holds, hands it the newest
-        at its next assignment."""
+        any more (_take)."""
         if p.applied or p.superseded:  # our own attempt, which the coordinator redid without us
             await self._rebase(t, msg.state)
         else:
             if t.held_checksum != msg.state.checksum:
-                try:
-                    await self._fetch(t, msg.state)
-                except Lost as e:
-                    log.warning(
-                        "could not take θ of round %d (%s); the next assignment brings the newest", msg.state.round, e
-                    )
+                await self._take(t, msg.state)
             t.rule.abandon()  # our contribution's bookkeeping (error feedback) stays as it was
             await self._catch_up(t)
         p.applied = p.superseded = False
@@ -1060,15 +1058,12 @@ class Session:
         round loop's own fetch: its barrier reads θ and the snapshot together. If no holder hands
         the state over, every array is as it was."""
         async with t.lock:
-            if self._holds(t, src):
+            if t.holds(src):
                 return
             before = [a.copy() for a in t.arrays]
-            try:
-                await self._fetch(t, src)
-            except Lost as e:
+            if not await self._take(t, src):
                 for a, b in zip(t.arrays, before):
                     a[...] = b  # (the pieces that came were written in place)
-                log.warning("could not take θ of round %d (%s); the next assignment brings the newest", src.round, e)
                 return
             moved = before[0]
             np.subtract(t.theta, moved, out=moved)
@@ -1077,9 +1072,15 @@ class Session:
                 t.snap += moved
         trim_heap()
 
-    @staticmethod
-    def _holds(t: Trainer, src: P.StateSource) -> bool:
-        return (t.held, t.held_checksum) == (src.round, src.checksum)
+    async def _take(self, t: Trainer, src: P.StateSource) -> bool:
+        """_fetch, or False with a warning when no holder handed the state over: the node keeps
+        what it holds, and the coordinator, told so, hands it the newest at its next assignment."""
+        try:
+            await self._fetch(t, src)
+        except Lost as e:
+            log.warning("could not take θ of round %d (%s); the next assignment brings the newest", src.round, e)
+            return False
+        return True
 
     async def _fetch(self, t: Trainer, src: P.StateSource) -> None:
         """θ_global and the outer state <- the agreed state of round src.round, from its holders.
