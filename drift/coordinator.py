@@ -168,6 +168,9 @@ class Coordinator:
         self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
         self._skipped: int | None = None  # the newest round whose checkpoint was due while one was being written
         self.positions: dict[int, dict] = {}  # the data position after each settled round
+        self.late: dict[
+            str, R.Late
+        ] = {}  # the last settled round's late members (blocking: the next round merges them)
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
@@ -695,7 +698,8 @@ class Coordinator:
             if not self.swarm.members:
                 raise CoordinatorError(f"every node has left (round {rnd})")
             taken = queue.take_round(R.budget(self.swarm, queue.pending_samples()))
-            cur = self.current = Round(self.swarm, self, rnd, taken, time.monotonic(), prev)
+            cur = self.current = Round(self.swarm, self, rnd, taken, time.monotonic(), prev, self.late)
+            self.late = {}
             self.live = [x for x in (prev, cur) if x is not None]
             await self._apply(cur, cur.start(self.samples_seen))
             while True:
@@ -786,7 +790,8 @@ class Coordinator:
                 case R.TellAgreed(nodes=nodes, round=rnd, abandoned=abandoned):  # (where from: the new θ's donors)
                     told = [(s.members[i], self.state_source(i, force=True)) for i in nodes if i in s.members]
                     for peer, src in told:
-                        await self.broadcast([peer], P.Agreed(round=rnd, abandoned=abandoned, state=src))
+                        keep = a.scale if peer.id in a.keep else 0.0
+                        await self.broadcast([peer], P.Agreed(round=rnd, abandoned=abandoned, state=src, keep=keep))
                 case R.Note(kind=kind, fields=fields):
                     self.note(kind, **fields)
                 case R.Log(level=level, text=text):
@@ -848,8 +853,14 @@ class Coordinator:
         await self._apply(rd, actions)
         if nxt is not None:  # overlapped: the next round's clocks start now, and its evaluators' jobs
             await self._event(nxt, R.PrevSettled())
+        # Blocking, the late members' units are with them until the next round merges them: a
+        # resume from here trains them again.
+        self.late = result.late
+        held = [u for w in result.late.values() for u in w.units]
         self.positions[rd.rnd] = (
-            self.queue.position() if nxt is None else UnitQueue.with_pending(nxt.queue_before, result.given_back)
+            UnitQueue.with_pending(self.queue.position(), held)
+            if nxt is None
+            else UnitQueue.with_pending(nxt.queue_before, result.given_back)
         )
         r = self.recipe
         if checkpoint and not self.stopping and ((rd.rnd + 1) % r.checkpoint_every == 0 or rd.rnd == r.rounds - 1):

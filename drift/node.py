@@ -162,6 +162,7 @@ class Pending:
 
     round: int
     report_val: bool = False
+    usable: bool = False  # our Δ of the round is one to send (a late node may keep it: Agreed.keep)
     applied: bool = False  # our own all-reduce succeeded: θ_global is (provisionally) the round's
     superseded: bool = False  # ... but the coordinator redid it without us: wait for Agreed
     announced: Announced | None = None  # a ring of two: the step waits for the coordinator's Commit
@@ -798,7 +799,7 @@ class Session:
         if problem:
             log.warning("round %d: %s; reporting it instead of sending it", a.round, problem)
             t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
-        self._pend(t, Pending(a.round, a.report_val))
+        self._pend(t, Pending(a.round, a.report_val, usable=bool(report.steps) and not problem))
         norm = t.delta_check.norm if report.steps and not problem else 0.0  # bounds the ring's sum
         await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem, "delta_norm": norm}))
         if not t.recipe.overlap:
@@ -1046,6 +1047,15 @@ class Session:
                 await self._take(t, msg.state)
             t.rule.abandon()  # our contribution's bookkeeping (error feedback) stays as it was
             await self._catch_up(t)
+            if msg.keep > 0 and p.usable and t.snap is None:
+                # The round went on without us: our work of it rides on the new θ, scaled for its
+                # staleness, and reaches the swarm in our next round's Δ (the coordinator counts
+                # its samples there).
+                async with t.lock:
+                    t.worker.add_to_state(t.layout.unflatten(t.delta * -msg.keep))
+                log.info(
+                    "round %d went on without this node: %.0f%% of its Δ rides into the next", p.round, 100 * msg.keep
+                )
         p.applied = p.superseded = False
         self.progress.settled(p.round, 0, None, abandoned=msg.abandoned)
         p.settled.set()

@@ -502,6 +502,9 @@ class Agreed(_Msg):
     round: Round
     abandoned: bool = False
     state: StateSource
+    # A node the round went on without (late at the barrier): the share of its own Δ of that round
+    # it keeps on top of the new θ (staleness), for its next round's Δ to carry to the swarm.
+    keep: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class TrainComplete(_Msg):

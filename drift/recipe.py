@@ -127,6 +127,13 @@ class Recipe(_Strict):
     unit_deadline_factor: float = Field(
         4.0, gt=1, description="a unit not finished within this many times its expected time is reassigned"
     )
+    quorum: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="the barrier goes on a heartbeat after nodes holding this share of the round's "
+        "weight reached it; the rest merge their work into the next round (1: wait for every node)",
+    )
     checkpoint_every: int = Field(5, ge=1, description="rounds between checkpoints (one is always written at the end)")
     keep_checkpoints: int = Field(3, ge=1)
     heartbeat_s: float = Field(2.0, gt=0)

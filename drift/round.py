@@ -63,6 +63,17 @@ class RoundResult:
     bytes_sent: dict[str, int] = field(default_factory=dict)  # per member that reported θ
     abandoned: str | None = None  # why the all-reduce was given up (θ unchanged)
     given_back: list[P.WorkUnit] = field(default_factory=list)  # what went back to the queue
+    late: dict[str, Late] = field(default_factory=dict)  # members it went on without: for the next round
+
+
+@dataclass
+class Late:
+    """A member a round went on without (rules.quorum_cut): the units of that round it holds
+    (those granted; once its late report is accounted, those it trained). What it trained merges
+    into its next round (Round.on_sync); anything else goes back to the queue."""
+
+    units: list[P.WorkUnit]
+    reported: bool = False
 
 
 class Host(Protocol):
@@ -95,6 +106,8 @@ class SwarmView(Protocol):
     def poison_suspects(self) -> Set[str]: ...
     @property
     def banned(self) -> Mapping[str, str]: ...
+    @property
+    def last_seen(self) -> Mapping[str, float]: ...
 
     def name(self, i: str) -> str: ...
     def newest(self) -> int: ...
@@ -300,6 +313,8 @@ class TellAgreed:
     nodes: tuple[str, ...]
     round: int
     abandoned: bool
+    keep: tuple[str, ...] = ()  # late members: they keep `scale` of their own Δ of the round (Agreed.keep)
+    scale: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -344,10 +359,20 @@ Action = (
 class Round:
     """The coordinator's side of round `rnd`; driven by start(), step(event, now), finish()."""
 
-    def __init__(self, swarm: SwarmView, host: Host, rnd: int, taken: Taken, now: float, prev: Round | None = None):
+    def __init__(
+        self,
+        swarm: SwarmView,
+        host: Host,
+        rnd: int,
+        taken: Taken,
+        now: float,
+        prev: Round | None = None,
+        late: Mapping[str, Late] | None = None,
+    ):
         """`taken`: the round's units, taken from the queue by the shell (UnitQueue.take_round,
         for budget()); `prev`: with the overlapped sync rule, the round before, still in its
-        all-reduce."""
+        all-reduce; `late`: blocking, the members the round before went on without
+        (RoundResult.late): their work of it merges into this round."""
         self.s, self.host, self.rnd, self.r = swarm, host, rnd, swarm.recipe
         self.prev = prev
         self.t0 = self.now = now
@@ -382,6 +407,14 @@ class Round:
         )
         self.fastest = max(self.trainers, key=self.trainers.get)
         self.give_back: list[P.WorkUnit] = []
+        self.carry: dict[str, Late] = {}  # the round before's late members: their work merges here
+        for i, w in (late or {}).items():
+            if i in members:
+                self.carry[i] = Late(list(w.units), w.reported)
+            else:  # it left meanwhile
+                self.give_back.extend(w.units)
+        self.late: dict[str, Late] = {}  # this round's, for the next
+        self.t_quorum: float | None = None  # since when members holding the quorum are at the barrier
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
         self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
         self.done_after: dict[str, float] = {}  # ring member -> seconds after BarrierReady it reported θ
@@ -526,6 +559,9 @@ class Round:
         n = self.nodes.pop(i, None)
         if n is not None and n.counted:
             self.give_back.extend(n.synced.trained)
+        for book in (self.carry, self.late):
+            if (w := book.pop(i, None)) is not None:
+                self.give_back.extend(w.units)
         self.plan.drop(i)
         if self.ring is not None and self.abandoned is None and i in self.ring_ids() and self.ring_failed_at is None:
             self.warn(f"round {self.rnd}: {self.name(i)} left during the all-reduce")
@@ -542,6 +578,8 @@ class Round:
                 self.on_progress(i, msg)
             case P.AskForMoreWork():
                 self.on_ask(i, msg)
+            case P.BarrierSync() if msg.round == self.rnd - 1 and i in self.carry:
+                self.on_late_report(self.carry, i, msg)
             case P.BarrierSync():
                 self.on_sync(i, msg)
             case P.RoundDone():
@@ -645,6 +683,9 @@ class Round:
 
     def on_sync(self, i: str, msg: P.BarrierSync) -> None:
         n = self.nodes[i]
+        if msg.round == self.rnd and i in self.late:
+            self.on_late_report(self.late, i, msg)
+            return
         if msg.round != self.rnd or n.sitting_out or n.synced is not None:
             return  # a node that sat out a round reports it late: its work there is redone already
         n.synced, n.t_sync = msg, self.now
@@ -665,8 +706,49 @@ class Round:
             else:  # accounted for: what it trained is in synced, the rest goes back
                 self.give_back.extend(msg.returned)
                 self.plan.granted[i] = []
+                if i in self.carry:
+                    self.merge_late(i, msg)
         if msg.val_loss is not None and i == self.fastest:  # the node asked for it (report_val)
             self.out.append(RecordVal(self.rnd - 1, msg.val_loss, msg.val_samples, msg.metrics))
+
+    def on_late_report(self, book: dict[str, Late], i: str, msg: P.BarrierSync) -> None:
+        """The barrier report of a member round msg.round went on without: what it trained there
+        merges into its next round (merge_late). A report that does not account for its units, or
+        a Δ it could not use, gives them back to be redone."""
+        w = book[i]
+        if w.reported:
+            return
+        wrong = check_accounting(w.units, msg.trained, msg.returned) or msg.delta_error
+        if not wrong and msg.trained and msg.delta_norm is None:
+            wrong = "it reported no norm of its Δ"
+        if wrong:
+            self.warn(f"node {self.name(i)}: its late report of round {msg.round} does not count ({wrong})")
+            self.note("bad_report", node_id=i, reason=wrong, round=msg.round)
+            self.give_back.extend(w.units)
+            if book is self.late:
+                del book[i]  # (told before its Agreed: it keeps nothing of this round)
+            else:
+                w.units = []  # (it kept its Δ: merge_late redoes its next round's work too)
+            return
+        self.give_back.extend(msg.returned)
+        w.units, w.reported = list(msg.trained), True
+
+    def merge_late(self, i: str, msg: P.BarrierSync) -> None:
+        """Node i synced this round, late in the one before: its report counts the units it
+        trained there too, as its Δ holds them (Agreed.keep). Without an accounted late report
+        its Δ holds work nobody can count: its work of both rounds is redone."""
+        w = self.carry.pop(i)
+        if w.reported:
+            n = self.nodes[i]
+            n.synced = msg.model_copy(
+                update={"trained": [*w.units, *msg.trained], "samples": msg.samples + samples(w.units)}
+            )
+            return
+        why = f"its Δ holds round {self.rnd - 1}'s work, which it never accounted for"
+        self.warn(f"node {self.name(i)}: {why}; its work is redone")
+        self.note("bad_report", node_id=i, reason=why, round=self.rnd)
+        self.give_back.extend([*w.units, *msg.trained])
+        self.exclude(i)
 
     def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.ring_epoch():
@@ -805,6 +887,39 @@ class Round:
                 self._stop(i)
                 if alone:
                     self.strike(i, "it held the whole swarm up")
+        self.quorum_cuts(now, in_part)
+
+    def quorum_cuts(self, now: float, in_part: set[str]) -> None:
+        """A moment after members holding the quorum of the barrier's weight synced, the round
+        goes on without the rest (rules.quorum_cut): blocking, what they trained merges into
+        their next round (Late); overlapped, or late twice running, it is redone. No strike."""
+        r, s = self.r, self.s
+        if r.quorum >= 1 or self.last:
+            return  # (the last round has no next one to merge into)
+        waiting = [i for i in in_part if self.nodes[i].synced is None]
+        if not waiting:
+            return
+        share = sum(s.speed[i] for i in in_part if self.nodes[i].synced is not None) / sum(s.speed[i] for i in in_part)
+        if share < r.quorum:
+            self.t_quorum = None  # (a synced member's work was voided meanwhile)
+            return
+        self.t_quorum = now if self.t_quorum is None else self.t_quorum
+        speeds = sorted(s.speed[i] for i in in_part)
+        grace = rules.quorum_grace(r.batch_size / speeds[len(speeds) // 2])
+        if not rules.quorum_cut(share, r.quorum, now - self.t_quorum, grace):
+            return
+        for i in waiting:
+            n, name = self.nodes[i], self.name(i)
+            self.warn(f"node {name} is not at the barrier {grace:.1f}s after {share:.0%} of the swarm: it is late")
+            self.note("late", node_id=i, name=name, round=self.rnd, synced_share=share)
+            n.late = n.excluded = True
+            if not self.stop_sent and not n.early:
+                self._stop(i)
+            if r.overlap or i in self.carry:
+                self.plan.drop(i)
+                self.give_back.extend(self.carry.pop(i).units if i in self.carry else [])
+            else:
+                self.late[i] = Late(self.plan.take(i))
 
     def barrier(self, now: float) -> bool:
         """Once every trainer synced (or sits out past its deadline), send the ring."""
@@ -821,9 +936,10 @@ class Round:
             # Every node's work of this round is void (bad reports, bad Δ, deadlines): θ stays.
             self.abandon("no node's work of this round can be used")
             return True
-        for i in d.stragglers:  # stragglers past their deadline: the swarm goes on without them
+        for i in d.stragglers:  # stragglers past their deadline or late: the swarm goes on without them
             self.nodes[i].sitting_out = True
-            self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason="deadline")
+            reason = "late" if self.nodes[i].late else "deadline"
+            self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
         counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
         bs = self.r.batch_size  # steps by what it was granted and trained, not by its word
         for i in rules.norm_outliers(
@@ -1305,7 +1421,10 @@ class Round:
             and (n.role in ("train", "wait") or n.catching_up)
         ]
         if told:  # (their state_round follows from their heartbeats, once they hold it)
-            self.out.append(TellAgreed(tuple(told), self.rnd, self.abandoned is not None))
+            keep = tuple(i for i in told if i in self.late)
+            self.out.append(
+                TellAgreed(tuple(told), self.rnd, self.abandoned is not None, keep, rules.staleness_scale(1))
+            )
         self.settled = True  # (before the drops: dropping a ring member mid-round redoes the ring)
         self.out.extend(Drop(i, why) for i, why in self.drops)
         return result, self.flush()
@@ -1331,6 +1450,8 @@ class Round:
         synced = {i: n.synced for i, n in nodes.items() if n.synced is not None}
         counted = {i: b for i, b in synced.items() if weights.get(i, 0) > 0}
         given_back = self.give_back + self.plan.leftover()
+        for w in self.carry.values():  # late members that did not train this round: redone
+            given_back += w.units
         self.out.append(GiveBack(tuple(given_back)))
         losses = [(b.loss, b.samples) for b in counted.values() if b.loss is not None]
         train_loss = sum(loss * n for loss, n in losses) / sum(n for _, n in losses) if losses else None
@@ -1352,6 +1473,7 @@ class Round:
             {i: d.bytes_sent for i, d in done.items()},
             self.abandoned,
             given_back,
+            self.late,
         )
         self.note(
             "round",

@@ -42,6 +42,7 @@ class NodeRound:
     sitting_out: bool = False  # not in the ring: it gets θ from a peer when the round settles
     early: bool = False  # told to stop ahead of the others (tail)
     catching_up: bool = False  # not in this round's ring: told what θ became when it settles
+    late: bool = False  # still out when the quorum went on (quorum_cut): its work merges into the next round
     behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
     reported: list[tuple[int, int, int, int]] = field(default_factory=list)  # units it reported trained (once each)
     repeated: bool = False  # it reported samples twice this round (named and struck once)
@@ -141,6 +142,34 @@ def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, o
     heartbeat slack. `others`: the members that could take its work over (anyone else in the
     swarm); the last one standing has no deadline (its silence ends it instead)."""
     return others > 0 and waited > factor * expected + 2 * heartbeat_s
+
+
+QUORUM_GRACE_MIN_S = 0.5  # a message's lag on a slow link (a relayed path's round trip is ~0.3 s)
+
+
+def quorum_grace(step_s: float) -> float:
+    """How long the barrier waits for the rest once the quorum is in: one inner step of the
+    swarm's median member (told to stop at its next step, a member merely behind arrives within
+    one), and never less than a message's lag."""
+    return max(QUORUM_GRACE_MIN_S, step_s)
+
+
+def quorum_cut(share_synced: float, quorum: float, since_quorum_s: float, grace_s: float) -> bool:
+    """The barrier goes on without the members still out: members holding `quorum` of the
+    barrier's weight (their share of its speed) synced more than `grace_s` ago (quorum_grace).
+    A node lost mid-round then costs the swarm that grace, not its deadline; one that is only
+    late loses nothing: its work merges into its next round, scaled for staleness. Below the
+    quorum nobody is cut early: most of the swarm silent is the coordinator's own network."""
+    return share_synced >= quorum and since_quorum_s > grace_s
+
+
+STALENESS_EXPONENT = 0.5  # FedAsync's polynomial staleness (Xie et al. 2019), as FedBuff uses it (Nguyen et al. 2022)
+
+
+def staleness_scale(rounds_late: int) -> float:
+    """The share of a late member's Δ that is merged `rounds_late` rounds after the θ it was
+    computed against: (1 + τ)^-0.5, so one round late keeps ~71 %."""
+    return (1 + rounds_late) ** -STALENESS_EXPONENT
 
 
 def majority_done_s(done_after: Mapping[str, float], ring: list[str]) -> float | None:

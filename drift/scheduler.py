@@ -170,6 +170,14 @@ class RoundPlan:
         self.orphans.extend(self.planned.pop(node, deque()))
         self.speeds.pop(node, None)
 
+    def take(self, node: str) -> list[WorkUnit]:
+        """A node the round went on without (late): its granted units leave the plan with it (its
+        late report says which it trained), and its plan goes to the others."""
+        granted = self.granted.pop(node, [])
+        self.orphans.extend(self.planned.pop(node, deque()))
+        self.speeds.pop(node, None)
+        return granted
+
     def leftover(self) -> list[WorkUnit]:
         """Units planned but never granted, at the end of the round."""
         out = list(self.orphans)

@@ -64,7 +64,10 @@ class Sim:
         self.s.agreed(-1, "theta0", ())
         self.queue = UnitQueue(10_000, self.recipe.unit_samples)
         self.rd: Round | None = None
+        self.late: dict[str, R.Late] = {}  # the last settled round's late members
         self.t0 = self.now = 1000.0  # the test's clock
+        for i in self.ids.values():
+            self.s.seen(i, self.now)  # (as the coordinator: on every message, heartbeats included)
 
     # --- driving: as the Coordinator does ----------------------------------------------------
 
@@ -77,7 +80,10 @@ class Sim:
                     self.sent += [(i, P.decode(P.encode(msg))) for i in nodes]  # it must encode
                 case R.TellAgreed(nodes=nodes, round=rnd, abandoned=abandoned):
                     told = [(i, self.host.state_source(i, force=True)) for i in nodes if i in self.s.members]
-                    self.sent += [(i, P.Agreed(round=rnd, abandoned=abandoned, state=src)) for i, src in told]
+                    self.sent += [
+                        (i, P.Agreed(round=rnd, abandoned=abandoned, state=src, keep=a.scale if i in a.keep else 0.0))
+                        for i, src in told
+                    ]
                 case R.Log(text=text):
                     self.log.append(text)
                 case R.Note(kind=kind, fields=fields):
@@ -116,13 +122,14 @@ class Sim:
 
     def start(self, rnd: int = 0) -> Round:
         taken = self.queue.take_round(R.budget(self.s, self.queue.pending_samples()))
-        self.rd = Round(self.s, self.host, rnd, taken, self.now)
+        self.rd = Round(self.s, self.host, rnd, taken, self.now, late=self.late)
         self.apply(self.rd.start(0))
         return self.rd
 
     def msg(self, name: str, m: P._Msg) -> None:
         m = P.decode(P.encode(m))  # as it arrives: through the wire's codec
         if self.ids[name] in self.s.members:
+            self.s.seen(self.ids[name], self.now)
             self.apply(self.rd.step(R.Message(self.ids[name], m), self.now))
 
     def tick(self, after: float = 0.0) -> bool:
@@ -131,6 +138,7 @@ class Sim:
         settled = self.apply(self.rd.step(R.Tick(), self.now))
         if settled:
             self.result, actions = self.rd.finish(self.now)
+            self.late = self.result.late  # (the Coordinator hands them to the next round)
             self.apply(actions)
         return settled
 
@@ -408,6 +416,117 @@ def test_a_ring_allows_two_heartbeats_and_overlapped_one_inner_step_of_its_slowe
         sim.start()
         sim.ring()
         assert {m.slack_s for _, m in sim.sent if isinstance(m, P.BarrierReady)} == {2 * sim.recipe.heartbeat_s + want}
+
+
+# --- rounds that close at a quorum: a late member's work merges into its next round ------------
+
+
+def _late_round(quorum: float = 0.75) -> tuple[Sim, Round, P.WorkUnit]:
+    """Round 0 of a, b, c and a slow x: x trains its first unit, the others sync."""
+    sim = Sim(["a", "b", "c", "x"], speeds={"x": 10.0}, quorum=quorum)
+    rd = sim.start()
+    u = rd.plan.granted[sim.ids["x"]][0]
+    sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=10.0))
+    for n in "abc":
+        sim.train(n)
+    return sim, rd, u
+
+
+def _sync(sim: Sim, name: str, rnd: int, trained: list[P.WorkUnit], **kw) -> None:
+    n = rules.samples(trained)
+    sim.msg(
+        name, P.BarrierSync(round=rnd, samples=n, steps=n // BATCH, loss=1.0, trained=trained, delta_norm=1.0, **kw)
+    )
+
+
+def _settle(sim: Sim, names: str) -> None:
+    for n in names:
+        sim.done(n)
+    assert sim.tick(sim.now - sim.t0)
+
+
+def test_the_barrier_goes_on_a_grace_after_the_quorum_and_the_late_node_s_work_merges_into_its_next_round() -> None:
+    sim, rd, u = _late_round()
+    x = sim.ids["x"]
+    t = sim.now - sim.t0
+    grace = rules.quorum_grace(BATCH / 100.0)
+    assert sim.recipe.unit_deadline_factor * BATCH / 10.0 + 2 * sim.recipe.heartbeat_s > grace + 0.1
+    sim.tick(t)  # the quorum is in (300 of 310 samples/s)
+    sim.tick(t + grace - 0.01)
+    assert rd.ring is None and not sim.noted("late")  # merely behind: waited for
+    sim.tick(t + grace + 0.01)
+    assert [f["name"] for f in sim.noted("late")] == ["x"] and not sim.noted("deadline")
+    assert sim.rings() == [["a", "b", "c"]] and not sim.struck()
+    _sync(sim, "x", 0, [u])  # its late report: it trained the unit it held
+    _settle(sim, "abc")
+    assert u not in sim.result.trained and u not in sim.result.given_back  # neither counted nor redone ...
+    assert [m.keep for m in sim.to("x", P.Agreed)] == [pytest.approx(rules.staleness_scale(1))]  # ... it keeps it
+    assert not [m for n in "abc" for m in sim.to(n, P.Agreed)]
+    sim.start(1)  # round 1: x's report counts round 0's unit beside its own
+    for n in "abcx":
+        sim.train(n)
+    sim.tick(sim.now - sim.t0)
+    ring = {m.node_id: m.weight for m in sim.rd.ring}
+    assert ring[x] > 0 and ring[x] > ring[sim.ids["a"]] * rules.samples(sim.rd.nodes[x].synced.trained) / (
+        rules.samples(sim.rd.nodes[sim.ids["a"]].synced.trained) + 1
+    )
+    _settle(sim, "abcx")
+    assert sim.result.trained.count(u) == 1 and u in sim.rd.nodes[x].synced.trained
+
+
+def test_a_late_report_that_does_not_account_for_its_units_has_them_redone_and_keeps_nothing() -> None:
+    sim, _, u = _late_round()
+    sim.tick(sim.now - sim.t0)
+    sim.tick(sim.now - sim.t0 + 1.0)
+    assert [f["name"] for f in sim.noted("late")] == ["x"]
+    stranger = u.model_copy(update={"id": u.id + 5000})
+    _sync(sim, "x", 0, [stranger])  # samples it was never granted
+    _settle(sim, "abc")
+    assert [f["node_id"] for f in sim.noted("bad_report")] == [sim.ids["x"]]
+    assert u in sim.result.given_back and not sim.result.late
+    assert [m.keep for m in sim.to("x", P.Agreed)] == [0.0]
+
+
+def test_a_late_node_that_leaves_before_its_next_barrier_has_its_late_work_redone() -> None:
+    sim, _, u = _late_round()
+    sim.tick(sim.now - sim.t0)
+    sim.tick(sim.now - sim.t0 + 1.0)
+    _sync(sim, "x", 0, [u])
+    _settle(sim, "abc")
+    sim.start(1)
+    sim.drop(sim.ids["x"], "connection closed")
+    for n in "abc":
+        sim.train(n)
+    sim.tick(sim.now - sim.t0)
+    _settle(sim, "abc")
+    assert u in sim.result.given_back and u not in sim.result.trained
+
+
+def test_a_late_node_that_syncs_its_next_round_without_its_late_report_has_both_redone() -> None:
+    # Honest code sends the late report first (one connection, in order): a Δ holding work nobody
+    # accounted for does not reach θ.
+    sim, _, u = _late_round()
+    sim.tick(sim.now - sim.t0)
+    sim.tick(sim.now - sim.t0 + 1.0)
+    _settle(sim, "abc")  # (x's report never comes)
+    assert [m.keep for m in sim.to("x", P.Agreed)] == [pytest.approx(rules.staleness_scale(1))]
+    sim.start(1)
+    for n in "abcx":
+        sim.train(n)
+    mine = list(sim.rd.nodes[sim.ids["x"]].synced.trained)
+    assert sim.rd.nodes[sim.ids["x"]].excluded and [f["node_id"] for f in sim.noted("bad_report")] == [sim.ids["x"]]
+    sim.tick(sim.now - sim.t0)
+    assert {m.node_id: m.weight for m in sim.rd.ring}[sim.ids["x"]] == 0.0  # (in the ring, weight 0)
+    _settle(sim, "abcx")
+    assert u in sim.result.given_back and all(v in sim.result.given_back for v in mine)
+
+
+def test_below_the_quorum_nobody_is_cut_early() -> None:
+    sim = Sim(["a", "x", "y"], speeds={"x": 10.0, "y": 10.0}, quorum=0.9)
+    rd = sim.start()
+    sim.train("a")  # 100 of 120 samples/s synced
+    sim.tick(sim.now - sim.t0 + 5.0)  # (their deadlines: 5.6 s)
+    assert not sim.noted("late") and rd.ring is None
 
 
 # --- 4. a late sit_out cannot void a round its members applied --------------------------------
@@ -961,7 +1080,10 @@ class Frozen(Sim):
 
 
 def _public(s: Swarm, q: UnitQueue) -> dict:
-    return copy.deepcopy({**{k: v for k, v in vars(s).items() if k != "note"}, "queue": q.position()})
+    # (last_seen is the shell's: it marks every message that arrives, as the Coordinator does)
+    return copy.deepcopy(
+        {**{k: v for k, v in vars(s).items() if k not in ("note", "last_seen")}, "queue": q.position()}
+    )
 
 
 @pytest.mark.parametrize("how", ["poisoned", "abandoned"])

@@ -75,6 +75,24 @@ def test_overdue_needs_factor_times_expected_plus_slack_and_someone_else() -> No
     assert not rules.overdue(waited=1e9, expected=1.0, factor=4.0, heartbeat_s=0.5, others=0)  # the last one finishes
 
 
+def test_quorum_cut_needs_the_quorum_synced_a_grace_ago() -> None:
+    assert rules.quorum_cut(0.9, 0.9, 0.51, 0.5)
+    assert not rules.quorum_cut(0.9, 0.9, 0.49, 0.5)  # one that is merely behind is waited for
+    assert not rules.quorum_cut(0.89, 0.9, 60.0, 0.5)  # most of the swarm out: nobody is cut early
+    assert not rules.quorum_cut(0.99, 1.0, 60.0, 0.5)  # quorum 1: only deadlines cut
+
+
+def test_the_quorum_grace_is_a_median_step_and_never_under_a_messages_lag() -> None:
+    assert rules.quorum_grace(2.0) == 2.0
+    assert rules.quorum_grace(0.005) == rules.QUORUM_GRACE_MIN_S
+
+
+def test_a_late_delta_keeps_less_the_later_it_comes() -> None:
+    assert rules.staleness_scale(0) == 1.0
+    assert rules.staleness_scale(1) == pytest.approx(2**-0.5)  # one round late: ~71 %
+    assert rules.staleness_scale(3) == pytest.approx(0.5)
+
+
 def test_tail_stops_the_slow_node_whose_next_step_outlasts_the_rest() -> None:
     speed = {"fast": 1000.0, "slow": 10.0}
     # 64 samples left in all: fast needs 0.064 s for them, one step of slow takes 6.4 s.

@@ -100,6 +100,35 @@ def test_node_dies_mid_round(tmp_path: Path) -> None:
     check_exactly_once(events, 2 * BATCH)  # its units of round 1 were redone, none twice
 
 
+def test_a_node_late_at_the_barrier_is_not_waited_for_and_its_work_reaches_theta_a_round_later(
+    tmp_path: Path,
+) -> None:
+    """n3's BarrierSync of round 1 comes 1.5 s late (heartbeating on). Once the quorum (three of
+    four equal nodes) has synced, the round goes on without it after a moment, not at its deadline;
+    what it trained in round 1 is neither redone nor lost: its Δ, kept at the staleness scale on
+    top of the new θ, reaches θ in round 2 (3 s of training: it is back in time), where its
+    report counts those units beside its own."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, inner_steps=60, quorum=0.7, **SIM)
+    swarm = Swarm(recipe, tmp_path)
+    for _ in range(3):
+        swarm.join("0.05")
+    swarm.join("0.05", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "late-sync:1"})
+    assert swarm.finish() == 0, swarm.log()
+    assert swarm.node_exits() == [0, 0, 0, 0], swarm.node_logs()
+    events = swarm.events()
+    late = [(e["name"], e["round"]) for e in events if e["event"] == "late"]
+    assert ("n3", 1) in late and ("n3", 2) not in late, late  # (another may be late on a loaded machine)
+    assert not [e for e in events if e["event"] in ("diverged", "disagreed", "bad_report")]
+    rounds = [e for e in events if e["event"] == "round"]
+    n3 = rounds[0]["nodes"]["n3"]["node_id"]
+    mine = {tuple(e["unit"]) for e in events if e["event"] == "progress" and e["node_id"] == n3 and e["round"] == 1}
+    assert mine and rounds[1]["nodes"].get("n3", {"weight": 0})["weight"] == 0
+    merged = {tuple(u) for u in rounds[2]["nodes"]["n3"]["trained"]}
+    assert mine <= merged and rounds[2]["nodes"]["n3"]["weight"] > 0, (mine, merged)
+    check_exactly_once(events, 2 * BATCH)  # its round-1 units counted once, in round 2
+    assert "round 1 went on without this node: 71% of its Δ rides into the next" in (tmp_path / "n3.log").read_text()
+
+
 def test_node_that_suddenly_becomes_very_slow_sits_out_then_evaluates(tmp_path: Path) -> None:
     """From round 1 one inner step of n1 takes 5 s, 250x longer than before: the swarm cuts it at
     the deadline (its units go to n0, it sits the round out, not dropped), and from then on its

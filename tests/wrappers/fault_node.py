@@ -69,6 +69,9 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        their 120 s timeout and were the ones struck (the withholder finished first)
   slow-serve           every piece of θ or outer state it serves (to a joiner, or to the coordinator
                        for a checkpoint) goes 1 s late, as over a slow uplink; ROUND is ignored
+  late-sync            send its BarrierSync of that round 1.5 s late, heartbeating on (a last step
+                       that stalled: a thermal throttle, a swap storm): the others are at the
+                       barrier long before
   stop-reading         before its BarrierSync of that round, stop reading the control stream (QUIC
                        STOP_SENDING) and hang in that read, heartbeating on: every later send of the
                        coordinator to it fails
@@ -271,6 +274,13 @@ elif kind == "slow-serve":
         await asyncio.sleep(1.0)
         await original(self, ch, data, timeout)
 
+elif kind == "late-sync":
+
+    @patch(Session, "send")
+    async def _(orig, self, msg):
+        if isinstance(msg, P.BarrierSync) and msg.round == at:
+            await asyncio.sleep(1.5)
+        await orig(self, msg)
 elif kind == "stop-reading":
     stopped: list[Channel] = []
 
