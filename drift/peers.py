@@ -27,7 +27,9 @@ from drift.transport import DropFn, Endpoint, Handler, TransportError, close_con
 log = logging.getLogger("drift.peers")
 
 HELLO_TIMEOUT = 15.0  # each step of the exchange: open or accept its stream, one frame each way
+TOLD_TIMEOUT = 5.0  # how long a refused peer has to read why before the connection closes
 MAX_HELLO = 64 << 10  # a RepoCommit is ~770 bytes; its repo may be a path of MAX_PATH characters
+MAX_PRESENTING = 8  # a member's connections presenting themselves at once (a node opens ~4); more are refused
 NOT_MEMBER = "not a member of this run"
 
 
@@ -40,6 +42,7 @@ class Peers:
         self.coordinator = ""  # trusted by its ticket: no RepoCommit either way
         self.check: PeerCheck | None = None  # None until this node has its own RepoCommit
         self._own = b""  # this session's signed RepoCommit, encoded
+        self._presenting: dict[str, int] = {}  # member -> its connections in _welcome now
 
     def arm(self, check: PeerCheck, own: P.RepoCommit) -> None:
         """Present `own` from now on; keep what `check` already verified if it is for the same run."""
@@ -115,6 +118,16 @@ class Peers:
         """Take the RepoCommit `peer` presents and answer ours, or say why not (after telling it)."""
         if peer not in self.members:
             return NOT_MEMBER
+        if self._presenting.get(peer, 0) >= MAX_PRESENTING:  # (each waits HELLO_TIMEOUT at most)
+            return f"{MAX_PRESENTING} of its connections are presenting themselves already"
+        self._presenting[peer] = self._presenting.get(peer, 0) + 1
+        try:
+            return await self._exchange(conn, peer)
+        finally:
+            if (left := self._presenting.pop(peer) - 1) > 0:
+                self._presenting[peer] = left
+
+    async def _exchange(self, conn: iroh.Connection, peer: str) -> str | None:
         try:
             ch = await Endpoint.accept_channel(conn, HELLO_TIMEOUT)
             frame = await ch.recv_frame(MAX_HELLO, HELLO_TIMEOUT)
@@ -127,7 +140,7 @@ class Peers:
             try:  # tell it why; its hang-up (or the timeout) says it read it
                 await ch.send_frame(P.encode(P.TrainingCancel(reason=why)), HELLO_TIMEOUT)
                 await ch.finish()
-                await asyncio.wait_for(conn.closed(), HELLO_TIMEOUT)
+                await asyncio.wait_for(conn.closed(), TOLD_TIMEOUT)
             except Exception:
                 pass
             return why

@@ -17,7 +17,7 @@ from drift import protocol as P
 from drift.auth import Admission, AuthError, NodeKey, PeerCheck, sign_message, verify_peers
 from drift.coordinator import ready_message
 from drift.diloco import ParamLayout, checksum
-from drift.peers import MAX_HELLO, Peers
+from drift.peers import MAX_HELLO, MAX_PRESENTING, Peers
 from drift.state import StateError, StateServer, fetch_state, into_arrays
 from drift.transport import STATE_ALPN, Endpoint, TransportError
 
@@ -224,3 +224,56 @@ def test_members_exchange_repo_commits_before_state_and_a_bad_one_is_refused_wit
     for n in ("wrong", "impostor", "silent", "stranger"):
         assert k[n] not in donor.check
     assert k["liar"] in donor.check  # its RepoCommit was good; it refused us, and asked nothing
+
+
+def test_a_member_cannot_hold_more_than_a_few_connections_presenting_themselves() -> None:
+    """Connections that never present a RepoCommit each wait HELLO_TIMEOUT at most, and a member
+    holds at most MAX_PRESENTING of them at once: its next one is refused, not queued."""
+    donor_key, member_key = NodeKey.generate(), NodeKey.generate()
+    theta = np.arange(LAYOUT.size, dtype=np.float32)
+
+    async def until(cond) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    async def main():
+        donor_ep, donor = await _node(donor_key)
+        donor.arm(PeerCheck(COMMIT, RUN), _rc(donor_key))
+        donor.set_members({member_key.node_id})
+        server = StateServer(allowed=lambda peer: peer in donor.members)
+        server.publish(0, (theta,), checksum(theta), LAYOUT)
+        serving = asyncio.ensure_future(donor_ep.serve({STATE_ALPN: donor.gate(server.handle, lambda p, why: None)}))
+        member_ep, member = await _node(member_key)
+        member.arm(PeerCheck(COMMIT, RUN), _rc(member_key))
+        member.set_members({donor_key.node_id})
+        idle = Endpoint(member_ep.ep, member_ep.mode)  # the same node, dialing without presenting itself
+
+        async def fetch() -> str:
+            got = np.zeros(LAYOUT.size, np.float32)
+            try:
+                await fetch_state(
+                    member_ep, [donor_ep.ticket()], 0, checksum(theta), into_arrays(got), arrays=1, timeout=10
+                )
+            except StateError as e:
+                return str(e)
+            return "ok"
+
+        try:
+            held = [await idle.dial(donor_ep.ticket(), STATE_ALPN) for _ in range(MAX_PRESENTING)]
+            await until(lambda: donor._presenting.get(member_key.node_id) == MAX_PRESENTING)
+            refused = await fetch()
+            for conn in held:
+                conn.close(0, b"done")
+            await until(lambda: not donor._presenting)
+            return refused, await fetch()
+        finally:
+            serving.cancel()
+            await member_ep.close()
+            await donor_ep.close()
+
+    refused, served = run_async(main(), 60)
+    assert f"{MAX_PRESENTING} of its connections are presenting themselves already" in refused
+    assert served == "ok"
