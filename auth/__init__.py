@@ -11,7 +11,7 @@ class AuthError(Exception):
     """Something failed a trust check; str() is the one line shown on both sides."""
 
 
-from .admission import Admission, ReplayGuard, parse_allowlist, verify_peers  # noqa: E402
+from .admission import Admission, PeerCheck, ReplayGuard, parse_allowlist, verify_peers  # noqa: E402
 from .keys import (  # noqa: E402
     KeyFileError,
     KeyInUse,
@@ -32,6 +32,7 @@ __all__ = [
     "KeyInUse",
     "KeyLock",
     "NodeKey",
+    "PeerCheck",
     "ReplayGuard",
     "default_key_path",
     "drift_home",

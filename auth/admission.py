@@ -7,8 +7,9 @@ the allowlist (at connect, before anything else is read), then the node's signed
   3. it is for this run (``run_id``), fresh (``|now - timestamp| <= window``), and its nonce was
      never seen before (replays refused);
   4. its commit is the run's commit (and its tree, when the coordinator knows it).
-Each failure raises AuthError with the one line both sides show. ``verify_peers`` is the node's
-side: it checks the signatures the coordinator forwards in TrainingReady.
+Each failure raises AuthError with the one line both sides show. ``PeerCheck`` is the node's side:
+each peer's RepoCommit, from that peer itself, before they exchange a byte of training
+(``verify_peers``: TrainingReady's member list and the few RepoCommits it carries).
 """
 
 from __future__ import annotations
@@ -171,40 +172,78 @@ class Admission:
         )
 
     def signatures(self, node_ids: Iterable[str]) -> list[dict[str, Any]]:
-        """The signed RepoCommits of these nodes, for TrainingReady."""
+        """The signed RepoCommits of these nodes, for TrainingReady (auth_threshold's few)."""
         return [self.verified[n] for n in node_ids]
+
+
+@dataclass
+class PeerCheck:
+    """A node's check of the peers it talks to, each by its own signed RepoCommit: signed by the
+    peer's key, for this run's commit and run id, on the allowlist if there is one. The node checks
+    it itself, from the peer (on the first stream of each connection, drift/peers.py) or from
+    TrainingReady's few; what verified is kept by node id, so each peer costs one check."""
+
+    commit: str | None
+    run_id: str | None = None
+    allowlist: frozenset[str] | None = None
+    verified: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> its RepoCommit
+
+    def check(self, msg: dict[str, Any], peer_id: str) -> None:
+        """Accept `msg` as the RepoCommit of `peer_id` (the node on the other end of a connection,
+        or the id it names, from TrainingReady); AuthError says why not."""
+        if self.verified.get(peer_id) == msg:
+            return
+        if not isinstance(msg, dict):
+            raise AuthError("a peer RepoCommit that is not one")
+        node_id = msg.get("node_id")
+        if node_id != peer_id:
+            raise AuthError(
+                f"wrong signer: the RepoCommit is signed as node {_short(node_id)} but comes from "
+                f"node {_short(peer_id)}; a node can only speak for itself"
+            )
+        verify_message(msg, "peer RepoCommit")
+        if msg.get("commit") != self.commit:
+            raise AuthError(
+                f"peer {_short(node_id)} runs commit {_short(msg.get('commit'))}, not {_short(self.commit)}"
+            )
+        if self.run_id is not None and msg.get("run_id") != self.run_id:
+            raise AuthError(f"peer {_short(node_id)}'s RepoCommit is for another run ({msg.get('run_id')!r})")
+        if self.allowlist is not None and node_id not in self.allowlist:
+            raise AuthError(f"peer {_short(node_id)} is not on the allowlist")
+        self.verified[peer_id] = dict(msg)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self.verified
+
+    def retain(self, node_ids: Iterable[str]) -> None:
+        """Forget every peer but these (the members: one who comes back presents itself again)."""
+        keep = set(node_ids)
+        for n in [n for n in self.verified if n not in keep]:
+            del self.verified[n]
 
 
 def verify_peers(
     signatures: list[dict[str, Any]],
     nodes: list[str],
     *,
-    commit: str | None,
-    run_id: str | None = None,
+    check: PeerCheck,
+    me: str,
     threshold: int = 1,
-    allowlist: frozenset[str] | None = None,
-    known: frozenset[str] = frozenset(),
 ) -> None:
-    """A node's check of TrainingReady: every listed node has a valid RepoCommit for this run and
-    commit, in this message or (`known`) verified from an earlier one, there are at least
-    `threshold` of them, and (if given) all are allowlisted."""
-    by_id: dict[str, dict[str, Any]] = {}
+    """A node's check of TrainingReady: the RepoCommits it carries pass `check` (and are kept
+    there), every listed node is allowlisted (if there is an allowlist), and at least `threshold`
+    listed nodes are verified: this node itself, those RepoCommits, and peers verified before.
+    Every other member is verified when this node first talks to it (drift/peers.py)."""
+    listed = set(nodes)
     for s in signatures:
-        if not isinstance(s, dict):
-            raise AuthError("TrainingReady carries a signature that is not a RepoCommit")
-        verify_message(s, "peer RepoCommit")
-        nid = s["node_id"]
-        if s.get("commit") != commit:
-            raise AuthError(f"peer {_short(nid)} runs commit {_short(s.get('commit'))}, not {_short(commit)}")
-        if run_id is not None and s.get("run_id") != run_id:
-            raise AuthError(f"peer {_short(nid)}'s RepoCommit is for another run ({s.get('run_id')!r})")
-        by_id[nid] = s
-    unsigned = [n for n in nodes if n not in by_id and n not in known]
-    if unsigned:
-        raise AuthError(f"TrainingReady lists node {_short(unsigned[0])} without its signed RepoCommit")
-    if len(set(nodes)) < threshold:
-        raise AuthError(f"only {len(set(nodes))} verified node(s), auth_threshold is {threshold}")
-    if allowlist is not None:
-        outside = [n for n in nodes if n not in allowlist]
+        nid = s.get("node_id") if isinstance(s, dict) else None
+        if nid not in listed:
+            raise AuthError(f"TrainingReady carries the RepoCommit of node {_short(nid)}, which it does not list")
+        check.check(s, nid)
+    if check.allowlist is not None:
+        outside = [n for n in nodes if n not in check.allowlist]
         if outside:
             raise AuthError(f"TrainingReady lists node {_short(outside[0])}, which is not on the allowlist")
+    verified = len({n for n in listed if n == me or n in check})
+    if verified < threshold:
+        raise AuthError(f"only {verified} verified node(s), auth_threshold is {threshold}")

@@ -50,7 +50,7 @@ from typing import Protocol
 import numpy as np
 
 from drift import protocol as P
-from drift.auth import AuthError, NodeKey, drift_home, sign_message, verify_peers
+from drift.auth import AuthError, NodeKey, PeerCheck, drift_home, sign_message, verify_peers
 from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
 from drift.diloco import DeltaCheck, ParamLayout, checksum
@@ -66,6 +66,7 @@ from drift.inner import (
     calibrate,
     mean_loss,
 )
+from drift.peers import Peers
 from drift.progress import Progress
 from drift.recipe import Data, Recipe
 from drift.repo import RepoError
@@ -249,9 +250,10 @@ class Node:
         self.opts = opts
         self.endpoint: Endpoint | None = None
         self.ring: Ring | None = None
-        self.members: set[str] = set()  # peers this node verified (TrainingReady): the only ones it talks to
-        self.coordinator = ""  # the coordinator's id, from the ticket
-        self.state = StateServer(allowed=lambda peer: peer in self.members or peer == self.coordinator)
+        # The members (TrainingReady), the only peers this node talks to, each once it verified the
+        # peer's own signed RepoCommit on that connection (drift/peers.py); and the coordinator's id.
+        self.peers = Peers()
+        self.state = StateServer(allowed=lambda peer: peer in self.peers.members or peer == self.peers.coordinator)
         self.trainer: Trainer | None = None
         self.session: Session | None = None  # the connection in hand (drift.DiLoCo's log sends on it)
         self.data: DataClient | None = None  # recipe data: the samples come from a holder
@@ -266,10 +268,11 @@ class Node:
         except RepoError as e:
             raise NodeError(str(e)) from None
         self.key = opts.key
-        self.coordinator = str(parse_ticket(opts.ticket).id())
+        self.peers.coordinator = str(parse_ticket(opts.ticket).id())
         self.endpoint = await Endpoint.bind(mode, secret_key=self.key.seed)
-        self.ring = Ring(self.endpoint, trusted=lambda peer: peer in self.members)
-        self.gather = Gather(self.endpoint, trusted=lambda peer: peer in self.members)
+        self.endpoint.vet = self.peers.present  # every connection this node opens to a peer
+        self.ring = Ring(self.endpoint, trusted=lambda peer: peer in self.peers.members)
+        self.gather = Gather(self.endpoint, trusted=lambda peer: peer in self.peers.members)
         accept = asyncio.ensure_future(self._accept())
         try:
             return await self._sessions()
@@ -319,15 +322,17 @@ class Node:
                 lost_since, delay = None, REJOIN_BACKOFF_S[0]
 
     async def _accept(self) -> None:
-        """Serve drift-ring/0 (neighbours) and drift-state/1 (θ for peers); a connection that
-        fails, whatever its bytes, is closed with one log line."""
+        """Serve drift-ring/0 (neighbours), drift-gather/0 (payloads), drift-state/1 (θ for peers)
+        and drift-data/0 (samples), each to members that present a RepoCommit this node verifies
+        (Peers.gate); a connection that fails, whatever its bytes, is closed with one log line."""
         refusals = Throttle(lambda peer, why: log.warning("refusing %s: %s", peer[:10], why))  # strangers
+        gate = self.peers.gate
         await self.endpoint.serve(
             {
-                RING_ALPN: self.ring.handle_incoming,
-                GATHER_ALPN: self.gather.handle_incoming,
-                STATE_ALPN: lambda conn: self.state.handle(conn, on_stranger=refusals),
-                DATA_ALPN: lambda conn: self._serve_data(conn, refusals),
+                RING_ALPN: gate(self.ring.handle_incoming, refusals),
+                GATHER_ALPN: gate(self.gather.handle_incoming, refusals),
+                STATE_ALPN: gate(lambda conn: self.state.handle(conn, on_stranger=refusals), refusals),
+                DATA_ALPN: gate(lambda conn: self._serve_data(conn, refusals), refusals),
             }
         )
 
@@ -342,7 +347,7 @@ class Node:
         """Our copy of the data matched the holder's manifest: serve it to members, as they may."""
         if self.data is not None and self.data.local is not None and self.data_server is None:
             self.data_server = DataServer(
-                self.data.local, self.data.manifest, allowed=lambda peer: peer in self.members
+                self.data.local, self.data.manifest, allowed=lambda peer: peer in self.peers.members
             )
 
 
@@ -555,7 +560,10 @@ class Session:
             t.pending = None
             t.load_worker()  # what it trained since the last agreed θ was redone by the others
         self.silence_s = t.recipe.stale_after_s
-        await self.send(self._repo_commit(t))
+        rc = self._repo_commit(t)
+        allowlist = None if t.recipe.allowlist is None else frozenset(t.recipe.allowlist)
+        node.peers.arm(PeerCheck(t.commit, t.run_id, allowlist), rc)  # what peers see of us, and check
+        await self.send(rc)
         return t
 
     async def _load(self, cfg: P.TrainConfig) -> Trainer:
@@ -701,34 +709,26 @@ class Session:
         return P.RepoCommit.model_validate(sign_message(node.key, rc.model_dump(mode="json")))
 
     def _check_members(self, ready: P.TrainingReady) -> str | None:
-        """Verify the signed RepoCommit of every peer in a TrainingReady that this node has not
-        verified before; on success they become the peers this node trains with (ring, state
-        transfer). Returns what is wrong, or None."""
-        t = self.node.trainer
-        if t is None:
+        """Check a TrainingReady (verify_peers: its few RepoCommits, the allowlist, auth_threshold);
+        on success its nodes are the members this node trains with (ring, gather, state, data),
+        each verified as this node first talks to it. Returns what is wrong, or None."""
+        t, peers, me = self.node.trainer, self.node.peers, self.node.endpoint.node_id
+        if t is None or peers.check is None:
             return "TrainingReady before this node loaded the task"
-        recipe = t.recipe
         try:
             verify_peers(
-                ready.signatures,
-                ready.nodes,
-                commit=t.commit,
-                run_id=t.run_id,
-                threshold=recipe.auth_threshold or 1,
-                allowlist=None if recipe.allowlist is None else frozenset(recipe.allowlist),
-                known=frozenset({*self.node.members, self.node.endpoint.node_id}),  # (verified before)
+                ready.signatures, ready.nodes, check=peers.check, me=me, threshold=t.recipe.auth_threshold or 1
             )
         except AuthError as e:
             return f"peer check failed: {e}"
-        if self.node.endpoint.node_id not in ready.nodes:
+        if me not in ready.nodes:
             return "TrainingReady does not list this node"
-        self.node.members = set(ready.nodes) - {self.node.endpoint.node_id}
-        self.node.gather.retain(self.node.members)
+        peers.set_members(set(ready.nodes) - {me})
+        self.node.gather.retain(peers.members)
         return None
 
     async def _verify_ready(self, ready: P.TrainingReady) -> None:
-        """Refuse to go on with peers this node cannot verify (checked once, as it arrived: a
-        thousand members' signatures are a tenth of a second)."""
+        """Refuse to go on with a membership this node cannot accept (checked once, as it arrived)."""
         msg, problem = self._checked.pop(id(ready), (None, None))
         if msg is not ready:
             problem = self._check_members(ready)

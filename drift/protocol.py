@@ -35,8 +35,9 @@ from pydantic import (
 )
 
 # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask;
-# 4: Heard.level, RingFailed.level (the sparse rule's hierarchy)
-SCHEMA_VERSION = 4
+# 4: Heard.level, RingFailed.level (the sparse rule's hierarchy); 5: nodes present their RepoCommit to each
+# other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few
+SCHEMA_VERSION = 5
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -173,7 +174,8 @@ class TrainingReady(_Msg):
 
     type: Literal["TrainingReady"] = "TrainingReady"
     nodes: Annotated[list[NodeId], Field(max_length=MAX_NODES)]
-    signatures: Annotated[list[Signed], Field(max_length=MAX_NODES)] = Field(default_factory=list)  # signed RepoCommits
+    # signed RepoCommits of auth_threshold's few members; each node checks the others' as they first talk
+    signatures: Annotated[list[Signed], Field(max_length=MAX_NODES)] = Field(default_factory=list)
 
 
 class TrainingCancel(_Msg):

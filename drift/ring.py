@@ -210,8 +210,9 @@ class Ring:
         codec: Codec | str = "fp32",
         trusted: Callable[[str], bool] = lambda peer: True,
     ):
-        """`trusted(peer id)`: peers this node verified itself (their signed RepoCommit); nobody
-        else is connected to or accepted, whatever a BarrierReady says."""
+        """`trusted(peer id)`: the run's members (a node checks each one's own signed RepoCommit
+        as a connection opens, drift/peers.py); nobody else is connected to or accepted, whatever a
+        BarrierReady says."""
         tune_allocator()
         self.endpoint = endpoint
         self.trusted = trusted

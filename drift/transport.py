@@ -5,6 +5,7 @@ Four ALPNs share one endpoint per process:
   * ``drift-ring/0``   data plane (node <-> ring neighbour), raw tensor chunks;
   * ``drift-gather/0`` data plane (node -> every member), a sync rule's payload (drift/gather.py);
   * ``drift-state/1``  θ and the outer state for whoever lacks it, in pieces (drift/state.py).
+Between two nodes, each connection opens with their signed RepoCommits (drift/peers.py).
 
 Every connect, accept and read takes a timeout: iroh does not fail fast on a dead address or an
 ALPN the peer does not serve, it hangs.
@@ -434,6 +435,9 @@ class Endpoint:
 
     ep: iroh.Endpoint
     mode: NetworkMode
+    # Awaited on each connection this endpoint opens, before it is used: a node presents itself to
+    # the peer and checks the peer in turn (drift/peers.py). TransportError refuses the connection.
+    vet: Callable[[iroh.Connection], Awaitable[None]] | None = None
 
     @classmethod
     async def bind(
@@ -485,11 +489,18 @@ class Endpoint:
         addr = parse_ticket(ticket)
         what = f"connecting to {describe_addr(addr)} ({alpn.decode()})"
         try:
-            return await _timed(self.ep.connect(addr, alpn), timeout, what)
+            conn = await _timed(self.ep.connect(addr, alpn), timeout, what)
         except TransportError as e:
             if loopback_only(addr):  # the one mistake worth naming: a --local/`network: local` ticket
                 raise TransportError(f"{e}: {LOOPBACK_HINT}") from None
             raise
+        if self.vet is not None:
+            try:
+                await self.vet(conn)
+            except BaseException as e:
+                close_conn(conn, str(e) if isinstance(e, TransportError) else "connection not vetted")
+                raise
+        return conn
 
     @staticmethod
     async def open_channel(conn: iroh.Connection, timeout: float = 15.0) -> Channel:

@@ -23,7 +23,6 @@ from drift.auth import (
     parse_allowlist,
     sign_message,
     verify_message,
-    verify_peers,
 )
 from drift.auth.keys import create_key
 from drift.repo import RepoCache, RepoError, is_commit_id, resolve_commit
@@ -214,31 +213,6 @@ def test_allowlist_and_threshold() -> None:
     assert (
         "can never be met: the allowlist names only 3 node(s)" in _admission(allowlist=ids, threshold=4).unreachable()
     )
-
-
-def test_node_checks_its_peers_signatures() -> None:
-    a, b = NodeKey.generate(), NodeKey.generate()
-    sigs = [_rc(a), _rc(b)]
-    ids = [a.node_id, b.node_id]
-    verify_peers(sigs, ids, commit=COMMIT, run_id="run1", threshold=2, allowlist=frozenset(ids))
-    with pytest.raises(AuthError, match="without its signed RepoCommit"):
-        verify_peers(sigs[:1], ids, commit=COMMIT)
-    with pytest.raises(AuthError, match="bad signature"):
-        verify_peers([sigs[0], {**sigs[1], "commit": "d" * 40}], ids, commit=COMMIT)
-    with pytest.raises(AuthError, match="runs commit"):
-        verify_peers([sigs[0], _rc(b, commit="d" * 40)], ids, commit=COMMIT)
-    with pytest.raises(AuthError, match="auth_threshold is 3"):
-        verify_peers(sigs, ids, commit=COMMIT, threshold=3)
-    with pytest.raises(AuthError, match="not on the allowlist"):
-        verify_peers(sigs, ids, commit=COMMIT, allowlist=frozenset(ids[:1]))
-    with pytest.raises(AuthError, match="another run"):
-        verify_peers(sigs, ids, commit=COMMIT, run_id="run2")
-    # a member verified from an earlier TrainingReady needs no signature in a later one (a join
-    # sends the members only the newcomers'); one never verified still does
-    verify_peers(sigs[1:], ids, commit=COMMIT, known=frozenset(ids[:1]))
-    c = NodeKey.generate()
-    with pytest.raises(AuthError, match=f"lists node {c.node_id[:10]}.* without its signed RepoCommit"):
-        verify_peers(sigs[1:], [*ids, c.node_id], commit=COMMIT, known=frozenset(ids[:1]))
 
 
 # --- the repo cache ------------------------------------------------------------------------------

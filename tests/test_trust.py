@@ -20,11 +20,12 @@ import pytest
 from conftest import WRAPPERS, drift_cmd, dropped, git, make_task_repo, run_async
 
 from drift import protocol as P
-from drift.auth import NodeKey, load_or_create_key, sign_message
+from drift.auth import NodeKey, load_or_create_key, sign_message, verify_message
 from drift.coordinator import Coordinator, CoordinatorError
+from drift.peers import MAX_HELLO
 from drift.recipe import load_recipe
 from drift.repo import RepoCache
-from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, Endpoint
+from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Endpoint, TransportError
 
 FAST = dict(min_nodes=2, rounds=2, inner_steps=2, batch_size=8, unit_steps=1, eval_batches=1)
 
@@ -229,6 +230,91 @@ def test_bad_peers_are_refused_while_the_swarm_trains(tmp_path: Path, caplog: py
     assert [r.round for r in results] == [0, 1]
     for rc, err in good_out:
         assert rc == 0, err
+
+
+@pytest.mark.swarm
+def test_a_member_that_presents_a_bad_repo_commit_to_a_node_is_refused(tmp_path: Path) -> None:
+    """A node checks each peer's own signed RepoCommit as the peer first talks to it (drift/peers.py;
+    TrainingReady carries only auth_threshold's few). A member the coordinator admitted, dialing a
+    real `drift join` node's drift-state/1, is refused with the reason when it presents a RepoCommit
+    of another commit, another node's, a forged one or none (a state request straight away): no state;
+    the RepoCommit it gave the coordinator is accepted, and the node answers with its own."""
+    recipe_path = make_task_repo(tmp_path / "repo", **FAST)
+    repo = recipe_path.parents[1]
+    head = git(repo, "rev-parse", "HEAD")
+    node_key = load_or_create_key(tmp_path / "keys" / "node.key")
+    member, victim = NodeKey.generate(), NodeKey.generate()
+    me = member.node_id[:10]
+
+    async def main():
+        coord = Coordinator(
+            load_recipe(recipe_path), tmp_path / "run", commit=head, tree=git(repo, "rev-parse", "HEAD^{tree}")
+        )
+        ticket = await coord.start()
+        node = _join(repo, ticket, node_key.path, tmp_path / "cache", "node")
+        raw = RawNode(member)
+        run = asyncio.ensure_future(coord.run())
+        try:
+            while node_key.node_id not in coord.admission.verified:
+                assert node.poll() is None, _err(node)
+                await asyncio.sleep(0.2)
+            # The raw member claims the task the node loaded (the coordinator admits only the same task).
+            theirs = coord.admission.verified[node_key.node_id]
+            task = {
+                k: theirs[k] for k in ("tree", "param_checksum", "frozen_checksum", "n_train", "n_params", "layout")
+            }
+            cfg = await raw.hello(ticket)
+            assert isinstance(cfg, P.TrainConfig), cfg
+            good = _repo_commit(member, cfg, **task)
+            await raw.send(good)
+            while not isinstance(msg := await raw.reply(), P.TrainingReady):
+                assert not isinstance(msg, P.TrainingCancel), msg
+            assert len(msg.signatures) == 1  # auth_threshold's few, not one per member
+            state_ticket = coord.ready[node_key.node_id].info.ring_ticket
+
+            async def present(frame: bytes) -> P.Message | str:
+                """The node's answer to `frame` on a new drift-state/1 connection from the member."""
+                while True:
+                    ch = await raw.ep.connect(state_ticket, STATE_ALPN, timeout=30)
+                    try:
+                        await ch.send_frame(frame)
+                        answer = P.decode(await ch.recv_frame(MAX_HELLO, timeout=30))
+                    except TransportError as e:
+                        answer = ch.close_reason() or str(e)
+                    finally:
+                        ch.close("done")
+                    if "not a member of this run" not in str(answer):
+                        return answer
+                    await asyncio.sleep(0.2)  # the node has not read its TrainingReady yet
+
+            welcome = await present(good)  # first: the node knows the member from then on
+            refused = {
+                "commit": await present(_repo_commit(member, cfg, **{**task, "commit": "0" * 40})),
+                "signer": await present(_repo_commit(victim, cfg, **task)),
+                "forged": await present(good.replace(b'"n_train":', b'"n_train":1')),
+                "none": await present(b'{"round": -1}'),  # straight to a state request
+                "other": await present(P.encode(P.Ping())),
+            }
+            return welcome, refused
+        finally:
+            run.cancel()
+            await raw.close()
+            if node.poll() is None:
+                node.kill()
+            await coord.close()
+
+    welcome, refused = run_async(main(), 300)
+    assert isinstance(welcome, P.RepoCommit) and welcome.node_id == node_key.node_id
+    verify_message(welcome.model_dump(mode="json"))  # the node's own, signed by its key
+    why = {k: v.reason if isinstance(v, P.TrainingCancel) else v for k, v in refused.items()}
+    assert f"peer {me} runs commit 0000000000, not {head[:10]}" in why["commit"]
+    assert (
+        f"wrong signer: the RepoCommit is signed as node {victim.node_id[:10]} but comes from node {me}"
+        in why["signer"]
+    )
+    assert "bad signature (forged" in why["forged"]
+    assert "schema version None" in why["none"]
+    assert "sent Ping where its signed RepoCommit belongs" in why["other"]
 
 
 def test_swarm_is_cancelled_when_auth_threshold_cannot_be_met(tmp_path: Path) -> None:
