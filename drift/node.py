@@ -163,7 +163,7 @@ class Pending:
 
     round: int
     report_val: bool = False
-    usable: bool = False  # our Δ of the round is one to send (a late node may keep it: Agreed.keep)
+    steps: int = 0  # the inner steps in our Δ of the round, if it is one to send (a late node may keep it: Agreed.keep)
     applied: bool = False  # our own all-reduce succeeded: θ_global is (provisionally) the round's
     superseded: bool = False  # ... but the coordinator redid it without us: wait for Agreed
     announced: Announced | None = None  # a ring of two: the step waits for the coordinator's Commit
@@ -205,6 +205,7 @@ class Trainer:
     inner: InnerLoop | None = None
     pending: Pending | None = None
     delta_check: DeltaCheck = field(default_factory=DeltaCheck)
+    kept_steps: int = 0  # the local copy holds this many steps of a round that went on without us (Agreed.keep)
 
     # --- moving state between the worker and the flat vectors ----------------------------------
 
@@ -557,7 +558,7 @@ class Session:
                 alive.cancel()
         else:  # rejoining: same model, fresh inner state; θ comes from a peer at the next round
             t.worker.reset_optimizer()
-            t.pending = None
+            t.pending, t.kept_steps = None, 0
             t.load_worker()  # what it trained since the last agreed θ was redone by the others
         self.silence_s = t.recipe.stale_after_s
         rc = self._repo_commit(t)
@@ -746,6 +747,8 @@ class Session:
             # a round of ours is being reduced, θ is the sync's: an Agreed brings what we lack,
             # and a θ that is not the swarm's shows in that round's checksums.) Under the model's
             # lock, as an Agreed's rebase: one writer of θ at a time.
+            if t.kept_steps:  # our late work rides on θ (its Agreed's fetch failed): move both
+                await self._rebase(t, a.state)
             async with t.lock:
                 if not t.holds(a.state):
                     try:
@@ -756,6 +759,7 @@ class Session:
                     else:
                         t.pending = None
                         t.load_worker()
+                        t.kept_steps = 0
         if a.catch_up is not None and (t.pending is None or t.pending.settled.is_set()):
             # overlapped: that round lands while we train (Agreed brings it)
             t.snap[...] = t.theta
@@ -763,6 +767,10 @@ class Session:
         if a.role == "wait":  # overlapped: θ comes with the Agreed of the round in flight
             return
         if a.role == "evaluate":
+            if t.kept_steps:  # our late work will not be merged: what we evaluate is θ
+                async with t.lock:
+                    t.load_worker()
+                    t.kept_steps = 0
             if a.state is not None and not t.holds(a.state):  # no donor had it, or a round is in flight
                 await asyncio.sleep(1.0)
                 await self.send(P.AskForMoreWork(round=a.round))
@@ -795,12 +803,13 @@ class Session:
             if t.snap is not None:
                 t.read_local(t.snap)  # the local copy at this barrier, for the catch-up
             t.pseudo_gradient(t.snap)
-        problem = t.delta_check.problem(t.delta, report.steps) if report.steps else None
+        steps, t.kept_steps = report.steps + t.kept_steps, 0  # (Δ holds a late round's steps too)
+        problem = t.delta_check.problem(t.delta, steps) if steps else None
         if problem:
             log.warning("round %d: %s; reporting it instead of sending it", a.round, problem)
             t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
-        self._pend(t, Pending(a.round, a.report_val, usable=bool(report.steps) and not problem))
-        norm = t.delta_check.norm if report.steps and not problem else 0.0  # bounds the ring's sum
+        self._pend(t, Pending(a.round, a.report_val, steps=steps if not problem else 0))
+        norm = t.delta_check.norm if steps and not problem else 0.0  # bounds the ring's sum
         await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem, "delta_norm": norm}))
         if not t.recipe.overlap:
             await self._settled(t.pending)
@@ -1047,17 +1056,16 @@ class Session:
                 await self._take(t, msg.state)
             t.rule.abandon()  # our contribution's bookkeeping (error feedback) stays as it was
             await self._catch_up(t)
-            if msg.keep > 0 and p.usable and t.snap is None:
+            if msg.keep > 0 and p.steps and t.snap is None:
                 # The round went on without us: our work of it rides on the new θ, scaled for its
                 # staleness, and reaches the swarm in our next round's Δ (the coordinator counts
                 # its samples there).
                 async with t.lock:
                     t.worker.add_to_state(t.layout.unflatten(t.delta * -msg.keep))
-                log.info(
-                    "round %d went on without this node: %.0f%% of its Δ rides into the next", p.round, 100 * msg.keep
-                )
+                    t.kept_steps = p.steps
         p.applied = p.superseded = False
-        self.progress.settled(p.round, 0, None, abandoned=msg.abandoned)
+        kept = msg.keep if t.kept_steps else 0.0
+        self.progress.settled(p.round, 0, None, abandoned=msg.abandoned, kept=kept)
         p.settled.set()
         await self._beat()  # the coordinator learns what we hold now, before it plans the next round
 

@@ -53,13 +53,22 @@ class Progress:
         self._show(f"round {rnd + 1}/{self.rounds}: evaluated (this node trains no samples), val loss {val_loss:.4f}")
 
     def settled(
-        self, rnd: int, bytes_sent: int, val_loss: float | None, weight: float | None = None, abandoned: bool = False
+        self,
+        rnd: int,
+        bytes_sent: int,
+        val_loss: float | None,
+        weight: float | None = None,
+        abandoned: bool = False,
+        kept: float = 0.0,
     ) -> None:
         """Round `rnd` is settled here: one line with what this node knows of it. `weight`: this
-        node's share of the round's samples, as the coordinator counted them (its ring weight)."""
+        node's share of the round's samples, as the coordinator counted them (its ring weight);
+        `kept`: the round went on without this node, which keeps that share of its Δ for the next."""
         samples, loss = self._trained.pop(rnd, (0, None))
         self._trained = {r: v for r, v in self._trained.items() if r > rnd}
         share = f"trained {samples} samples" + (f" ({100 * weight:.0f}% of the round)" if weight is not None else "")
+        if kept:
+            share += f" (late: {100 * kept:.0f}% of its Δ rides into round {rnd + 2})"
         parts = [f"round {rnd + 1}/{self.rounds}" + (" (given up: θ kept)" if abandoned else ""), share]
         if loss is not None:
             parts.append(f"train loss {loss:.4f}")

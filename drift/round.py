@@ -390,6 +390,8 @@ class Round:
         prev_ring = prev.ring_ids() if prev is not None else set()
 
         def role(i: str) -> rules.Role:
+            if i in (late or {}):  # its Δ holds work of the round before: it trains, so it is merged
+                return "train"
             if i in evaluators:
                 return "evaluate"
             if in_flight and swarm.state_round.get(i) != swarm.newest() and (prev.ring is None or i not in prev_ring):
@@ -725,10 +727,10 @@ class Round:
             self.warn(f"node {self.name(i)}: its late report of round {msg.round} does not count ({wrong})")
             self.note("bad_report", node_id=i, reason=wrong, round=msg.round)
             self.give_back.extend(w.units)
-            if book is self.late:
-                del book[i]  # (told before its Agreed: it keeps nothing of this round)
+            if book is self.late or msg.delta_error:
+                del book[i]  # it keeps nothing of that round (not told to, or its Δ was unusable)
             else:
-                w.units = []  # (it kept its Δ: merge_late redoes its next round's work too)
+                w.units = []  # it kept its Δ: merge_late redoes its next round's work too
             return
         self.give_back.extend(msg.returned)
         w.units, w.reported = list(msg.trained), True
@@ -897,8 +899,8 @@ class Round:
         if r.quorum >= 1 or self.last:
             return  # (the last round has no next one to merge into)
         waiting = [i for i in in_part if self.nodes[i].synced is None]
-        if not waiting:
-            return
+        if not waiting or (self.rnd == 0 and self.val_reporter in waiting):
+            return  # (round 0's val reporter evaluates θ0 first: its deadline allows for that)
         share = sum(s.speed[i] for i in in_part if self.nodes[i].synced is not None) / sum(s.speed[i] for i in in_part)
         if share < r.quorum:
             self.t_quorum = None  # (a synced member's work was voided meanwhile)
@@ -912,7 +914,7 @@ class Round:
             n, name = self.nodes[i], self.name(i)
             self.warn(f"node {name} is not at the barrier {grace:.1f}s after {share:.0%} of the swarm: it is late")
             self.note("late", node_id=i, name=name, round=self.rnd, synced_share=share)
-            n.late = n.excluded = True
+            n.late_cut = n.excluded = True
             if not self.stop_sent and not n.early:
                 self._stop(i)
             if r.overlap or i in self.carry:
@@ -938,7 +940,7 @@ class Round:
             return True
         for i in d.stragglers:  # stragglers past their deadline or late: the swarm goes on without them
             self.nodes[i].sitting_out = True
-            reason = "late" if self.nodes[i].late else "deadline"
+            reason = "late" if self.nodes[i].late_cut else "deadline"
             self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
         counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
         bs = self.r.batch_size  # steps by what it was granted and trained, not by its word
@@ -1473,7 +1475,7 @@ class Round:
             {i: d.bytes_sent for i, d in done.items()},
             self.abandoned,
             given_back,
-            self.late,
+            dict(self.late),  # (a drop after finish() forgets the node here, not in the next round)
         )
         self.note(
             "round",

@@ -42,7 +42,7 @@ class NodeRound:
     sitting_out: bool = False  # not in the ring: it gets θ from a peer when the round settles
     early: bool = False  # told to stop ahead of the others (tail)
     catching_up: bool = False  # not in this round's ring: told what θ became when it settles
-    late: bool = False  # still out when the quorum went on (quorum_cut): its work merges into the next round
+    late_cut: bool = False  # still out when the quorum went on (quorum_cut): its work merges into the next round
     behind: bool = False  # in the ring, but it did not report θ in time: the round settles without it
     reported: list[tuple[int, int, int, int]] = field(default_factory=list)  # units it reported trained (once each)
     repeated: bool = False  # it reported samples twice this round (named and struck once)

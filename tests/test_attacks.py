@@ -38,7 +38,7 @@ def _attack(
     assert final is not None and math.isfinite(final) and final < initial, (initial, final)  # θ trained, never poisoned
     # No honest node is ever dropped or struck out of a round for what the attacker did.
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left"), events
-    assert all(e["name"] == "bad" or e["reason"] == "deadline" for e in events if e["event"] == "sat_out")
+    assert all(e["name"] == "bad" or e["reason"] in ("deadline", "late") for e in events if e["event"] == "sat_out")
     check_exactly_once(events, 2 * BATCH)
     return events, swarm.log()
 

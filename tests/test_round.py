@@ -467,9 +467,9 @@ def test_the_barrier_goes_on_a_grace_after_the_quorum_and_the_late_node_s_work_m
         sim.train(n)
     sim.tick(sim.now - sim.t0)
     ring = {m.node_id: m.weight for m in sim.rd.ring}
-    assert ring[x] > 0 and ring[x] > ring[sim.ids["a"]] * rules.samples(sim.rd.nodes[x].synced.trained) / (
-        rules.samples(sim.rd.nodes[sim.ids["a"]].synced.trained) + 1
-    )
+    counted = {i: rules.samples(n.synced.trained) for i, n in sim.rd.nodes.items()}
+    assert ring[x] == pytest.approx(counted[x] / sum(counted.values()))  # its weight counts round 0's unit
+    assert u in sim.rd.nodes[x].synced.trained
     _settle(sim, "abcx")
     assert sim.result.trained.count(u) == 1 and u in sim.rd.nodes[x].synced.trained
 
@@ -519,6 +519,35 @@ def test_a_late_node_that_syncs_its_next_round_without_its_late_report_has_both_
     assert {m.node_id: m.weight for m in sim.rd.ring}[sim.ids["x"]] == 0.0  # (in the ring, weight 0)
     _settle(sim, "abcx")
     assert u in sim.result.given_back and all(v in sim.result.given_back for v in mine)
+
+
+def test_a_late_node_dropped_as_its_round_settles_has_its_late_work_redone() -> None:
+    sim, _, u = _late_round()
+    sim.tick(sim.now - sim.t0)
+    sim.tick(sim.now - sim.t0 + 1.0)
+    _sync(sim, "x", 0, [u])
+    _settle(sim, "abc")
+    sim.drop(sim.ids["x"], "struck out")  # (the shell drops it after finish(): the settled round forgets it)
+    sim.start(1)
+    for n in "abc":
+        sim.train(n)
+    sim.tick(sim.now - sim.t0)
+    _settle(sim, "abc")
+    assert u in sim.result.given_back
+
+
+def test_a_late_node_trains_its_next_round_even_if_it_is_now_slow_enough_to_evaluate() -> None:
+    # An evaluator's round is not merged: its Δ, which holds its late work, would never reach θ.
+    sim, _, u = _late_round()
+    x = sim.ids["x"]
+    sim.tick(sim.now - sim.t0)
+    sim.tick(sim.now - sim.t0 + 1.0)
+    _sync(sim, "x", 0, [u])
+    _settle(sim, "abc")
+    sim.s.speed[x] = 0.5  # measured: 200x slower than the others
+    assert x in sim.s.evaluators(sim.recipe.round_samples)
+    rd = sim.start(1)
+    assert rd.nodes[x].role == "train" and x in rd.carry
 
 
 def test_below_the_quorum_nobody_is_cut_early() -> None:

@@ -102,10 +102,10 @@ def _hostile(tmp_path: Path, fault: str, told: bool = False, **recipe) -> tuple[
 
 def _honest_untouched(events: list[dict]) -> None:
     """No honest node was marked diverged, struck for a false accusation, made to sit out for
-    anything but being slow (a loaded machine: `deadline`), or dropped."""
+    anything but being slow (a loaded machine: `deadline`, `late`), or dropped."""
     assert not [e for e in events if e["event"] == "diverged"]
     assert all(e["name"] == "bad" for e in events if e["event"] == "false_accusation")
-    assert all(e["name"] == "bad" or e["reason"] == "deadline" for e in events if e["event"] == "sat_out")
+    assert all(e["name"] == "bad" or e["reason"] in ("deadline", "late") for e in events if e["event"] == "sat_out")
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
 
 
