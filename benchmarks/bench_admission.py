@@ -1,0 +1,61 @@
+"""What admitting N nodes costs the coordinator's uplink (issue 40): the TrainingReady each member
+gets, encoded as it goes on the wire, with real Ed25519-signed RepoCommits. Before drift/peers.py
+it carried every member's RepoCommit (N of them to each of N nodes); now the member ids and
+auth_threshold's few, and each node verifies a peer's own RepoCommit as they first talk.
+
+    python3 benchmarks/bench_admission.py --nodes 16 256 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+
+from drift import protocol as P
+from drift.auth import Admission, NodeKey, sign_message
+from drift.coordinator import ready_message
+
+
+def signed(key: NodeKey, commit: str, run: str) -> dict:
+    """`key`'s RepoCommit as a real node signs it (a repo URL, a commit, a tree, a layout digest)."""
+    body = P.RepoCommit(
+        repo="https://github.com/someone/their-model.git",
+        commit=commit,
+        tree=hashlib.sha1(b"tree").hexdigest(),
+        node_id=key.node_id,
+        timestamp=time.time(),
+        nonce=os.urandom(16).hex(),
+        param_checksum=hashlib.sha256(b"theta0").hexdigest(),
+        n_train=1_000_000,
+        n_params=124_000_000,
+        layout=hashlib.sha256(b"layout").hexdigest(),
+        run_id=os.urandom(8).hex(),
+    ).model_dump(mode="json")
+    body["run_id"] = run
+    return sign_message(key, body)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[16, 256, 1000])
+    args = ap.parse_args()
+    commit, run = hashlib.sha1(b"c").hexdigest(), os.urandom(8).hex()
+    keys = [NodeKey.generate() for _ in range(max(args.nodes))]
+    admission = Admission(commit=commit, run_id=run)
+    rcs = []
+    for k in keys:
+        rc = signed(k, commit, run)
+        admission.verify(rc, k.node_id)
+        rcs.append(rc)
+    print("nodes  every RepoCommit: a node  all nodes   ids + auth_threshold's: a node  all nodes")
+    for n in args.nodes:
+        ids = [k.node_id for k in keys[:n]]
+        before = len(P.encode(P.TrainingReady(nodes=ids, signatures=rcs[:n])))
+        after = len(P.encode(ready_message(admission, ids, None)))
+        print(f"{n:5d}  {before:24,d}  {n * before / 1e6:8.1f} MB   {after:29,d}  {n * after / 1e6:8.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
