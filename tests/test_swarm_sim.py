@@ -108,7 +108,7 @@ def test_a_node_late_at_the_barrier_is_not_waited_for_and_its_work_reaches_theta
     what it trained in round 1 is neither redone nor lost: its Δ, kept at the staleness scale on
     top of the new θ, reaches θ in round 2 (3 s of training: it is back in time), where its
     report counts those units beside its own."""
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, inner_steps=60, quorum=0.7, **SIM)
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=3, inner_steps=60, quorum=0.7, **SIM)
     swarm = Swarm(recipe, tmp_path)
     for _ in range(3):
         swarm.join("0.05")
