@@ -789,6 +789,8 @@ class Coordinator:
         settled = False
         s = self.swarm
         for a in actions:
+            if R.write_swarm(s, a, rd.rnd):
+                continue
             match a:
                 case R.Send(nodes=nodes, msg=msg):
                     await self.broadcast([s.members[i] for i in nodes if i in s.members], msg)
@@ -801,22 +803,6 @@ class Coordinator:
                     self.note(kind, **fields)
                 case R.Log(level=level, text=text):
                     log.log(level, "%s", text)
-                case R.Strike(node=i):
-                    s.strike(i, rd.rnd)
-                case R.Ban(node=i, why=why):
-                    s.ban(i, why)
-                case R.Measured(node=i, samples_per_s=sps):
-                    s.measured_speed(i, sps)
-                case R.Slowed(node=i, samples_per_s=sps):
-                    s.slowed(i, sps)
-                case R.NewRingEpoch(epoch=epoch):
-                    s.ring_renewed(epoch)
-                case R.Suspects(nodes=nodes):
-                    s.suspect(nodes)
-                case R.Moved(node=i):
-                    s.moved(i)
-                case R.AgreedTheta(round=rnd, checksum=checksum, holders=holders):
-                    s.agreed(rnd, checksum, holders)
                 case R.GiveBack(units=units):
                     self.queue.give_back(list(units))
                 case R.CatchUp(node=i) if rd.prev is not None:

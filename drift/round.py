@@ -38,7 +38,7 @@ from drift.recipe import Recipe
 from drift.ring import proves_forgery, segment_owner
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
-from drift.swarm import Peer
+from drift.swarm import Peer, Swarm
 from drift.sync import rule_class
 
 MAX_RING_RETRIES = 5
@@ -354,6 +354,32 @@ Action = (
     | GiveBack
     | CatchUp
 )
+
+
+def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
+    """Apply `a` if it is one of round `rnd`'s writes to the swarm (strikes, bans, speeds, the ring
+    epoch, suspects, moves, the agreed θ) through the Swarm's methods; False for any other action.
+    The shells (the Coordinator, the tests' and the harness's) apply the rest themselves."""
+    match a:
+        case Strike(node=i):
+            swarm.strike(i, rnd)
+        case Ban(node=i, why=why):
+            swarm.ban(i, why)
+        case Measured(node=i, samples_per_s=sps):
+            swarm.measured_speed(i, sps)
+        case Slowed(node=i, samples_per_s=sps):
+            swarm.slowed(i, sps)
+        case NewRingEpoch(epoch=epoch):
+            swarm.ring_renewed(epoch)
+        case Suspects(nodes=nodes):
+            swarm.suspect(nodes)
+        case Moved(node=i):
+            swarm.moved(i)
+        case AgreedTheta(round=r, checksum=checksum, holders=holders):
+            swarm.agreed(r, checksum, holders)
+        case _:
+            return False
+    return True
 
 
 class Round:

@@ -75,6 +75,8 @@ class Sim:
         settled = False
         self.actions += actions
         for a in actions:
+            if R.write_swarm(self.s, a, self.rd.rnd):
+                continue
             match a:
                 case R.Send(nodes=nodes, msg=msg):
                     self.sent += [(i, P.decode(P.encode(msg))) for i in nodes]  # it must encode
@@ -88,22 +90,6 @@ class Sim:
                     self.log.append(text)
                 case R.Note(kind=kind, fields=fields):
                     self.notes.append((kind, fields))
-                case R.Strike(node=i):
-                    self.s.strike(i, self.rd.rnd)
-                case R.Ban(node=i, why=why):
-                    self.s.ban(i, why)
-                case R.Measured(node=i, samples_per_s=sps):
-                    self.s.measured_speed(i, sps)
-                case R.Slowed(node=i, samples_per_s=sps):
-                    self.s.slowed(i, sps)
-                case R.NewRingEpoch(epoch=epoch):
-                    self.s.ring_renewed(epoch)
-                case R.Suspects(nodes=nodes):
-                    self.s.suspect(nodes)
-                case R.Moved(node=i):
-                    self.s.moved(i)
-                case R.AgreedTheta(round=rnd, checksum=checksum, holders=holders):
-                    self.s.agreed(rnd, checksum, holders)
                 case R.Drop(node=i, why=why):
                     self.drop(i, why)
                 case R.GiveBack(units=units):
@@ -432,6 +418,21 @@ def _late_round(quorum: float = 0.75) -> tuple[Sim, Round, P.WorkUnit]:
     return sim, rd, u
 
 
+def _cut(sim: Sim) -> None:
+    """The quorum is in; past the grace, x is late."""
+    sim.tick(sim.now - sim.t0)
+    sim.tick(sim.now - sim.t0 + 1.0)
+
+
+def _late_settled() -> tuple[Sim, P.WorkUnit]:
+    """Round 0 settled without x, whose late report accounted for the unit it trained."""
+    sim, _, u = _late_round()
+    _cut(sim)
+    _sync(sim, "x", 0, [u])
+    _settle(sim, "abc")
+    return sim, u
+
+
 def _sync(sim: Sim, name: str, rnd: int, trained: list[P.WorkUnit], **kw) -> None:
     n = rules.samples(trained)
     sim.msg(
@@ -476,8 +477,7 @@ def test_the_barrier_goes_on_a_grace_after_the_quorum_and_the_late_node_s_work_m
 
 def test_a_late_report_that_does_not_account_for_its_units_has_them_redone_and_keeps_nothing() -> None:
     sim, _, u = _late_round()
-    sim.tick(sim.now - sim.t0)
-    sim.tick(sim.now - sim.t0 + 1.0)
+    _cut(sim)
     assert [f["name"] for f in sim.noted("late")] == ["x"]
     stranger = u.model_copy(update={"id": u.id + 5000})
     _sync(sim, "x", 0, [stranger])  # samples it was never granted
@@ -488,11 +488,7 @@ def test_a_late_report_that_does_not_account_for_its_units_has_them_redone_and_k
 
 
 def test_a_late_node_that_leaves_before_its_next_barrier_has_its_late_work_redone() -> None:
-    sim, _, u = _late_round()
-    sim.tick(sim.now - sim.t0)
-    sim.tick(sim.now - sim.t0 + 1.0)
-    _sync(sim, "x", 0, [u])
-    _settle(sim, "abc")
+    sim, u = _late_settled()
     sim.start(1)
     sim.drop(sim.ids["x"], "connection closed")
     for n in "abc":
@@ -506,8 +502,7 @@ def test_a_late_node_that_syncs_its_next_round_without_its_late_report_has_both_
     # Honest code sends the late report first (one connection, in order): a Δ holding work nobody
     # accounted for does not reach θ.
     sim, _, u = _late_round()
-    sim.tick(sim.now - sim.t0)
-    sim.tick(sim.now - sim.t0 + 1.0)
+    _cut(sim)
     _settle(sim, "abc")  # (x's report never comes)
     assert [m.keep for m in sim.to("x", P.Agreed)] == [pytest.approx(rules.staleness_scale(1))]
     sim.start(1)
@@ -522,11 +517,7 @@ def test_a_late_node_that_syncs_its_next_round_without_its_late_report_has_both_
 
 
 def test_a_late_node_dropped_as_its_round_settles_has_its_late_work_redone() -> None:
-    sim, _, u = _late_round()
-    sim.tick(sim.now - sim.t0)
-    sim.tick(sim.now - sim.t0 + 1.0)
-    _sync(sim, "x", 0, [u])
-    _settle(sim, "abc")
+    sim, u = _late_settled()
     sim.drop(sim.ids["x"], "struck out")  # (the shell drops it after finish(): the settled round forgets it)
     sim.start(1)
     for n in "abc":
@@ -538,12 +529,8 @@ def test_a_late_node_dropped_as_its_round_settles_has_its_late_work_redone() -> 
 
 def test_a_late_node_trains_its_next_round_even_if_it_is_now_slow_enough_to_evaluate() -> None:
     # An evaluator's round is not merged: its Δ, which holds its late work, would never reach θ.
-    sim, _, u = _late_round()
+    sim, _ = _late_settled()
     x = sim.ids["x"]
-    sim.tick(sim.now - sim.t0)
-    sim.tick(sim.now - sim.t0 + 1.0)
-    _sync(sim, "x", 0, [u])
-    _settle(sim, "abc")
     sim.s.speed[x] = 0.5  # measured: 200x slower than the others
     assert x in sim.s.evaluators(sim.recipe.round_samples)
     rd = sim.start(1)

@@ -142,6 +142,8 @@ class VirtualSwarm:
         settled = False
         s = self.s
         for a in actions:
+            if R.write_swarm(s, a, self.rd.rnd):
+                continue
             match a:
                 case R.Send(nodes=nodes, msg=msg):
                     wire = P.encode(msg)
@@ -149,22 +151,6 @@ class VirtualSwarm:
                         self.at(self.now + self.latency, "to_node", i, wire)
                 case R.Note(kind=kind):
                     self.stats.cut += kind in ("deadline", "late")
-                case R.Strike(node=i):
-                    s.strike(i, self.rd.rnd)
-                case R.Ban(node=i, why=why):
-                    s.ban(i, why)
-                case R.Measured(node=i, samples_per_s=sps):
-                    s.measured_speed(i, sps)
-                case R.Slowed(node=i, samples_per_s=sps):
-                    s.slowed(i, sps)
-                case R.NewRingEpoch(epoch=epoch):
-                    s.ring_renewed(epoch)
-                case R.Suspects(nodes=nodes):
-                    s.suspect(nodes)
-                case R.Moved(node=i):
-                    s.moved(i)
-                case R.AgreedTheta(round=rnd, checksum=checksum, holders=holders):
-                    s.agreed(rnd, checksum, holders)
                 case R.GiveBack(units=units):
                     self.queue.give_back(list(units))
                 case R.Drop(node=i):
