@@ -1,7 +1,9 @@
 """What admitting N nodes costs the coordinator's uplink (issue 40): the TrainingReady each member
 gets, encoded as it goes on the wire, with real Ed25519-signed RepoCommits. Before drift/peers.py
 it carried every member's RepoCommit (N of them to each of N nodes); now the member ids and
-auth_threshold's few, and each node verifies a peer's own RepoCommit as they first talk.
+auth_threshold's few, and each node verifies a peer's own RepoCommit as they first talk. And
+one node joining a swarm of N: every member got the whole membership again; now the newcomer
+gets it, the others what changed (MembersChanged).
 
     python3 benchmarks/bench_admission.py --nodes 16 256 1000
 """
@@ -15,7 +17,7 @@ import time
 
 from drift import protocol as P
 from drift.auth import Admission, NodeKey, sign_message
-from drift.coordinator import ready_message
+from drift.coordinator import members_changed, ready_message
 
 
 def signed(key: NodeKey, commit: str, run: str) -> dict:
@@ -42,19 +44,27 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[16, 256, 1000])
     args = ap.parse_args()
     commit, run = hashlib.sha1(b"c").hexdigest(), os.urandom(8).hex()
-    keys = [NodeKey.generate() for _ in range(max(args.nodes))]
+    keys = [NodeKey.generate() for _ in range(max(args.nodes) + 1)]
     admission = Admission(commit=commit, run_id=run)
     rcs = []
     for k in keys:
         rc = signed(k, commit, run)
         admission.verify(rc, k.node_id)
         rcs.append(rc)
+    print("admitting N nodes: the TrainingReady to each, and to all")
     print("nodes  every RepoCommit: a node  all nodes   ids + auth_threshold's: a node  all nodes")
     for n in args.nodes:
         ids = [k.node_id for k in keys[:n]]
         before = len(P.encode(P.TrainingReady(nodes=ids, signatures=rcs[:n])))
         after = len(P.encode(ready_message(admission, ids, None)))
         print(f"{n:5d}  {before:24,d}  {n * before / 1e6:8.1f} MB   {after:29,d}  {n * after / 1e6:8.1f} MB")
+    print("one node joining N members: what the coordinator sends in all")
+    print("nodes  everyone the whole membership   the newcomer it, the others what changed")
+    for n in args.nodes:
+        ids = [k.node_id for k in keys[: n + 1]]
+        whole = len(P.encode(ready_message(admission, ids, None)))
+        changed = len(P.encode(members_changed(set(ids[:n]), ids)))
+        print(f"{n:5d}  {(n + 1) * whole / 1e6:27.2f} MB   {(whole + n * changed) / 1e6:40.3f} MB")
 
 
 if __name__ == "__main__":

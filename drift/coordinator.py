@@ -13,6 +13,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +113,11 @@ def ready_message(admission: Admission, ids: list[str], auth_threshold: int | No
     return P.TrainingReady(nodes=ids, signatures=admission.signatures(ids[: auth_threshold or 1]))
 
 
+def members_changed(told: Set[str], ids: list[str]) -> P.MembersChanged:
+    """What changed for members last told the membership `told`, now `ids`: who joined, who left."""
+    return P.MembersChanged(joined=[i for i in ids if i not in told], left=sorted(told - set(ids)))
+
+
 @dataclass
 class Coordinator:
     recipe: Recipe
@@ -176,9 +182,9 @@ class Coordinator:
         self._saver: asyncio.Task | None = None  # the checkpoint being fetched and written, if any
         self._skipped: int | None = None  # the newest round whose checkpoint was due while one was being written
         self.positions: dict[int, dict] = {}  # the data position after each settled round
-        self.late: dict[
-            str, R.Late
-        ] = {}  # the last settled round's late members (blocking: the next round merges them)
+        # The last settled round's late members (blocking: the next round merges their work).
+        self.late: dict[str, R.Late] = {}
+        self.told: set[str] = set()  # the membership the members were last told (TrainingReady, MembersChanged)
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
@@ -622,6 +628,7 @@ class Coordinator:
         """Wait for min_nodes, then run every round; returns one result per round."""
         peers = await self._same_task(await self.wait_for_nodes())
         await self.broadcast(peers, ready_message(self.admission, [p.id for p in peers], self.recipe.auth_threshold))
+        self.told = {p.id for p in peers}
         r = self.recipe
         self.swarm.agreed(-1, peers[0].commit.param_checksum, ())
         self.n_train, self.n_params = peers[0].commit.n_train, peers[0].commit.n_params
@@ -1159,9 +1166,13 @@ class Coordinator:
             self.note("node_entered", node_id=p.id, name=p.info.name, round=rnd)
         if entered:  # everyone learns the new membership (each checks a newcomer as they first talk)
             members = list(self.swarm.members.values())
-            await self.broadcast(
-                members, ready_message(self.admission, [p.id for p in members], self.recipe.auth_threshold)
-            )
+            ids = [p.id for p in members]
+            new = set(entered)
+            ready = ready_message(self.admission, ids, self.recipe.auth_threshold)
+            await self.broadcast([p for p in members if p.id in new], ready)  # a newcomer: all of it
+            changed = members_changed(self.told, ids)
+            await self.broadcast([p for p in members if p.id not in new], changed)  # the others: what changed
+            self.told = set(ids)
 
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None:
         """Where `node` gets the swarm's newest agreed θ (Swarm.state_source), with us as the last

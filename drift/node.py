@@ -371,7 +371,9 @@ class Session:
         self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
         self.failure: Exception | None = None  # an error of the sync, raised in the round loop
         self._early_agreed: dict[int, P.Agreed] = {}  # Agreed for a round this node has not synced yet
-        self._checked: dict[int, tuple[P.TrainingReady, str | None]] = {}  # TrainingReady -> its check, on arrival
+        self._checked: dict[
+            int, tuple[P.TrainingReady | P.MembersChanged, str | None]
+        ] = {}  # TrainingReady -> its check, on arrival
         self.progress = Progress(self.opts.say, self.opts.live)
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -403,7 +405,7 @@ class Session:
                         self.sync_q.put_nowait(msg)
                         self.ended.set()
                         self.inbox.put_nowait(msg)
-                    case P.TrainingReady():
+                    case P.TrainingReady() | P.MembersChanged():
                         # Membership changes are taken here, as they arrive, not when the main loop
                         # gets to them: a newcomer may ask us for θ a moment later.
                         self._checked[id(msg)] = (msg, self._check_members(msg))
@@ -505,10 +507,10 @@ class Session:
                 self._data_report(P.DataReport(kind="holds", round=-1, reason="this node's copy matches the manifest"))
         self._tasks.append(asyncio.ensure_future(self._sync_loop(t)))
         while True:
-            match msg := await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady):
+            match msg := await self.expect(P.ShardAssignment, P.TrainComplete, P.TrainingReady, P.MembersChanged):
                 case P.ShardAssignment():
                     await self._round(msg)
-                case P.TrainingReady():  # new members (taken by the reader already)
+                case P.TrainingReady() | P.MembersChanged():  # new members (taken by the reader already)
                     await self._verify_ready(msg)
                 case P.TrainComplete():
                     return self._complete(msg)
@@ -709,13 +711,21 @@ class Session:
         )
         return P.RepoCommit.model_validate(sign_message(node.key, rc.model_dump(mode="json")))
 
-    def _check_members(self, ready: P.TrainingReady) -> str | None:
-        """Check a TrainingReady (verify_peers: its few RepoCommits, the allowlist, auth_threshold);
-        on success its nodes are the members this node trains with (ring, gather, state, data),
-        each verified as this node first talks to it. Returns what is wrong, or None."""
+    def _check_members(self, ready: P.TrainingReady | P.MembersChanged) -> str | None:
+        """Check a TrainingReady (verify_peers: its few RepoCommits, the allowlist, auth_threshold)
+        or a MembersChanged (the allowlist); on success the members this node trains with (ring,
+        gather, state, data) are its nodes, or those changed by it, each verified as this node
+        first talks to it. Returns what is wrong, or None."""
         t, peers, me = self.node.trainer, self.node.peers, self.node.endpoint.node_id
         if t is None or peers.check is None:
-            return "TrainingReady before this node loaded the task"
+            return f"{ready.type} before this node loaded the task"
+        if isinstance(ready, P.MembersChanged):
+            allow = peers.check.allowlist
+            if allow is not None and (outside := [i for i in ready.joined if i not in allow]):
+                return f"the coordinator added node {outside[0][:10]}, which is not on the allowlist"
+            peers.set_members((peers.members | set(ready.joined)) - set(ready.left) - {me})
+            self.node.gather.retain(peers.members)
+            return None
         try:
             verify_peers(
                 ready.signatures, ready.nodes, check=peers.check, me=me, threshold=t.recipe.auth_threshold or 1
@@ -728,7 +738,7 @@ class Session:
         self.node.gather.retain(peers.members)
         return None
 
-    async def _verify_ready(self, ready: P.TrainingReady) -> None:
+    async def _verify_ready(self, ready: P.TrainingReady | P.MembersChanged) -> None:
         """Refuse to go on with a membership this node cannot accept (checked once, as it arrived)."""
         msg, problem = self._checked.pop(id(ready), (None, None))
         if msg is not ready:

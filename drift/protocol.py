@@ -178,6 +178,16 @@ class TrainingReady(_Msg):
     signatures: Annotated[list[Signed], Field(max_length=MAX_NODES)] = Field(default_factory=list)
 
 
+class MembersChanged(_Msg):
+    """Coordinator -> the members it told the membership before: who joined and who left since
+    (a newcomer gets a whole TrainingReady). A join costs the coordinator a few ids to each
+    member, not every member's id to each (N² bytes a join)."""
+
+    type: Literal["MembersChanged"] = "MembersChanged"
+    joined: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)
+    left: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)
+
+
 class TrainingCancel(_Msg):
     """Either side: this node is not (or no longer) part of the run, and why. `retry` tells a node
     that was in the swarm before that it may connect again (its old connection is not gone yet)."""
@@ -532,6 +542,7 @@ Message = Annotated[
     | TrainConfig
     | RepoCommit
     | TrainingReady
+    | MembersChanged
     | TrainingCancel
     | Ping
     | Heartbeat

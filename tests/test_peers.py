@@ -15,7 +15,7 @@ from conftest import run_async
 
 from drift import protocol as P
 from drift.auth import Admission, AuthError, NodeKey, PeerCheck, sign_message, verify_peers
-from drift.coordinator import ready_message
+from drift.coordinator import members_changed, ready_message
 from drift.diloco import ParamLayout, checksum
 from drift.peers import MAX_HELLO, MAX_PRESENTING, Peers
 from drift.state import StateError, StateServer, fetch_state, into_arrays
@@ -122,6 +122,16 @@ def test_training_ready_grows_by_a_node_id_per_member_not_by_every_signature() -
     assert size(256, threshold=3) - size(256) < 3 * one_rc  # auth_threshold's RepoCommits, a constant
     ids_only = len(P.encode(P.TrainingReady(nodes=[k.node_id for k in keys])))
     assert ids_only < size(256) < ids_only + one_rc  # the ids and one RepoCommit (N of them before: 256)
+
+
+def test_a_join_tells_the_members_who_joined_and_left_not_every_member_again() -> None:
+    ids = [NodeKey.generate().node_id for _ in range(4)]
+    a, b, c, d = ids
+    changed = members_changed({a, b, c}, [a, c, d])
+    assert (changed.joined, changed.left) == ([d], [b])
+    many = [f"{k:064x}" for k in range(1000)]
+    one_more = members_changed(set(many), [*many, d])
+    assert one_more.joined == [d] and len(P.encode(one_more)) < 200  # a few ids, whatever N
 
 
 # --- the exchange on a connection, in front of a real state server --------------------------------

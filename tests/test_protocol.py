@@ -17,6 +17,7 @@ SAMPLES = [
     P.TrainConfig(run_id="r", recipe={"name": "x"}, commit=None),
     P.RepoCommit(repo="r", commit="c", tree="t", node_id=A, timestamp=1.5, nonce="ab", param_checksum="cs", n_train=10),
     P.TrainingReady(nodes=[A]),
+    P.MembersChanged(joined=[A], left=[B]),
     P.TrainingCancel(reason="why"),
     P.Ping(nonce=3),
     P.Heartbeat(round=1),
