@@ -224,6 +224,13 @@ class Trainer:
             self.delta[...] = local
         np.subtract(self.theta, self.delta, out=self.delta)
 
+    def keep_late(self, keep: float, steps: int) -> None:
+        """A round went on without this node (Agreed.keep): the local copy, just set to θ_global,
+        takes back `keep` of the node's own Δ of that round (local = θ_global − keep·Δ), so the
+        next Δ holds it and its `steps` beside the new ones."""
+        self.worker.add_to_state(self.layout.unflatten(self.delta * -keep))
+        self.kept_steps = steps
+
     def load_worker(self) -> None:
         """The worker's model <- θ_global (views: no copy on this side)."""
         params, buffers = self.layout.split(self.layout.unflatten(self.theta))
@@ -1071,8 +1078,7 @@ class Session:
                 # staleness, and reaches the swarm in our next round's Δ (the coordinator counts
                 # its samples there).
                 async with t.lock:
-                    t.worker.add_to_state(t.layout.unflatten(t.delta * -msg.keep))
-                    t.kept_steps = p.steps
+                    t.keep_late(msg.keep, p.steps)
         p.applied = p.superseded = False
         kept = msg.keep if t.kept_steps else 0.0
         self.progress.settled(p.round, 0, None, abandoned=msg.abandoned, kept=kept)
