@@ -14,6 +14,7 @@ each peer's RepoCommit, from that peer itself, before they exchange a byte of tr
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -171,9 +172,10 @@ class Admission:
             f"the {len(self.allowlist)} allowlisted nodes were refused (last: {last})"
         )
 
-    def signatures(self, node_ids: Iterable[str]) -> list[dict[str, Any]]:
-        """The signed RepoCommits of these nodes, for TrainingReady (auth_threshold's few)."""
-        return [self.verified[n] for n in node_ids]
+    def signatures(self, node_ids: Iterable[str], most: int) -> list[dict[str, Any]]:
+        """The signed RepoCommits of the first `most` of these nodes still verified, for
+        TrainingReady (auth_threshold's few; a member refused since, on a reconnect, has none)."""
+        return list(itertools.islice((self.verified[n] for n in node_ids if n in self.verified), most))
 
 
 @dataclass

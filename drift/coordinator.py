@@ -110,7 +110,7 @@ def ready_message(admission: Admission, ids: list[str], auth_threshold: int | No
     node's auth_threshold check counts (at least one). Every node verifies each peer's own
     RepoCommit as they first talk (drift/peers.py): forwarding all N to each of N nodes was N²
     bytes from this uplink (770 MB at 1,000 nodes)."""
-    return P.TrainingReady(nodes=ids, signatures=admission.signatures(ids[: auth_threshold or 1]))
+    return P.TrainingReady(nodes=ids, signatures=admission.signatures(ids, auth_threshold or 1))
 
 
 def members_changed(told: Set[str], ids: list[str]) -> P.MembersChanged:

@@ -151,7 +151,18 @@ def test_admission_accepts_a_good_repo_commit() -> None:
     key, adm = NodeKey.generate(), _admission()
     msg = _rc(key)
     assert adm.verify(msg, key.node_id) == msg
-    assert adm.signatures([key.node_id]) == [msg]
+    assert adm.signatures([key.node_id], 1) == [msg]
+
+
+def test_training_ready_s_signatures_skip_a_member_refused_since() -> None:
+    # A member that reconnected with a bad RepoCommit before its drop was handled has no verified
+    # one: TrainingReady carries the next member's (it raised KeyError and ended the run).
+    a, b, c = (NodeKey.generate() for _ in range(3))
+    adm = _admission()
+    for k in (a, b, c):
+        adm.verify(_rc(k), k.node_id)
+    adm.refuse(a.node_id, "a bad RepoCommit")
+    assert [s["node_id"] for s in adm.signatures([a.node_id, b.node_id, c.node_id], 1)] == [b.node_id]
 
 
 def test_admission_refusals_say_why() -> None:
