@@ -378,9 +378,8 @@ class Session:
         self.ended = asyncio.Event()  # the connection, the run or the sync ended: stop waiting for rounds
         self.failure: Exception | None = None  # an error of the sync, raised in the round loop
         self._early_agreed: dict[int, P.Agreed] = {}  # Agreed for a round this node has not synced yet
-        self._checked: dict[
-            int, tuple[P.TrainingReady | P.MembersChanged, str | None]
-        ] = {}  # TrainingReady -> its check, on arrival
+        # A membership message -> its check, made on arrival
+        self._checked: dict[int, tuple[P.TrainingReady | P.MembersChanged, str | None]] = {}
         self.progress = Progress(self.opts.say, self.opts.live)
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -730,18 +729,18 @@ class Session:
             allow = peers.check.allowlist
             if allow is not None and (outside := [i for i in ready.joined if i not in allow]):
                 return f"the coordinator added node {outside[0][:10]}, which is not on the allowlist"
-            peers.set_members((peers.members | set(ready.joined)) - set(ready.left) - {me})
-            self.node.gather.retain(peers.members)
-            return None
-        try:
-            verify_peers(
-                ready.signatures, ready.nodes, check=peers.check, me=me, threshold=t.recipe.auth_threshold or 1
-            )
-        except AuthError as e:
-            return f"peer check failed: {e}"
-        if me not in ready.nodes:
-            return "TrainingReady does not list this node"
-        peers.set_members(set(ready.nodes) - {me})
+            ids = (peers.members | set(ready.joined)) - set(ready.left)
+        else:
+            try:
+                verify_peers(
+                    ready.signatures, ready.nodes, check=peers.check, me=me, threshold=t.recipe.auth_threshold or 1
+                )
+            except AuthError as e:
+                return f"peer check failed: {e}"
+            if me not in ready.nodes:
+                return "TrainingReady does not list this node"
+            ids = set(ready.nodes)
+        peers.set_members(ids - {me})
         self.node.gather.retain(peers.members)
         return None
 

@@ -36,7 +36,8 @@ from pydantic import (
 
 # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask;
 # 4: Heard.level, RingFailed.level (the sparse rule's hierarchy); 5: nodes present their RepoCommit to each
-# other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few
+# other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few, MembersChanged,
+# Agreed.keep (rounds that close at a quorum)
 SCHEMA_VERSION = 5
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can

@@ -131,8 +131,8 @@ class Recipe(_Strict):
         0.9,
         gt=0,
         le=1,
-        description="the barrier goes on a heartbeat after nodes holding this share of the round's "
-        "weight reached it; the rest merge their work into the next round (1: wait for every node)",
+        description="the barrier goes on one inner step (at least 0.5 s) after nodes holding this share "
+        "of the round's weight reached it; the rest merge their work into the next round (1: wait for every node)",
     )
     checkpoint_every: int = Field(5, ge=1, description="rounds between checkpoints (one is always written at the end)")
     keep_checkpoints: int = Field(3, ge=1)

@@ -106,8 +106,6 @@ class SwarmView(Protocol):
     def poison_suspects(self) -> Set[str]: ...
     @property
     def banned(self) -> Mapping[str, str]: ...
-    @property
-    def last_seen(self) -> Mapping[str, float]: ...
 
     def name(self, i: str) -> str: ...
     def newest(self) -> int: ...
@@ -940,13 +938,14 @@ class Round:
             n, name = self.nodes[i], self.name(i)
             self.warn(f"node {name} is not at the barrier {grace:.1f}s after {share:.0%} of the swarm: it is late")
             self.note("late", node_id=i, name=name, round=self.rnd, synced_share=share)
-            n.late_cut = n.excluded = True
+            n.late_cut = True
             if not self.stop_sent and not n.early:
                 self._stop(i)
             if r.overlap or i in self.carry:
-                self.plan.drop(i)
-                self.give_back.extend(self.carry.pop(i).units if i in self.carry else [])
+                self.exclude(i)
+                self.give_back.extend(self.carry.pop(i, Late([])).units)
             else:
+                n.excluded = True
                 self.late[i] = Late(self.plan.take(i))
 
     def barrier(self, now: float) -> bool:

@@ -166,9 +166,8 @@ class RoundPlan:
     def drop(self, node: str) -> None:
         """A node left or was excluded: everything granted to it (trained or not) is redone, and
         its plan goes to the others."""
-        self.orphans.extend(self.granted.pop(node, []))
-        self.orphans.extend(self.planned.pop(node, deque()))
-        self.speeds.pop(node, None)
+        self.orphans.extend(self.granted.pop(node, []))  # (first: the order the others get them in)
+        self.take(node)
 
     def take(self, node: str) -> list[WorkUnit]:
         """A node the round went on without (late): its granted units leave the plan with it (its

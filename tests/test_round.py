@@ -66,8 +66,6 @@ class Sim:
         self.rd: Round | None = None
         self.late: dict[str, R.Late] = {}  # the last settled round's late members
         self.t0 = self.now = 1000.0  # the test's clock
-        for i in self.ids.values():
-            self.s.seen(i, self.now)  # (as the coordinator: on every message, heartbeats included)
 
     # --- driving: as the Coordinator does ----------------------------------------------------
 
@@ -115,7 +113,6 @@ class Sim:
     def msg(self, name: str, m: P._Msg) -> None:
         m = P.decode(P.encode(m))  # as it arrives: through the wire's codec
         if self.ids[name] in self.s.members:
-            self.s.seen(self.ids[name], self.now)
             self.apply(self.rd.step(R.Message(self.ids[name], m), self.now))
 
     def tick(self, after: float = 0.0) -> bool:
@@ -1096,10 +1093,7 @@ class Frozen(Sim):
 
 
 def _public(s: Swarm, q: UnitQueue) -> dict:
-    # (last_seen is the shell's: it marks every message that arrives, as the Coordinator does)
-    return copy.deepcopy(
-        {**{k: v for k, v in vars(s).items() if k not in ("note", "last_seen")}, "queue": q.position()}
-    )
+    return copy.deepcopy({**{k: v for k, v in vars(s).items() if k != "note"}, "queue": q.position()})
 
 
 @pytest.mark.parametrize("how", ["poisoned", "abandoned"])

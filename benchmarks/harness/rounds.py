@@ -23,7 +23,7 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from drift import protocol as P
 from drift import round as R
@@ -67,8 +67,7 @@ class SimNode:
 
 @dataclass
 class RunStats:
-    """Totals over the rounds but the last: a run's last round is never cut (it trains the rest
-    of the budget, what earlier cuts handed back included), so it is not a round of the steady state."""
+    """What rounds did, summed (VirtualSwarm.run: over every round but the last)."""
 
     rounds: int = 0
     seconds: float = 0.0  # virtual wall time
@@ -83,6 +82,10 @@ class RunStats:
     @property
     def goodput(self) -> float:
         return self.samples / self.compute if self.compute else 0.0
+
+    def add(self, other: RunStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class Host:
@@ -259,16 +262,19 @@ class VirtualSwarm:
     # --- the run --------------------------------------------------------------------------------
 
     def run(self, rounds: int) -> RunStats:
-        """Runs the recipe's rounds (`rounds` of them: the recipe's last one, if it is among them,
-        is left out of the totals)."""
+        """Runs `rounds` of the recipe's rounds; their totals, but for the recipe's last round: it
+        is never cut (it trains the rest of the budget, what earlier cuts handed back included),
+        so it is not a round of the steady state."""
+        total = RunStats()
         for rnd in range(rounds):
-            self.round(rnd, count=rnd < self.r.rounds - 1)
-        return self.stats
+            self.round(rnd)
+            if rnd < self.r.rounds - 1:
+                total.add(self.stats)
+        return total
 
-    def round(self, rnd: int, count: bool = True) -> None:
-        t0, stats = self.now, self.stats
-        if not count:
-            self.stats = RunStats()  # (thrown away)
+    def round(self, rnd: int) -> None:
+        """One round, from the failures it draws to its settling; what it did in self.stats."""
+        t0, self.stats = self.now, RunStats()
         for i in [i for i, n in self.nodes.items() if n.lost]:  # a replacement for each lost node
             if i in self.s.members:  # (the round settled before its silence check dropped it)
                 self.s.leave(i)
@@ -334,4 +340,3 @@ class VirtualSwarm:
         self.stats.merged += sum(u.hi - u.lo for w in carried.values() for u in w.units if u in counted)
         for n in self.nodes.values():
             self.stats.compute += n.speed * (min(self.now, n.lost_at) - t0)
-        self.stats = stats
