@@ -106,9 +106,9 @@ def test_a_node_late_at_the_barrier_is_not_waited_for_and_its_work_reaches_theta
     """n3's BarrierSync of round 1 comes 1.5 s late (heartbeating on). Once the quorum (three of
     four equal nodes) has synced, the round goes on without it after a moment, not at its deadline;
     what it trained in round 1 is neither redone nor lost: its Δ, kept at the staleness scale on
-    top of the new θ, reaches θ in round 2 (3 s of training: it is back in time), where its
-    report counts those units beside its own."""
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=3, inner_steps=60, quorum=0.7, **SIM)
+    top of the new θ, reaches θ in round 2 (the last round: never cut), where its report counts
+    those units beside its own."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=3, inner_steps=30, quorum=0.7, **SIM)
     swarm = Swarm(recipe, tmp_path)
     for _ in range(3):
         swarm.join("0.05")
