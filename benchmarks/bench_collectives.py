@@ -1,5 +1,6 @@
 """Per-node bytes a round, and the sync time a link model gives, by swarm size and collective
-(issue 39): the int8 ring, the sparse rule's flat all-gather, and its hierarchy (drift/hierarchy.py).
+(issue 39): the int8 ring (flat, and as a grid from GRID_FROM members: drift/ring.py, `Grid`), the
+sparse rule's flat all-gather, and its hierarchy (drift/hierarchy.py).
 
     python3 benchmarks/bench_collectives.py
     python3 benchmarks/bench_collectives.py --params 415232 1e9 7e9 --nodes 4 16 64 256 1000 --up-mbit 20 --down-mbit 100 --rtt-ms 40
@@ -12,7 +13,9 @@ real 64-node swarm's bytes; frame headers (94 bytes a transfer) are left out her
 
 Sync time is a model, not a measurement: each step of a collective takes the longer of its upload
 at --up-mbit and its download at --down-mbit, plus half an RTT; the ring runs 2(N-1) such steps of
-one segment each, the flat all-gather one step of N-1 payloads, the hierarchy one step a level.
+one segment each; the grid 2(q-1) steps of a row's segment (1/q of θ) and 2(rows-1) of a column's
+(1/(q rows)), plus one of a row's segment where a passenger rides (the busiest member); the flat
+all-gather one step of N-1 payloads, the hierarchy one step a level.
 It is not yet calibrated against emulated home links (issue 39, item 4).
 """
 
@@ -22,6 +25,7 @@ import argparse
 
 from drift import hierarchy
 from drift.compress import make_codec
+from drift.ring import grid
 from drift.sync.sparse import Codec, SparseParams
 
 
@@ -33,6 +37,13 @@ def rows(n_params: int, nodes: list[int], chunk: int, k: int, fanouts: list[int]
         ring = int(2 * (n - 1) / n * seg)
         ring_s = 2 * (n - 1) * (max(seg / n / up, seg / n / down) + rtt / 2) if n > 1 else 0.0
         yield n, "int8 ring", ring, ring, ring_s
+        if (g := grid(n, "int8")) is not None:
+            row, col = seg / g.q, seg / g.q / g.rows
+            rider = g.rider(0) is not None
+            most = 2 * (g.q - 1) * row + 2 * (g.rows - 1) * col + rider * row
+            t = sum(s * (max(b / up, b / down) + rtt / 2) for s, b in [(2 * (g.q - 1), row), (2 * (g.rows - 1), col)])
+            t += rider * (max(row / up, row / down) + rtt / 2)
+            yield n, f"int8 grid ({g.rows} rows of {g.q})", int(most), int(most), t
         flat = (n - 1) * payload
         yield n, "sparse, flat all-gather", flat, flat, max(flat / up, flat / down) + rtt / 2
         for fanout in fanouts:

@@ -37,8 +37,9 @@ from pydantic import (
 # 2: content-addressed checksums (drift-state/1), BarrierReady.slack_s, HolderReport; 3: TrainProgress.ask;
 # 4: Heard.level, RingFailed.level (the sparse rule's hierarchy); 5: nodes present their RepoCommit to each
 # other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few, MembersChanged,
-# Agreed.keep (rounds that close at a quorum)
-SCHEMA_VERSION = 5
+# Agreed.keep (rounds that close at a quorum); 6: the dense ring runs as a grid from GRID_FROM members
+# (drift/ring.py), Forgery.level
+SCHEMA_VERSION = 6
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -438,6 +439,7 @@ class Forgery(_Msg):
     step: Count
     chunk: Count
     hop_sig: Hex
+    level: Annotated[int, Field(ge=0, le=2)] = 0  # of the grid (drift/ring.py, `Grid`); 0: the flat ring
 
 
 class Heard(_Msg):

@@ -6,6 +6,11 @@ between rounds while the ring order stays the same. The vector is cut into N seg
 forwarded as soon as it has been received and reduced, so the 2(N-1) steps overlap on the wire.
 Sending and receiving run as two concurrent tasks.
 
+From GRID_FROM members the ring is a grid (`Grid`): rows reduce-scatter, columns all-reduce the
+segment they own, rows all-gather; each a ring as below, on its part of the vector. A ring of
+1,000 walks 1,998 steps one after another, each a chance for a late hop; the grid walks 122, for
+about the same bytes a member.
+
 Chunks travel compressed by a codec (drift/compress.py):
   * reduce-scatter: a node decodes the partial sum it receives, adds its own float32 values
     (float32 accumulation) and encodes the new partial sum for its right neighbour;
@@ -55,26 +60,29 @@ import ctypes
 import hashlib
 import json
 import logging
+import math
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import nacl.exceptions
 import nacl.signing
 import numpy as np
 
-from drift.compress import CODEC_IDS, Codec, CodecError, Fp32, make_codec
+from drift.compress import CODEC_IDS, CODECS, Codec, CodecError, Fp32, make_codec
 from drift.protocol import MAX_ROUND, Forgery, Heard, RingMember, printable
 from drift.transport import RING_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBBHIIIQI")
 _MAGIC = b"DRNG"
 _RELAYED = "ring neighbour failed: "
-_VERSION = 2  # 2: all-gather chunks carry the owner's and the sender's signatures
+_VERSION = (
+    3  # 3: the grid's levels in the owner's message; 2: all-gather chunks carry the owner's and the sender's signatures
+)
 _SIG = 64  # an Ed25519 signature
-_OWNER = struct.Struct(">4sIIIQQQ")  # "DRSG", round, generation, segment, lo, hi, vector size
+_OWNER = struct.Struct(">4sIIBIQQQ")  # "DRSG", round, generation, level, segment, lo, hi, vector size
 _HOP = struct.Struct(">4sII")  # "DRHP", step, chunk
 CHUNK_BYTES = 1 << 20  # ~1 MiB on the wire per chunk: 1 MiB writes measured fastest through the binding
 # What a connecting peer can hold. A neighbour sends its hello as soon as it connects; a peer the
@@ -128,12 +136,16 @@ class RingError(Exception):
         super().__init__(msg)
         self.suspect = suspect
         self.proof = proof
-        self.level = level  # of the sparse rule's hierarchy (drift/hierarchy.py) where it failed
+        self.level = level  # where it failed: the sparse rule's hierarchy's level, or the grid's pass (Grid)
+        self.placed = False  # its level is set (_placed)
 
 
-def owner_message(owner: str, round_: int, generation: int, seg: int, lo: int, hi: int, total: int, digest: bytes):
-    """What the owner of a reduced segment signs for each chunk x[lo:hi] of it."""
-    return _OWNER.pack(b"DRSG", round_, generation, seg, lo, hi, total) + bytes.fromhex(owner) + digest
+def owner_message(
+    owner: str, round_: int, generation: int, seg: int, lo: int, hi: int, total: int, digest: bytes, level: int = 0
+) -> bytes:
+    """What the owner of a reduced segment signs for each chunk x[lo:hi] of it (`level`: of the
+    grid, where a pass's x is part of θ: a signature from one pass cannot pass for another's)."""
+    return _OWNER.pack(b"DRSG", round_, generation, level, seg, lo, hi, total) + bytes.fromhex(owner) + digest
 
 
 def hop_message(step: int, chunk: int, owned: bytes, owner_sig: bytes) -> bytes:
@@ -163,7 +175,8 @@ def proves_forgery(p: Forgery, owner: str) -> bool:
     the owner's signature does not. `owner`: the segment's owner by the ring the caller sent
     (never the accuser's word)."""
     try:
-        owned = owner_message(owner, p.round, p.generation, p.segment, p.lo, p.hi, p.total, bytes.fromhex(p.digest))
+        digest = bytes.fromhex(p.digest)
+        owned = owner_message(owner, p.round, p.generation, p.segment, p.lo, p.hi, p.total, digest, p.level)
         owner_sig, hop_sig = bytes.fromhex(p.owner_sig), bytes.fromhex(p.hop_sig)
     except (ValueError, struct.error):
         return False
@@ -197,8 +210,108 @@ def segment_bounds(n: int, parts: int) -> list[int]:
     return bounds
 
 
+GRID_FROM = 64  # members from which the ring runs as a grid (BENCHMARKS.md, "A ring of rings")
+ROW, COLUMN, GATHER = 0, 1, 2  # the grid's passes (RingError.level, Forgery.level); a flat ring is all 0
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A ring too long to walk: its members as `rows` rows of `q` (places 0 .. rows * q - 1, row
+    by row) and n - rows * q < q passengers after them, one a row from the first.
+
+    The all-reduce in three passes. Each row reduce-scatters (the ring's first half, among its q
+    members), so each member holds its row's sum of one segment of θ; the members holding the
+    same segment, one a row (a column), all-reduce it (a ring of `rows`, on that segment); each
+    row all-gathers (the ring's second half), its owners encoding and signing the column's sum.
+    A passenger sends each segment of its θ to the member of its row that owns it, who adds it
+    before the column's pass and sends the passenger its final segment, signed.
+
+    2(q - 1) + 2(rows - 1) steps one after another, not 2(n - 1): 60 at 1,000 members, not
+    1,998. A member moves about the flat ring's bytes: 2/q of θ more, and a member with a
+    passenger another 1/q each way (`tests/test_ring.py` counts them)."""
+
+    q: int
+    rows: int
+    n: int
+
+    def passenger(self, p: int) -> bool:
+        return p >= self.rows * self.q
+
+    def row_of(self, p: int) -> int:
+        """The row place p sits in, or rides with."""
+        return p - self.rows * self.q if self.passenger(p) else p // self.q
+
+    def row(self, i: int) -> range:
+        return range(i * self.q, (i + 1) * self.q)
+
+    def column(self, p: int) -> list[int]:
+        """The places that own the same segment as row member p, one a row."""
+        return [i * self.q + p % self.q for i in range(self.rows)]
+
+    def rider(self, i: int) -> int | None:
+        """Row i's passenger, if it has one."""
+        p = self.rows * self.q + i
+        return p if p < self.n else None
+
+
+def grid(n: int, codec: Codec | str) -> Grid | None:
+    """How n members all-reduce with `codec`: None for the flat ring (fewer than GRID_FROM, or a
+    codec with error feedback, whose residual needs each value encoded once a round)."""
+    feedback = (CODECS[codec] if isinstance(codec, str) else codec).error_feedback
+    if n < GRID_FROM or feedback:
+        return None
+    q = math.isqrt(n)
+    return Grid(q, n // q, n)
+
+
+def signer(ids: list[str], codec: str, forwarder: str, level: int, seg: int) -> str | None:
+    """Who must have signed segment `seg` of the all-gather that `forwarder` passed on at `level`,
+    by the ring `ids` (the coordinator's, never an accuser's word); None: no such chunk."""
+    layout = grid(len(ids), codec)
+    if layout is None:
+        group = ids if level == ROW else []
+    elif forwarder not in ids or layout.passenger(f := ids.index(forwarder)):
+        group = []
+    elif level == GATHER:
+        group = [ids[p] for p in layout.row(f // layout.q)]
+    else:
+        group = [ids[p] for p in layout.column(f)] if level == COLUMN else []
+    return segment_owner(group, seg) if seg < len(group) else None
+
+
+def _links(ids: list[str], me: int, layout: Grid | None) -> tuple[list[str], list[str]]:
+    """(the members this one sends to, those it receives from) in an all-reduce of `ids`."""
+    n = len(ids)
+    if layout is None:
+        return [ids[(me + 1) % n]], [ids[(me - 1) % n]]
+    if layout.passenger(me):
+        row = [ids[p] for p in layout.row(layout.row_of(me))]
+        return row, row
+    row, col = list(layout.row(me // layout.q)), layout.column(me)
+    k, c = row.index(me), col.index(me)
+    send = [ids[row[(k + 1) % len(row)]], ids[col[(c + 1) % len(col)]]]
+    take = [ids[row[(k - 1) % len(row)]], ids[col[(c - 1) % len(col)]]]
+    if (r := layout.rider(me // layout.q)) is not None:
+        send.append(ids[r])
+        take.append(ids[r])
+    return send, take
+
+
+def _chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
+    """x[lo:hi] in chunks of at most `step` values (one empty chunk for an empty segment)."""
+    return [(a, min(a + step, hi)) for a in (range(lo, hi, step) if hi > lo else [lo])]
+
+
+def _placed(e: RingError, level: int) -> RingError:
+    """e, marked with the pass where it happened, unless an inner pass marked it first."""
+    if not e.placed:
+        e.level, e.placed = level, True
+    return e
+
+
 class Ring:
-    """This node's side of the ring: accepts its left neighbour, connects to its right.
+    """This node's side of the ring: accepts the members that send to it, connects to those it
+    sends to (its right neighbour; in a grid, also its column's and its row's passenger).
 
     Holds, per node, the error-feedback residual of codecs that use it (`residual`)."""
 
@@ -228,7 +341,7 @@ class Ring:
         self._pool_bytes = 0
         self._incoming: dict[str, Channel] = {}
         self._arrived = asyncio.Condition()
-        self._right: Channel | None = None
+        self._out: dict[str, Channel] = {}  # to the members this node sends to
         self._expected: set[str] = set()
         # Connections belong to a generation (the coordinator's ring_epoch). A retried all-reduce
         # uses a new one: whatever a cancelled attempt left half-sent on the old streams is never read.
@@ -297,13 +410,16 @@ class Ring:
             self._arrived.notify_all()
             return None
 
-    async def _configure(self, members: list[RingMember], generation: int) -> tuple[Channel, Channel]:
+    async def _configure(
+        self, members: list[RingMember], generation: int, send_to: list[str], take_from: list[str]
+    ) -> tuple[dict[str, Channel], dict[str, Channel]]:
+        """Connections to `send_to` (kept from earlier rounds of this generation where they are
+        the same members) and from `take_from`, by member id."""
         ids = [m.node_id for m in members]
         unverified = [i for i in ids if i != self.node_id and not self.trusted(i)]
         if unverified:
             raise RingError(f"the ring names {unverified[0][:10]}, a node this one has not verified")
-        r = ids.index(self.node_id)
-        right, left = members[(r + 1) % len(members)], members[(r - 1) % len(members)]
+        tickets = {m.node_id: m.ticket for m in members}
         async with self._arrived:
             self._expected = set(ids) - {self.node_id}
             self._arrived.notify_all()
@@ -312,32 +428,41 @@ class Ring:
                 for peer in [p for p, g in self._incoming_gen.items() if g < generation]:
                     self._incoming.pop(peer).close("stale ring generation")
                     del self._incoming_gen[peer]
-                if self._right is not None:
-                    self._right.close("stale ring generation")
-                    self._right = None
-        if self._right is None or self._right.peer_id != right.node_id:
-            if self._right is not None:
-                self._right.close("ring changed")
-            self._right = await self.endpoint.connect(right.ticket, RING_ALPN, timeout=self.timeout)
-            await self._right.send_frame(json.dumps({"node_id": self.node_id, "generation": generation}).encode())
+                for ch in self._out.values():
+                    ch.close("stale ring generation")
+                self._out = {}
+        for peer in [p for p in self._out if p not in send_to]:
+            self._out.pop(peer).close("ring changed")
+
+        async def dial(peer: str) -> None:
+            try:
+                ch = await self.endpoint.connect(tickets[peer], RING_ALPN, timeout=self.timeout)
+                await ch.send_frame(json.dumps({"node_id": self.node_id, "generation": generation}).encode())
+            except TransportError as e:  # only our own connections are ours to make
+                raise RingError(
+                    f"ring setup failed: {e}", suspect=peer if isinstance(e, TransportTimeout) else ""
+                ) from None
+            self._out[peer] = ch
+
+        await asyncio.gather(*(dial(p) for p in send_to if p not in self._out))
         try:
             async with self._arrived:
                 await asyncio.wait_for(
-                    self._arrived.wait_for(lambda: self._incoming_gen.get(left.node_id) == generation), self.timeout
+                    self._arrived.wait_for(lambda: all(self._incoming_gen.get(p) == generation for p in take_from)),
+                    self.timeout,
                 )
-                left_ch = self._incoming[left.node_id]
         except asyncio.TimeoutError:
+            late = next(p for p in take_from if self._incoming_gen.get(p) != generation)
             raise RingError(
-                f"left neighbour {left.node_id[:10]} never connected (waited {self.timeout:g}s)", suspect=left.node_id
+                f"ring neighbour {late[:10]} never connected (waited {self.timeout:g}s)", suspect=late
             ) from None
-        return self._right, left_ch
+        return {p: self._out[p] for p in send_to}, {p: self._incoming[p] for p in take_from}
 
     def close(self, reason: str = "ring closed") -> None:
         """Close the ring's connections; neighbours see `reason` (cut to 100 bytes) in their error."""
-        for ch in [self._right, *self._incoming.values(), *self._pending.values()]:
-            if ch is not None:
-                ch.close(reason)
-        self._right, self._incoming, self._incoming_gen, self._pending = None, {}, {}, {}
+        for ch in [*self._out.values(), *self._incoming.values(), *self._pending.values()]:
+            ch.close(reason)
+        self._out, self._incoming, self._incoming_gen, self._pending = {}, {}, {}, {}
 
     # --- the all-reduce ------------------------------------------------------------------------
 
@@ -352,7 +477,7 @@ class Ring:
     ) -> ReduceStats:
         """Replace x (flat float32, in place) by the sum of every member's x, sent with `codec`
         (a Codec, or a name plus make_codec options; default: the ring's). All members must use
-        the same codec and options, or the all-reduce fails."""
+        the same codec and options, or the all-reduce fails. From GRID_FROM members, as a grid."""
         if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous:
             raise ValueError("allreduce_sum needs a flat, contiguous float32 array")
         if codec is None:
@@ -363,30 +488,196 @@ class Ring:
                 self._codecs[key] = make_codec(codec, **codec_options)
             codec = self._codecs[key]
         t0 = time.perf_counter()
-        n_nodes = len(members)
-        if n_nodes == 1:
+        n = len(members)
+        if n == 1:
             return ReduceStats(0.0, 0, 0, codec=codec.name)
+        ids = [m.node_id for m in members]
+        me = ids.index(self.node_id)
+        layout = grid(n, codec)
+        out, inc = await self._configure(members, generation, *_links(ids, me, layout))
+        sent0 = sum(ch.bytes_sent for ch in out.values())
+        recv0 = sum(ch.bytes_received for ch in inc.values())
+        self._residuals(x.size, codec)
+        chunks = x.size // self._chunk_elems(codec) + n
+        received = codec.encoded_nbytes(x.size) + 2 * _SIG * chunks  # per half, at most
+        until = time.monotonic() + self.timeout + (2 if layout is None else 3) * received / MIN_RATE
+        tally = ReduceStats(0.0, 0, 0, codec=codec.name)  # its codec and check seconds, as they add up
         try:
-            right, left = await self._configure(members, generation)
-        except TransportError as e:  # only the connection to the right neighbour is ours to make
-            ids = [m.node_id for m in members]
-            right_id = ids[(ids.index(self.node_id) + 1) % len(ids)]
+            if layout is None:
+                right, left = out[ids[(me + 1) % n]], inc[ids[(me - 1) % n]]
+                feedback = (self.residual, self._residual_next) if codec.error_feedback else (None, None)
+                await self._pass(x, ids, right, left, round_, generation, codec, until, tally, feedback)
+            elif layout.passenger(me):
+                row = [ids[p] for p in layout.row(layout.row_of(me))]
+                await self._ride(x, row, out, inc, round_, generation, codec, until, tally)
+            else:
+                await self._grid(x, ids, me, layout, out, inc, round_, generation, codec, until, tally)
+        except RingError as e:
+            msg, suspect, proof = str(e), e.suspect, e.proof
+            if _RELAYED in msg:  # a neighbour's failure reached us: pass on its reason, not ours
+                msg, suspect, proof = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], "", None
+            self.close(msg if msg.startswith(_RELAYED) else _RELAYED + msg)  # they fail too, and say why
             raise RingError(
-                f"ring setup failed: {e}", suspect=right_id if isinstance(e, TransportTimeout) else ""
+                f"all-reduce of round {round_} failed: {msg}", suspect=suspect, proof=proof, level=e.level
             ) from None
-        sent0, recv0 = right.bytes_sent, left.bytes_received
-        r = [m.node_id for m in members].index(self.node_id)
+        if codec.error_feedback:
+            self.residual, self._residual_next = self._residual_next, self.residual
+        return ReduceStats(
+            time.perf_counter() - t0,
+            sum(ch.bytes_sent for ch in out.values()) - sent0,
+            sum(ch.bytes_received for ch in inc.values()) - recv0,
+            tally.codec_seconds,
+            codec.name,
+            tally.check_seconds,
+        )
+
+    async def _grid(
+        self,
+        x: np.ndarray,
+        ids: list[str],
+        me: int,
+        layout: Grid,
+        out: dict[str, Channel],
+        inc: dict[str, Channel],
+        round_: int,
+        generation: int,
+        codec: Codec,
+        until: float,
+        tally: ReduceStats,
+    ) -> None:
+        """A row member's part of the grid (see Grid): its row's pass, with its column's pass
+        on the segment it owns between the row's two halves."""
+        row, col = [ids[p] for p in layout.row(me // layout.q)], [ids[p] for p in layout.column(me)]
+        k, c = row.index(self.node_id), col.index(self.node_id)
+        rider = layout.rider(me // layout.q)
+        rider = ids[rider] if rider is not None else None
+        step_elems = self._chunk_elems(codec)
+        mine = (k + 1) % len(row)
+        to_rider: asyncio.Queue = asyncio.Queue()
+
+        async def between(lo: int, hi: int) -> None:
+            """Our row's sum of x[lo:hi] is here: add the passenger's, then the column's pass."""
+            if rider is not None:
+                for i, (a, b) in enumerate(_chunks(lo, hi, step_elems)):
+                    try:
+                        frame = await self._recv_chunk(inc[rider], codec, round_, mine, i, b - a, x.size, until)
+                        codec.decode_add(frame, x[a:b])
+                    except CodecError as e:
+                        raise _placed(RingError(f"bad chunk from our passenger: {e}", suspect=rider), ROW) from None
+                    except RingError as e:
+                        raise _placed(e, ROW) from None
+                    except TransportTimeout as e:
+                        raise _placed(RingError(str(e), suspect=rider), ROW) from None
+                    if not np.isfinite(x[a:b]).all():
+                        raise _placed(RingError("non-finite values from our passenger", suspect=rider), ROW)
+            right, left = out[col[(c + 1) % len(col)]], inc[col[(c - 1) % len(col)]]
+            await self._pass(x[lo:hi], col, right, left, round_, generation, codec, until, tally, level=COLUMN)
+
+        def owned(i: int, a: int, b: int, payload, signed: tuple[bytes, bytes]) -> None:
+            if rider is not None:
+                to_rider.put_nowait((i, a, b, bytes(memoryview(payload).cast("B")), signed))
+
+        async def feed() -> None:
+            """Our final segment, as we signed it, to our row's passenger."""
+            bounds = segment_bounds(x.size, len(row))
+            for _ in _chunks(bounds[mine], bounds[mine + 1], step_elems):
+                i, a, b, payload, signed = await to_rider.get()
+                await self._send_chunk(out[rider], payload, codec, round_, mine, i, b - a, x.size, signed)
+
+        row_pass = self._pass(
+            x, row, out[row[(k + 1) % len(row)]], inc[row[(k - 1) % len(row)]], round_, generation, codec,
+            until, tally, level=ROW, gather_level=GATHER, between=between, owned=owned,
+        )  # fmt: skip
+        work = [row_pass] if rider is None else [row_pass, _side(feed(), rider, [GATHER])]
+        await _together(work)
+
+    async def _ride(
+        self,
+        x: np.ndarray,
+        row: list[str],
+        out: dict[str, Channel],
+        inc: dict[str, Channel],
+        round_: int,
+        generation: int,
+        codec: Codec,
+        until: float,
+        tally: ReduceStats,
+    ) -> None:
+        """A passenger's part of the grid: each segment of x to the row member that owns it, and
+        each owner's final segment back, checked against its signature."""
+        bounds = segment_bounds(x.size, len(row))
+        step_elems = self._chunk_elems(codec)
+        pool, slot_bytes = self._payload_pool(codec.encoded_nbytes(step_elems))
+        lossless = isinstance(codec, Fp32)
+
+        async def give(k: int) -> None:
+            s = (k + 1) % len(row)  # the segment row[k] owns
+            for i, (a, b) in enumerate(_chunks(bounds[s], bounds[s + 1], step_elems)):
+                t = time.perf_counter()
+                buf = pool.pop() if pool else np.empty(slot_bytes, np.uint8)
+                payload = x[a:b] if lossless else codec.encode(x[a:b], out=buf)
+                tally.codec_seconds += time.perf_counter() - t
+                await self._send_chunk(out[row[k]], payload, codec, round_, s, i, b - a, x.size)
+                if len(pool) < MAX_POOLED:
+                    pool.append(buf)
+
+        async def take(k: int) -> None:
+            s, owner = (k + 1) % len(row), row[k]
+            for i, (a, b) in enumerate(_chunks(bounds[s], bounds[s + 1], step_elems)):
+                frame = await self._recv_chunk(inc[owner], codec, round_, s, i, b - a, x.size, until, 2 * _SIG)
+                t = time.perf_counter()
+                payload = frame[2 * _SIG :]
+                owned = owner_message(
+                    owner, round_, generation, s, a, b, x.size, hashlib.sha256(payload).digest(), GATHER
+                )
+                if not verify(owner, owned, bytes(frame[:_SIG])):
+                    raise RingError(f"segment {s} from its owner does not carry its signature", suspect=owner)
+                tally.check_seconds += time.perf_counter() - t
+                t = time.perf_counter()
+                try:
+                    codec.decode(payload, x[a:b])
+                except CodecError as e:
+                    raise RingError(f"bad chunk from {owner[:10]}: {e}", suspect=owner) from None
+                if not np.isfinite(x[a:b]).all():
+                    raise RingError(f"non-finite values in segment {s} from its owner", suspect=owner)
+                tally.codec_seconds += time.perf_counter() - t
+
+        await _together(
+            [_side(give(k), p, [ROW]) for k, p in enumerate(row)]
+            + [_side(take(k), p, [GATHER]) for k, p in enumerate(row)]
+        )
+
+    async def _pass(
+        self,
+        x: np.ndarray,
+        ids: list[str],
+        right: Channel,
+        left: Channel,
+        round_: int,
+        generation: int,
+        codec: Codec,
+        until: float,
+        tally: ReduceStats,
+        feedback: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
+        level: int = ROW,
+        gather_level: int | None = None,
+        between: Callable[[int, int], Awaitable[None]] | None = None,
+        owned: Callable[..., None] | None = None,
+    ) -> None:
+        """One ring among `ids` on x (in place): reduce-scatter, then all-gather, their failures
+        marked with `level` and `gather_level` (the same by default). `between(lo, hi)` is
+        awaited once this node's own segment x[lo:hi] holds the ring's sum, before it encodes
+        it as the owner; `owned(chunk, lo, hi, payload, signed)` sees each owner payload.
+        `feedback`: the error-feedback residual and the buffer its next value goes to."""
+        gather_level = level if gather_level is None else gather_level
+        n_nodes = len(ids)
+        r = ids.index(self.node_id)
         bounds = segment_bounds(x.size, n_nodes)
         step_elems = self._chunk_elems(codec)
-        seg_chunks = []  # per segment: [(a, b)]
-        for s in range(n_nodes):
-            lo, hi = bounds[s], bounds[s + 1]
-            seg_chunks.append([(a, min(a + step_elems, hi)) for a in (range(lo, hi, step_elems) if hi > lo else [lo])])
+        seg_chunks = [_chunks(bounds[s], bounds[s + 1], step_elems) for s in range(n_nodes)]  # per segment
         lossless = isinstance(codec, Fp32)
-        self._residuals(x.size, codec)
         pool, slot_bytes = self._payload_pool(codec.encoded_nbytes(step_elems))
-        residual, new_residual = (self.residual, self._residual_next) if codec.error_feedback else (None, None)
-        codec_s = check_s = 0.0
+        residual, new_residual = feedback
 
         steps = 2 * (n_nodes - 1)
         send_seg = [
@@ -396,32 +687,25 @@ class Ring:
             (r - s - 1) % n_nodes if s < n_nodes - 1 else (r - (s - n_nodes + 1)) % n_nodes for s in range(steps)
         ]
         owner_step = n_nodes - 2  # the last reduce-scatter receive completes the segment we own
-        received = codec.encoded_nbytes(x.size) + 2 * _SIG * sum(map(len, seg_chunks))  # per half, at most
-        until = time.monotonic() + self.timeout + 2 * received / MIN_RATE
-
-        ids = [m.node_id for m in members]
         mine = (r + 1) % n_nodes  # the segment this node completes, signs and sends first in all-gather
 
         def sign(a: int, b: int, payload) -> tuple[bytes, bytes]:
             """The owner's message for chunk x[a:b] of its segment, and its signature."""
-            nonlocal check_s
             t = time.perf_counter()
-            owned = owner_message(
-                self.node_id, round_, generation, mine, a, b, x.size, hashlib.sha256(payload).digest()
-            )
+            digest = hashlib.sha256(payload).digest()
+            owned = owner_message(self.node_id, round_, generation, mine, a, b, x.size, digest, gather_level)
             signed = owned, self._key.sign(owned).signature
-            check_s += time.perf_counter() - t
+            tally.check_seconds += time.perf_counter() - t
             return signed
 
         def check(g: int, c: int, a: int, b: int, frame: memoryview) -> tuple[memoryview, tuple[bytes, bytes]]:
             """An all-gather chunk's payload, once both signatures hold (else RingError naming the
             left neighbour, with proof when it signed bytes their owner did not)."""
-            nonlocal check_s
             t = time.perf_counter()
             seg, left_id = recv_seg[g], left.peer_id
             owner_sig, hop_sig, payload = bytes(frame[:_SIG]), bytes(frame[_SIG : 2 * _SIG]), frame[2 * _SIG :]
             digest = hashlib.sha256(payload).digest()
-            owned = owner_message(segment_owner(ids, seg), round_, generation, seg, a, b, x.size, digest)
+            owned = owner_message(segment_owner(ids, seg), round_, generation, seg, a, b, x.size, digest, gather_level)
             if not verify(left_id, hop_message(g, c, owned, owner_sig), hop_sig):
                 raise RingError("an all-gather chunk from left neighbour does not carry its signature", suspect=left_id)
             if not verify(segment_owner(ids, seg), owned, owner_sig):
@@ -438,13 +722,14 @@ class Ring:
                     step=g,
                     chunk=c,
                     hop_sig=hop_sig.hex(),
+                    level=gather_level,
                 )
                 raise RingError(
                     f"left neighbour forwarded bytes of segment {seg} that its owner did not sign",
                     suspect=left_id,
                     proof=proof,
                 )
-            check_s += time.perf_counter() - t
+            tally.check_seconds += time.perf_counter() - t
             return payload, (owned, owner_sig)
 
         def encode(a: int, b: int, owner: bool):
@@ -490,31 +775,42 @@ class Ring:
             if buf is not None and len(pool) < MAX_POOLED:
                 pool.append(buf)
 
+        def own(c: int, a: int, b: int) -> tuple:
+            """Encode, as its owner, chunk c = x[a:b] of our segment: what the sender sends next."""
+            t = time.perf_counter()
+            out, buf, parked, signed = encode(a, b, owner=True)
+            if owned is not None:
+                owned(c, a, b, out, signed)
+            tally.codec_seconds += time.perf_counter() - t
+            return owner_step + 1, c, (a, b), out, buf, parked, signed
+
         # What a node sends at step g >= 1 is what it finished at step g-1 (a partial sum during
         # reduce-scatter, the owner's payload during all-gather): the queue carries that hand-off.
         forward: asyncio.Queue = asyncio.Queue()
+        sending, receiving = [level], [level]  # the pass each side is in, for _side
 
         async def sender() -> None:
-            nonlocal codec_s
             for c, (a, b) in enumerate(seg_chunks[send_seg[0]]):
                 t = time.perf_counter()
                 payload, buf, _, _ = encode(a, b, owner=False)
-                codec_s += time.perf_counter() - t
+                tally.codec_seconds += time.perf_counter() - t
                 await self._send_chunk(right, payload, codec, round_, 0, c, b - a, x.size)
                 sent(buf)
             for _ in range(sum(len(seg_chunks[send_seg[g]]) for g in range(1, steps))):
                 g, c, (a, b), payload, buf, parked, signed = await forward.get()
+                sending[0] = gather_level if g >= n_nodes - 1 else level
                 await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size, signed)
                 sent(buf)
                 if parked:
                     t = time.perf_counter()
                     unpark(a, b, payload)
-                    codec_s += time.perf_counter() - t
+                    tally.codec_seconds += time.perf_counter() - t
 
         async def receiver() -> None:
-            nonlocal codec_s
             for g in range(steps):
                 gather = g >= n_nodes - 1
+                receiving[0] = gather_level if gather else level
+                held = between is not None and g == owner_step  # our sum waits for `between`
                 for c, (a, b) in enumerate(seg_chunks[recv_seg[g]]):
                     frame = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size, until, 2 * _SIG * gather)
                     t = time.perf_counter()
@@ -536,49 +832,27 @@ class Ring:
                         # In all-gather the owner signed these bytes: it is the culprit, whoever forwarded them.
                         culprit = segment_owner(ids, recv_seg[g]) if gather else left.peer_id
                         raise RingError("non-finite values in a chunk from left neighbour", suspect=culprit)
-                    if not gather:
-                        out, buf, parked, signed = encode(a, b, owner=g == owner_step)
+                    if held:
+                        tally.codec_seconds += time.perf_counter() - t
+                        continue
+                    if g == owner_step:
+                        tally.codec_seconds += time.perf_counter() - t
+                        item = own(c, a, b)
                     else:
-                        out, buf, parked = payload, None, False  # forwarded verbatim, with its owner's signature
-                    codec_s += time.perf_counter() - t
+                        if not gather:
+                            out, buf, parked, signed = encode(a, b, owner=False)
+                            item = (g + 1, c, (a, b), out, buf, parked, signed)
+                        else:  # forwarded verbatim, with its owner's signature
+                            item = (g + 1, c, (a, b), payload, None, False, signed)
+                        tally.codec_seconds += time.perf_counter() - t
                     if g + 1 < steps:
-                        forward.put_nowait((g + 1, c, (a, b), out, buf, parked, signed))
+                        forward.put_nowait(item)
+                if held:
+                    await between(bounds[mine], bounds[mine + 1])
+                    for c, (a, b) in enumerate(seg_chunks[mine]):
+                        forward.put_nowait(own(c, a, b))
 
-        async def side(coro, peer: str) -> None:
-            """Which neighbour a failure points at: one that sent bad bytes (RingError) or went
-            silent (a timeout). A closed connection is no evidence: the neighbour may have closed
-            it because it caught someone else."""
-            try:
-                await coro
-            except TransportTimeout as e:
-                raise RingError(str(e), suspect=peer) from None
-            except TransportError as e:
-                raise RingError(str(e)) from None
-
-        tasks = [
-            asyncio.ensure_future(side(sender(), right.peer_id)),
-            asyncio.ensure_future(side(receiver(), left.peer_id)),
-        ]
-        try:
-            await asyncio.gather(*tasks)
-        except RingError as e:
-            for t in tasks:
-                t.cancel()
-            msg, suspect, proof = str(e), e.suspect, e.proof
-            if _RELAYED in msg:  # a neighbour's failure reached us: pass on its reason, not ours
-                msg, suspect, proof = _RELAYED + msg.split(_RELAYED)[-1].split('"')[0], "", None
-            self.close(msg if msg.startswith(_RELAYED) else _RELAYED + msg)  # they fail too, and say why
-            raise RingError(f"all-reduce of round {round_} failed: {msg}", suspect=suspect, proof=proof) from None
-        if residual is not None:
-            self.residual, self._residual_next = new_residual, residual
-        return ReduceStats(
-            time.perf_counter() - t0,
-            right.bytes_sent - sent0,
-            left.bytes_received - recv0,
-            codec_s,
-            codec.name,
-            check_s,
-        )
+        await _together([_side(sender(), right.peer_id, sending), _side(receiver(), left.peer_id, receiving)])
 
     def _chunk_elems(self, codec: Codec) -> int:
         """Values per chunk: about chunk_bytes on the wire whatever the codec (per-frame costs in
@@ -672,6 +946,30 @@ async def recv_by(ch: Channel, cap: int, timeout: float, until: float, what: str
         if time.monotonic() < until:
             raise
         raise TransportTimeout(f"{what} did not arrive within {timeout:g}s + {MIN_RATE >> 20} MiB/s") from None
+
+
+async def _side(coro, peer: str, where: list[int]) -> None:
+    """Which member a failure points at: one that sent bad bytes (RingError) or went silent (a
+    timeout). A closed connection is no evidence: the member may have closed it because it caught
+    someone else. `where[0]`: the pass the coroutine is in when it fails."""
+    try:
+        await coro
+    except TransportTimeout as e:
+        raise _placed(RingError(str(e), suspect=peer), where[0]) from None
+    except TransportError as e:
+        raise _placed(RingError(str(e)), where[0]) from None
+    except RingError as e:
+        raise _placed(e, where[0]) from None
+
+
+async def _together(coros: list) -> None:
+    """Run `coros` at once; the first to fail cancels the others, and its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _parse_hello(frame: bytes) -> int:

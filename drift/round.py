@@ -35,7 +35,7 @@ from drift import hierarchy, rules
 from drift import protocol as P
 from drift.gather import signed_payload
 from drift.recipe import Recipe
-from drift.ring import proves_forgery, segment_owner
+from drift.ring import proves_forgery, signer
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer, Swarm
@@ -810,15 +810,16 @@ class Round:
         return rules.accused(self.accusations, self.failed_at)
 
     def proven(self, i: str, msg: P.RingFailed) -> bool:
-        """Whether msg.proof shows that msg.suspect forwarded, in this attempt's ring, bytes of a
-        segment that its owner (by the ring we sent, not the accuser's word) did not sign."""
+        """Whether msg.proof shows that msg.suspect forwarded, in this attempt's ring (or a pass of
+        its grid), bytes of a segment that its owner (by the ring we sent, not the accuser's word)
+        did not sign."""
         p, ids = msg.proof, [m.node_id for m in self.ring]
         return (
             p.forwarder == msg.suspect != i
             and p.round == self.rnd
             and p.generation == self.ring_epoch()
-            and p.segment < len(ids)
-            and proves_forgery(p, segment_owner(ids, p.segment))
+            and (owner := signer(ids, self.r.codec, p.forwarder, p.level, p.segment)) is not None
+            and proves_forgery(p, owner)
         )
 
     # --- decisions --------------------------------------------------------------------------------

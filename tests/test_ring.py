@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -13,7 +15,20 @@ from drift.compress import CODECS, make_codec, relative_error
 from drift.diloco import NesterovOuter, checksum
 from drift.gather import Gather
 from drift.protocol import RingMember
-from drift.ring import Ring, RingError, segment_bounds
+from drift.ring import (
+    COLUMN,
+    GATHER,
+    GRID_FROM,
+    ROW,
+    Ring,
+    RingError,
+    _links,
+    grid,
+    proves_forgery,
+    segment_bounds,
+    segment_owner,
+    signer,
+)
 from drift.transport import GATHER_ALPN, RING_ALPN, Endpoint, TransportError
 from drift.workers.torch_codec import TorchCodecKernels
 
@@ -420,3 +435,114 @@ def test_a_neighbour_that_sends_each_chunk_just_in_time_cannot_stretch_a_pass() 
     assert isinstance(err, RingError), "a pass stretched to chunks x timeout was waited for"
     assert "the all-reduce did not arrive within 1s + 1 MiB/s" in str(err), err
     assert err.suspect == dawdler
+
+
+# --- the grid: a ring of rings from GRID_FROM members ------------------------------------------
+
+
+@pytest.mark.parametrize("n", [GRID_FROM, GRID_FROM + 1, 99, 100, 256, 257, 1000, 1024])
+def test_a_grid_wires_every_member_once_in_far_fewer_steps(n: int) -> None:
+    layout = grid(n, "int8")
+    assert layout is not None and grid(n, "topk") is None and grid(GRID_FROM - 1, "int8") is None
+    q, rows = layout.q, layout.rows
+    seated = [p for i in range(rows) for p in layout.row(i)]
+    riders = [layout.rider(i) for i in range(rows) if layout.rider(i) is not None]
+    assert sorted(seated + riders) == list(range(n))  # every member in one row, or riding with one
+    assert all(layout.passenger(p) for p in riders) and len(riders) < q  # at most one a row
+    for p in seated:  # a column: the members that own the same segment, one a row
+        assert [c % q for c in layout.column(p)] == [p % q] * rows and p in layout.column(p)
+    ids = [f"{i:064x}" for i in range(n)]
+    sends = {i: _links(ids, p, layout)[0] for p, i in enumerate(ids)}
+    takes = {i: _links(ids, p, layout)[1] for p, i in enumerate(ids)}
+    # every connection a member opens is one its peer waits for, and nothing else is waited for
+    assert sorted((a, b) for a in ids for b in sends[a]) == sorted((a, b) for b in ids for a in takes[b])
+    assert max(map(len, sends.values())) <= max(3, q)  # a passenger sends to its row; others to <= 3
+    steps = 2 * (q - 1) + 2 * (rows - 1)
+    assert steps <= 4 * math.isqrt(n) and steps < (2 * (n - 1)) / 4  # 1,000 members: 122 steps, not 1,998
+
+
+def test_who_signs_a_grid_chunk_comes_from_the_ring_never_the_accuser() -> None:
+    n = 70  # 8 rows of 8, and 6 passengers
+    ids = [f"{i:064x}" for i in range(n)]
+    layout = grid(n, "int8")
+    f = 19  # row 2, place 3 of it; column: places 3, 11, 19, ...
+    row, col = [ids[p] for p in layout.row(2)], [ids[p] for p in layout.column(f)]
+    assert signer(ids, "int8", ids[f], GATHER, 5) == segment_owner(row, 5)
+    assert signer(ids, "int8", ids[f], COLUMN, 5) == segment_owner(col, 5)
+    assert signer(ids, "int8", ids[f], ROW, 5) is None  # a reduce-scatter chunk carries no owner's signature
+    assert signer(ids, "int8", ids[f], COLUMN, 8) is None  # no such segment
+    assert signer(ids, "int8", ids[66], GATHER, 1) is None  # a passenger forwards nothing
+    assert signer(ids, "int8", "ff" * 32, GATHER, 1) is None  # nor does a stranger
+    assert signer(ids[:10], "int8", ids[3], ROW, 4) == segment_owner(ids[:10], 4)  # the flat ring
+
+
+async def _grid_round(n: int, size: int, codec: str, cls: dict[int, type[Ring]] | None = None):
+    """One all-reduce of `size` values among n in-process members (member i's Ring class from
+    `cls`); (inputs, outputs or errors, stats, ids)."""
+    eps = await asyncio.gather(*(Endpoint.bind("local") for _ in range(n)))
+    rings = [(cls or {}).get(i, Ring)(ep, timeout=30.0, chunk_bytes=16 * 1024) for i, ep in enumerate(eps)]
+    tasks = [asyncio.ensure_future(e.serve({RING_ALPN: r.handle_incoming})) for e, r in zip(eps, rings)]
+    members = [RingMember(node_id=e.node_id, ticket=e.ticket(), weight=1 / n) for e in eps]
+    rng = np.random.default_rng(n)
+    xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    bufs = [x.copy() for x in xs]
+    try:
+        got = await asyncio.gather(
+            *(r.allreduce_sum(b, members, 1, codec=codec) for r, b in zip(rings, bufs)), return_exceptions=True
+        )
+    finally:
+        await _close(eps, rings, tasks)
+    return xs, [g if isinstance(g, BaseException) else b for g, b in zip(got, bufs)], got, [e.node_id for e in eps]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_a_grid_sums_like_the_flat_ring_and_every_member_holds_the_same_bytes(codec: str) -> None:
+    n, size = GRID_FROM + 6, 50_003  # 8 rows of 8, and 6 passengers (rows 0-5 carry one)
+    xs, outs, stats, _ = run_async(_grid_round(n, size, codec))
+    assert all(isinstance(o, np.ndarray) for o in outs), [o for o in outs if not isinstance(o, np.ndarray)][:1]
+    exact = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    # fp32: float32 sums in another order; int8: one encoding a pass (the flat ring of 63 measured 0.04)
+    assert relative_error(outs[0], exact) < (1e-6 if codec == "fp32" else 0.03)
+    assert all(o.tobytes() == outs[0].tobytes() for o in outs)  # bit-identical replicas
+    flat = 2 * (n - 1) / n * make_codec(codec).encoded_nbytes(size)  # what a flat ring's member sends
+    layout = grid(n, codec)
+    sent = [s.bytes_sent for s in stats]
+    # a member sends about the flat ring's bytes: 2/q of θ more, with a passenger 1/q more again
+    assert max(sent) < flat * (1 + 3 / layout.q) * 1.05 and min(sent) > flat / 2 * 0.95
+
+
+class _Forger(Ring):
+    """A hostile member: alters one byte of every all-gather chunk it forwards at `level` (not its
+    own) and signs what it sent, as tests/wrappers/fault_node.py's tamper-forward does."""
+
+    level = COLUMN
+
+    async def _send_chunk(self, ch, payload, codec, round_, step, chunk, n, total, signed=None) -> None:
+        if signed is not None and signed[0][12] == self.level and signed[0][-64:-32].hex() != self.node_id:
+            forged = bytearray(memoryview(payload).cast("B"))
+            forged[0] ^= 1
+            signed, payload = (signed[0][:-32] + hashlib.sha256(forged).digest(), signed[1]), forged
+        await super()._send_chunk(ch, payload, codec, round_, step, chunk, n, total, signed)
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("level", [COLUMN, GATHER])
+def test_a_member_that_forges_in_either_pass_of_a_grid_is_proven_and_nobody_else_is_named(level: int) -> None:
+    n, bad = GRID_FROM + 2, 19  # row 2; its column's and its row's next members catch it
+
+    class Forger(_Forger):
+        pass
+
+    Forger.level = level
+    xs, outs, got, ids = run_async(_grid_round(n, 20_000, "fp32", {bad: Forger}))
+    errors = [g for g in got if isinstance(g, RingError)]
+    exact = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    # nobody holds a sum with forged bytes in it: the forger's column (COLUMN) stalls every row;
+    # in its row's all-gather (GATHER) the other rows finish with the true sum
+    assert errors and all(relative_error(o, exact) < 1e-6 for o in outs if isinstance(o, np.ndarray))
+    assert len(errors) == (n if level == COLUMN else len(grid(n, "fp32").row(0)))
+    proofs = [e.proof for e in errors if e.proof is not None]
+    assert proofs and all(p.forwarder == ids[bad] and p.level == level for p in proofs)
+    for p in proofs:  # the coordinator's check: the owner by the ring it sent
+        assert proves_forgery(p, signer(ids, "fp32", p.forwarder, p.level, p.segment))
+    assert {e.suspect for e in errors} <= {"", ids[bad]}  # no honest member is named

@@ -1,6 +1,6 @@
 """A swarm of 256 lightweight nodes (issue 40): the real `drift coord` process admits them all,
-plans the round, runs the barrier and settles a ring all-reduce of 256 members, and its terminal
-stays a few dozen lines.
+plans the round, runs the barrier and settles a ring all-reduce of 256 members (a grid of 16 rows
+of 16, drift/ring.py), and its terminal stays a few dozen lines.
 
 The nodes are drift's own Node (benchmarks/harness/light.py): two processes of 128, each node
 with its own iroh endpoint and key, speaking the real protocol. Their stand-in task moves θ by a
@@ -21,6 +21,7 @@ from conftest import check_exactly_once
 from drift import hierarchy
 from drift.gather import _HEADER as GATHER_HEADER
 from drift.monitor import JOIN_LINES
+from drift.ring import _HEADER as RING_HEADER
 from drift.sync.sparse import Codec
 from drift.transport import Throttle
 from harness.light import LIGHT_SIZE, LightSwarm, light_theta, theta0
@@ -59,6 +60,9 @@ def test_256_lightweight_nodes_join_train_and_agree_on_theta(tmp_path: Path) -> 
     assert moved > 0
     # float32: each node's Δ rounded once, times its weight, summed around a ring of N
     assert np.abs(got - want).max() <= (N + 2) * 2**-23 * (moved + np.abs(want).max()), (got, want)
+    # as a grid: a node sends 60 chunks a round, where a member of a flat ring of 256 sends 510
+    sent = [v["bytes_sent"] for v in rnd["nodes"].values()]
+    assert min(sent) > 0 and max(sent) < 2 * (N - 1) * RING_HEADER.size, sorted(sent)
 
     # the coordinator's terminal: the first JOIN_LINES nodes by name, then a count at each doubling;
     # refusals (a machine's 256 nodes knock at once) at most Throttle's burst a minute; then the run
