@@ -103,17 +103,23 @@ REJOIN_BACKOFF_S = (1.0, 30.0)
 JOIN_TRIES = 3  # handshakes a new node tries when the coordinator, reached, hangs up without a word
 
 
-def join_again(reason: str, reached: bool, tries: int, waited_s: float) -> bool:
-    """Whether a node that never got in tries its handshake again, after `tries` failed ones over
-    `waited_s` seconds. A coordinator whose joining slots are full says so (P.JOIN_BUSY, as many
-    nodes of one machine or network start at once), or refuses the connection itself while its
-    QUIC handshakes are (transport.REFUSED): again until REJOIN_PATIENCE_S. One that was
-    reached but hung up without a word (a refusal always comes with TrainingCancel) met a
-    transient fault, such as a frame garbled on the way: JOIN_TRIES in all. One never reached is
-    a mistake to report now."""
-    if P.JOIN_BUSY in reason or REFUSED in reason:
+def join_again(reasons: list[str], reached: bool, waited_s: float) -> bool:
+    """Whether a node that never got in tries its handshake again, after failed ones (`reasons`,
+    the latest last) over `waited_s` seconds. A coordinator whose joining slots are full says so
+    (P.JOIN_BUSY, as many nodes of one machine or network start at once), or refuses the
+    connection itself while its QUIC handshakes are (transport.REFUSED): again until
+    REJOIN_PATIENCE_S. One that was reached but hung up without a word (a refusal always comes
+    with TrainingCancel) met a transient fault, such as a frame garbled on the way: JOIN_TRIES
+    such hang-ups in all (a busy coordinator's answers do not count: 1,000 nodes that started at
+    once met it busy twice, then once with no word, and one gave up). One never reached is a
+    mistake to report now."""
+
+    def busy(reason: str) -> bool:
+        return P.JOIN_BUSY in reason or REFUSED in reason
+
+    if busy(reasons[-1]):
         return waited_s < REJOIN_PATIENCE_S
-    return reached and tries < JOIN_TRIES
+    return reached and sum(not busy(r) for r in reasons) < JOIN_TRIES
 
 
 class NodeError(Exception):
@@ -301,16 +307,16 @@ class Node:
         lost_since: float | None = None
         first_try: float | None = None
         delay = join_delay = REJOIN_BACKOFF_S[0]
-        tries = 0
+        failed: list[str] = []  # why each handshake so far failed
         while True:
             session = self.session = Session(self)
             try:
                 return await session.run()
             except Lost as e:
                 if not self.admitted:
-                    tries += 1
+                    failed.append(str(e))
                     first_try = first_try or time.monotonic()
-                    if not join_again(str(e), session.ctl is not None, tries, time.monotonic() - first_try):
+                    if not join_again(failed, session.reached, time.monotonic() - first_try):
                         raise NodeError(str(e)) from None
                     wait = join_delay * random.uniform(0.5, 1.5)  # (nodes that started together spread out)
                     self.opts.say(f"the coordinator hung up during the handshake ({e}); trying again in {wait:.1f}s")
@@ -370,6 +376,7 @@ class Session:
         self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()  # the round loop's messages
         self.sync_q: asyncio.Queue[P.Message | None] = asyncio.Queue()  # BarrierReady, Agreed, Commit (and the end)
         self.ctl: Channel | None = None
+        self.reached = False  # the coordinator's endpoint answered (QUIC handshake done)
         self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
         self.round = -1
         self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
@@ -468,7 +475,9 @@ class Session:
     async def run(self) -> int:
         node = self.node
         try:
-            self.ctl = await node.endpoint.connect(self.opts.ticket, CONTROL_ALPN, self.opts.connect_timeout)
+            conn = await node.endpoint.dial(self.opts.ticket, CONTROL_ALPN, self.opts.connect_timeout)
+            self.reached = True  # (a coordinator that closes the connection before a stream opens was reached)
+            self.ctl = await Endpoint.open_channel(conn, self.opts.connect_timeout)
         except TransportError as e:
             if (run := ticket_run(self.opts.ticket)) is not None and run_finished(run):
                 raise NodeError(

@@ -420,6 +420,18 @@ def close_conn(conn: iroh.Connection, why: str, code: int = 1) -> None:
         pass
 
 
+async def _why_closed(conn: iroh.Connection, wait: float = 1.0) -> str:
+    """Why the peer closed `conn`, as plain text, waiting up to `wait` seconds for the close to
+    arrive after a failed stream; '' if it has not (a busy coordinator's reason may follow the reset)."""
+    try:
+        why = conn.close_reason()
+        if why is None:
+            why = await asyncio.wait_for(conn.closed(), wait)
+    except Exception:
+        return ""
+    return "" if why is None else printable(str(why), 300)
+
+
 async def _incoming_addr(inc: iroh.Incoming) -> str:
     """The address a connection attempt came from, for a log line (its node id is not known yet)."""
     try:
@@ -505,7 +517,12 @@ class Endpoint:
     @staticmethod
     async def open_channel(conn: iroh.Connection, timeout: float = 15.0) -> Channel:
         """Open one more bidirectional stream on a connection of ours."""
-        return Channel(conn, await _timed(conn.open_bi(), timeout, "opening a stream"))
+        try:
+            bi = await _timed(conn.open_bi(), timeout, "opening a stream")
+        except TransportError as e:  # the peer may have closed the connection, and said why
+            why = await _why_closed(conn)
+            raise TransportError(f"{e} ({why})" if why and why not in str(e) else str(e)) from None
+        return Channel(conn, bi)
 
     async def accept(self, timeout: float | None = None) -> tuple[bytes, iroh.Connection]:
         """Accept the next incoming connection: (alpn, connection)."""

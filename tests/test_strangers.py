@@ -138,8 +138,8 @@ def test_fresh_ids_from_one_address_do_not_lock_out_a_joining_node(
     assert all(f"{MAX_JOINING_PER_SOURCE} connections from 127.0.0.2 are already joining" in r for r in rejected)
     # ... and says it is busy, so that an honest node refused with these (many nodes of one machine
     # that start at once: `--local 32`) tries again, until the node's patience runs out
-    assert all(join_again(r, reached=False, tries=9, waited_s=60.0) for r in rejected)
-    assert not any(join_again(r, reached=False, tries=9, waited_s=REJOIN_PATIENCE_S + 1) for r in rejected)
+    assert all(join_again([r] * 9, reached=False, waited_s=60.0) for r in rejected)
+    assert not any(join_again([r] * 9, reached=False, waited_s=REJOIN_PATIENCE_S + 1) for r in rejected)
 
 
 def test_a_node_refused_while_the_coordinator_is_busy_with_handshakes_tries_again() -> None:
@@ -162,15 +162,19 @@ def test_a_node_refused_while_the_coordinator_is_busy_with_handshakes_tries_agai
         return "connected"
 
     reason = run_async(main(), 60)
-    assert join_again(reason, reached=False, tries=9, waited_s=60.0), reason
-    assert not join_again(reason, reached=False, tries=9, waited_s=REJOIN_PATIENCE_S + 1)
+    assert join_again([reason] * 9, reached=False, waited_s=60.0), reason
+    assert not join_again([reason] * 9, reached=False, waited_s=REJOIN_PATIENCE_S + 1)
 
 
 def test_a_node_tries_its_handshake_again_only_when_that_can_help() -> None:
-    assert not join_again("cannot reach the coordinator: timed out", reached=False, tries=1, waited_s=0.0)
+    assert not join_again(["cannot reach the coordinator: timed out"], reached=False, waited_s=0.0)
     hung_up = "connection lost: the peer closed the connection"  # reached, then no word: a transient fault
-    assert join_again(hung_up, reached=True, tries=JOIN_TRIES - 1, waited_s=5.0)
-    assert not join_again(hung_up, reached=True, tries=JOIN_TRIES, waited_s=5.0)
+    assert join_again([hung_up] * (JOIN_TRIES - 1), reached=True, waited_s=5.0)
+    assert not join_again([hung_up] * JOIN_TRIES, reached=True, waited_s=5.0)
+    # a busy coordinator's answers are not hang-ups: they leave every try for a real fault
+    busy = f"the coordinator hung up ({P.JOIN_BUSY}: 16 connections from 127.0.0.1 are already joining)"
+    assert join_again([busy] * 5 + [hung_up] * (JOIN_TRIES - 1), reached=True, waited_s=5.0)
+    assert not join_again([busy, *[hung_up] * JOIN_TRIES], reached=True, waited_s=5.0)
 
 
 def test_strangers_on_the_state_alpn_cost_a_member_nothing() -> None:
