@@ -144,10 +144,10 @@ def test_only_the_node_asked_for_it_sets_a_rounds_val_loss(tmp_path: Path) -> No
 
 
 def test_an_evaluation_answered_as_of_the_initial_theta_does_not_overwrite_it(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=4, **{**SIM, "inner_steps": 30})
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=4, **{**SIM, "inner_steps": 12})
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02")
-    swarm.join("2", name="slow", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "eval-initial:0"})
+    swarm.join("1", name="slow", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "eval-initial:0"})
     assert swarm.finish() == 0, swarm.log()
     events = swarm.events()
     assert any(r["evaluators"] == ["slow"] for r in events if r["event"] == "round")
