@@ -102,9 +102,17 @@ def signed_payload(owner: str, round_: int, generation: int, digest: str, sig: s
 class Gather:
     """This node's side of all-gathers: serves incoming payloads, sends its own."""
 
-    def __init__(self, endpoint: Endpoint, timeout: float = 120.0, trusted: Callable[[str], bool] = lambda p: True):
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        timeout: float = 120.0,
+        trusted: Callable[[str], bool] = lambda p: True,
+        ticket_of: Callable[[str], str | None] = lambda p: None,
+    ):
+        """`trusted` and `ticket_of` (a member named by id alone): as drift.ring.Ring's."""
         self.endpoint = endpoint
         self.trusted = trusted
+        self.ticket_of = ticket_of
         self.node_id = endpoint.node_id
         self._key = nacl.signing.SigningKey(bytes(endpoint.ep.secret_key().to_bytes()))  # its node id's key
         self.timeout = timeout
@@ -360,16 +368,18 @@ class Gather:
         else on a new one, kept from then on. A member that came back with a new ticket (a
         restarted node) gets a new connection."""
         ticket, conn = self._to.get(m.node_id, ("", None))
-        if conn is not None and ticket == m.ticket and conn.close_reason() is None:
+        if (now := m.ticket or self.ticket_of(m.node_id)) is None:
+            raise RingError(f"the coordinator never told this node the ticket of {m.node_id[:10]}")
+        if conn is not None and ticket == now and conn.close_reason() is None:
             with contextlib.suppress(TransportError):
                 return await Endpoint.open_channel(conn, min(self.timeout, HELLO_TIMEOUT))
         self._forget(m.node_id, conn)
         try:
-            conn = await self.endpoint.dial(m.ticket, GATHER_ALPN, timeout=self.timeout)
+            conn = await self.endpoint.dial(now, GATHER_ALPN, timeout=self.timeout)
             ch = await Endpoint.open_channel(conn, self.timeout)
         except TransportError as e:
             raise RingError(f"could not reach {m.node_id[:10]}: {e}", suspect=m.node_id) from None
-        self._to[m.node_id] = (m.ticket, conn)
+        self._to[m.node_id] = (now, conn)
         return ch
 
     def _forget(self, peer: str, conn) -> None:

@@ -50,6 +50,7 @@ from typing import Protocol
 import numpy as np
 
 from drift import protocol as P
+from drift import rules
 from drift.auth import AuthError, NodeKey, PeerCheck, drift_home, sign_message, verify_peers
 from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
@@ -267,6 +268,7 @@ class Node:
         # The members (TrainingReady), the only peers this node talks to, each once it verified the
         # peer's own signed RepoCommit on that connection (drift/peers.py); and the coordinator's id.
         self.peers = Peers()
+        self.tickets: dict[str, str] = {}  # member -> its ticket, as the coordinator told (P.Tickets)
         self.state = StateServer(allowed=lambda peer: peer in self.peers.members or peer == self.peers.coordinator)
         self.trainer: Trainer | None = None
         self.session: Session | None = None  # the connection in hand (drift.DiLoCo's log sends on it)
@@ -285,8 +287,9 @@ class Node:
         self.peers.coordinator = str(parse_ticket(opts.ticket).id())
         self.endpoint = await Endpoint.bind(mode, secret_key=self.key.seed)
         self.endpoint.vet = self.peers.present  # every connection this node opens to a peer
-        self.ring = Ring(self.endpoint, trusted=lambda peer: peer in self.peers.members)
-        self.gather = Gather(self.endpoint, trusted=lambda peer: peer in self.peers.members)
+        member = lambda peer: peer in self.peers.members  # noqa: E731
+        self.ring = Ring(self.endpoint, trusted=member, ticket_of=self.tickets.get)
+        self.gather = Gather(self.endpoint, trusted=member, ticket_of=self.tickets.get)
         accept = asyncio.ensure_future(self._accept())
         try:
             return await self._sessions()
@@ -378,6 +381,7 @@ class Session:
         self.ctl: Channel | None = None
         self.reached = False  # the coordinator's endpoint answered (QUIC handshake done)
         self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
+        self.beat_s = 2.0  # how often we tell the coordinator we are alive (rules.liveness, once a member)
         self.round = -1
         self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
         self._tasks: list[asyncio.Task] = []
@@ -412,6 +416,8 @@ class Session:
                     case P.DataHolders():
                         if self.node.data is not None:
                             self.node.data.set_holders(msg.tickets)
+                    case P.Tickets():  # (before the BarrierReady that names these members by id)
+                        self.node.tickets.update(msg.tickets)
                     case P.BarrierReady() | P.Agreed() | P.Commit():  # the sync's
                         self.sync_q.put_nowait(msg)
                     case P.TrainComplete() | P.TrainingCancel():  # the end: the sync's and the round loop's
@@ -506,7 +512,8 @@ class Session:
 
     async def _run(self) -> int:
         t = await self._join()
-        self._tasks.append(asyncio.ensure_future(self._heartbeat(t.recipe.heartbeat_s)))
+        self.beat_s = t.recipe.heartbeat_s
+        self._tasks.append(asyncio.ensure_future(self._heartbeat()))
         ready = await self.expect(P.TrainingReady, P.TrainComplete)
         if isinstance(ready, P.TrainComplete):
             return self._complete(ready)
@@ -568,7 +575,7 @@ class Session:
                 f"join it with a fresh `drift join`"
             )
         if t is None:
-            alive = asyncio.ensure_future(self._heartbeat(2.0))  # the coordinator hears us while we load
+            alive = asyncio.ensure_future(self._heartbeat())  # the coordinator hears us while we load
             try:
                 t = node.trainer = await self._load(cfg)
             finally:
@@ -751,6 +758,9 @@ class Session:
             ids = set(ready.nodes)
         peers.set_members(ids - {me})
         self.node.gather.retain(peers.members)
+        for gone in [i for i in self.node.tickets if i not in ids]:
+            del self.node.tickets[gone]
+        self.beat_s, self.silence_s = rules.liveness(t.recipe.heartbeat_s, t.recipe.stale_after_s, len(ids))
         return None
 
     async def _verify_ready(self, ready: P.TrainingReady | P.MembersChanged) -> None:
@@ -1179,12 +1189,12 @@ class Session:
                 t.snap[...] = t.theta
         return val
 
-    async def _heartbeat(self, every_s: float) -> None:
-        """Tell the coordinator we are alive, also while a long inner step runs; a --local node
-        also leaves when the coordinator that started it is gone."""
+    async def _heartbeat(self) -> None:
+        """Tell the coordinator we are alive every beat_s, also while a long inner step runs; a
+        --local node also leaves when the coordinator that started it is gone."""
         parent = int(os.environ.get("DRIFT_PARENT_PID", "0") or 0)
         while True:
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(self.beat_s)
             if parent and os.getppid() != parent:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)

@@ -38,7 +38,7 @@ from pydantic import (
 # 4: Heard.level, RingFailed.level (the sparse rule's hierarchy); 5: nodes present their RepoCommit to each
 # other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few, MembersChanged,
 # Agreed.keep (rounds that close at a quorum); 6: the dense ring runs as a grid from GRID_FROM members
-# (drift/ring.py), Forgery.level
+# (drift/ring.py), Forgery.level, Tickets (BarrierReady names members by id)
 SCHEMA_VERSION = 6
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
@@ -188,6 +188,15 @@ class MembersChanged(_Msg):
     type: Literal["MembersChanged"] = "MembersChanged"
     joined: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)
     left: Annotated[list[NodeId], Field(max_length=MAX_NODES)] = Field(default_factory=list)
+
+
+class Tickets(_Msg):
+    """Coordinator -> a member, before a BarrierReady: the tickets of members it has not been told
+    yet (a BarrierReady names members by id alone: a ticket each for every member in every round's
+    BarrierReady to every member was most of the coordinator's bytes and CPU at 1,000 nodes)."""
+
+    type: Literal["Tickets"] = "Tickets"
+    tickets: Annotated[dict[NodeId, Ticket], Field(max_length=MAX_NODES)]
 
 
 class TrainingCancel(_Msg):
@@ -389,7 +398,7 @@ Norm = Annotated[float, Field(ge=0, le=1e30)]  # the L2 norm of a pseudo-gradien
 
 class RingMember(_Msg):
     node_id: NodeId
-    ticket: Ticket
+    ticket: Ticket | None = None  # None: the coordinator told this node its ticket before (Tickets)
     weight: Annotated[float, Field(ge=0, le=1)]
     norm: Norm | None = None  # the norm of its own Δ it reported (BarrierSync.delta_norm); None: no check
 
@@ -440,6 +449,7 @@ class Forgery(_Msg):
     chunk: Count
     hop_sig: Hex
     level: Annotated[int, Field(ge=0, le=2)] = 0  # of the grid (drift/ring.py, `Grid`); 0: the flat ring
+    part: Count = 0  # in a grid: the forwarder's row's segment the chunk is of (ring.signer)
 
 
 class Heard(_Msg):
@@ -546,6 +556,7 @@ Message = Annotated[
     | RepoCommit
     | TrainingReady
     | MembersChanged
+    | Tickets
     | TrainingCancel
     | Ping
     | Heartbeat

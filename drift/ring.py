@@ -226,9 +226,17 @@ class Grid:
     A passenger sends each segment of its θ to the member of its row that owns it, who adds it
     before the column's pass and sends the passenger its final segment, signed.
 
-    2(q - 1) + 2(rows - 1) steps one after another, not 2(n - 1): 60 at 1,000 members, not
+    2(q - 1) + 2(rows - 1) steps one after another, not 2(n - 1): 122 at 1,000 members, not
     1,998. A member moves about the flat ring's bytes: 2/q of θ more, and a member with a
-    passenger another 1/q each way (`tests/test_ring.py` counts them)."""
+    passenger another 1/q each way (`tests/test_ring.py` counts them).
+
+    Trust, as the flat ring's: each segment's sum is encoded and signed once, by its column's
+    owners, and travels the row's all-gather and the passenger's feed byte for byte under every
+    forwarder's hop signature, so every member decodes the same bytes and a forwarder that alters
+    them is proven (Forgery, `signer`). Timeouts are evidence only in the rows' reduce-scatter
+    (every member starts it at once); a column starts when its rows' reduce-scatters end and a
+    row's all-gather when its columns end, so a wait there can be anybody's delay: it lasts to
+    the pass's deadline and names nobody."""
 
     q: int
     rows: int
@@ -264,18 +272,17 @@ def grid(n: int, codec: Codec | str) -> Grid | None:
     return Grid(q, n // q, n)
 
 
-def signer(ids: list[str], codec: str, forwarder: str, level: int, seg: int) -> str | None:
-    """Who must have signed segment `seg` of the all-gather that `forwarder` passed on at `level`,
-    by the ring `ids` (the coordinator's, never an accuser's word); None: no such chunk."""
+def signer(ids: list[str], codec: str, forwarder: str, level: int, seg: int, part: int = 0) -> str | None:
+    """Who must have signed segment `seg` of the all-gather that `forwarder` passed on at `level`
+    (in a grid, of its row's segment `part`: every all-gather chunk there is its column's), by the
+    ring `ids` (the coordinator's, never an accuser's word); None: no such chunk."""
     layout = grid(len(ids), codec)
     if layout is None:
         group = ids if level == ROW else []
-    elif forwarder not in ids or layout.passenger(f := ids.index(forwarder)):
+    elif level != COLUMN or forwarder not in ids or layout.passenger(f := ids.index(forwarder)) or part >= layout.q:
         group = []
-    elif level == GATHER:
-        group = [ids[p] for p in layout.row(f // layout.q)]
-    else:
-        group = [ids[p] for p in layout.column(f)] if level == COLUMN else []
+    else:  # the column of the member owning the forwarder's row's segment `part`
+        group = [ids[p] for p in layout.column(f // layout.q * layout.q + (part - 1) % layout.q)]
     return segment_owner(group, seg) if seg < len(group) else None
 
 
@@ -295,6 +302,31 @@ def _links(ids: list[str], me: int, layout: Grid | None) -> tuple[list[str], lis
         send.append(ids[r])
         take.append(ids[r])
     return send, take
+
+
+def _column_signed(
+    round_: int, generation: int, bounds: list[int], rows: int, step: int, cols: list[list[str]]
+) -> tuple[list[list[tuple[int, int]]], list[list[int]], Callable[..., tuple[str, bytes, dict]]]:
+    """A grid row's all-gather: each segment s = x[bounds[s]:bounds[s + 1]] in the chunks its
+    column's pass signed them in (among `rows`, `cols[s]` the column of the member owning s),
+    the column's segment each chunk is of, and who signed chunk c of s, the message signed, and
+    where (a Forgery's fields)."""
+    chunks, sub = [], []
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        cut = segment_bounds(hi - lo, rows)
+        # (an empty chunk carries nothing to forward: a segment smaller than its column has some)
+        spans = [(j, a, b) for j in range(rows) for a, b in _chunks(lo + cut[j], lo + cut[j + 1], step) if b > a]
+        chunks.append([(a, b) for _, a, b in spans])
+        sub.append([j for j, _, _ in spans])
+
+    def vouch(s: int, c: int, a: int, b: int, digest: bytes) -> tuple[str, bytes, dict]:
+        lo, hi, j = bounds[s], bounds[s + 1], sub[s][c]
+        owner = segment_owner(cols[s], j)
+        owned = owner_message(owner, round_, generation, j, a - lo, b - lo, hi - lo, digest, COLUMN)
+        return owner, owned, dict(segment=j, lo=a - lo, hi=b - lo, total=hi - lo, level=COLUMN, part=s)
+
+    return chunks, sub, vouch
 
 
 def _chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
@@ -322,13 +354,16 @@ class Ring:
         chunk_bytes: int = CHUNK_BYTES,
         codec: Codec | str = "fp32",
         trusted: Callable[[str], bool] = lambda peer: True,
+        ticket_of: Callable[[str], str | None] = lambda peer: None,
     ):
         """`trusted(peer id)`: the run's members (a node checks each one's own signed RepoCommit
         as a connection opens, drift/peers.py); nobody else is connected to or accepted, whatever a
-        BarrierReady says."""
+        BarrierReady says. `ticket_of(peer id)`: a member's ticket, where the ring names it by id
+        alone (the coordinator told it before: P.Tickets)."""
         tune_allocator()
         self.endpoint = endpoint
         self.trusted = trusted
+        self.ticket_of = ticket_of
         self.node_id = endpoint.node_id
         self._key = nacl.signing.SigningKey(bytes(endpoint.ep.secret_key().to_bytes()))  # its node id's key
         self.timeout = timeout
@@ -419,7 +454,7 @@ class Ring:
         unverified = [i for i in ids if i != self.node_id and not self.trusted(i)]
         if unverified:
             raise RingError(f"the ring names {unverified[0][:10]}, a node this one has not verified")
-        tickets = {m.node_id: m.ticket for m in members}
+        tickets = {m.node_id: m.ticket for m in members if m.node_id in send_to}
         async with self._arrived:
             self._expected = set(ids) - {self.node_id}
             self._arrived.notify_all()
@@ -435,16 +470,24 @@ class Ring:
             self._out.pop(peer).close("ring changed")
 
         async def dial(peer: str) -> None:
+            if (ticket := tickets[peer] or self.ticket_of(peer)) is None:
+                raise RingError(f"the coordinator never told this node the ticket of {peer[:10]}")
             try:
-                ch = await self.endpoint.connect(tickets[peer], RING_ALPN, timeout=self.timeout)
+                ch = await self.endpoint.connect(ticket, RING_ALPN, timeout=self.timeout)
                 await ch.send_frame(json.dumps({"node_id": self.node_id, "generation": generation}).encode())
             except TransportError as e:  # only our own connections are ours to make
                 raise RingError(
                     f"ring setup failed: {e}", suspect=peer if isinstance(e, TransportTimeout) else ""
                 ) from None
-            self._out[peer] = ch
+            if generation == self._generation:
+                self._out[peer] = ch
+            else:  # (a retry began meanwhile: this attempt's connection is stale)
+                ch.close("stale ring generation")
 
-        await asyncio.gather(*(dial(p) for p in send_to if p not in self._out))
+        for peer in [p for p in self._incoming if p not in take_from]:  # (its sender closed it: "ring changed")
+            self._incoming.pop(peer).close("ring changed")
+            self._incoming_gen.pop(peer, None)
+        await _together([dial(p) for p in send_to if p not in self._out])
         try:
             async with self._arrived:
                 await asyncio.wait_for(
@@ -508,8 +551,7 @@ class Ring:
                 feedback = (self.residual, self._residual_next) if codec.error_feedback else (None, None)
                 await self._pass(x, ids, right, left, round_, generation, codec, until, tally, feedback)
             elif layout.passenger(me):
-                row = [ids[p] for p in layout.row(layout.row_of(me))]
-                await self._ride(x, row, out, inc, round_, generation, codec, until, tally)
+                await self._ride(x, ids, me, layout, out, inc, round_, generation, codec, until, tally)
             else:
                 await self._grid(x, ids, me, layout, out, inc, round_, generation, codec, until, tally)
         except RingError as e:
@@ -545,14 +587,22 @@ class Ring:
         until: float,
         tally: ReduceStats,
     ) -> None:
-        """A row member's part of the grid (see Grid): its row's pass, with its column's pass
-        on the segment it owns between the row's two halves."""
+        """A row member's part of the grid (see Grid): its row's pass, with its column's pass on
+        the segment it owns between the row's two halves. The row's all-gather forwards the
+        column owners' signed chunks byte for byte: nobody re-encodes (or re-signs) a sum, so
+        one owner cannot hand its row, or its passenger, bytes its column did not sign."""
+        start = me // layout.q * layout.q
         row, col = [ids[p] for p in layout.row(me // layout.q)], [ids[p] for p in layout.column(me)]
         k, c = row.index(self.node_id), col.index(self.node_id)
         rider = layout.rider(me // layout.q)
         rider = ids[rider] if rider is not None else None
         step_elems = self._chunk_elems(codec)
         mine = (k + 1) % len(row)
+        bounds = segment_bounds(x.size, len(row))
+        cols = [[ids[p] for p in layout.column(start + (s - 1) % len(row))] for s in range(len(row))]
+        chunks, sub, vouch = _column_signed(round_, generation, bounds, layout.rows, step_elems, cols)
+        # the column's chunks of our segment, by (its segment, bounds): empty chunks share bounds
+        kept: dict[tuple[int, int, int], tuple[bytes, tuple[bytes, bytes]]] = {}
         to_rider: asyncio.Queue = asyncio.Queue()
 
         async def between(lo: int, hi: int) -> None:
@@ -570,31 +620,42 @@ class Ring:
                         raise _placed(RingError(str(e), suspect=rider), ROW) from None
                     if not np.isfinite(x[a:b]).all():
                         raise _placed(RingError("non-finite values from our passenger", suspect=rider), ROW)
+
+            def keep(seg: int, a: int, b: int, payload, signed: tuple[bytes, bytes]) -> None:
+                kept[(seg, lo + a, lo + b)] = bytes(memoryview(payload).cast("B")), signed
+
             right, left = out[col[(c + 1) % len(col)]], inc[col[(c - 1) % len(col)]]
-            await self._pass(x[lo:hi], col, right, left, round_, generation, codec, until, tally, level=COLUMN)
+            await self._pass(
+                x[lo:hi], col, right, left, round_, generation, codec, until, tally, level=COLUMN, part=mine, kept=keep
+            )
+
+        def relay() -> list[tuple[int, int, bytes, tuple[bytes, bytes]]]:
+            """Our segment as the column's owners signed it, in the row's all-gather's chunks."""
+            return [(a, b, *kept[(j, a, b)]) for j, (a, b) in zip(sub[mine], chunks[mine])]
 
         def owned(i: int, a: int, b: int, payload, signed: tuple[bytes, bytes]) -> None:
             if rider is not None:
-                to_rider.put_nowait((i, a, b, bytes(memoryview(payload).cast("B")), signed))
+                to_rider.put_nowait((i, a, b, payload, signed))
 
         async def feed() -> None:
-            """Our final segment, as we signed it, to our row's passenger."""
-            bounds = segment_bounds(x.size, len(row))
-            for _ in _chunks(bounds[mine], bounds[mine + 1], step_elems):
+            """Our segment, as its column signed it, to our row's passenger."""
+            for _ in chunks[mine]:
                 i, a, b, payload, signed = await to_rider.get()
                 await self._send_chunk(out[rider], payload, codec, round_, mine, i, b - a, x.size, signed)
 
         row_pass = self._pass(
             x, row, out[row[(k + 1) % len(row)]], inc[row[(k - 1) % len(row)]], round_, generation, codec,
-            until, tally, level=ROW, gather_level=GATHER, between=between, owned=owned,
+            until, tally, level=ROW, gather_level=GATHER, between=between, owned=owned, relay=relay,
+            gather_chunks=chunks, vouch=vouch,
         )  # fmt: skip
-        work = [row_pass] if rider is None else [row_pass, _side(feed(), rider, [GATHER])]
-        await _together(work)
+        await _together([row_pass] if rider is None else [row_pass, _side(feed(), rider, [GATHER])])
 
     async def _ride(
         self,
         x: np.ndarray,
-        row: list[str],
+        ids: list[str],
+        me: int,
+        layout: Grid,
         out: dict[str, Channel],
         inc: dict[str, Channel],
         round_: int,
@@ -604,9 +665,15 @@ class Ring:
         tally: ReduceStats,
     ) -> None:
         """A passenger's part of the grid: each segment of x to the row member that owns it, and
-        each owner's final segment back, checked against its signature."""
+        each segment back from it as the owner's column signed it (a chunk its column did not
+        sign, under the owner's own signature, is proof against the owner)."""
+        i_row = layout.row_of(me)
+        start = i_row * layout.q
+        row = [ids[p] for p in layout.row(i_row)]
         bounds = segment_bounds(x.size, len(row))
         step_elems = self._chunk_elems(codec)
+        cols = [[ids[p] for p in layout.column(start + (s - 1) % len(row))] for s in range(len(row))]
+        chunks, _, vouch = _column_signed(round_, generation, bounds, layout.rows, step_elems, cols)
         pool, slot_bytes = self._payload_pool(codec.encoded_nbytes(step_elems))
         lossless = isinstance(codec, Fp32)
 
@@ -614,37 +681,47 @@ class Ring:
             s = (k + 1) % len(row)  # the segment row[k] owns
             for i, (a, b) in enumerate(_chunks(bounds[s], bounds[s + 1], step_elems)):
                 t = time.perf_counter()
-                buf = pool.pop() if pool else np.empty(slot_bytes, np.uint8)
+                buf = None if lossless else pool.pop() if pool else np.empty(slot_bytes, np.uint8)
                 payload = x[a:b] if lossless else codec.encode(x[a:b], out=buf)
                 tally.codec_seconds += time.perf_counter() - t
-                await self._send_chunk(out[row[k]], payload, codec, round_, s, i, b - a, x.size)
-                if len(pool) < MAX_POOLED:
+                # (its owner reads it once its row's reduce-scatter is done: the deadline applies)
+                await self._send_chunk(
+                    out[row[k]], payload, codec, round_, s, i, b - a, x.size, timeout=until - time.monotonic()
+                )
+                if buf is not None and len(pool) < MAX_POOLED:
                     pool.append(buf)
 
         async def take(k: int) -> None:
             s, owner = (k + 1) % len(row), row[k]
-            for i, (a, b) in enumerate(_chunks(bounds[s], bounds[s + 1], step_elems)):
-                frame = await self._recv_chunk(inc[owner], codec, round_, s, i, b - a, x.size, until, 2 * _SIG)
-                t = time.perf_counter()
-                payload = frame[2 * _SIG :]
-                owned = owner_message(
-                    owner, round_, generation, s, a, b, x.size, hashlib.sha256(payload).digest(), GATHER
+            for i, (a, b) in enumerate(chunks[s]):
+                frame = await self._recv_chunk(
+                    inc[owner], codec, round_, s, i, b - a, x.size, until, 2 * _SIG, patient=True
                 )
-                if not verify(owner, owned, bytes(frame[:_SIG])):
+                t = time.perf_counter()
+                owner_sig, hop_sig, payload = bytes(frame[:_SIG]), bytes(frame[_SIG : 2 * _SIG]), frame[2 * _SIG :]
+                digest = hashlib.sha256(payload).digest()
+                signer_id, owned, where = vouch(s, i, a, b, digest)
+                if not verify(owner, hop_message(s, i, owned, owner_sig), hop_sig):
                     raise RingError(f"segment {s} from its owner does not carry its signature", suspect=owner)
+                if not verify(signer_id, owned, owner_sig):
+                    proof = Forgery(
+                        forwarder=owner, round=round_, generation=generation, digest=digest.hex(),
+                        owner_sig=owner_sig.hex(), step=s, chunk=i, hop_sig=hop_sig.hex(), **where,
+                    )  # fmt: skip
+                    raise RingError(f"segment {s} is not what its column signed", suspect=owner, proof=proof)
                 tally.check_seconds += time.perf_counter() - t
                 t = time.perf_counter()
                 try:
                     codec.decode(payload, x[a:b])
                 except CodecError as e:
-                    raise RingError(f"bad chunk from {owner[:10]}: {e}", suspect=owner) from None
+                    raise RingError(f"bad chunk from {owner[:10]}: {e}", suspect=signer_id) from None
                 if not np.isfinite(x[a:b]).all():
-                    raise RingError(f"non-finite values in segment {s} from its owner", suspect=owner)
+                    raise RingError(f"non-finite values in segment {s}", suspect=signer_id)
                 tally.codec_seconds += time.perf_counter() - t
 
         await _together(
-            [_side(give(k), p, [ROW]) for k, p in enumerate(row)]
-            + [_side(take(k), p, [GATHER]) for k, p in enumerate(row)]
+            [_side(give(k), "", [ROW]) for k in range(len(row))]  # (held up by the owner's row: no evidence)
+            + [_side(take(k), "", [GATHER]) for k in range(len(row))]
         )
 
     async def _pass(
@@ -663,18 +740,31 @@ class Ring:
         gather_level: int | None = None,
         between: Callable[[int, int], Awaitable[None]] | None = None,
         owned: Callable[..., None] | None = None,
+        relay: Callable[[], list] | None = None,
+        gather_chunks: list[list[tuple[int, int]]] | None = None,
+        vouch: Callable[[int, int, int, int, bytes], tuple[str, bytes, dict]] | None = None,
+        kept: Callable[..., None] | None = None,
+        part: int = 0,
     ) -> None:
         """One ring among `ids` on x (in place): reduce-scatter, then all-gather, their failures
         marked with `level` and `gather_level` (the same by default). `between(lo, hi)` is
         awaited once this node's own segment x[lo:hi] holds the ring's sum, before it encodes
-        it as the owner; `owned(chunk, lo, hi, payload, signed)` sees each owner payload.
-        `feedback`: the error-feedback residual and the buffer its next value goes to."""
+        it as the owner; `owned(chunk, lo, hi, payload, signed)` sees each owner payload, and
+        `kept(segment, lo, hi, payload, signed)` each payload of the all-gather (ours and those received).
+        `relay()`: what this node sends as its segment's owner after `between` (chunks signed
+        elsewhere, forwarded as they are) in place of encoding and signing its own, with
+        `gather_chunks` (per segment: the all-gather's chunks) and `vouch(seg, chunk, lo, hi,
+        digest)` (who signed such a chunk, what, and where, for a Forgery). `part`: the row's
+        segment this pass is of (a Forgery's). `feedback`: the error-feedback residual and the
+        buffer its next value goes to. A receive that waits for another pass (a column's first,
+        a row's first after its column) waits until the deadline and names nobody."""
         gather_level = level if gather_level is None else gather_level
         n_nodes = len(ids)
         r = ids.index(self.node_id)
         bounds = segment_bounds(x.size, n_nodes)
         step_elems = self._chunk_elems(codec)
         seg_chunks = [_chunks(bounds[s], bounds[s + 1], step_elems) for s in range(n_nodes)]  # per segment
+        gather_chunks = gather_chunks or seg_chunks
         lossless = isinstance(codec, Fp32)
         pool, slot_bytes = self._payload_pool(codec.encoded_nbytes(step_elems))
         residual, new_residual = feedback
@@ -688,6 +778,20 @@ class Ring:
         ]
         owner_step = n_nodes - 2  # the last reduce-scatter receive completes the segment we own
         mine = (r + 1) % n_nodes  # the segment this node completes, signs and sends first in all-gather
+        # In a grid the columns start when their rows' reduce-scatters end, and the rows' all-gathers
+        # when their columns end: a wait there may be any member's delay, no evidence against the
+        # one it waits on. Such receives wait until the deadline and name nobody.
+        patient = range(steps) if level == COLUMN else range(owner_step + 1, steps) if between else range(0)
+
+        def chunks_at(g: int, seg: int) -> list[tuple[int, int]]:
+            return seg_chunks[seg] if g < n_nodes - 1 else gather_chunks[seg]
+
+        def vouch_own(seg: int, c: int, a: int, b: int, digest: bytes) -> tuple[str, bytes, dict]:
+            owner = segment_owner(ids, seg)
+            owned = owner_message(owner, round_, generation, seg, a, b, x.size, digest, gather_level)
+            return owner, owned, dict(segment=seg, lo=a, hi=b, total=x.size, level=gather_level, part=part)
+
+        vouch = vouch or vouch_own
 
         def sign(a: int, b: int, payload) -> tuple[bytes, bytes]:
             """The owner's message for chunk x[a:b] of its segment, and its signature."""
@@ -698,31 +802,28 @@ class Ring:
             tally.check_seconds += time.perf_counter() - t
             return signed
 
-        def check(g: int, c: int, a: int, b: int, frame: memoryview) -> tuple[memoryview, tuple[bytes, bytes]]:
-            """An all-gather chunk's payload, once both signatures hold (else RingError naming the
-            left neighbour, with proof when it signed bytes their owner did not)."""
+        def check(g: int, c: int, a: int, b: int, frame: memoryview) -> tuple[memoryview, tuple[bytes, bytes], str]:
+            """An all-gather chunk's payload, its owner's message and signature, and the owner, once
+            both signatures hold (else RingError naming the left neighbour, with proof when it
+            signed bytes their owner did not)."""
             t = time.perf_counter()
             seg, left_id = recv_seg[g], left.peer_id
             owner_sig, hop_sig, payload = bytes(frame[:_SIG]), bytes(frame[_SIG : 2 * _SIG]), frame[2 * _SIG :]
             digest = hashlib.sha256(payload).digest()
-            owned = owner_message(segment_owner(ids, seg), round_, generation, seg, a, b, x.size, digest, gather_level)
+            owner, owned, where = vouch(seg, c, a, b, digest)
             if not verify(left_id, hop_message(g, c, owned, owner_sig), hop_sig):
                 raise RingError("an all-gather chunk from left neighbour does not carry its signature", suspect=left_id)
-            if not verify(segment_owner(ids, seg), owned, owner_sig):
+            if not verify(owner, owned, owner_sig):
                 proof = Forgery(
                     forwarder=left_id,
                     round=round_,
                     generation=generation,
-                    segment=seg,
-                    lo=a,
-                    hi=b,
-                    total=x.size,
                     digest=digest.hex(),
                     owner_sig=owner_sig.hex(),
                     step=g,
                     chunk=c,
                     hop_sig=hop_sig.hex(),
-                    level=gather_level,
+                    **where,
                 )
                 raise RingError(
                     f"left neighbour forwarded bytes of segment {seg} that its owner did not sign",
@@ -730,7 +831,7 @@ class Ring:
                     proof=proof,
                 )
             tally.check_seconds += time.perf_counter() - t
-            return payload, (owned, owner_sig)
+            return payload, (owned, owner_sig), owner
 
         def encode(a: int, b: int, owner: bool):
             """Encode x[a:b] (our partial or full sum) once; owners keep decode(payload) and sign it.
@@ -781,6 +882,8 @@ class Ring:
             out, buf, parked, signed = encode(a, b, owner=True)
             if owned is not None:
                 owned(c, a, b, out, signed)
+            if kept is not None:
+                kept(mine, a, b, out, signed)
             tally.codec_seconds += time.perf_counter() - t
             return owner_step + 1, c, (a, b), out, buf, parked, signed
 
@@ -796,7 +899,7 @@ class Ring:
                 tally.codec_seconds += time.perf_counter() - t
                 await self._send_chunk(right, payload, codec, round_, 0, c, b - a, x.size)
                 sent(buf)
-            for _ in range(sum(len(seg_chunks[send_seg[g]]) for g in range(1, steps))):
+            for _ in range(sum(len(chunks_at(g, send_seg[g])) for g in range(1, steps))):
                 g, c, (a, b), payload, buf, parked, signed = await forward.get()
                 sending[0] = gather_level if g >= n_nodes - 1 else level
                 await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size, signed)
@@ -811,12 +914,14 @@ class Ring:
                 gather = g >= n_nodes - 1
                 receiving[0] = gather_level if gather else level
                 held = between is not None and g == owner_step  # our sum waits for `between`
-                for c, (a, b) in enumerate(seg_chunks[recv_seg[g]]):
-                    frame = await self._recv_chunk(left, codec, round_, g, c, b - a, x.size, until, 2 * _SIG * gather)
+                for c, (a, b) in enumerate(chunks_at(g, recv_seg[g])):
+                    frame = await self._recv_chunk(
+                        left, codec, round_, g, c, b - a, x.size, until, 2 * _SIG * gather, patient=g in patient
+                    )
                     t = time.perf_counter()
                     signed = None
                     if gather:  # the owner's bytes, as it signed them, or nothing
-                        payload, signed = check(g, c, a, b, frame)
+                        payload, signed, signed_by = check(g, c, a, b, frame)
                     else:
                         payload = frame
                         if not np.isfinite(x[a:b]).all():  # (past DeltaCheck: never an honest node's)
@@ -830,8 +935,10 @@ class Ring:
                         raise RingError(f"bad chunk from left neighbour: {e}", suspect=left.peer_id) from None
                     if not np.isfinite(x[a:b]).all():
                         # In all-gather the owner signed these bytes: it is the culprit, whoever forwarded them.
-                        culprit = segment_owner(ids, recv_seg[g]) if gather else left.peer_id
+                        culprit = signed_by if gather else left.peer_id
                         raise RingError("non-finite values in a chunk from left neighbour", suspect=culprit)
+                    if gather and kept is not None:
+                        kept(recv_seg[g], a, b, payload, signed)
                     if held:
                         tally.codec_seconds += time.perf_counter() - t
                         continue
@@ -849,8 +956,14 @@ class Ring:
                         forward.put_nowait(item)
                 if held:
                     await between(bounds[mine], bounds[mine + 1])
-                    for c, (a, b) in enumerate(seg_chunks[mine]):
-                        forward.put_nowait(own(c, a, b))
+                    if relay is None:
+                        for c, (a, b) in enumerate(seg_chunks[mine]):
+                            forward.put_nowait(own(c, a, b))
+                    else:  # the chunks as others signed them, forwarded as they are
+                        for c, (a, b, payload, signed) in enumerate(relay()):
+                            if owned is not None:
+                                owned(c, a, b, payload, signed)
+                            forward.put_nowait((owner_step + 1, c, (a, b), payload, None, False, signed))
 
         await _together([_side(sender(), right.peer_id, sending), _side(receiver(), left.peer_id, receiving)])
 
@@ -888,17 +1001,19 @@ class Ring:
         n: int,
         total: int,
         signed: tuple[bytes, bytes] | None = None,
+        timeout: float | None = None,
     ) -> None:
         """One chunk to the right neighbour; `signed` (all-gather): the owner's message and
-        signature, sent on with this node's hop signature over both."""
+        signature, sent on with this node's hop signature over both. `timeout`: the ring's."""
         nbytes = memoryview(payload).nbytes
         head = _HEADER.pack(_MAGIC, _VERSION, codec.id, step, round_, chunk, n, total, nbytes)
+        timeout = self.timeout if timeout is None else max(timeout, 0.001)
         if signed is None:
-            await ch.send_parts([head, payload], timeout=self.timeout)
+            await ch.send_parts([head, payload], timeout=timeout)
         else:
             owned, owner_sig = signed
             hop_sig = self._key.sign(hop_message(step, chunk, owned, owner_sig)).signature
-            await ch.send_parts([head, owner_sig + hop_sig, payload], timeout=self.timeout)
+            await ch.send_parts([head, owner_sig + hop_sig, payload], timeout=timeout)
 
     async def _recv_chunk(
         self,
@@ -911,14 +1026,23 @@ class Ring:
         total: int,
         until: float,
         extra: int = 0,
+        patient: bool = False,
     ) -> memoryview:
         """A chunk's bytes after its header (`extra` bytes of signatures, then the payload), by
-        the pass's deadline `until` (time.monotonic()) at the latest."""
+        the pass's deadline `until` (time.monotonic()) at the latest. `patient`: the sender waits
+        for another pass first; only the deadline applies, and its passing names nobody."""
         nbytes = codec.encoded_nbytes(n)
         # The cap admits any codec's chunk of our chunk size, so that a peer with another codec or
         # vector size gets a diagnosis from its header rather than a bare "frame too big".
         cap = _HEADER.size + extra + max(nbytes, 8 * self.chunk_elems)
-        frame = await recv_by(ch, cap, self.timeout, until, "the all-reduce")
+        try:
+            frame = await recv_by(
+                ch, cap, until - time.monotonic() if patient else self.timeout, until, "the all-reduce"
+            )
+        except TransportTimeout as e:
+            if patient:
+                raise RingError(f"{e} (waiting for a pass before it)") from None
+            raise
         if len(frame) < _HEADER.size:
             raise RingError(f"ring chunk of {len(frame)} bytes is shorter than its header", suspect=ch.peer_id)
         got = _HEADER.unpack_from(frame)
@@ -970,6 +1094,9 @@ async def _together(coros: list) -> None:
     finally:
         for t in tasks:
             t.cancel()
+        for t in tasks:  # (retrieve the others' errors: they were caused by the first)
+            if t.done() and not t.cancelled():
+                t.exception()
 
 
 def _parse_hello(frame: bytes) -> int:

@@ -111,6 +111,7 @@ class SwarmView(Protocol):
     def newest(self) -> int: ...
     def evaluators(self, budget: int) -> set[str]: ...
     def struck_out(self, i: str, rnd: int, more: int = 1) -> bool: ...
+    def ticket_news(self, i: str) -> tuple[dict[str, str], int]: ...
 
 
 # --- events: what happens to a round ----------------------------------------------------------
@@ -274,6 +275,14 @@ class Slowed:
 
 
 @dataclass(frozen=True)
+class Told:
+    """Member `node` was sent the members' tickets up to `mark` (Swarm.told_tickets)."""
+
+    node: str
+    mark: int
+
+
+@dataclass(frozen=True)
 class NewRingEpoch:
     """The all-reduce is retried as ring epoch `epoch` (Swarm.ring_renewed): older connections are stale."""
 
@@ -345,6 +354,7 @@ Action = (
     | Measured
     | Slowed
     | NewRingEpoch
+    | Told
     | Suspects
     | Moved
     | AgreedTheta
@@ -356,7 +366,7 @@ Action = (
 
 def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
     """Apply `a` if it is one of round `rnd`'s writes to the swarm (strikes, bans, speeds, the ring
-    epoch, suspects, moves, the agreed θ) through the Swarm's methods; False for any other action.
+    epoch, tickets told, suspects, moves, the agreed θ) through the Swarm's methods; False for any other action.
     The shells (the Coordinator, the tests' and the harness's) apply the rest themselves."""
     match a:
         case Strike(node=i):
@@ -369,6 +379,8 @@ def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
             swarm.slowed(i, sps)
         case NewRingEpoch(epoch=epoch):
             swarm.ring_renewed(epoch)
+        case Told(node=i, mark=mark):
+            swarm.told_tickets(i, mark)
         case Suspects(nodes=nodes):
             swarm.suspect(nodes)
         case Moved(node=i):
@@ -818,7 +830,7 @@ class Round:
             p.forwarder == msg.suspect != i
             and p.round == self.rnd
             and p.generation == self.ring_epoch()
-            and (owner := signer(ids, self.r.codec, p.forwarder, p.level, p.segment)) is not None
+            and (owner := signer(ids, self.r.codec, p.forwarder, p.level, p.segment, p.part)) is not None
             and proves_forgery(p, owner)
         )
 
@@ -989,10 +1001,14 @@ class Round:
         epoch = self.attempt = self.ring_epoch()
         w = rules.weights(self.nodes, part)
         order = part if epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
+        for i in part:  # each member the tickets it has not been told: then the ring names ids alone
+            news, mark = s.ticket_news(i)
+            if news:
+                self.send(i, P.Tickets(tickets=news))
+                self.out.append(Told(i, mark))
         self.ring = [
             P.RingMember(
                 node_id=i,
-                ticket=s.members[i].info.ring_ticket,
                 weight=w[i],
                 norm=self.nodes[i].synced.delta_norm if w[i] > 0 else 0.0,  # bounds the sum (diloco.reduced_problem)
             )

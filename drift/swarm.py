@@ -62,6 +62,11 @@ class Swarm:
         self.banned: dict[str, str] = {}  # nodes proven to poison the all-reduce -> why: out for the run
         # holder -> the members it sent pieces that were not the swarm's (HolderReport)
         self.holder_named_by: dict[str, set[str]] = {}
+        # Tickets told (a BarrierReady names members by id): each member's ticket and when it was
+        # first seen (a counter), and the newest of those each member has been told in its session.
+        self._seq = 0
+        self._ticket_seq: dict[str, tuple[str, int]] = {}
+        self._told_seq: dict[str, int] = {}
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]
@@ -80,6 +85,10 @@ class Swarm:
 
     def enter(self, p: Peer, state_round: int) -> None:
         self.members[p.id] = p
+        if self._ticket_seq.get(p.id, (None, 0))[0] != p.info.ring_ticket:
+            self._seq += 1
+            self._ticket_seq[p.id] = (p.info.ring_ticket, self._seq)
+        self._told_seq[p.id] = 0  # a new session knows no ticket
         self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
         # Every claim against the new set (as bounded() would one by one, in one pass over it).
         fastest = max((self.speed[j] for j in self.members if j in self.measured), default=None)
@@ -102,7 +111,23 @@ class Swarm:
         """Remove node i from the run; returns its connection (None if it was not a member)."""
         self.evaluating.discard(i)
         self.measured.discard(i)
+        self._ticket_seq.pop(i, None)
+        self._told_seq.pop(i, None)
         return self.members.pop(i, None)
+
+    def ticket_news(self, i: str) -> tuple[dict[str, str], int]:
+        """The members' tickets member i has not been told in this session (all of them to a
+        newcomer, then those of members who joined or came back since), and the mark to record
+        once they are sent (told_tickets)."""
+        told = self._told_seq.get(i, 0)
+        if told >= self._seq:
+            return {}, told
+        return {j: t for j, (t, seq) in self._ticket_seq.items() if seq > told}, self._seq
+
+    def told_tickets(self, i: str, mark: int) -> None:
+        """Member i was sent the tickets ticket_news gave with `mark`."""
+        if i in self._told_seq:
+            self._told_seq[i] = max(self._told_seq[i], mark)
 
     def checked_speed(self, peer: Peer, sps: float | None) -> float:
         """A node's claimed speed, unless it is absurd (then: the slowest speed we trust)."""

@@ -519,6 +519,8 @@ class Endpoint:
         """Open one more bidirectional stream on a connection of ours."""
         try:
             bi = await _timed(conn.open_bi(), timeout, "opening a stream")
+        except TransportTimeout:
+            raise
         except TransportError as e:  # the peer may have closed the connection, and said why
             why = await _why_closed(conn)
             raise TransportError(f"{e} ({why})" if why and why not in str(e) else str(e)) from None

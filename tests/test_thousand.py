@@ -60,9 +60,10 @@ def test_256_lightweight_nodes_join_train_and_agree_on_theta(tmp_path: Path) -> 
     assert moved > 0
     # float32: each node's Δ rounded once, times its weight, summed around a ring of N
     assert np.abs(got - want).max() <= (N + 2) * 2**-23 * (moved + np.abs(want).max()), (got, want)
-    # as a grid: a node sends 60 chunks a round, where a member of a flat ring of 256 sends 510
+    # as a grid: a node sends ~105 chunks a round (θ's 64 values leave many of its 256 segments
+    # empty), where a member of a flat ring of 256 sends 510: fewer bytes than those 510's headers
     sent = [v["bytes_sent"] for v in rnd["nodes"].values()]
-    assert min(sent) > 0 and max(sent) < 2 * (N - 1) * RING_HEADER.size, sorted(sent)
+    assert min(sent) > 0 and max(sent) < 2 * (N - 1) * (RING_HEADER.size + 4), sorted(sent)
 
     # the coordinator's terminal: the first JOIN_LINES nodes by name, then a count at each doubling;
     # refusals (a machine's 256 nodes knock at once) at most Throttle's burst a minute; then the run
