@@ -548,13 +548,13 @@ class Coordinator:
         # checkpoint must not take a backlog of heartbeats for silence.
         try:
             while True:
-                msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.liveness()[1]))
+                msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
                 self.swarm.seen(peer.id)
                 self.events.put_nowait((peer, msg))
         except Exception as e:
             silent = isinstance(e, TransportTimeout)
             peer.gone = peer.broken or (
-                f"silent for {self.liveness()[1]:g}s" if silent else f"connection closed ({_why(e)})"
+                f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
             )
             if not self._finished:
                 self._drop(ch, conn, _why(e))
@@ -573,21 +573,15 @@ class Coordinator:
             if not isinstance(msg, P.Heartbeat):
                 return msg
 
-    def liveness(self) -> tuple[float, float]:
-        """(seconds between two pings, and between a node's heartbeats; the silence that drops a
-        node) at this swarm's size (rules.liveness)."""
-        return rules.liveness(self.recipe.heartbeat_s, self.recipe.stale_after_s, len(self.ready))
-
     async def _ping(self) -> None:
-        """A Ping to every connected node each interval of liveness(): a node that hears nothing
-        from us for its silence knows the coordinator is gone (and tries to rejoin)."""
+        """Every heartbeat_s, a Ping to every connected node: a node that hears nothing from us for
+        stale_after_s knows the coordinator is gone (and tries to rejoin)."""
         while True:
-            every = self.liveness()[0]
-            await asyncio.sleep(every)
+            await asyncio.sleep(self.recipe.heartbeat_s)
             ping = P.encode(P.Ping())
             for p in list(self.ready.values()):
                 try:
-                    await p.ch.send_frame(ping, timeout=every)
+                    await p.ch.send_frame(ping, timeout=self.recipe.heartbeat_s)
                 except TransportError:
                     pass
 
@@ -874,12 +868,11 @@ class Coordinator:
                 self._start_checkpoint(due)
 
     def _check_silence(self, now: float, rnd: int) -> None:
-        """Drop every node silent for longer than liveness() allows (its connection may look open:
-        a sleeping laptop does not say goodbye)."""
-        stale = self.liveness()[1]
+        """Drop every node silent for stale_after_s (its connection may look open: a sleeping
+        laptop does not say goodbye)."""
         for i in list(self.swarm.members):
             silent = now - self.swarm.last_seen.get(i, now)
-            if silent > stale:
+            if silent > self.recipe.stale_after_s:
                 self.drop(i, f"silent for {silent:.0f}s", rnd)
 
     # --- checkpoints -----------------------------------------------------------------------------

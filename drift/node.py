@@ -50,7 +50,6 @@ from typing import Protocol
 import numpy as np
 
 from drift import protocol as P
-from drift import rules
 from drift.auth import AuthError, NodeKey, PeerCheck, drift_home, sign_message, verify_peers
 from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
@@ -381,7 +380,6 @@ class Session:
         self.ctl: Channel | None = None
         self.reached = False  # the coordinator's endpoint answered (QUIC handshake done)
         self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
-        self.beat_s = 2.0  # how often we tell the coordinator we are alive (rules.liveness, once a member)
         self.round = -1
         self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
         self._tasks: list[asyncio.Task] = []
@@ -512,8 +510,7 @@ class Session:
 
     async def _run(self) -> int:
         t = await self._join()
-        self.beat_s = t.recipe.heartbeat_s
-        self._tasks.append(asyncio.ensure_future(self._heartbeat()))
+        self._tasks.append(asyncio.ensure_future(self._heartbeat(t.recipe.heartbeat_s)))
         ready = await self.expect(P.TrainingReady, P.TrainComplete)
         if isinstance(ready, P.TrainComplete):
             return self._complete(ready)
@@ -575,7 +572,7 @@ class Session:
                 f"join it with a fresh `drift join`"
             )
         if t is None:
-            alive = asyncio.ensure_future(self._heartbeat())  # the coordinator hears us while we load
+            alive = asyncio.ensure_future(self._heartbeat(2.0))  # the coordinator hears us while we load
             try:
                 t = node.trainer = await self._load(cfg)
             finally:
@@ -760,7 +757,6 @@ class Session:
         self.node.gather.retain(peers.members)
         for gone in [i for i in self.node.tickets if i not in ids]:
             del self.node.tickets[gone]
-        self.beat_s, self.silence_s = rules.liveness(t.recipe.heartbeat_s, t.recipe.stale_after_s, len(ids))
         return None
 
     async def _verify_ready(self, ready: P.TrainingReady | P.MembersChanged) -> None:
@@ -1189,12 +1185,12 @@ class Session:
                 t.snap[...] = t.theta
         return val
 
-    async def _heartbeat(self) -> None:
-        """Tell the coordinator we are alive every beat_s, also while a long inner step runs; a
-        --local node also leaves when the coordinator that started it is gone."""
+    async def _heartbeat(self, every_s: float) -> None:
+        """Tell the coordinator we are alive, also while a long inner step runs; a --local node
+        also leaves when the coordinator that started it is gone."""
         parent = int(os.environ.get("DRIFT_PARENT_PID", "0") or 0)
         while True:
-            await asyncio.sleep(self.beat_s)
+            await asyncio.sleep(every_s)
             if parent and os.getppid() != parent:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)

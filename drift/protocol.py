@@ -38,8 +38,9 @@ from pydantic import (
 # 4: Heard.level, RingFailed.level (the sparse rule's hierarchy); 5: nodes present their RepoCommit to each
 # other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few, MembersChanged,
 # Agreed.keep (rounds that close at a quorum); 6: the dense ring runs as a grid from GRID_FROM members
-# (drift/ring.py), Forgery.level, Tickets (BarrierReady names members by id)
-SCHEMA_VERSION = 6
+# (drift/ring.py), Forgery.level; 7: Tickets (BarrierReady names members by id), Forgery.part, a grid row's
+# all-gather forwards its column owners' signed chunks
+SCHEMA_VERSION = 7
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.

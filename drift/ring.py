@@ -780,7 +780,7 @@ class Ring:
         mine = (r + 1) % n_nodes  # the segment this node completes, signs and sends first in all-gather
         # In a grid the columns start when their rows' reduce-scatters end, and the rows' all-gathers
         # when their columns end: a wait there may be any member's delay, no evidence against the
-        # one it waits on. Such receives wait until the deadline and name nobody.
+        # one it waits on. Such receives (and sends) wait until the deadline and name nobody.
         patient = range(steps) if level == COLUMN else range(owner_step + 1, steps) if between else range(0)
 
         def chunks_at(g: int, seg: int) -> list[tuple[int, int]]:
@@ -892,17 +892,26 @@ class Ring:
         forward: asyncio.Queue = asyncio.Queue()
         sending, receiving = [level], [level]  # the pass each side is in, for _side
 
+        async def send(g: int, c: int, a: int, b: int, payload, signed=None) -> None:
+            if g not in patient:
+                return await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size, signed)
+            try:  # (the next member may be in a pass before this one, not reading yet)
+                left_s = until - time.monotonic()
+                await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size, signed, timeout=left_s)
+            except TransportTimeout as e:
+                raise RingError(f"{e} (the next member waits for a pass before it)") from None
+
         async def sender() -> None:
             for c, (a, b) in enumerate(seg_chunks[send_seg[0]]):
                 t = time.perf_counter()
                 payload, buf, _, _ = encode(a, b, owner=False)
                 tally.codec_seconds += time.perf_counter() - t
-                await self._send_chunk(right, payload, codec, round_, 0, c, b - a, x.size)
+                await send(0, c, a, b, payload)
                 sent(buf)
             for _ in range(sum(len(chunks_at(g, send_seg[g])) for g in range(1, steps))):
                 g, c, (a, b), payload, buf, parked, signed = await forward.get()
                 sending[0] = gather_level if g >= n_nodes - 1 else level
-                await self._send_chunk(right, payload, codec, round_, g, c, b - a, x.size, signed)
+                await send(g, c, a, b, payload, signed)
                 sent(buf)
                 if parked:
                     t = time.perf_counter()

@@ -137,20 +137,6 @@ def clock_interval(members: int) -> float:
     return members * CLOCK_S_PER_NODE
 
 
-LIVENESS_PER_S = 200  # heartbeats and pings the coordinator takes a second, at most: N of each an interval
-
-
-def liveness(heartbeat_s: float, stale_after_s: float, members: int) -> tuple[float, float]:
-    """(how often a node and the coordinator tell each other they are alive, how long a silence
-    means gone) in a swarm of `members`: the recipe's, until the members' heartbeats and the
-    coordinator's pings would pass LIVENESS_PER_S a second; then longer in proportion, so the
-    coordinator's cost a second stays flat (1,000 members: every 10 s, gone after 50 s; a round
-    that waits for a node gone is closed by its quorum, not its silence). Both ends compute it,
-    each from the membership it knows."""
-    every = max(heartbeat_s, 2 * members / LIVENESS_PER_S)
-    return every, stale_after_s * every / heartbeat_s
-
-
 def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, others: int) -> bool:
     """A node past its deadline: it waited more than `factor` times what its speed predicts, plus
     heartbeat slack. `others`: the members that could take its work over (anyone else in the

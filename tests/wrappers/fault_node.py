@@ -154,21 +154,21 @@ elif kind == "nan-params":
 elif kind == "nan-ring":
 
     @patch(Ring, "_send_chunk")
-    async def _(orig, self, ch, payload, codec, round_, step, chunk, n, total, signed=None):
+    async def _(orig, self, ch, payload, codec, round_, step, chunk, n, total, signed=None, **kw):
         if round_ == at and signed is None:  # (fp32: a payload of float32 values)
             payload = np.full(memoryview(payload).nbytes // 4, np.nan, np.float32)
-        await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed)
+        await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed, **kw)
 elif kind == "tamper-forward":
 
     @patch(Ring, "_send_chunk")
-    async def _(orig, self, ch, payload, codec, round_, step, chunk, n, total, signed=None):
+    async def _(orig, self, ch, payload, codec, round_, step, chunk, n, total, signed=None, **kw):
         owner = signed[0][-64:-32].hex() if signed is not None else None
         if round_ == at and owner is not None and owner != self.node_id:
             forged = bytearray(memoryview(payload).cast("B"))
             forged[0] ^= 1  # (the lowest bit of a float32: finite, and nearly the same θ)
             signed = (signed[0][:-32] + hashlib.sha256(forged).digest(), signed[1])
             payload = forged
-        await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed)
+        await orig(self, ch, payload, codec, round_, step, chunk, n, total, signed, **kw)
 elif kind == "equivocate":
     misled: dict[int, str] = {}  # round -> the one peer that gets the other payload
 
