@@ -52,7 +52,7 @@ import nacl.signing
 
 from drift import hierarchy
 from drift.protocol import MAX_ROUND, Heard, RingMember, printable
-from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, MIN_RATE, ReduceStats, RingError, recv_by, verify
+from drift.ring import CHUNK_BYTES, HELLO_TIMEOUT, MIN_RATE, ReduceStats, RingError, recv_by, together, verify
 from drift.transport import GATHER_ALPN, Channel, Endpoint, TransportError, TransportTimeout, close_conn, peer_of
 
 _HEADER = struct.Struct(">4sBIIQ64sB")
@@ -324,7 +324,7 @@ class Gather:
         check[0] += time.perf_counter() - t
         others = [m for m in take if m.node_id != self.node_id]
         try:
-            await _all(
+            await together(
                 [send_to(m) for m in give]
                 + [recv_from(k, m) for k, m in enumerate(take) if m.node_id != self.node_id]
                 + [watch()]
@@ -446,14 +446,3 @@ def _abort_soon(ch: Channel) -> None:
     task = asyncio.ensure_future(ch.abort())
     _aborting.add(task)
     task.add_done_callback(_aborting.discard)
-
-
-async def _all(coros) -> None:
-    """Run them together; the first error cancels the rest (also when the caller is cancelled:
-    a newer ring for the round)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()

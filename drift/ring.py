@@ -487,7 +487,7 @@ class Ring:
         for peer in [p for p in self._incoming if p not in take_from]:  # (its sender closed it: "ring changed")
             self._incoming.pop(peer).close("ring changed")
             self._incoming_gen.pop(peer, None)
-        await _together([dial(p) for p in send_to if p not in self._out])
+        await together([dial(p) for p in send_to if p not in self._out])
         try:
             async with self._arrived:
                 await asyncio.wait_for(
@@ -648,7 +648,7 @@ class Ring:
             until, tally, level=ROW, gather_level=GATHER, between=between, owned=owned, relay=relay,
             gather_chunks=chunks, vouch=vouch,
         )  # fmt: skip
-        await _together([row_pass] if rider is None else [row_pass, _side(feed(), rider, [GATHER])])
+        await together([row_pass] if rider is None else [row_pass, _side(feed(), rider, [GATHER])])
 
     async def _ride(
         self,
@@ -719,7 +719,7 @@ class Ring:
                     raise RingError(f"non-finite values in segment {s}", suspect=signer_id)
                 tally.codec_seconds += time.perf_counter() - t
 
-        await _together(
+        await together(
             [_side(give(k), "", [ROW]) for k in range(len(row))]  # (held up by the owner's row: no evidence)
             + [_side(take(k), "", [GATHER]) for k in range(len(row))]
         )
@@ -974,7 +974,7 @@ class Ring:
                                 owned(c, a, b, payload, signed)
                             forward.put_nowait((owner_step + 1, c, (a, b), payload, None, False, signed))
 
-        await _together([_side(sender(), right.peer_id, sending), _side(receiver(), left.peer_id, receiving)])
+        await together([_side(sender(), right.peer_id, sending), _side(receiver(), left.peer_id, receiving)])
 
     def _chunk_elems(self, codec: Codec) -> int:
         """Values per chunk: about chunk_bytes on the wire whatever the codec (per-frame costs in
@@ -1095,8 +1095,9 @@ async def _side(coro, peer: str, where: list[int]) -> None:
         raise _placed(e, where[0]) from None
 
 
-async def _together(coros: list) -> None:
-    """Run `coros` at once; the first to fail cancels the others, and its error is raised."""
+async def together(coros: list) -> None:
+    """Run `coros` at once; the first to fail cancels the others (also when the caller is
+    cancelled: a newer ring for the round), and its error is raised."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         await asyncio.gather(*tasks)

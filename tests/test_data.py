@@ -104,7 +104,10 @@ def test_only_the_coordinator_has_the_data_and_the_cache_stays_within_its_limit(
         # every sample it trained (plus its val samples) came over the wire, 2 bytes a token
         assert e["samples"] >= trained[i] > 0
         assert e["bytes"] >= e["samples"] * 2 * (BLOCK + 1)
-        assert e["evicted"] > 0  # the limit bit: files were deleted to stay within it
+        # the limit bit: a node that fetched more than the limit deleted files to stay within it
+        # (under load one node may train so few units that it never reaches it: CI saw 0 evicted)
+        assert e["evicted"] > 0 or e["bytes"] <= limit_mb * 2**20, e
+    assert any(e["evicted"] > 0 for e in last.values()), last  # (together they fetch several times the limit)
     caches = _cache_files(home)
     assert len(caches) == 2
     for files in caches.values():
