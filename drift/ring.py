@@ -305,12 +305,15 @@ def _links(ids: list[str], me: int, layout: Grid | None) -> tuple[list[str], lis
 
 
 def _column_signed(
-    round_: int, generation: int, bounds: list[int], rows: int, step: int, cols: list[list[str]]
-) -> tuple[list[list[tuple[int, int]]], list[list[int]], Callable[..., tuple[str, bytes, dict]]]:
-    """A grid row's all-gather: each segment s = x[bounds[s]:bounds[s + 1]] in the chunks its
-    column's pass signed them in (among `rows`, `cols[s]` the column of the member owning s),
-    the column's segment each chunk is of, and who signed chunk c of s, the message signed, and
-    where (a Forgery's fields)."""
+    ids: list[str], layout: Grid, i_row: int, size: int, step: int, round_: int, generation: int
+) -> tuple[list[int], list[list[tuple[int, int]]], list[list[int]], Callable[..., tuple[str, bytes, dict]]]:
+    """Row i_row's all-gather of x (`size` values): its segments' bounds; each segment s in the
+    chunks its column's pass signed them in (the column of the member owning s); the column's
+    segment each chunk is of; and who signed chunk c of s, the message signed, and where (a
+    Forgery's fields)."""
+    q, rows = layout.q, layout.rows
+    bounds = segment_bounds(size, q)
+    cols = [[ids[p] for p in layout.column(i_row * q + (s - 1) % q)] for s in range(q)]
     chunks, sub = [], []
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
@@ -326,7 +329,7 @@ def _column_signed(
         owned = owner_message(owner, round_, generation, j, a - lo, b - lo, hi - lo, digest, COLUMN)
         return owner, owned, dict(segment=j, lo=a - lo, hi=b - lo, total=hi - lo, level=COLUMN, part=s)
 
-    return chunks, sub, vouch
+    return bounds, chunks, sub, vouch
 
 
 def _chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
@@ -591,16 +594,13 @@ class Ring:
         the segment it owns between the row's two halves. The row's all-gather forwards the
         column owners' signed chunks byte for byte: nobody re-encodes (or re-signs) a sum, so
         one owner cannot hand its row, or its passenger, bytes its column did not sign."""
-        start = me // layout.q * layout.q
         row, col = [ids[p] for p in layout.row(me // layout.q)], [ids[p] for p in layout.column(me)]
         k, c = row.index(self.node_id), col.index(self.node_id)
         rider = layout.rider(me // layout.q)
         rider = ids[rider] if rider is not None else None
         step_elems = self._chunk_elems(codec)
         mine = (k + 1) % len(row)
-        bounds = segment_bounds(x.size, len(row))
-        cols = [[ids[p] for p in layout.column(start + (s - 1) % len(row))] for s in range(len(row))]
-        chunks, sub, vouch = _column_signed(round_, generation, bounds, layout.rows, step_elems, cols)
+        _, chunks, sub, vouch = _column_signed(ids, layout, me // layout.q, x.size, step_elems, round_, generation)
         # the column's chunks of our segment, by (its segment, bounds): empty chunks share bounds
         kept: dict[tuple[int, int, int], tuple[bytes, tuple[bytes, bytes]]] = {}
         to_rider: asyncio.Queue = asyncio.Queue()
@@ -667,13 +667,11 @@ class Ring:
         """A passenger's part of the grid: each segment of x to the row member that owns it, and
         each segment back from it as the owner's column signed it (a chunk its column did not
         sign, under the owner's own signature, is proof against the owner)."""
-        i_row = layout.row_of(me)
-        start = i_row * layout.q
-        row = [ids[p] for p in layout.row(i_row)]
-        bounds = segment_bounds(x.size, len(row))
+        row = [ids[p] for p in layout.row(layout.row_of(me))]
         step_elems = self._chunk_elems(codec)
-        cols = [[ids[p] for p in layout.column(start + (s - 1) % len(row))] for s in range(len(row))]
-        chunks, _, vouch = _column_signed(round_, generation, bounds, layout.rows, step_elems, cols)
+        bounds, chunks, _, vouch = _column_signed(
+            ids, layout, layout.row_of(me), x.size, step_elems, round_, generation
+        )
         pool, slot_bytes = self._payload_pool(codec.encoded_nbytes(step_elems))
         lossless = isinstance(codec, Fp32)
 
