@@ -338,15 +338,23 @@ def l2norm(x: np.ndarray) -> float:
 NORM_SLACK = 0.05
 
 
-def reduced_problem(reduced: np.ndarray, ring: list) -> str | None:
-    """A node's check of the all-reduced Δ before the outer step: the norm of a sum is at most the
-    sum of the norms, so Σ w_i·Δ_i can be no larger than Σ w_i·||Δ_i|| with the norms every member
-    reported at the barrier (plus codec error). A member that sent more than it reported (×1000,
-    sign-flipped ×10, noise, 1e30, NaN) makes the sum break that bound. None if it holds (or the
-    ring carries no norms), else what is wrong."""
-    if any(m.norm is None and m.weight > 0 for m in ring):
+def norm_bound(members: Iterable[tuple[float, float | None]]) -> float | None:
+    """Σ w_i·||Δ_i|| over (weight, reported norm) of a ring's members: what its sum may reach
+    (reduced_problem); None when a member of weight > 0 reported no norm (no check)."""
+    counted = [(w, n) for w, n in members if w > 0]
+    if any(n is None for _, n in counted):
         return None
-    bound = sum(m.weight * m.norm for m in ring if m.weight > 0)
+    return sum(w * n for w, n in counted)
+
+
+def reduced_problem(reduced: np.ndarray, bound: float | None) -> str | None:
+    """A node's check of the all-reduced Δ before the outer step: the norm of a sum is at most the
+    sum of the norms, so Σ w_i·Δ_i can be no larger than `bound`, Σ w_i·||Δ_i|| with the norms every
+    member reported at the barrier (norm_bound, plus codec error). A member that sent more than it
+    reported (×1000, sign-flipped ×10, noise, 1e30, NaN) makes the sum break that bound. None if it
+    holds (or there is no bound), else what is wrong."""
+    if bound is None:
+        return None
     got = l2norm(reduced)
     if not np.isfinite(got) or got > (1 + NORM_SLACK) * bound + 1e-12:
         return f"the all-reduced Δ has norm {got:.4g}, more than the {bound:.4g} its members' reported norms allow"

@@ -176,12 +176,20 @@ class Pending:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A BarrierReady and its ring spelled out (the order it names, or the last one it named)."""
+
+    msg: P.BarrierReady
+    ring: list[P.RingMember]
+
+
 @dataclass
 class Announced:
     """An all-reduce whose outer step this node announced (BarrierReady.confirm) but has not
     applied: what the step needs once the coordinator commits it."""
 
-    ready: P.BarrierReady
+    ready: Ready
     stats: ReduceStats
     combined: Combined
     checksum: str  # the θ it announced
@@ -376,7 +384,9 @@ class Session:
         self.node = node
         self.opts = node.opts
         self.inbox: asyncio.Queue[P.Message | None] = asyncio.Queue()  # the round loop's messages
-        self.sync_q: asyncio.Queue[P.Message | None] = asyncio.Queue()  # BarrierReady, Agreed, Commit (and the end)
+        self.sync_q: asyncio.Queue[P.Message | Ready | None] = asyncio.Queue()  # Ready, Agreed, Commit (and the end)
+        self.ring_order: list[str] | None = None  # the ring's order as the last BarrierReady that named it
+        self._held_told: int | None = None  # the θ round our last Heartbeat said we hold
         self.ctl: Channel | None = None
         self.reached = False  # the coordinator's endpoint answered (QUIC handshake done)
         self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
@@ -416,7 +426,10 @@ class Session:
                             self.node.data.set_holders(msg.tickets)
                     case P.Tickets():  # (before the BarrierReady that names these members by id)
                         self.node.tickets.update(msg.tickets)
-                    case P.BarrierReady() | P.Agreed() | P.Commit():  # the sync's
+                    case P.BarrierReady():  # the sync's
+                        self.sync_q.put_nowait(Ready(msg, msg.members(self.ring_order)))
+                        self.ring_order = msg.order or self.ring_order
+                    case P.Agreed() | P.Commit():  # the sync's
                         self.sync_q.put_nowait(msg)
                     case P.TrainComplete() | P.TrainingCancel():  # the end: the sync's and the round loop's
                         self.sync_q.put_nowait(msg)
@@ -887,9 +900,9 @@ class Session:
                 match msg:
                     case None | P.TrainComplete() | P.TrainingCancel():
                         return
-                    case P.BarrierReady() if p is None or msg.round != p.round:
+                    case Ready(msg=ready) if p is None or ready.round != p.round:
                         pass  # a retry of a round already settled here (we answered it before)
-                    case P.BarrierReady():
+                    case Ready(msg=ready):
                         if reduce is not None:  # a newer ring for the same round: the attempt in flight is moot
                             reduce.cancel()
                             reduce = None
@@ -899,8 +912,8 @@ class Session:
                             p.settled.clear()
                             await self.send(
                                 P.RingFailed(
-                                    round=msg.round,
-                                    ring_epoch=msg.ring_epoch,
+                                    round=ready.round,
+                                    ring_epoch=ready.ring_epoch,
                                     sit_out=True,
                                     reason="this node already applied the round's outer step",
                                 )
@@ -926,7 +939,7 @@ class Session:
                         await self._agreed(t, p, msg)
                     case P.Commit():
                         a = p.announced if p is not None and msg.round == p.round else None
-                        if a is not None and a.ready.ring_epoch == msg.ring_epoch:
+                        if a is not None and a.ready.msg.ring_epoch == msg.ring_epoch:
                             p.announced = None
                             await self._apply(t, p, a.ready, a.stats, a.combined, a.check_s, a.checksum)
         except Exception as e:
@@ -941,15 +954,16 @@ class Session:
                 if task is not None:
                     task.cancel()
 
-    async def _allreduce(self, t: Trainer, ready: P.BarrierReady):
+    async def _allreduce(self, t: Trainer, r: Ready):
         """One attempt at the round's sync: the rule's contribution from Δ (recomputed: an earlier
         attempt left the buffer garbled) and this node's weight, through the rule's collective:
         summed around the ring, or all-gathered (level by level above the rule's fanout: the
         top level's payloads and children, drift/hierarchy.py). (ready, result, the members the
         result is of, outliers its merges named, stats or None, error)."""
-        me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
+        ready, ring = r.msg, r.ring
+        me = next((m for m in ring if m.node_id == self.node.endpoint.node_id), None)
         if me is None:
-            return ready, None, ready.ring, [], None, None  # not in this ring: θ comes with Agreed
+            return r, None, ring, [], None, None  # not in this ring: θ comes with Agreed
         async with t.lock:
             t.pseudo_gradient(t.snap)
         mine = t.rule.contribute(t.delta, me.weight)
@@ -957,17 +971,17 @@ class Session:
             if t.rule.collective == "ring":
                 stats = await self.node.ring.allreduce_sum(
                     mine,
-                    ready.ring,
+                    ring,
                     ready.round,
                     codec=ready.codec,
                     topk_fraction=t.recipe.topk_fraction,
                     kernels=t.worker.codec_kernels,
                     generation=ready.ring_epoch,
                 )
-                return ready, mine, ready.ring, [], stats, None
+                return r, mine, ring, [], stats, None
             result, members, stats, named = await self.node.gather.tree(
                 mine,
-                ready.ring,
+                ring,
                 ready.round,
                 t.rule.payload_nbytes,
                 ready.ring_epoch,
@@ -975,9 +989,9 @@ class Session:
                 t.rule.params.fanout,
                 t.rule.merge,
             )
-            return ready, result, members, named, stats, None
+            return r, result, members, named, stats, None
         except RingError as e:
-            return ready, None, ready.ring, [], None, e
+            return r, None, ring, [], None, e
 
     async def _reduced(self, t: Trainer, task: asyncio.Task) -> None:
         """An all-reduce attempt ended: apply the outer step and report the checksum, or report
@@ -991,7 +1005,7 @@ class Session:
             await self.send(
                 P.RingFailed(
                     round=p.round,
-                    ring_epoch=ready.ring_epoch,
+                    ring_epoch=ready.msg.ring_epoch,
                     reason=str(error)[:500],
                     suspect=error.suspect,
                     proof=error.proof,
@@ -1001,27 +1015,29 @@ class Session:
             return
         if stats is None:
             return
-        combined = t.rule.combine(result, members)
+        combined = t.rule.combine(result, members, ready.msg.bound)
         combined.outliers = named + combined.outliers
         if (bad := combined.problem) is not None:
             # Someone sent more than it reported: θ must not move. The coordinator redoes the
             # round without the culprit (it recomputes Δ from the snapshot for the retry).
             log.warning("all-reduce of round %d: %s; not applying it", p.round, bad)
-            await self.send(P.RingFailed(round=p.round, ring_epoch=ready.ring_epoch, reason=bad[:500], poisoned=True))
+            await self.send(
+                P.RingFailed(round=p.round, ring_epoch=ready.msg.ring_epoch, reason=bad[:500], poisoned=True)
+            )
             return
         check_s = stats.check_seconds + combined.check_s
-        if ready.confirm:
+        if ready.msg.confirm:
             # A ring of two: nobody could outvote a bad θ, so the step lands only once the
             # coordinator has seen both members announce the same one (Commit); a redo finds θ as it was.
             t0 = time.perf_counter()
-            before = checksum(*t.arrays) if ready.recheck else ""
+            before = checksum(*t.arrays) if ready.msg.recheck else ""
             preview = t.rule.preview(t.theta)
             check_s += time.perf_counter() - t0  # (it replaces the checksum taken after the step)
             p.announced = Announced(ready, stats, combined, preview, check_s)
             await self.send(
                 P.RoundDone(
                     round=p.round,
-                    ring_epoch=ready.ring_epoch,
+                    ring_epoch=ready.msg.ring_epoch,
                     checksum=p.announced.checksum,
                     announced=True,
                     before=before,
@@ -1039,7 +1055,7 @@ class Session:
         self,
         t: Trainer,
         p: Pending,
-        ready: P.BarrierReady,
+        ready: Ready,
         stats: ReduceStats,
         combined: Combined,
         check_s: float,
@@ -1058,7 +1074,7 @@ class Session:
         await self.send(
             P.RoundDone(
                 round=p.round,
-                ring_epoch=ready.ring_epoch,
+                ring_epoch=ready.msg.ring_epoch,
                 checksum=t.held_checksum,
                 val_loss=val,
                 metrics=t.inner.metrics() if val is not None else {},
@@ -1194,6 +1210,9 @@ class Session:
             if parent and os.getppid() != parent:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
+            t = self.node.trainer
+            if self.ctl.quiet_s() < every_s / 2 and (t.held if t else None) == self._held_told:
+                continue  # it heard from us meanwhile, and what we hold is what we told it
             try:
                 await self._beat()
             except Exception:
@@ -1201,7 +1220,8 @@ class Session:
 
     async def _beat(self) -> None:
         t = self.node.trainer
-        await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1), held=t.held if t else None)))
+        self._held_told = t.held if t else None
+        await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1), held=self._held_told)))
 
 
 async def run_node(opts: NodeOptions) -> int:

@@ -39,8 +39,9 @@ from pydantic import (
 # other on every connection (drift/peers.py), TrainingReady carries auth_threshold's few, MembersChanged,
 # Agreed.keep (rounds that close at a quorum); 6: the dense ring runs as a grid from GRID_FROM members
 # (drift/ring.py), Forgery.level; 7: Tickets (BarrierReady names members by id), Forgery.part, a grid row's
-# all-gather forwards its column owners' signed chunks
-SCHEMA_VERSION = 7
+# all-gather forwards its column owners' signed chunks; 8: BarrierReady names the ring's order only when it
+# changed, and carries samples and a norm bound in place of every member's weight and norm
+SCHEMA_VERSION = 8
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -398,18 +399,27 @@ Norm = Annotated[float, Field(ge=0, le=1e30)]  # the L2 norm of a pseudo-gradien
 
 
 class RingMember(_Msg):
+    """A ring member as a node's collective sees it (BarrierReady.members): who, and its weight."""
+
     node_id: NodeId
     ticket: Ticket | None = None  # None: the coordinator told this node its ticket before (Tickets)
     weight: Annotated[float, Field(ge=0, le=1)]
-    norm: Norm | None = None  # the norm of its own Δ it reported (BarrierSync.delta_norm); None: no check
 
 
 class BarrierReady(_Msg):
-    """Coordinator -> nodes: the ring for this round (also serves as RingConfig)."""
+    """Coordinator -> nodes: the ring for this round. It names the members once: `order` is sent
+    when it differs from the last one this node was sent (a member leaves or comes, a retry
+    reverses it), else None. The members' weights go as the samples each one counted, and their
+    reported Δ norms as the one bound a node checks the sum against: a BarrierReady of every
+    member's id, weight and norm to every member was N² bytes a round from the coordinator."""
 
     type: Literal["BarrierReady"] = "BarrierReady"
     round: Round
-    ring: Annotated[list[RingMember], Field(min_length=1, max_length=MAX_NODES)]  # ring order; weights sum to 1
+    order: Annotated[list[NodeId], Field(min_length=1, max_length=MAX_NODES)] | None = None
+    samples: Annotated[list[Count], Field(min_length=1, max_length=MAX_NODES)]  # in ring order
+    # Σ weight·reported norm, what the sum's norm may reach (diloco.reduced_problem; None: no check):
+    # norms of at most 1e30 under weights summing to 1, and rounding
+    bound: Annotated[float, Field(ge=0, le=2e30)] | None = None
     ring_epoch: Round = 0  # bumped on every retry: ring connections of older epochs are stale
     codec: Annotated[StrictStr, StringConstraints(max_length=16)] = "fp32"
     # A ring of two has no majority to outvote a bad θ: its members announce the θ their outer
@@ -424,9 +434,27 @@ class BarrierReady(_Msg):
 
     @model_validator(mode="after")
     def _distinct(self) -> BarrierReady:
-        if len({m.node_id for m in self.ring}) != len(self.ring):
-            raise ValueError("a node appears twice in the ring")
+        if self.order is not None:
+            if len(set(self.order)) != len(self.order):
+                raise ValueError("a node appears twice in the ring")
+            if len(self.order) != len(self.samples):
+                raise ValueError(f"{len(self.order)} members in the ring but {len(self.samples)} sample counts")
         return self
+
+    def members(self, told: list[str] | None) -> list[RingMember]:
+        """The ring: `order` (or `told`, the last order this node was sent) with each member's
+        weight, its samples over all of them. ProtocolError if the two do not fit."""
+        order = self.order if self.order is not None else told
+        if order is None or len(order) != len(self.samples):
+            raise ProtocolError(
+                f"BarrierReady of round {self.round} has {len(self.samples)} sample counts for "
+                f"{'no ring order' if order is None else f'the {len(order)} members of the last ring order'}"
+            )
+        total = sum(self.samples)  # (the ids are checked NodeIds, the weights in [0, 1]: no validation)
+        return [
+            RingMember.model_construct(node_id=i, weight=n / total if total else 0.0)
+            for i, n in zip(order, self.samples)
+        ]
 
 
 Hex = Annotated[StrictStr, StringConstraints(max_length=128, pattern=r"^([0-9a-f]{2})*$")]

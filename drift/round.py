@@ -31,7 +31,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from drift import hierarchy, rules
+from drift import diloco, hierarchy, rules
 from drift import protocol as P
 from drift.gather import signed_payload
 from drift.recipe import Recipe
@@ -112,6 +112,7 @@ class SwarmView(Protocol):
     def evaluators(self, budget: int) -> set[str]: ...
     def struck_out(self, i: str, rnd: int, more: int = 1) -> bool: ...
     def ticket_news(self, i: str) -> tuple[dict[str, str], int]: ...
+    def told_order(self, order: list[str]) -> Set[str]: ...
 
 
 # --- events: what happens to a round ----------------------------------------------------------
@@ -283,6 +284,14 @@ class Told:
 
 
 @dataclass(frozen=True)
+class ToldOrder:
+    """These members were sent the ring's `order` (Swarm.told_order: later BarrierReadys leave it out)."""
+
+    nodes: tuple[str, ...]
+    order: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class NewRingEpoch:
     """The all-reduce is retried as ring epoch `epoch` (Swarm.ring_renewed): older connections are stale."""
 
@@ -355,6 +364,7 @@ Action = (
     | Slowed
     | NewRingEpoch
     | Told
+    | ToldOrder
     | Suspects
     | Moved
     | AgreedTheta
@@ -381,6 +391,8 @@ def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
             swarm.ring_renewed(epoch)
         case Told(node=i, mark=mark):
             swarm.told_tickets(i, mark)
+        case ToldOrder(nodes=nodes, order=order):
+            swarm.ring_told(nodes, order)
         case Suspects(nodes=nodes):
             swarm.suspect(nodes)
         case Moved(node=i):
@@ -624,7 +636,7 @@ class Round:
                 if (
                     msg.round == self.rnd
                     and msg.ring_epoch == self.ring_epoch()
-                    and i in self.part()
+                    and rules.takes_part(self.nodes[i])
                     and msg.announced == self.announcing()
                 ):
                     self.nodes[i].done = msg
@@ -996,42 +1008,38 @@ class Round:
         return False
 
     def send_ring(self) -> None:
-        """BarrierReady to every node in the barrier: the ring order and each node's weight."""
+        """BarrierReady to every node in the barrier: the ring's order (to those not sent it last
+        time), each member's counted samples (its weight) and the bound on the sum's norm."""
         s, part = self.s, self.part()
         epoch = self.attempt = self.ring_epoch()
-        w = rules.weights(self.nodes, part)
+        n, w = rules.counted(self.nodes, part), rules.weights(self.nodes, part)
         order = part if epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
         for i in part:  # each member the tickets it has not been told: then the ring names ids alone
             news, mark = s.ticket_news(i)
             if news:
                 self.send(i, P.Tickets(tickets=news))
                 self.out.append(Told(i, mark))
-        self.ring = [
-            P.RingMember(
-                node_id=i,
-                weight=w[i],
-                norm=self.nodes[i].synced.delta_norm if w[i] > 0 else 0.0,  # bounds the sum (diloco.reduced_problem)
-            )
-            for i in order
-        ]
+        self.ring = [P.RingMember(node_id=i, weight=w[i]) for i in order]
         self.t_ring, self.done_after = self.now, {}
         self.rings[epoch] = set(part)
         self.confirm, self.committed, self.announced = len(self.ring) == 2, False, {}
         self.note("barrier", round=self.rnd, ring_epoch=epoch, nodes=len(self.ring))
-        self.out.append(
-            Send(
-                tuple(part),
-                P.BarrierReady(
-                    round=self.rnd,
-                    ring=self.ring,
-                    codec=self.r.codec,
-                    ring_epoch=epoch,
-                    confirm=self.confirm,
-                    recheck=self.confirm and bool(self.earlier),
-                    slack_s=min(3600.0, 2 * self.r.heartbeat_s + (self.slowest_step(part) if self.r.overlap else 0.0)),
-                ),
-            )
+        ready = P.BarrierReady(
+            round=self.rnd,
+            samples=[n[i] for i in order],
+            bound=diloco.norm_bound((w[i], self.nodes[i].synced.delta_norm) for i in order if w[i] > 0),
+            codec=self.r.codec,
+            ring_epoch=epoch,
+            confirm=self.confirm,
+            recheck=self.confirm and bool(self.earlier),
+            slack_s=min(3600.0, 2 * self.r.heartbeat_s + (self.slowest_step(part) if self.r.overlap else 0.0)),
         )
+        told = s.told_order(order)  # the members sent this order last time are not sent it again
+        if knew := tuple(i for i in part if i in told):
+            self.out.append(Send(knew, ready))
+        if new := tuple(i for i in part if i not in told):
+            self.out.append(Send(new, ready.model_copy(update={"order": order})))
+            self.out.append(ToldOrder(new, tuple(order)))
 
     def slowest_step(self, part: list[str]) -> float:
         """Seconds one inner step takes the slowest of these members, by their measured speeds."""

@@ -94,12 +94,23 @@ def samples(units: list[P.WorkUnit]) -> int:
 
 def part(recs: Records) -> list[str]:
     """The nodes in this round's barrier and ring, in the records' order."""
-    return [i for i, r in recs.items() if r.role == "train" and not r.sitting_out]
+    return [i for i, r in recs.items() if takes_part(r)]
+
+
+def takes_part(r: NodeRound) -> bool:
+    """Whether a node is in its round's barrier and ring: it trains, and does not sit it out."""
+    return r.role == "train" and not r.sitting_out
+
+
+def counted(recs: Records, ring: list[str]) -> dict[str, int]:
+    """Each ring member's counted samples (0 when excluded): what its weight is made of."""
+    return {i: samples(recs[i].synced.trained) if recs[i].counted else 0 for i in ring}
 
 
 def weights(recs: Records, ring: list[str]) -> dict[str, float]:
-    """Each ring member's weight: its counted samples over all counted samples (0 when excluded)."""
-    n = {i: samples(recs[i].synced.trained) if recs[i].counted else 0 for i in ring}
+    """Each ring member's weight: its counted samples over all counted samples (0 when excluded);
+    a node works them out from the same counts (BarrierReady.members)."""
+    n = counted(recs, ring)
     total = sum(n.values())
     return {i: (n[i] / total if total else 0.0) for i in ring}
 

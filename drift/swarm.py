@@ -67,6 +67,9 @@ class Swarm:
         self._seq = 0
         self._ticket_seq: dict[str, tuple[str, int]] = {}
         self._told_seq: dict[str, int] = {}
+        # The ring order last sent, and who was sent it (a BarrierReady leaves it out for them).
+        self._order: tuple[str, ...] = ()
+        self._told_order: set[str] = set()
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]
@@ -88,7 +91,8 @@ class Swarm:
         if self._ticket_seq.get(p.id, (None, 0))[0] != p.info.ring_ticket:
             self._seq += 1
             self._ticket_seq[p.id] = (p.info.ring_ticket, self._seq)
-        self._told_seq[p.id] = 0  # a new session knows no ticket
+        self._told_seq[p.id] = 0  # a new session knows no ticket, and no ring order
+        self._told_order.discard(p.id)
         self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
         # Every claim against the new set (as bounded() would one by one, in one pass over it).
         fastest = max((self.speed[j] for j in self.members if j in self.measured), default=None)
@@ -113,6 +117,7 @@ class Swarm:
         self.measured.discard(i)
         self._ticket_seq.pop(i, None)
         self._told_seq.pop(i, None)
+        self._told_order.discard(i)
         return self.members.pop(i, None)
 
     def ticket_news(self, i: str) -> tuple[dict[str, str], int]:
@@ -128,6 +133,16 @@ class Swarm:
         """Member i was sent the tickets ticket_news gave with `mark`."""
         if i in self._told_seq:
             self._told_seq[i] = max(self._told_seq[i], mark)
+
+    def told_order(self, order: list[str]) -> frozenset[str]:
+        """The members whose last BarrierReady named exactly this ring order."""
+        return frozenset(self._told_order) if tuple(order) == self._order else frozenset()
+
+    def ring_told(self, nodes: tuple[str, ...], order: tuple[str, ...]) -> None:
+        """These members were sent the ring `order` (a newer order: the others know an older one)."""
+        if order != self._order:
+            self._order, self._told_order = order, set()
+        self._told_order.update(i for i in nodes if i in self.members)
 
     def checked_speed(self, peer: Peer, sps: float | None) -> float:
         """A node's claimed speed, unless it is absurd (then: the slowest speed we trust)."""
@@ -158,8 +173,12 @@ class Swarm:
         fast device is a few milliseconds, and one hiccup must not make it look 20x slower. A
         node that really became far slower is caught by its deadline instead (slowed)."""
         if i in self.speed and finite_positive(sps):
-            others = [v for j, v in self.speed.items() if j != i and j in self.members]
-            sps = min(sps, SPEED_CAP * max(others)) if others else sps
+            # (every unit of every node comes here: a Python pass over the members for each was N²
+            # a round, so the fastest member is found in C, and the next only when i is the fastest)
+            top = max(map(self.speed.__getitem__, self.members), default=None)
+            if top is not None and self.speed[i] >= top:
+                top = max((v for j, v in self.speed.items() if j != i and j in self.members), default=None)
+            sps = min(sps, SPEED_CAP * top) if top is not None else sps
             first = i not in self.measured  # a claim above what we measured goes at once
             self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps
             self.measured.add(i)

@@ -247,6 +247,7 @@ class Channel:
         self.bytes_received = 0
         self._send_lock = asyncio.Lock()  # a frame's header and body must not interleave with another's
         self._buf = bytearray()  # bytes read ahead of the frame being read
+        self._sent_at = time.monotonic()  # when the last frame went out
 
     async def send_frame(self, payload, timeout: float = 30.0) -> None:
         """Send one frame: 4-byte big-endian length, then the payload (bytes or a flat buffer)."""
@@ -266,6 +267,11 @@ class Channel:
                 if len(v):
                     await _timed(self._send.write_all(v), timeout, f"sending {len(v)} bytes")
         self.bytes_sent += total + _LEN.size
+        self._sent_at = time.monotonic()
+
+    def quiet_s(self) -> float:
+        """Seconds since this side last sent a frame (any frame tells the other end we are here)."""
+        return time.monotonic() - self._sent_at
 
     async def recv_frame(self, max_size: int, timeout: float = 30.0) -> bytes:
         """Receive one frame; a frame over max_size is refused before its body is read. Every

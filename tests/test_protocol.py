@@ -38,8 +38,9 @@ SAMPLES = [
         val_loss=2.5,
         val_samples=8,
     ),
-    P.BarrierReady(round=1, ring=[P.RingMember(node_id=A, ticket="t", weight=1.0)]),
-    P.BarrierReady(round=1, ring=[P.RingMember(node_id=A, weight=0.5), P.RingMember(node_id=B, weight=0.5)]),
+    P.BarrierReady(round=1, order=[A], samples=[8]),
+    P.BarrierReady(round=1, order=[A, B], samples=[8, 0], bound=1.5),
+    P.BarrierReady(round=1, samples=[8, 16]),
     P.RoundDone(round=1, checksum="c"),
     P.RoundDone(round=1, ring_epoch=2, checksum="c", announced=True, before="b"),
     P.RoundDone(round=1, checksum="c", heard=[P.Heard(owner=A, digest="d" * 64, sig="5" * 128)]),
@@ -151,9 +152,12 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
         (_frame(type="RingFailed", round=0, ring_epoch=-1, reason="x"), "ring_epoch"),
         (_frame(type="TrainProgress", round=0, unit=UNIT, steps=1, loss=1.0, samples_per_s=-1.0), "samples_per_s"),
         (_frame(type="RoundDone", round=0, checksum="c", bytes_sent=-1), "bytes_sent"),
-        (_frame(type="BarrierReady", round=0, ring=[{"node_id": A, "ticket": "t", "weight": 2.0}]), "weight"),
-        (_frame(type="BarrierReady", round=0, ring=[{"node_id": A, "ticket": "t", "weight": 0.5}] * 2), "twice"),
-        (_frame(type="BarrierReady", round=0, ring=[]), "ring"),
+        (_frame(type="BarrierReady", round=0, order=[A], samples=[-1]), "samples"),
+        (_frame(type="BarrierReady", round=0, order=[A, A], samples=[1, 1]), "twice"),
+        (_frame(type="BarrierReady", round=0, order=[A, B], samples=[1]), "2 members in the ring but 1"),
+        (_frame(type="BarrierReady", round=0, samples=[]), "samples"),
+        (_frame(type="BarrierReady", round=0, order=[], samples=[1]), "order"),
+        (_frame(type="BarrierReady", round=0, samples=[1], bound=-1.0), "bound"),
         # strings: ids, tickets, tokens
         (_frame(type="NodeInfo", node_id="A" * 64, name="n", backend="b", device="d", ring_ticket="t"), "node_id"),
         (_frame(type="NodeInfo", node_id=A, name="n", backend="b", device="d", ring_ticket="t" * 5000), "ring_ticket"),
@@ -320,3 +324,13 @@ def test_a_node_log_is_bounded(metrics: dict, needle: str) -> None:
     frame = json.dumps({"v": P.SCHEMA_VERSION, "type": "NodeLog", "step": 1, "metrics": metrics}).encode()
     with pytest.raises(P.ProtocolError, match=needle):
         P.decode(frame)
+
+
+def test_a_barrier_ready_spells_its_ring_out_from_the_order_it_names_or_the_last_one() -> None:
+    named = P.decode(P.encode(P.BarrierReady(round=1, order=[A, B], samples=[24, 8])))
+    assert [(m.node_id, m.weight) for m in named.members(None)] == [(A, 0.75), (B, 0.25)]
+    same = P.decode(P.encode(P.BarrierReady(round=2, samples=[0, 8])))  # "the order you were sent last"
+    assert [(m.node_id, m.weight) for m in same.members([A, B])] == [(A, 0.0), (B, 1.0)]
+    for told in (None, [A]):  # a node that was never sent an order, or another one: a clear error
+        with pytest.raises(P.ProtocolError, match="2 sample counts"):
+            same.members(told)

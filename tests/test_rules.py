@@ -274,14 +274,12 @@ def test_a_reported_norm_far_outside_the_others_is_an_outlier() -> None:
 def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
     import numpy as np
 
-    from drift.diloco import reduced_problem
+    from drift.diloco import norm_bound, reduced_problem
 
     rng = np.random.default_rng(0)
     deltas = [rng.standard_normal(1000).astype(np.float32) for _ in range(4)]
-    ring = [
-        P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.25, norm=float(np.linalg.norm(d)))
-        for k, d in enumerate(deltas)
-    ]
+    ring = norm_bound([(0.25, float(np.linalg.norm(d))) for d in deltas] + [(0.0, None)])  # (weight 0: no norm)
+    assert norm_bound([(0.25, 1.0), (0.75, None)]) is None  # a member with weight and no norm: no check
     honest = sum(0.25 * d for d in deltas)
     assert reduced_problem(honest, ring) is None
     for bad in (
@@ -299,12 +297,12 @@ def test_a_sign_flip_by_a_fair_share_of_five_is_refused_and_honest_int8_sums_pas
     import numpy as np
 
     from drift.compress import make_codec
-    from drift.diloco import reduced_problem
+    from drift.diloco import norm_bound, reduced_problem
 
     # The worst case for the bound: every member's Δ alike. A liar at weight 1/5 sends -10 x its Δ
     # while reporting its true norm: the sum is (1 - 11/5)Δ, 1.2 x the bound's Σ w·||Δ||.
     d = np.random.default_rng(1).standard_normal(100_000).astype(np.float32)
-    ring = [P.RingMember(node_id=f"{k:064x}", ticket="t", weight=0.2, norm=float(np.linalg.norm(d))) for k in range(5)]
+    ring = norm_bound([(0.2, float(np.linalg.norm(d)))] * 5)
     assert "more than" in reduced_problem(4 * 0.2 * d + 0.2 * (-10 * d), ring)
     # The honest sum of the same Δs through an int8 ring (every partial sum re-encoded on its way)
     # stays within the bound.

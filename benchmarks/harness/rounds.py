@@ -201,7 +201,7 @@ class VirtualSwarm:
                     self.at(n.t_cur + k * step, "cut", n.id, n.gen, k)
                 else:
                     self.advance(n)
-            case P.BarrierReady(ring=ring, round=rnd, ring_epoch=e) if any(m.node_id == n.id for m in ring):
+            case P.BarrierReady(round=rnd, ring_epoch=e):  # (sent to the ring's members only)
                 done = P.RoundDone(round=rnd, ring_epoch=e, checksum=f"theta{rnd}")
                 self.at(self.now + self.sync_s, "send", n.id, P.encode(done))
 

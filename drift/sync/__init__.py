@@ -73,7 +73,9 @@ class SyncRule:
     def contribute(self, delta: np.ndarray, weight: float):
         raise NotImplementedError
 
-    def combine(self, result, ring: list[RingMember]) -> Combined:
+    def combine(self, result, ring: list[RingMember], bound: float | None = None) -> Combined:
+        """What the collective brought, checked (`bound`: what a summed Δ's norm may reach,
+        BarrierReady.bound; None: no check) and kept for apply()."""
         raise NotImplementedError
 
     def apply(self, theta: np.ndarray) -> None:

@@ -46,12 +46,12 @@ class DenseDiLoCo(SyncRule):
         self._sum = delta
         return delta
 
-    def combine(self, result: np.ndarray, ring: list[RingMember]) -> Combined:
+    def combine(self, result: np.ndarray, ring: list[RingMember], bound: float | None = None) -> Combined:
         """The ring summed in place: refuse a sum larger than the members' reported norms allow
-        (someone sent more than it reported)."""
+        (`bound`, BarrierReady.bound: someone sent more than it reported)."""
         assert result is self._sum
         t = time.perf_counter()
-        problem = reduced_problem(result, ring) if self.bounded else None
+        problem = reduced_problem(result, bound) if self.bounded else None
         return Combined(problem, check_s=time.perf_counter() - t)
 
     def apply(self, theta: np.ndarray) -> None:

@@ -249,7 +249,7 @@ class SparseLoCo(SyncRule):
         self._ef_next = delta
         return payload
 
-    def combine(self, result: list[bytes | None], ring: list[RingMember]) -> Combined:
+    def combine(self, result: list[bytes | None], ring: list[RingMember], bound: float | None = None) -> Combined:
         """The update Σ_i w_i · clip(decode(payload_i)), kept as the payloads and their
         coefficients (decoded again by preview and apply: no θ-sized sum); members whose payload
         does not decode add nothing, and they and any far outside the median (three or more

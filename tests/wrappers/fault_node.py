@@ -240,7 +240,7 @@ elif kind == "deny-ring":
     async def _(orig, self, t, ready):
         global denied
         out = await orig(self, t, ready)
-        if ready.round == at and not denied:
+        if ready.msg.round == at and not denied:
             denied = True
             await asyncio.sleep(4.0)
             return (*out[:4], None, RingError("injected: the sum did not check out"))
@@ -395,8 +395,8 @@ elif kind == "sit-out-early":
 
     @patch(Session, "_allreduce")
     async def _(orig, self, t, ready):
-        if ready.round >= at:
-            lie = P.RingFailed(round=ready.round, ring_epoch=ready.ring_epoch, reason="applied", sit_out=True)
+        if ready.msg.round >= at:
+            lie = P.RingFailed(round=ready.msg.round, ring_epoch=ready.msg.ring_epoch, reason="applied", sit_out=True)
             await self.send(lie)
         return await orig(self, t, ready)
 elif kind == "lie-steps":
