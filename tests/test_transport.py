@@ -171,3 +171,32 @@ def test_a_peer_that_leaves_is_said_in_words_not_rust_debug_text() -> None:
         "waiting for a frame failed: the peer closed the connection (node leaving)",
         "waiting for a frame failed: the peer closed the connection",
     ]
+
+
+def test_a_channel_knows_how_long_it_has_been_quiet() -> None:
+    # (the coordinator pings, and a node heartbeats, only over a channel quiet for half a beat)
+    async def main() -> tuple[float, float]:
+        a, b = await _pair()
+        try:
+
+            async def server() -> None:
+                _alpn, conn = await b.accept(timeout=10)
+                ch = await Endpoint.accept_channel(conn)
+                for _ in range(2):
+                    await ch.recv_frame(16)
+
+            srv = asyncio.ensure_future(server())
+            ch = await a.connect(b.ticket(), CONTROL_ALPN)
+            await ch.send_frame(b"hello")
+            await asyncio.sleep(0.3)
+            quiet = ch.quiet_s()
+            await ch.send_frame(b"again")
+            after = ch.quiet_s()
+            await asyncio.wait_for(srv, 30)
+            return quiet, after
+        finally:
+            await a.close()
+            await b.close()
+
+    quiet, after = run_async(main(), timeout=60)
+    assert quiet >= 0.3 > after
