@@ -1205,14 +1205,17 @@ class Session:
         """Tell the coordinator we are alive, also while a long inner step runs; a --local node
         also leaves when the coordinator that started it is gone."""
         parent = int(os.environ.get("DRIFT_PARENT_PID", "0") or 0)
+        skipped = 0
         while True:
             await asyncio.sleep(every_s)
             if parent and os.getppid() != parent:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
             t = self.node.trainer
-            if self.ctl.quiet_s() < every_s / 2 and (t.held if t else None) == self._held_told:
-                continue  # it heard from us meanwhile, and what we hold is what we told it
+            if self.ctl.quiet_s() < every_s / 2 and (t.held if t else None) == self._held_told and skipped < 3:
+                skipped += 1  # it heard from us meanwhile, and what we hold is what we told it (lately)
+                continue
+            skipped = 0
             try:
                 await self._beat()
             except Exception:
@@ -1220,8 +1223,9 @@ class Session:
 
     async def _beat(self) -> None:
         t = self.node.trainer
-        self._held_told = t.held if t else None
-        await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1), held=self._held_told)))
+        held = t.held if t else None
+        await self.ctl.send_frame(P.encode(P.Heartbeat(round=max(self.round, -1), held=held)))
+        self._held_told = held
 
 
 async def run_node(opts: NodeOptions) -> int:

@@ -213,6 +213,11 @@ class Recipe(_Strict):
             self.round_samples = self.min_nodes * self.inner_steps * self.batch_size
         if self.micro_batches > self.batch_size:
             raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed batch_size ({self.batch_size})")
+        if self.stale_after_s < 2 * self.heartbeat_s:  # a channel busy otherwise is pinged every 1.5 beats
+            raise ValueError(
+                f"stale_after_s ({self.stale_after_s:g}) must be at least twice heartbeat_s ({self.heartbeat_s:g}), "
+                "or live nodes are taken for silent"
+            )
         return self
 
     def inner_lr(self, samples: int) -> float:

@@ -37,6 +37,7 @@ def _one_line_error(out: subprocess.CompletedProcess) -> str:
         ({"outer_optimizer": {"lr": "fast"}}, "outer_optimizer.lr: Input should be a valid number"),
         ({"min_nodes": 0}, "min_nodes: Input should be greater than or equal to 1"),
         ({"quorum": 1.5}, "quorum: Input should be less than or equal to 1"),
+        ({"heartbeat_s": 6.0}, "stale_after_s (10) must be at least twice heartbeat_s (6)"),
         ({"task": "recipes/nope.py"}, "task: file recipes/nope.py not found"),
     ],
 )
