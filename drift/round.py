@@ -689,8 +689,11 @@ class Round:
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
         n = self.nodes[i]
-        if n.role == "evaluate" and msg.round == self.rnd:  # its job could not start (no donor had
-            self.out.append(Evaluate(i))  # that θ any more): a fresh one
+        if n.role == "evaluate" and msg.round <= self.rnd:
+            # Its job could not start (no donor held that θ any more): a fresh one, also when the
+            # job was of an earlier round. Rounds go on meanwhile (it waits a second before it
+            # asks), and "no more work" for an old round left an evaluator idle to the run's end.
+            self.out.append(Evaluate(i))
             return
         if msg.round == self.rnd and not n.excluded and not n.early and n.synced is None and not self._room(i):
             # It holds its allowance already: the answer waits for its progress (asking again and

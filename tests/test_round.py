@@ -1203,3 +1203,18 @@ def test_the_ring_order_and_the_tickets_go_to_a_member_only_when_they_changed() 
     sent = readies()
     assert {x for to, m in sent if m.order is not None for x in to} >= {"c"}
     assert tickets() == {"a": {"c"}, "b": {"c"}, "c": {"a", "b", "c"}}  # (c came back: its ticket may be new)
+
+
+def test_an_evaluator_whose_job_could_not_start_gets_a_fresh_one_also_rounds_later() -> None:
+    # Its job named θ of round 2; by the time it reached the donor, the donor held round 4, so it
+    # waited a second and asked again, for round 2's job. "No more work (round 2)" left it idle
+    # to the end of the run, the coordinator counting it as evaluating (CI: it left behind).
+    sim = Sim(["a", "b", "slow"], speeds={"slow": 0.01})
+    assert sim.s.evaluators(sim.recipe.round_samples) == {sim.ids["slow"]}
+    sim.start(4)
+    assert sim.rd.nodes[sim.ids["slow"]].role == "evaluate"
+    for rnd in (4, 2):  # its job of this round, or of an earlier one
+        sim.actions.clear()
+        sim.msg("slow", P.AskForMoreWork(round=rnd))
+        assert [a for a in sim.actions if isinstance(a, R.Evaluate)] == [R.Evaluate(sim.ids["slow"])], rnd
+        assert not sim.to("slow", P.NoMoreWork)
