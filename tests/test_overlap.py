@@ -97,4 +97,7 @@ def test_overlapped_evaluator_and_slow_node(tmp_path: Path) -> None:
     rounds = [e for e in events if e["event"] == "round"]
     assert all(r["evaluators"] == ["slow"] and list(r["nodes"]) == ["n0"] for r in rounds), rounds
     assert any(e["event"] == "val" for e in events)
+    # it leaves with the final θ: a job its donor had moved past is followed by a fresh one (before,
+    # "no more work" for that round left it idle to the end, and the run waited 60 s for it)
+    assert next(e for e in events if e["event"] == "complete")["behind"] == []
     check_exactly_once(events, 2 * BATCH)
