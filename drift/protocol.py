@@ -450,11 +450,15 @@ class BarrierReady(_Msg):
                 f"BarrierReady of round {self.round} has {len(self.samples)} sample counts for "
                 f"{'no ring order' if order is None else f'the {len(order)} members of the last ring order'}"
             )
-        total = sum(self.samples)  # (the ids are checked NodeIds, the weights in [0, 1]: no validation)
-        return [
-            RingMember.model_construct(node_id=i, weight=n / total if total else 0.0)
-            for i, n in zip(order, self.samples)
-        ]
+        # (the ids are checked NodeIds, the weights in [0, 1]: no validation)
+        return [RingMember.model_construct(node_id=i, weight=w) for i, w in zip(order, shares(self.samples))]
+
+
+def shares(counts: list[int]) -> list[float]:
+    """Each count over their sum (0 when all are 0): ring members' weights from their counted
+    samples, the same floats on the coordinator (rules.weights) and every node."""
+    total = sum(counts)
+    return [n / total if total else 0.0 for n in counts]
 
 
 Hex = Annotated[StrictStr, StringConstraints(max_length=128, pattern=r"^([0-9a-f]{2})*$")]

@@ -111,8 +111,7 @@ def weights(recs: Records, ring: list[str]) -> dict[str, float]:
     """Each ring member's weight: its counted samples over all counted samples (0 when excluded);
     a node works them out from the same counts (BarrierReady.members)."""
     n = counted(recs, ring)
-    total = sum(n.values())
-    return {i: (n[i] / total if total else 0.0) for i in ring}
+    return dict(zip(n, P.shares(list(n.values()))))
 
 
 @dataclass(frozen=True)
