@@ -574,15 +574,17 @@ class Coordinator:
                 return msg
 
     async def _ping(self) -> None:
-        """Every heartbeat_s, a Ping to every connected node we sent nothing for half of that: a
-        node that hears nothing from us for stale_after_s knows the coordinator is gone (and
-        tries to rejoin). (A ping to each of a thousand nodes whatever else they were sent was
-        a fifth of the coordinator's frames a round.)"""
+        """Every heartbeat_s, a Ping to every connected node we sent nothing for a while
+        (rules.quiet_limit): a node that hears nothing from us for stale_after_s knows the
+        coordinator is gone (and tries to rejoin). (A ping to each of a thousand nodes whatever
+        else they were sent was a fifth of the coordinator's frames a round.)"""
+        r = self.recipe
+        quiet = rules.quiet_limit(r.heartbeat_s, r.stale_after_s)
         while True:
-            await asyncio.sleep(self.recipe.heartbeat_s)
+            await asyncio.sleep(r.heartbeat_s)
             ping = P.encode(P.Ping())
             for p in list(self.ready.values()):
-                if p.ch.quiet_s() < self.recipe.heartbeat_s / 2:
+                if p.ch.quiet_s() < quiet:
                     continue
                 try:
                     await p.ch.send_frame(ping, timeout=self.recipe.heartbeat_s)

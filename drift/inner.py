@@ -164,7 +164,7 @@ class InnerLoop:
             case P.AssignNext():
                 state["granted"].append(msg.unit)
                 self._prefetch([msg.unit])
-                state["asked"] = False
+                state["asked"], state["no_more"] = False, msg.no_more
                 self.rtt_s = 0.8 * self.rtt_s + 0.2 * (time.perf_counter() - state["asked_at"])
             case P.NoMoreWork():
                 state["no_more"] = True
@@ -192,7 +192,7 @@ class InnerLoop:
             "granted": deque(a.units),
             "asked": False,
             "asked_at": 0.0,
-            "no_more": False,
+            "no_more": a.no_more,  # (nothing is left to grant after these units: no ask this round)
             "stop": False,
         }
         self._prefetch(state["granted"])

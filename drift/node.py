@@ -50,6 +50,7 @@ from typing import Protocol
 import numpy as np
 
 from drift import protocol as P
+from drift import rules
 from drift.auth import AuthError, NodeKey, PeerCheck, drift_home, sign_message, verify_peers
 from drift.base import BaseCache, BaseError, take
 from drift.data import DataClient, DataError, DataServer, served_task
@@ -523,7 +524,10 @@ class Session:
 
     async def _run(self) -> int:
         t = await self._join()
-        self._tasks.append(asyncio.ensure_future(self._heartbeat(t.recipe.heartbeat_s)))
+        r = t.recipe
+        self._tasks.append(
+            asyncio.ensure_future(self._heartbeat(r.heartbeat_s, rules.quiet_limit(r.heartbeat_s, r.stale_after_s)))
+        )
         ready = await self.expect(P.TrainingReady, P.TrainComplete)
         if isinstance(ready, P.TrainComplete):
             return self._complete(ready)
@@ -585,7 +589,7 @@ class Session:
                 f"join it with a fresh `drift join`"
             )
         if t is None:
-            alive = asyncio.ensure_future(self._heartbeat(2.0))  # the coordinator hears us while we load
+            alive = asyncio.ensure_future(self._heartbeat(2.0, 1.0))  # the coordinator hears us while we load
             try:
                 t = node.trainer = await self._load(cfg)
             finally:
@@ -1085,6 +1089,9 @@ class Session:
                 heard=stats.heard[: P.MAX_NODES],
             )
         )
+        # No Heartbeat for this θ: the coordinator counts us among its holders once the round
+        # agrees on the checksum just sent (and, if it does not, tells us what θ became).
+        self._held_told = p.round
         me = next((m for m in ready.ring if m.node_id == self.node.endpoint.node_id), None)
         self.progress.settled(p.round, stats.bytes_sent, val, me.weight if me is not None else None)
         p.settled.set()
@@ -1201,9 +1208,10 @@ class Session:
                 t.snap[...] = t.theta
         return val
 
-    async def _heartbeat(self, every_s: float) -> None:
-        """Tell the coordinator we are alive, also while a long inner step runs; a --local node
-        also leaves when the coordinator that started it is gone."""
+    async def _heartbeat(self, every_s: float, quiet_s: float) -> None:
+        """Tell the coordinator we are alive, also while a long inner step runs (every_s, when
+        we sent it nothing for quiet_s); a --local node also leaves when the coordinator that
+        started it is gone."""
         parent = int(os.environ.get("DRIFT_PARENT_PID", "0") or 0)
         skipped = 0
         while True:
@@ -1212,7 +1220,7 @@ class Session:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
             t = self.node.trainer
-            if self.ctl.quiet_s() < every_s / 2 and (t.held if t else None) == self._held_told and skipped < 3:
+            if self.ctl.quiet_s() < quiet_s and (t.held if t else None) == self._held_told and skipped < 3:
                 skipped += 1  # it heard from us meanwhile, and what we hold is what we told it (lately)
                 continue
             skipped = 0

@@ -41,7 +41,7 @@ from pydantic import (
 # (drift/ring.py), Forgery.level; 7: Tickets (BarrierReady names members by id), Forgery.part, a grid row's
 # all-gather forwards its column owners' signed chunks; 8: BarrierReady names the ring's order only when it
 # changed, and carries samples and a norm bound in place of every member's weight and norm
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -313,13 +313,16 @@ class ShardAssignment(_Msg):
     """Coordinator -> node, at the start of a round: the units granted now, and the role.
 
     `planned` is how many more units the plan holds for this node; they are granted one at a time
-    (AskForMoreWork -> AssignNext), so a faster node can take them instead (work stealing)."""
+    (AskForMoreWork -> AssignNext), so a faster node can take them instead (work stealing). `no_more`:
+    nothing is left to grant anyone after these units, so the node does not ask (as if it had been
+    told NoMoreWork): a round of a thousand nodes with a unit each saves two frames a node."""
 
     type: Literal["ShardAssignment"] = "ShardAssignment"
     round: Round
     epoch: Round
     units: Units
     planned: Count = 0
+    no_more: bool = False
     # evaluate: the val loss of the newest agreed θ, no training; wait (overlapped sync): nothing
     # this round, but catch up on the round in flight (a node that needs θ first, e.g. a joiner)
     role: Literal["train", "evaluate", "wait"] = "train"
@@ -351,6 +354,7 @@ class AssignNext(_Msg):
     type: Literal["AssignNext"] = "AssignNext"
     round: Round
     unit: WorkUnit
+    no_more: bool = False  # nothing is left to grant after it: no more asks this round (NoMoreWork)
 
 
 class NoMoreWork(_Msg):

@@ -522,6 +522,9 @@ class Round:
         # The lr schedule follows the swarm's samples: those of the round still being reduced count.
         progress = samples_seen + (prev.samples_synced() if prev is not None else 0)
         in_flight = prev is not None and not prev.settled
+        has_evaluators = any(x.role == "evaluate" for x in self.nodes.values())
+        trainers = [i for i in s.members if self.nodes[i].role not in ("evaluate", "wait")]
+        first = {i: self.plan.grant_first(i) for i in trainers}  # (all first: `no_more` knows what is left)
         for i in list(s.members):
             n = self.nodes[i]
             if n.role == "evaluate":  # evaluators work at their own pace: a new job once the last is done
@@ -538,7 +541,6 @@ class Round:
                 )
                 continue
             last_round = self.rnd == self.r.rounds - 1
-            has_evaluators = any(x.role == "evaluate" for x in self.nodes.values())
             report_val = i == self.fastest and (not has_evaluators or last_round)
             if report_val:
                 self.val_reporter = i
@@ -547,8 +549,9 @@ class Round:
                 P.ShardAssignment(
                     round=self.rnd,
                     epoch=self.epoch,
-                    units=self.plan.grant_first(i),
+                    units=first[i],
                     planned=len(self.plan.planned[i]),
+                    no_more=self.plan.exhausted_for(i),
                     report_val=report_val,
                     state=host.state_source(i),
                     progress=progress,
@@ -716,11 +719,11 @@ class Round:
         n = self.nodes[i]
         n.ask_held = False
         nxt = None
-        if rnd == self.rnd and not n.excluded and not n.early and n.synced is None:
+        if rnd == self.rnd and not n.excluded and not n.early and n.synced is None and not self.stop_sent:
             nxt = self.plan.next_for(i)
         if nxt is not None:
             n.last_progress = self.now
-            self.send(i, P.AssignNext(round=self.rnd, unit=nxt))
+            self.send(i, P.AssignNext(round=self.rnd, unit=nxt, no_more=self.plan.exhausted_for(i)))
             return
         self.send(i, P.NoMoreWork(round=rnd))
         if rnd == self.rnd:
@@ -855,8 +858,10 @@ class Round:
         if not self.stop_sent:
             self.stop_sent, self.t_stop = True, self.now
             self.out.append(Log(logging.INFO, f"round {self.rnd}: {reason}; stopping at the next inner step"))
-            to = tuple(i for i in self.part() if self.nodes[i].synced is None)
-            self.out.append(Send(to, P.StopRound(round=self.rnd)))
+            to = [i for i in self.part() if self.nodes[i].synced is None]
+            # One that trained all it was granted has no step to stop at: it syncs, or asks and is
+            # told "no more" (a thousand nodes with a unit each: most had reported it already).
+            self.out.append(Send(tuple(i for i in to if self.in_hand(i) > 0), P.StopRound(round=self.rnd)))
             for i in to:
                 self._no_more(i)
 

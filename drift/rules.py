@@ -147,6 +147,15 @@ def clock_interval(members: int) -> float:
     return members * CLOCK_S_PER_NODE
 
 
+def quiet_limit(heartbeat_s: float, stale_after_s: float) -> float:
+    """How long a control channel may stay quiet before the next beat sends a frame on it (a
+    node's Heartbeat, the coordinator's Ping). Beats come every heartbeat_s, so the other end
+    hears from us within max(1.5 beats, stale_after_s / 2): half its patience to spare. A round of
+    a thousand nodes is quiet for tens of seconds while they all-reduce, and a beat at half a
+    heartbeat was a frame each way per node a round."""
+    return max(heartbeat_s / 2, stale_after_s / 2 - heartbeat_s)
+
+
 def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, others: int) -> bool:
     """A node past its deadline: it waited more than `factor` times what its speed predicts, plus
     heartbeat slack. `others`: the members that could take its work over (anyone else in the

@@ -130,12 +130,20 @@ class RoundPlan:
     planned: dict[str, deque[WorkUnit]] = field(default_factory=dict)
     granted: dict[str, list[WorkUnit]] = field(default_factory=dict)
     orphans: deque[WorkUnit] = field(default_factory=deque)  # from nodes that left mid-round
+    left: int = 0  # samples planned or orphaned, not granted (remaining(): asked at every grant)
 
     @classmethod
     def make(cls, units: list[WorkUnit], speeds: dict[str, float], steal: bool = True) -> RoundPlan:
         ids = list(speeds)
         shares = split_proportional(units, [speeds[i] for i in ids])
-        return cls(dict(speeds), steal, {i: deque(s) for i, s in zip(ids, shares)}, {i: [] for i in ids})
+        planned = {i: deque(s) for i, s in zip(ids, shares)}
+        return cls(
+            dict(speeds),
+            steal,
+            planned,
+            {i: [] for i in ids},
+            left=sum(u.hi - u.lo for q in planned.values() for u in q),
+        )
 
     def grant_first(self, node: str, k: int = 1) -> list[WorkUnit]:
         out = [self.next_for(node) for _ in range(k)]
@@ -157,16 +165,24 @@ class RoundPlan:
         else:
             return None
         self.granted[node].append(u)
+        self.left -= u.hi - u.lo
         return u
+
+    def exhausted_for(self, node: str) -> bool:
+        """Nothing more will be granted to this node this round (unless a node leaves and its
+        units come back): with stealing, nothing is left for anyone; without, its own plan is done."""
+        return self.left == 0 if self.steal else not self.planned.get(node)
 
     def remaining(self) -> int:
         """Samples not yet granted to anyone."""
-        return sum(u.hi - u.lo for q in (*self.planned.values(), self.orphans) for u in q)
+        return self.left
 
     def drop(self, node: str) -> None:
         """A node left or was excluded: everything granted to it (trained or not) is redone, and
         its plan goes to the others."""
-        self.orphans.extend(self.granted.pop(node, []))  # (first: the order the others get them in)
+        granted = self.granted.pop(node, [])
+        self.orphans.extend(granted)  # (first: the order the others get them in)
+        self.left += sum(u.hi - u.lo for u in granted)
         self.take(node)
 
     def take(self, node: str) -> list[WorkUnit]:

@@ -59,7 +59,14 @@ class Device:
 
 
 async def _round(
-    worker, first: list[P.WorkUnit], replies, unit_steps: int = 2, rnd: int = 0, rtt_s: float = 60.0, sent=None
+    worker,
+    first: list[P.WorkUnit],
+    replies,
+    unit_steps: int = 2,
+    rnd: int = 0,
+    rtt_s: float = 60.0,
+    sent=None,
+    no_more: bool = False,
 ):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each ask (an
     AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent."""
@@ -79,7 +86,7 @@ async def _round(
 
     inner = InnerLoop(worker, recipe, inbox, send)
     inner.rtt_s = rtt_s  # default: a slow link next to a fast device: the node asks ahead at every step
-    report = await inner.run_round(P.ShardAssignment(round=rnd, epoch=0, units=first))
+    report = await inner.run_round(P.ShardAssignment(round=rnd, epoch=0, units=first, no_more=no_more))
     return report
 
 
@@ -128,6 +135,31 @@ def test_grants_until_no_more_work_train_everything(worker) -> None:
     report = run_async(_round(worker, granted[:1], replies))
     assert check_accounting(granted, report.trained, report.returned) is None
     assert report.returned == [] and sorted(u.id for u in report.trained) == [0, 1, 2, 3]
+
+
+def test_a_node_told_nothing_is_left_trains_its_units_without_asking(worker) -> None:
+    """A grant that says nothing is left after it (`no_more`): no ask, every unit trained."""
+    sent: list[P._Msg] = []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        raise AssertionError("the node asked although nothing is left")
+
+    report = run_async(_round(worker, [_unit(0), _unit(1)], replies, sent=sent, no_more=True))
+    assert sorted(u.id for u in report.trained) == [0, 1] and report.returned == []
+    assert [type(m) for m in sent] == [P.TrainProgress, P.TrainProgress]
+
+
+def test_the_grant_of_the_last_unit_ends_the_asks(worker) -> None:
+    granted, sent = [_unit(0)], []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        assert n == 1, "the node asked after the last unit was granted"
+        granted.append(_unit(1))
+        _later(inbox, P.AssignNext(round=0, unit=granted[-1], no_more=True), 0.01)
+
+    report = run_async(_round(worker, granted[:1], replies, sent=sent))
+    assert check_accounting(granted, report.trained, report.returned) is None
+    assert sorted(u.id for u in report.trained) == [0, 1]
 
 
 class Slow(Device):

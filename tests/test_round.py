@@ -139,6 +139,8 @@ class Sim:
             for u in list(rd.plan.granted.get(i, [])):
                 if (u.epoch, u.id, u.lo, u.hi) not in rd.nodes[i].reported:
                     self.msg(name, P.TrainProgress(round=rd.rnd, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+            if self.told_no_more(name):
+                break  # (its last grant said nothing is left: it does not ask)
             before = len(self.sent)
             self.msg(name, P.AskForMoreWork(round=rd.rnd))
             if not any(isinstance(m, P.AssignNext) for _, m in self.sent[before:]):
@@ -182,6 +184,11 @@ class Sim:
 
     def to(self, name: str, kind: type) -> list:
         return [m for i, m in self.sent if i == self.ids[name] and isinstance(m, kind)]
+
+    def told_no_more(self, name: str) -> bool:
+        """The last unit granted to `name` this round came with "nothing is left after it"."""
+        grants = [m for m in self.to(name, (P.ShardAssignment, P.AssignNext)) if m.round == self.rd.rnd]
+        return bool(grants) and grants[-1].no_more
 
     def rings(self) -> list[list[str]]:
         """Every BarrierReady's ring, by name (one per attempt)."""
@@ -624,6 +631,54 @@ def test_a_held_ask_is_answered_no_more_when_the_round_stops() -> None:
     assert rd.nodes[sim.ids["x"]].ask_held and sim.to("x", P.NoMoreWork) == []
     sim.train("a")  # takes the rest of the budget: the round stops
     assert sim.to("x", P.StopRound) and len(sim.to("x", P.NoMoreWork)) == 1
+
+
+def test_a_grant_that_leaves_nothing_to_grant_says_so_and_nobody_asks_in_vain() -> None:
+    # A thousand nodes with a unit each: every ask was answered "no more", two frames a node.
+    sim = Sim(["a", "b", "c"], inner_steps=1)  # a unit a node: the first grants take everything
+    rd = sim.start()
+    assert rd.plan.remaining() == 0
+    assert all(sim.to(n, P.ShardAssignment)[0].no_more for n in "abc")
+    (u,) = rd.plan.granted[sim.ids["b"]]
+    sim.msg("b", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+    sim.train("a")  # reports its unit, does not ask, syncs: the others stop at their next step ...
+    assert sim.to("a", P.NoMoreWork) == [] and len(sim.to("c", P.StopRound)) == 1
+    assert sim.to("b", P.StopRound) == []  # ... but b trained all it holds: nothing to stop
+    sim.train("b")
+    sim.train("c")
+    sim.tick()
+    assert not any(n.excluded for n in rd.nodes.values()) and sim.rings() == [["a", "b", "c"]]
+    assert all(sim.to(n, P.NoMoreWork) == [] for n in "abc")
+
+
+def test_only_the_grant_that_takes_the_last_unit_says_nothing_is_left() -> None:
+    sim = Sim(["a", "b"], inner_steps=4)
+    rd = sim.start()
+    assert not any(sim.to(n, P.ShardAssignment)[0].no_more for n in "ab")
+    sim.train("a")  # asks until nothing is left: it stole b's planned units
+    nexts = sim.to("a", P.AssignNext)
+    assert [m.no_more for m in nexts] == [False] * (len(nexts) - 1) + [True]
+    assert rd.plan.remaining() == 0 and sim.to("a", P.NoMoreWork) == []
+
+
+def test_without_stealing_a_node_is_told_no_more_once_its_own_plan_is_granted() -> None:
+    sim = Sim(["a", "b"], inner_steps=4, schedule="lockstep")
+    rd = sim.start()
+    a = sim.ids["a"]
+    assert not sim.to("a", P.ShardAssignment)[0].no_more  # its plan holds more units
+    sim.train("a")
+    assert sim.to("a", P.AssignNext)[-1].no_more and rd.plan.remaining() > 0  # b's plan is b's
+    assert not rd.plan.planned[a] and sim.to("a", P.NoMoreWork) == []
+
+
+def test_a_units_orphaned_by_a_node_that_left_count_again_as_left_to_grant() -> None:
+    sim = Sim(["a", "b", "c"], inner_steps=1)
+    rd = sim.start()
+    assert rd.plan.remaining() == 0
+    sim.drop(sim.ids["c"], "gone")
+    assert rd.plan.remaining() == rules.samples(list(rd.plan.orphans)) > 0  # b asks: it gets c's unit
+    sim.msg("b", P.AskForMoreWork(round=0))
+    assert sim.to("b", P.AssignNext)[-1].no_more and rd.plan.remaining() == 0
 
 
 def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_it_holds() -> None:

@@ -75,6 +75,21 @@ def test_overdue_needs_factor_times_expected_plus_slack_and_someone_else() -> No
     assert not rules.overdue(waited=1e9, expected=1.0, factor=4.0, heartbeat_s=0.5, others=0)  # the last one finishes
 
 
+@pytest.mark.parametrize("heartbeat_s, stale_after_s", [(2.0, 10.0), (0.5, 1.0), (5.0, 10.0), (50.0, 250.0)])
+def test_a_quiet_channel_is_beaten_on_within_half_the_other_ends_patience(heartbeat_s, stale_after_s) -> None:
+    quiet = rules.quiet_limit(heartbeat_s, stale_after_s)
+    # A beat every heartbeat_s sends once the channel was quiet this long: the other end's
+    # longest silence is quiet + heartbeat_s, never past its stale_after_s (it would drop us).
+    assert quiet + heartbeat_s <= max(1.5 * heartbeat_s, stale_after_s / 2) <= stale_after_s
+    assert quiet >= heartbeat_s / 2  # a channel that carried a frame within half a beat needs none
+
+
+def test_a_thousand_nodes_all_reducing_for_a_minute_get_no_ping_and_send_no_heartbeat() -> None:
+    # (the lightweight swarm's recipe at 1,000 nodes: beats of 50 s, patience of 250 s)
+    assert rules.quiet_limit(50.0, 250.0) > 60.0
+    assert rules.quiet_limit(2.0, 10.0) == 3.0  # the defaults: a frame within 5 s of silence
+
+
 def test_quorum_cut_needs_the_quorum_synced_a_grace_ago() -> None:
     assert rules.quorum_cut(0.9, 0.9, 0.51, 0.5)
     assert not rules.quorum_cut(0.9, 0.9, 0.49, 0.5)  # one that is merely behind is waited for
