@@ -159,7 +159,7 @@ class InnerLoop:
                 raise StopTraining("lost the connection to the coordinator", lost=True)
             case P.TrainingCancel():
                 raise StopTraining(f"training cancelled by coordinator: {msg.reason}")
-            case P.AssignNext() | P.NoMoreWork() | P.StopRound() if msg.round != state["round"]:
+            case P.AssignNext() | P.NoMoreWork() | P.MoreWork() | P.StopRound() if msg.round != state["round"]:
                 pass  # a late reply to the previous round
             case P.AssignNext():
                 state["granted"].append(msg.unit)
@@ -169,6 +169,8 @@ class InnerLoop:
             case P.NoMoreWork():
                 state["no_more"] = True
                 state["asked"] = False
+            case P.MoreWork():
+                state["no_more"] = False  # (the next ask point asks)
             case P.StopRound():
                 state["stop"] = True
             case P.ShardAssignment() | P.TrainComplete():

@@ -480,8 +480,8 @@ class Session:
                     raise NodeError(f"training cancelled by coordinator: {msg.reason}")
                 case _ if isinstance(msg, types):
                     return msg
-                case P.StopRound() | P.NoMoreWork():
-                    pass  # a reply that crossed the end of the inner loop ("stop", "no more work")
+                case P.StopRound() | P.NoMoreWork() | P.MoreWork():
+                    pass  # a reply that crossed the end of the inner loop ("stop", "no more work", "ask again")
                 case _ if getattr(msg, "round", self.round) < self.round:
                     pass  # an earlier round's
                 case _:

@@ -314,8 +314,10 @@ class ShardAssignment(_Msg):
 
     `planned` is how many more units the plan holds for this node; they are granted one at a time
     (AskForMoreWork -> AssignNext), so a faster node can take them instead (work stealing). `no_more`:
-    nothing is left to grant anyone after these units, so the node does not ask (as if it had been
-    told NoMoreWork): a round of a thousand nodes with a unit each saves two frames a node."""
+    nothing more will be granted to this node after these units (stealing: nothing is left for
+    anyone; lockstep: its own plan is granted), so it does not ask, as if told NoMoreWork, until a
+    MoreWork says units came back. A round of a thousand nodes with a unit each saves two frames a
+    node."""
 
     type: Literal["ShardAssignment"] = "ShardAssignment"
     round: Round
@@ -354,11 +356,19 @@ class AssignNext(_Msg):
     type: Literal["AssignNext"] = "AssignNext"
     round: Round
     unit: WorkUnit
-    no_more: bool = False  # nothing is left to grant after it: no more asks this round (NoMoreWork)
+    no_more: bool = False  # nothing more for this node after it: no asks (as ShardAssignment.no_more)
 
 
 class NoMoreWork(_Msg):
     type: Literal["NoMoreWork"] = "NoMoreWork"
+    round: Round
+
+
+class MoreWork(_Msg):
+    """Coordinator -> node: units came back to the round's plan (a node left, or its work was
+    voided) after this node was told nothing was left: ask again."""
+
+    type: Literal["MoreWork"] = "MoreWork"
     round: Round
 
 
@@ -602,6 +612,7 @@ Message = Annotated[
     | AskForMoreWork
     | AssignNext
     | NoMoreWork
+    | MoreWork
     | StopRound
     | BarrierSync
     | BarrierReady

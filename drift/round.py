@@ -466,6 +466,7 @@ class Round:
         self.late: dict[str, Late] = {}  # this round's, for the next
         self.t_quorum: float | None = None  # since when members holding the quorum are at the barrier
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
+        self.told_none_left = False  # a node was told nothing more is left for it (no_more, NoMoreWork)
         self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
         self.done_after: dict[str, float] = {}  # ring member -> seconds after BarrierReady it reported θ
         # Members' RoundDones of earlier attempts (their own word, on their own connection): the
@@ -551,7 +552,7 @@ class Round:
                     epoch=self.epoch,
                     units=first[i],
                     planned=len(self.plan.planned[i]),
-                    no_more=self.plan.exhausted_for(i),
+                    no_more=self._none_left(i),
                     report_val=report_val,
                     state=host.state_source(i),
                     progress=progress,
@@ -616,6 +617,7 @@ class Round:
             if (w := book.pop(i, None)) is not None:
                 self.give_back.extend(w.units)
         self.plan.drop(i)
+        self._reopen()
         if self.ring is not None and self.abandoned is None and i in self.ring_ids() and self.ring_failed_at is None:
             self.warn(f"round {self.rnd}: {self.name(i)} left during the all-reduce")
             self.ring_failed_at = self.now
@@ -723,11 +725,30 @@ class Round:
             nxt = self.plan.next_for(i)
         if nxt is not None:
             n.last_progress = self.now
-            self.send(i, P.AssignNext(round=self.rnd, unit=nxt, no_more=self.plan.exhausted_for(i)))
+            self.send(i, P.AssignNext(round=self.rnd, unit=nxt, no_more=self._none_left(i)))
             return
         self.send(i, P.NoMoreWork(round=rnd))
         if rnd == self.rnd:
+            self.told_none_left = True
             self._out_of_work(i)
+
+    def _none_left(self, i: str) -> bool:
+        """Nothing more will be granted to node i after what it was just granted (it need not ask)."""
+        none = self.plan.exhausted_for(i)
+        self.told_none_left = self.told_none_left or none
+        return none
+
+    def _reopen(self) -> None:
+        """Units came back to the plan (a node left, or its work was voided) after a node was told
+        nothing was left: the nodes still training ask again (MoreWork), or the units would wait
+        for the next round (and in the last one, never be trained). A node already past its last
+        unit ignores it; nobody is granted anything it did not ask for."""
+        if not self.steal or not self.told_none_left or self.stop_sent or self.plan.remaining() == 0:
+            return
+        self.told_none_left = False
+        to = [i for i in self.part() if (n := self.nodes[i]).synced is None and not n.excluded and not n.early]
+        if to:
+            self.out.append(Send(tuple(to), P.MoreWork(round=self.rnd)))
 
     def _out_of_work(self, i: str) -> None:
         """Nothing is left to grant and node i holds nothing more to train: the others stop at their
@@ -880,6 +901,7 @@ class Round:
         """Weight 0 this round: everything granted to it (trained or not) is redone by others."""
         self.nodes[i].excluded = True
         self.plan.drop(i)
+        self._reopen()
 
     def drop(self, i: str, why: str) -> None:
         """Remove a node from the swarm mid-round (every live round forgets it)."""

@@ -169,8 +169,9 @@ class RoundPlan:
         return u
 
     def exhausted_for(self, node: str) -> bool:
-        """Nothing more will be granted to this node this round (unless a node leaves and its
-        units come back): with stealing, nothing is left for anyone; without, its own plan is done."""
+        """Nothing more is there for this node this round: with stealing, nothing is left for
+        anyone (until a node leaves and its units come back: Round._reopen); without, its own
+        plan is granted."""
         return self.left == 0 if self.steal else not self.planned.get(node)
 
     def remaining(self) -> int:

@@ -67,6 +67,7 @@ async def _round(
     rtt_s: float = 60.0,
     sent=None,
     no_more: bool = False,
+    waiting: list[P._Msg] = (),
 ):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each ask (an
     AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent."""
@@ -74,6 +75,8 @@ async def _round(
         name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=unit_steps
     )
     inbox: asyncio.Queue = asyncio.Queue()
+    for m in waiting:  # (came before the round's first step)
+        inbox.put_nowait(m)
     asks = 0
     sent = [] if sent is None else sent
 
@@ -147,6 +150,19 @@ def test_a_node_told_nothing_is_left_trains_its_units_without_asking(worker) -> 
     report = run_async(_round(worker, [_unit(0), _unit(1)], replies, sent=sent, no_more=True))
     assert sorted(u.id for u in report.trained) == [0, 1] and report.returned == []
     assert [type(m) for m in sent] == [P.TrainProgress, P.TrainProgress]
+
+
+def test_a_node_told_nothing_is_left_asks_again_when_units_come_back(worker) -> None:
+    granted = [_unit(0), _unit(1)]
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        assert n == 1, "the node asked again after it was told nothing is left"
+        granted.append(_unit(2))  # (the unit of a node that left)
+        _later(inbox, P.AssignNext(round=0, unit=granted[-1], no_more=True), 0.01)
+
+    report = run_async(_round(worker, granted[:2], replies, no_more=True, waiting=[P.MoreWork(round=0)]))
+    assert check_accounting(granted, report.trained, report.returned) is None
+    assert sorted(u.id for u in report.trained) == [0, 1, 2]
 
 
 def test_the_grant_of_the_last_unit_ends_the_asks(worker) -> None:

@@ -27,6 +27,7 @@ SAMPLES = [
     P.AskForMoreWork(round=1),
     P.AssignNext(round=1, unit=P.WorkUnit(id=9, lo=32, hi=64)),
     P.NoMoreWork(round=1),
+    P.MoreWork(round=1),
     P.StopRound(round=1),
     P.BarrierSync(
         round=1,

@@ -186,9 +186,10 @@ class Sim:
         return [m for i, m in self.sent if i == self.ids[name] and isinstance(m, kind)]
 
     def told_no_more(self, name: str) -> bool:
-        """The last unit granted to `name` this round came with "nothing is left after it"."""
-        grants = [m for m in self.to(name, (P.ShardAssignment, P.AssignNext)) if m.round == self.rd.rnd]
-        return bool(grants) and grants[-1].no_more
+        """The last unit granted to `name` this round came with "nothing is left after it" (and
+        no MoreWork since)."""
+        told = [m for m in self.to(name, (P.ShardAssignment, P.AssignNext, P.MoreWork)) if m.round == self.rd.rnd]
+        return bool(told) and getattr(told[-1], "no_more", False)
 
     def rings(self) -> list[list[str]]:
         """Every BarrierReady's ring, by name (one per attempt)."""
@@ -642,13 +643,12 @@ def test_a_grant_that_leaves_nothing_to_grant_says_so_and_nobody_asks_in_vain() 
     (u,) = rd.plan.granted[sim.ids["b"]]
     sim.msg("b", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
     sim.train("a")  # reports its unit, does not ask, syncs: the others stop at their next step ...
-    assert sim.to("a", P.NoMoreWork) == [] and len(sim.to("c", P.StopRound)) == 1
+    assert len(sim.to("c", P.StopRound)) == 1
     assert sim.to("b", P.StopRound) == []  # ... but b trained all it holds: nothing to stop
     sim.train("b")
     sim.train("c")
     sim.tick()
     assert not any(n.excluded for n in rd.nodes.values()) and sim.rings() == [["a", "b", "c"]]
-    assert all(sim.to(n, P.NoMoreWork) == [] for n in "abc")
 
 
 def test_only_the_grant_that_takes_the_last_unit_says_nothing_is_left() -> None:
@@ -658,7 +658,7 @@ def test_only_the_grant_that_takes_the_last_unit_says_nothing_is_left() -> None:
     sim.train("a")  # asks until nothing is left: it stole b's planned units
     nexts = sim.to("a", P.AssignNext)
     assert [m.no_more for m in nexts] == [False] * (len(nexts) - 1) + [True]
-    assert rd.plan.remaining() == 0 and sim.to("a", P.NoMoreWork) == []
+    assert rd.plan.remaining() == 0
 
 
 def test_without_stealing_a_node_is_told_no_more_once_its_own_plan_is_granted() -> None:
@@ -668,17 +668,34 @@ def test_without_stealing_a_node_is_told_no_more_once_its_own_plan_is_granted() 
     assert not sim.to("a", P.ShardAssignment)[0].no_more  # its plan holds more units
     sim.train("a")
     assert sim.to("a", P.AssignNext)[-1].no_more and rd.plan.remaining() > 0  # b's plan is b's
-    assert not rd.plan.planned[a] and sim.to("a", P.NoMoreWork) == []
+    assert not rd.plan.planned[a]
 
 
-def test_a_units_orphaned_by_a_node_that_left_count_again_as_left_to_grant() -> None:
-    sim = Sim(["a", "b", "c"], inner_steps=1)
+@pytest.mark.parametrize("how", ["left", "deadline"])
+def test_units_that_come_back_after_nothing_was_left_are_trained_in_the_same_round(how) -> None:
+    # The last round has no next one: a unit given back at its end is never trained.
+    sim = Sim(["a", "b", "c", "d"], rounds=1, inner_steps=1)  # a unit each, all told no_more
     rd = sim.start()
-    assert rd.plan.remaining() == 0
-    sim.drop(sim.ids["c"], "gone")
-    assert rd.plan.remaining() == rules.samples(list(rd.plan.orphans)) > 0  # b asks: it gets c's unit
-    sim.msg("b", P.AskForMoreWork(round=0))
-    assert sim.to("b", P.AssignNext)[-1].no_more and rd.plan.remaining() == 0
+    d = sim.ids["d"]
+    (lost,) = rd.plan.granted[d]
+    if how == "left":
+        sim.drop(d, "gone")
+        sim.tick()
+    else:  # the others report their units; d is past its deadline
+        sim.now = sim.t0 + 5.0
+        for n in "abc":
+            (u,) = rd.plan.granted[sim.ids[n]]
+            sim.msg(n, P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+        sim.tick(after=5.0)
+        assert rd.nodes[d].excluded
+    assert rd.plan.remaining() == lost.hi - lost.lo  # back in the plan ...
+    assert all(len(sim.to(n, P.MoreWork)) == 1 for n in "abc")  # ... and those still training ask again
+    for n in "abc":
+        sim.train(n)
+    sim.tick(after=5.0)
+    trained = [u for n in "abc" for u in rd.nodes[sim.ids[n]].synced.trained]
+    assert lost in trained and rules.samples(trained) == 4 * (lost.hi - lost.lo)
+    assert sim.to("a", P.AssignNext)[-1].no_more  # (a took it, and was told nothing is left again)
 
 
 def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_it_holds() -> None:

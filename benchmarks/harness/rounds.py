@@ -179,15 +179,18 @@ class VirtualSwarm:
             case P.ShardAssignment(role="train") if not n.synced:  # late: it finishes that round first
                 n.next = msg
             case P.ShardAssignment(role="train"):
-                n.rnd, n.synced, n.no_more, n.stopping, n.asked = msg.round, False, False, False, False
+                n.rnd, n.synced, n.no_more, n.stopping, n.asked = msg.round, False, msg.no_more, False, False
                 n.trained, n.returned, n.steps = [], [], 0
                 n.queue.extend(msg.units)
                 if not msg.units and not msg.planned:
                     n.no_more = True
                 self.advance(n)
             case P.AssignNext(round=rnd, unit=u) if rnd == n.rnd and not n.synced:
-                n.asked = False
+                n.asked, n.no_more = False, msg.no_more
                 (n.returned if n.stopping else n.queue).append(u)
+                self.advance(n)
+            case P.MoreWork(round=rnd) if rnd == n.rnd and not n.synced:
+                n.no_more = False
                 self.advance(n)
             case P.NoMoreWork(round=rnd) if rnd == n.rnd and not n.synced:
                 n.asked, n.no_more = False, True
