@@ -15,8 +15,8 @@ Sync time is a model, not a measurement: each step of a collective takes the lon
 at --up-mbit and its download at --down-mbit, plus half an RTT; the ring runs 2(N-1) such steps of
 one segment each; the grid 2(q-1) steps of a row's segment (1/q of θ) and 2(rows-1) of a column's
 (1/(q rows)), plus one of a row's segment where a passenger rides (the busiest member); the flat
-all-gather one step of N-1 payloads, the hierarchy one step a level.
-It is not yet calibrated against emulated home links (issue 39, item 4).
+all-gather one step of N-1 payloads, the hierarchy one step a level. --efficiency and --step-ms
+calibrate it: benchmarks/bench_home.py fits both to real swarms on emulated home links.
 """
 
 from __future__ import annotations
@@ -28,33 +28,39 @@ from drift.compress import make_codec
 from drift.ring import grid
 from drift.sync.sparse import Codec, SparseParams
 
+Step = tuple[int, float, float]  # (how many such steps, bytes up, bytes down) of the busiest node
 
-def rows(n_params: int, nodes: list[int], chunk: int, k: int, fanouts: list[int], up: float, down: float, rtt: float):
-    """(N, collective, bytes up, bytes down, seconds) per swarm size and collective."""
+
+def rows(n_params: int, nodes: list[int], chunk: int, k: int, fanouts: list[int]):
+    """(N, collective, bytes up, bytes down, steps) per swarm size and collective."""
     seg = make_codec("int8").encoded_nbytes(n_params)
     payload = Codec(n_params, chunk, k).nbytes
     for n in nodes:
         ring = int(2 * (n - 1) / n * seg)
-        ring_s = 2 * (n - 1) * (max(seg / n / up, seg / n / down) + rtt / 2) if n > 1 else 0.0
-        yield n, "int8 ring", ring, ring, ring_s
+        yield n, "int8 ring", ring, ring, [(2 * (n - 1), seg / n, seg / n)]
         if (g := grid(n, "int8")) is not None:
             row, col = seg / g.q, seg / g.q / g.rows
             rider = g.rider(0) is not None
             most = 2 * (g.q - 1) * row + 2 * (g.rows - 1) * col + rider * row
-            t = sum(s * (max(b / up, b / down) + rtt / 2) for s, b in [(2 * (g.q - 1), row), (2 * (g.rows - 1), col)])
-            t += rider * (max(row / up, row / down) + rtt / 2)
-            yield n, f"int8 grid ({g.rows} rows of {g.q})", int(most), int(most), t
+            steps = [(2 * (g.q - 1), row, row), (2 * (g.rows - 1), col, col), (int(rider), row, row)]
+            yield n, f"int8 grid ({g.rows} rows of {g.q})", int(most), int(most), steps
         flat = (n - 1) * payload
-        yield n, "sparse, flat all-gather", flat, flat, max(flat / up, flat / down) + rtt / 2
+        yield n, "sparse, flat all-gather", flat, flat, [(1, flat, flat)]
         for fanout in fanouts:
             if n <= fanout:
                 continue  # (flat)
-            t, (most_up, most_down) = 0.0, hierarchy.transfers(n, fanout)
+            steps, (most_up, most_down) = [], hierarchy.transfers(n, fanout)
             for level in hierarchy.plan(n, fanout):
                 u = max(len(level.targets(m)) for m in range(n)) * payload
                 d = max(len(level.sources(m)) - 1 for m in range(n)) * payload
-                t += max(u / up, d / down) + rtt / 2
-            yield n, f"sparse, hierarchy (fanout {fanout})", most_up * payload, most_down * payload, t
+                steps.append((1, u, d))
+            yield n, f"sparse, hierarchy (fanout {fanout})", most_up * payload, most_down * payload, steps
+
+
+def seconds(steps: list[Step], up: float, down: float, rtt: float, efficiency: float = 1.0, step_s: float = 0.0):
+    """The link model: each step takes the longer of its upload at `up` and its download at `down`
+    (bytes/s, of which a transfer gets `efficiency`), half an RTT, and `step_s` more."""
+    return sum(c * (max(u / up, d / down) / efficiency + rtt / 2 + step_s) for c, u, d in steps)
 
 
 def human(b: float) -> str:
@@ -75,6 +81,10 @@ def main() -> None:
     ap.add_argument("--up-mbit", type=float, default=20.0)
     ap.add_argument("--down-mbit", type=float, default=100.0)
     ap.add_argument("--rtt-ms", type=float, default=40.0)
+    ap.add_argument(
+        "--efficiency", type=float, default=1.0, help="of the link rate a transfer gets (bench_home fits it)"
+    )
+    ap.add_argument("--step-ms", type=float, default=0.0, help="a step's cost beyond half an RTT (bench_home fits it)")
     a = ap.parse_args()
     up, down, rtt = a.up_mbit * 1e6 / 8, a.down_mbit * 1e6 / 8, a.rtt_ms / 1e3
     for p in a.params:
@@ -84,7 +94,8 @@ def main() -> None:
         )
         print("| N | collective | per node up a round | down | sync time (model) |")
         print("|---|---|---|---|---|")
-        for n, name, bu, bd, s in rows(n_params, a.nodes, a.chunk, a.k, a.fanout, up, down, rtt):
+        for n, name, bu, bd, steps in rows(n_params, a.nodes, a.chunk, a.k, a.fanout):
+            s = seconds(steps, up, down, rtt, a.efficiency, a.step_ms / 1e3)
             print(f"| {n} | {name} | {human(bu)} | {human(bd)} | {s:,.2f} s |")
 
 

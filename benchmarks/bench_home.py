@@ -112,6 +112,37 @@ def sparse_cpu_seconds(n: int, nodes: int) -> tuple[float, float]:
     return t_enc, time.perf_counter() - t0
 
 
+def _bps(rate: str) -> float:
+    """'20mbit' -> bytes per second."""
+    return float(rate.lower().removesuffix("mbit")) * 1e6 / 8
+
+
+def calibrate(res: dict, nodes: int, up: float, down: float, rtt: float) -> None:
+    """The link model of bench_collectives.py beside each measured transfer, and its two knobs fitted
+    to them (least squares): the share of the link rate a transfer gets, and a step's cost beyond
+    half an RTT. Its scale table then states sync times with these (--efficiency, --step-ms)."""
+    import numpy as np
+    from bench_collectives import rows, seconds
+
+    name = {"ring": "int8 ring", "direct": "sparse, flat all-gather"}
+    xs, ys, seen = [], [], []
+    for (op, n), runs in sorted(res.items()):
+        steps = next(st for m, nm, _, _, st in rows(n, [nodes], CHUNK, K, []) if nm == name[op])
+        t = statistics.median(r["t"] for r in runs)
+        xs.append([seconds(steps, up, down, 0.0), sum(c for c, _, _ in steps)])
+        ys.append(t - seconds(steps, np.inf, np.inf, rtt))
+        seen.append((op, n, t, seconds(steps, up, down, rtt), steps))
+    if len(ys) < 2:
+        return
+    (inv_eff, step_s), *_ = np.linalg.lstsq(np.array(xs), np.array(ys), rcond=None)
+    eff = 1 / inv_eff
+    print(f"\nthe link model, fitted: efficiency {eff:.3f}, a step {step_s * 1e3:.1f} ms beyond half an RTT")
+    print(f"{'θ':>6} {'method':<24}{'measured s':>11}{'model s':>9}{'fitted s':>10}")
+    for op, n, t, model, steps in seen:
+        fitted = seconds(steps, up, down, rtt, eff, step_s)
+        print(f"{n / 1e6:>5.0f}M {name[op]:<24}{t:>11.2f}{model:>9.2f}{fitted:>10.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[124_000_000, 1_000_000_000], help="θ sizes (values)")
@@ -210,6 +241,8 @@ def main() -> int:
             print(
                 f"{n / 1e6:>5.0f}M {label:<14}{t:>11.2f}{extra:>9.2f}{t + extra:>9.2f}{sent / MiB:>13.1f}{w:>10}  {how}"
             )
+
+    calibrate(res, a.nodes, _bps(a.up), _bps(a.down), 2 * a.delay_ms / 1e3)
 
     tok_s = A100_TOKENS_S_124M * FLOPS_124M / FLOPS_RECIPE
     step = 16 * 1024 / tok_s

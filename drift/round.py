@@ -729,7 +729,7 @@ class Round:
             return
         self.send(i, P.NoMoreWork(round=rnd))
         if rnd == self.rnd:
-            self.told_none_left = True
+            self.told_none_left = self.told_none_left or self.plan.remaining() == 0  # (not: "you are out")
             self._out_of_work(i)
 
     def _none_left(self, i: str) -> bool:

@@ -68,6 +68,7 @@ async def _round(
     sent=None,
     no_more: bool = False,
     waiting: list[P._Msg] = (),
+    during: P._Msg | None = None,
 ):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each ask (an
     AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent."""
@@ -77,6 +78,9 @@ async def _round(
     inbox: asyncio.Queue = asyncio.Queue()
     for m in waiting:  # (came before the round's first step)
         inbox.put_nowait(m)
+    if during is not None:  # (comes during the first step)
+        worker = Device(worker)
+        worker.during_step(inbox, during)
     asks = 0
     sent = [] if sent is None else sent
 
@@ -160,9 +164,12 @@ def test_a_node_told_nothing_is_left_asks_again_when_units_come_back(worker) -> 
         granted.append(_unit(2))  # (the unit of a node that left)
         _later(inbox, P.AssignNext(round=0, unit=granted[-1], no_more=True), 0.01)
 
-    report = run_async(_round(worker, granted[:2], replies, no_more=True, waiting=[P.MoreWork(round=0)]))
-    assert check_accounting(granted, report.trained, report.returned) is None
-    assert sorted(u.id for u in report.trained) == [0, 1, 2]
+    for when in ("waiting", "during"):
+        del granted[2:]
+        msg = {when: [P.MoreWork(round=0)] if when == "waiting" else P.MoreWork(round=0)}
+        report = run_async(_round(worker, granted[:2], replies, no_more=True, **msg))
+        assert check_accounting(granted, report.trained, report.returned) is None
+        assert sorted(u.id for u in report.trained) == [0, 1, 2], when
 
 
 def test_the_grant_of_the_last_unit_ends_the_asks(worker) -> None:

@@ -681,7 +681,7 @@ def test_units_that_come_back_after_nothing_was_left_are_trained_in_the_same_rou
     if how == "left":
         sim.drop(d, "gone")
         sim.tick()
-    else:  # the others report their units; d is past its deadline
+    else:  # the others report their units and are still working out their Δ; d is past its deadline
         sim.now = sim.t0 + 5.0
         for n in "abc":
             (u,) = rd.plan.granted[sim.ids[n]]
@@ -696,6 +696,19 @@ def test_units_that_come_back_after_nothing_was_left_are_trained_in_the_same_rou
     trained = [u for n in "abc" for u in rd.nodes[sim.ids[n]].synced.trained]
     assert lost in trained and rules.samples(trained) == 4 * (lost.hi - lost.lo)
     assert sim.to("a", P.AssignNext)[-1].no_more  # (a took it, and was told nothing is left again)
+
+
+def test_units_back_in_a_round_where_nobody_was_told_nothing_is_left_need_no_more_work() -> None:
+    sim = Sim(["a", "b", "c"], inner_steps=4)  # more units than nodes: the plans hold more
+    rd = sim.start()
+    a = sim.ids["a"]
+    sim.msg("a", P.BarrierSync(round=0, samples=0, steps=0, loss=None, trained=[]))  # its units unaccounted
+    assert rd.nodes[a].excluded
+    sim.msg("a", P.AskForMoreWork(round=0))  # "no more" for it alone: others' plans hold units
+    assert sim.to("a", P.NoMoreWork) and rd.plan.remaining() > 0
+    sim.drop(sim.ids["c"], "gone")
+    sim.tick()
+    assert sim.to("b", P.MoreWork) == []  # b was never told nothing is left: it asks anyway
 
 
 def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_it_holds() -> None:
