@@ -18,6 +18,9 @@ nodes a process, default 250; --rounds rounds, default 3):
   sync cpu    of that, its CPU seconds per second while the nodes' all-reduce runs (it only waits,
               pings and holds N connections then)
   rss         the coordinator's peak RSS (VmHWM), MiB
+  ring        the fewest members with a weight in one round's all-reduce (rounds 1..): N when every
+              node trained and reduced (a round of a few members says the figures are not a full
+              round's)
 
 The nodes share the machine with the coordinator: on 2 cores, a round's wall time at large N is
 the nodes' ring all-reduce (2(N-1) hops, each of N nodes, on 2 cores), not the coordinator. A
@@ -104,6 +107,9 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
             "coord_cpu_s": med(cpus) if cpus else None,
             "sync_cpu_rate": med(rates) if rates else None,
             "rss_mib": rss,
+            "ring": min(
+                (sum(1 for v in e["nodes"].values() if v.get("weight", 0) > 0) for e in rnds[1:]), default=None
+            ),
             "done": done,
             "rounds": len(rnds),
         }
@@ -124,7 +130,7 @@ def main() -> None:
     a = ap.parse_args()
     print(
         f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'train cpu s':>11} {'round s':>8} {'sync s':>7} "
-        f"{'coord cpu s/round':>17} {'sync cpu s/s':>12} {'rss MiB':>8}  completed",
+        f"{'coord cpu s/round':>17} {'sync cpu s/s':>12} {'rss MiB':>8} {'ring':>5}  completed",
         flush=True,
     )
     for n in a.nodes:
@@ -132,7 +138,7 @@ def main() -> None:
         print(
             f"{n:>5} {_f(r['joined_s'], '{:.1f}'):>9} {_f(r['join_cpu_s']):>10} {_f(r['train_cpu_s'], '{:.3f}'):>11} "
             f"{_f(r['round_s']):>8} {_f(r['sync_s']):>7} {_f(r['coord_cpu_s'], '{:.3f}'):>17} "
-            f"{_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f}  "
+            f"{_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5}  "
             f"{r['done']}/{n} nodes, {r['rounds']} rounds{'' if r['ok'] else '  (not completed)'}",
             flush=True,
         )

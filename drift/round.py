@@ -448,7 +448,8 @@ class Round:
 
         # Nodes that join later enter the next round: the records are this round's participants.
         self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now, t_unit=now) for i in members}
-        self.trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
+        trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
+        self.trainers = rules.planning_speeds(trainers, swarm.measured)
         self.queue_before = taken.before  # the data position before this round took its units
         self.epoch, units = taken.epoch, taken.units
         # Lockstep (for comparison) gives every node the same share, whatever its speed.

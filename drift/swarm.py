@@ -238,7 +238,8 @@ class Swarm:
     def evaluators(self, budget: int) -> set[str]:
         """The members too slow to train this round (rules.evaluators)."""
         r = self.recipe
-        return rules.evaluators({i: self.speed[i] for i in self.members}, budget, r.batch_size, r.slow_node_fraction)
+        speeds = rules.planning_speeds({i: self.speed[i] for i in self.members}, self.measured)
+        return rules.evaluators(speeds, budget, r.batch_size, r.slow_node_fraction)
 
     def named_holder(self, by: str, holder: str) -> bool:
         """Member `by` says `holder` sent it a piece of θ that is not the swarm's (HolderReport).

@@ -711,6 +711,16 @@ def test_units_back_in_a_round_where_nobody_was_told_nothing_is_left_need_no_mor
     assert sim.to("b", P.MoreWork) == []  # b was never told nothing is left: it asks anyway
 
 
+def test_one_slow_measurement_beside_unmeasured_claims_neither_evaluates_nor_loses_its_share() -> None:
+    # Seen at 64 lightweight nodes: units of microseconds, a few measured over the coordinator's
+    # lag, the rest planned with their calibration claims: 59 evaluated, 5 trained everything.
+    sim = Sim(["a", "b", "c", "d"], speeds={"a": 1e5, "b": 1e5, "c": 1e5, "d": 1e5}, inner_steps=4)
+    sim.s.measured_speed(sim.ids["d"], 150.0)  # our clock saw d's unit take its time
+    rd = sim.start()
+    assert rd.role(sim.ids["d"]) == "train"
+    assert {len(rd.plan.planned[i]) + len(rd.plan.granted[i]) for i in rd.part()} == {4}  # equal shares
+
+
 def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_it_holds() -> None:
     # Seen under load: a node asking ahead took the last unit, its next ask was answered "no more"
     # and stopped everyone at once, so the units held ahead went back untrained (a round of 96

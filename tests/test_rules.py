@@ -90,6 +90,16 @@ def test_a_thousand_nodes_all_reducing_for_a_minute_get_no_ping_and_send_no_hear
     assert rules.quiet_limit(2.0, 10.0) == 3.0  # the defaults: a frame within 5 s of silence
 
 
+def test_a_speed_nobody_measured_never_outweighs_what_our_clock_measured() -> None:
+    speeds = {"a": 150.0, "b": 1e5, "c": 1e5}  # a's unit was measured (slow, under load); b, c only claimed
+    planned = rules.planning_speeds(speeds, measured={"a"})
+    assert planned == {"a": 150.0, "b": 150.0, "c": 150.0}
+    assert rules.evaluators(planned, budget=512, batch_size=4, slow_fraction=0.01) == set()
+    assert rules.evaluators(speeds, budget=512, batch_size=4, slow_fraction=0.01) == {"a"}  # (the claims' doing)
+    assert rules.planning_speeds(speeds, measured=set()) == speeds  # nothing measured yet: the claims
+    assert rules.planning_speeds({"a": 50.0, "b": 400.0}, {"a", "b"}) == {"a": 50.0, "b": 400.0}
+
+
 def test_quorum_cut_needs_the_quorum_synced_a_grace_ago() -> None:
     assert rules.quorum_cut(0.9, 0.9, 0.51, 0.5)
     assert not rules.quorum_cut(0.9, 0.9, 0.49, 0.5)  # one that is merely behind is waited for
