@@ -924,7 +924,8 @@ class Round:
         (rules.tail_stops)."""
         active = [i for i in self.part() if (n := self.nodes[i]).synced is None and not n.excluded and not n.early]
         in_hand = {i: self.in_hand(i) for i in active}
-        for i in rules.tail_stops(active, in_hand, self.plan.remaining(), self.s.speed, self.r.batch_size):
+        speeds = rules.planning_speeds({i: self.s.speed[i] for i in active}, self.s.measured)  # (as the plan's)
+        for i in rules.tail_stops(active, in_hand, self.plan.remaining(), speeds, self.r.batch_size):
             self.nodes[i].early = True
             self._stop(i)
 

@@ -719,6 +719,8 @@ def test_one_slow_measurement_beside_unmeasured_claims_neither_evaluates_nor_los
     rd = sim.start()
     assert rd.role(sim.ids["d"]) == "train"
     assert {len(rd.plan.planned[i]) + len(rd.plan.granted[i]) for i in rd.part()} == {4}  # equal shares
+    sim.tick()  # ... which the early stop of the round's tail does not undo by the claims either
+    assert not rd.nodes[sim.ids["d"]].early and len(rd.plan.planned[sim.ids["d"]]) == 3
 
 
 def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_it_holds() -> None:
