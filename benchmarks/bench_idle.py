@@ -20,10 +20,7 @@ import subprocess
 import sys
 import time
 
-
-def cpu_s(pid: int | str = "self") -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from bench_light_swarm import cpu_s
 
 
 async def hold(n: int, seconds: float) -> tuple[float, float]:
@@ -45,9 +42,10 @@ async def hold(n: int, seconds: float) -> tuple[float, float]:
     try:
         await asyncio.wait_for(taking, 60 + n / 5)
         await asyncio.sleep(5)  # (handshakes settle)
-        c0, k0, t0 = cpu_s(), cpu_s(child.pid), time.monotonic()
+        me = os.getpid()
+        c0, k0, t0 = cpu_s(me), cpu_s(child.pid), time.monotonic()
         await asyncio.sleep(seconds)
-        c1, k1, t1 = cpu_s(), cpu_s(child.pid), time.monotonic()
+        c1, k1, t1 = cpu_s(me), cpu_s(child.pid), time.monotonic()
         return 1000 * (c1 - c0) / (t1 - t0), 1000 * (k1 - k0) / (t1 - t0)
     finally:
         child.kill()

@@ -467,7 +467,6 @@ class Round:
         self.late: dict[str, Late] = {}  # this round's, for the next
         self.t_quorum: float | None = None  # since when members holding the quorum are at the barrier
         self.stop_sent, self.t_stop, self.t_ready = False, 0.0, 0.0
-        self.told_none_left = False  # a node was told nothing more is left for it (no_more, NoMoreWork)
         self.t_ring = 0.0  # when the all-reduce in flight was sent (BarrierReady)
         self.done_after: dict[str, float] = {}  # ring member -> seconds after BarrierReady it reported θ
         # Members' RoundDones of earlier attempts (their own word, on their own connection): the
@@ -525,8 +524,7 @@ class Round:
         progress = samples_seen + (prev.samples_synced() if prev is not None else 0)
         in_flight = prev is not None and not prev.settled
         has_evaluators = any(x.role == "evaluate" for x in self.nodes.values())
-        trainers = [i for i in s.members if self.nodes[i].role not in ("evaluate", "wait")]
-        first = {i: self.plan.grant_first(i) for i in trainers}  # (all first: `no_more` knows what is left)
+        first = {i: self.plan.grant_first(i) for i in self.trainers}  # (all first: `no_more` knows what is left)
         for i in list(s.members):
             n = self.nodes[i]
             if n.role == "evaluate":  # evaluators work at their own pace: a new job once the last is done
@@ -553,7 +551,7 @@ class Round:
                     epoch=self.epoch,
                     units=first[i],
                     planned=len(self.plan.planned[i]),
-                    no_more=self._none_left(i),
+                    no_more=self.plan.exhausted_for(i),
                     report_val=report_val,
                     state=host.state_source(i),
                     progress=progress,
@@ -617,8 +615,7 @@ class Round:
         for book in (self.carry, self.late):
             if (w := book.pop(i, None)) is not None:
                 self.give_back.extend(w.units)
-        self.plan.drop(i)
-        self._reopen()
+        self._drop_from_plan(i)
         if self.ring is not None and self.abandoned is None and i in self.ring_ids() and self.ring_failed_at is None:
             self.warn(f"round {self.rnd}: {self.name(i)} left during the all-reduce")
             self.ring_failed_at = self.now
@@ -726,27 +723,22 @@ class Round:
             nxt = self.plan.next_for(i)
         if nxt is not None:
             n.last_progress = self.now
-            self.send(i, P.AssignNext(round=self.rnd, unit=nxt, no_more=self._none_left(i)))
+            self.send(i, P.AssignNext(round=self.rnd, unit=nxt, no_more=self.plan.exhausted_for(i)))
             return
         self.send(i, P.NoMoreWork(round=rnd))
         if rnd == self.rnd:
-            self.told_none_left = self.told_none_left or self.plan.remaining() == 0  # (not: "you are out")
             self._out_of_work(i)
 
-    def _none_left(self, i: str) -> bool:
-        """Nothing more will be granted to node i after what it was just granted (it need not ask)."""
-        none = self.plan.exhausted_for(i)
-        self.told_none_left = self.told_none_left or none
-        return none
-
-    def _reopen(self) -> None:
-        """Units came back to the plan (a node left, or its work was voided) after a node was told
-        nothing was left: the nodes still training ask again (MoreWork), or the units would wait
-        for the next round (and in the last one, never be trained). A node already past its last
-        unit ignores it; nobody is granted anything it did not ask for."""
-        if not self.steal or not self.told_none_left or self.stop_sent or self.plan.remaining() == 0:
+    def _drop_from_plan(self, i: str) -> None:
+        """Node i's units go back to the plan (it left, or its work was voided). If nothing was
+        left before, the grants that emptied it said so (`no_more`, NoMoreWork): the nodes still
+        training ask again (MoreWork), or the units would wait for the next round (and in the last
+        one, never be trained). A node past its last unit ignores it; nobody is granted anything
+        it did not ask for."""
+        was_empty = self.plan.remaining() == 0
+        self.plan.drop(i)
+        if not self.steal or not was_empty or self.stop_sent or self.plan.remaining() == 0:
             return
-        self.told_none_left = False
         to = [i for i in self.part() if (n := self.nodes[i]).synced is None and not n.excluded and not n.early]
         if to:
             self.out.append(Send(tuple(to), P.MoreWork(round=self.rnd)))
@@ -901,8 +893,7 @@ class Round:
     def exclude(self, i: str) -> None:
         """Weight 0 this round: everything granted to it (trained or not) is redone by others."""
         self.nodes[i].excluded = True
-        self.plan.drop(i)
-        self._reopen()
+        self._drop_from_plan(i)
 
     def drop(self, i: str, why: str) -> None:
         """Remove a node from the swarm mid-round (every live round forgets it)."""

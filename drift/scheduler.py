@@ -170,7 +170,7 @@ class RoundPlan:
 
     def exhausted_for(self, node: str) -> bool:
         """Nothing more is there for this node this round: with stealing, nothing is left for
-        anyone (until a node leaves and its units come back: Round._reopen); without, its own
+        anyone (until a node leaves and its units come back: Round._drop_from_plan); without, its own
         plan is granted."""
         return self.left == 0 if self.steal else not self.planned.get(node)
 
