@@ -1,7 +1,8 @@
 """`sync: sparse` in a real swarm: real `drift join` processes on loopback all-gather their
 sparse payloads (drift-gather/0), train (val falls) and stay bit-identical (a round is only
-recorded once every member reported the same checksum); a node that sends 1000 x (or -10 x)
-its Δ is clipped by every honest node and excluded for the run on their word; and one that sends
+recorded once every member reported the same checksum); a node that adds noise of 10 x its Δ's
+norm is clipped by every honest node and excluded for the run on their word (x1000 and -10 x:
+tests/test_sync.py decides them in milliseconds, on the same wiring); and one that sends
 different payloads to different members is proven by its own signatures and excluded, while the
 honest node it misled is not struck."""
 
@@ -55,14 +56,18 @@ def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("attack", ["scale-ring", "flip-ring", "noise-ring"])
-def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_excluded(tmp_path: Path, attack: str) -> None:
-    # 3 honest nodes + 1 that puts 1000 x (or -10 x, or noise of 10 x the norm of) its Δ into its
-    # error feedback from round 1 on. Every honest node clips it to the median contribution
-    # and names it; the coordinator excludes it on the word of most of the ring.
+def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_excluded(tmp_path: Path) -> None:
+    # 3 honest nodes + 1 that adds noise of 10 x the norm of its Δ to it, into its error feedback
+    # from round 1 on. Every honest node clips it to the median contribution and names it; the
+    # coordinator excludes it on the word of most of the ring. The same wiring carries the x1000
+    # (scale-ring) and -10 x (flip-ring) attacks; what the rule decides of each (named and adding
+    # nothing; clipped to the median within the outlier bound) is
+    # tests/test_sync.py::test_a_contribution_far_outside_the_others_adds_nothing_and_is_named.
+    # Noise is the one run here: whether its payload is named depends on real Δs and their error
+    # feedback over rounds, which no fast test has.
     recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": f"{attack}:1"})
+    swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "noise-ring:1"})
     for i in range(3):
         swarm.join("0.02", name=f"good{i}")
     assert swarm.finish() == 0, swarm.log()
@@ -70,18 +75,14 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     vals = [e["val_loss"] for e in events if e["event"] == "round" and e["val_loss"] is not None]
     # θ was never poisoned: every round's val loss is below the initial one, the last well below
-    # (a loaded machine trains fewer samples a round: 4.39 -> 4.35, 4.14, 4.04 seen). With clipping
-    # off, x1000 raises it to 776; a -10 x flip is also named by the outlier rule, which then
-    # guards alone (clip 1e6: 4.39 -> 4.28, 4.23, 3.75, 3.35).
+    # (a loaded machine trains fewer samples a round: 4.39 -> 4.35, 4.14, 4.04 seen; with clipping
+    # off, the x1000 attack raised it to 776).
     assert len(vals) >= 3 and max(vals) < initial and vals[-1] < initial - 0.25, (initial, vals)
     found = {e["name"]: e["round"] for e in events if e["event"] == "poisoner"}
     assert set(found) <= {"bad"}, found  # no honest node is ever blamed
-    # -10 x Δ enters its error feedback, which holds its honest past: its payload may stay under
-    # `outlier` (6) x the median for the whole run, clipped (the val loss above) but not named
-    if attack != "flip-ring":
-        assert "bad" in found, found  # named by most of the ring
-        later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
-        assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
+    assert "bad" in found, found  # named by most of the ring
+    later = [e for e in events if e["event"] == "round" and e["round"] > found["bad"]]
+    assert later and all("bad" not in r["nodes"] for r in later)  # out for the run
     assert all(e["name"] == "bad" for e in events if e["event"] == "node_left")
 
 
