@@ -290,8 +290,8 @@ def test_node_admitted_in_the_last_round_leaves_with_the_run_complete(tmp_path: 
     the run is complete, says so, and exits 0 (not 'coordinator closed the connection')."""
     recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=2, inner_steps=16, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    swarm.join("0.25")
-    swarm.join("0.25")
+    swarm.join("0.02,0.25")  # round 0 in a moment; the last round lasts 16 steps of 0.25 s
+    swarm.join("0.02,0.25")
     go = tmp_path / "go"
     late = swarm.join("0.02", name="late", script=WRAPPERS / "held_node.py", env={"DRIFT_TEST_GO": str(go)})
     swarm.wait_event(lambda e: e["event"] == "round" and e["round"] == 0)
