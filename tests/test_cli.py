@@ -254,7 +254,7 @@ def test_the_ticket_is_shown_once_and_admits_to_its_own_run_only(tiny_recipe: Pa
     # the finished run's ticket: nothing answers it (a fresh key), and this machine knows why (once
     # the dial gave up: a short --connect-timeout, as nobody will answer it)
     repo = str(tiny_recipe.parents[1])
-    line = _one_line_error(_drift("join", "--repo", repo, "--ticket", ticket, "--connect-timeout", "2"))
+    line = _one_line_error(_drift("join", "--repo", repo, "--ticket", ticket, "--connect-timeout", "0.5"))
     assert line == f"drift: error: this run has finished (run {run_id}); ask its owner for the current join command"
 
     # a fresh key every run, unless kept; a kept key's later run refuses the earlier run's ticket
