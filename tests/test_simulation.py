@@ -20,7 +20,7 @@ from harness.simulate import Swarm, make_task_repo
 
 pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
-H, ROUNDS, LR, EF, K = 10, 4, 3, 0.9, 16
+H, ROUNDS, LR, EF, K = 10, 3, 3, 0.9, 16
 
 
 def test_one_simulated_replica_ends_every_round_where_a_real_node_does(tmp_path: Path) -> None:
