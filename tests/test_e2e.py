@@ -41,8 +41,21 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     assert all(r["bytes_sent"] > 0 for r in rounds)  # the ring really moved data
     assert all(sum(n["samples"] for n in r["nodes"].values()) == r["samples"] for r in rounds)
     assert events[-1]["event"] == "complete"
-    for i in range(3):
-        assert (run_dir / f"node-{i}.log").exists()
+    # the run's page outlives the coordinator: its events up to "complete" in the run dir
+    assert f"page:       {run_dir / 'dashboard.html'}" in out.stderr + out.stdout
+    assert '"event": "complete"' in (run_dir / "dashboard.html").read_text()
+    for i in range(3):  # each node's log: joined, then a line a round with the share we counted for it
+        shares = {r["round"] + 1: r["nodes"][f"local-{i}"] for r in rounds}
+        log = (run_dir / f"node-{i}.log").read_text()
+        assert "drift: joined run " in log, log
+        lines = [line for line in log.splitlines() if line.startswith("drift: round ")]
+        for k in range(1, len(rounds) + 1):
+            mine = [line for line in lines if line.startswith(f"drift: round {k}/{len(rounds)}")]
+            assert len(mine) == 1, log
+            assert " samples (" in mine[0] and "sent " in mine[0], mine
+            share = f"trained {shares[k]['samples']} samples ({100 * shares[k]['weight']:.0f}% of the round)"
+            assert share in mine[0], mine
+        assert "ETA" in lines[0], lines
     for r in rounds:  # what `drift report` plots per node: time split and bytes
         for n in r["nodes"].values():
             assert n["busy_s"] > 0 and n["idle_s"] >= 0 and n["sync_s"] > 0 and n["bytes_sent"] > 0

@@ -136,35 +136,3 @@ def test_a_checkpoint_dir_that_turns_read_only_mid_run_ends_in_one_line_and_keep
     kept, _ = latest_checkpoint(ckpts)
     assert kept is not None and kept.round >= ckpt.round  # the newest whole checkpoint stays
     assert f"--resume continues from round {kept.round}" in errors[0], errors
-
-
-@pytest.mark.swarm
-def test_each_local_node_logs_joined_and_a_line_per_round_with_its_share(tmp_path: Path) -> None:
-    rounds = 3
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=rounds, **SIM)
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        drift_cmd("coord", str(recipe), "--local", "2", "--run-dir", str(run_dir)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert out.returncode == 0, out.stderr
-    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # the run's page outlives the coordinator: its events up to "complete" in the run dir
-    assert f"page:       {run_dir / 'dashboard.html'}" in out.stderr + out.stdout
-    assert '"event": "complete"' in (run_dir / "dashboard.html").read_text()
-    for i in range(2):
-        # what the coordinator counted for this node in each round
-        shares = {e["round"] + 1: e["nodes"][f"local-{i}"] for e in events if e["event"] == "round"}
-        log = (run_dir / f"node-{i}.log").read_text()
-        assert "drift: joined run " in log, log
-        lines = [line for line in log.splitlines() if line.startswith("drift: round ")]
-        for r in range(1, rounds + 1):
-            mine = [line for line in lines if line.startswith(f"drift: round {r}/{rounds}")]
-            assert len(mine) == 1, log
-            assert " samples (" in mine[0] and "sent " in mine[0], mine
-            share = f"trained {shares[r]['samples']} samples ({100 * shares[r]['weight']:.0f}% of the round)"
-            assert share in mine[0], mine
-        assert "ETA" in lines[0], lines
