@@ -981,6 +981,7 @@ class Session:
                     topk_fraction=t.recipe.topk_fraction,
                     kernels=t.worker.codec_kernels,
                     generation=ready.ring_epoch,
+                    flat=ready.flat,
                 )
                 return r, mine, ring, [], stats, None
             result, members, stats, named = await self.node.gather.tree(

@@ -40,8 +40,9 @@ from pydantic import (
 # Agreed.keep (rounds that close at a quorum); 6: the dense ring runs as a grid from GRID_FROM members
 # (drift/ring.py), Forgery.level; 7: Tickets (BarrierReady names members by id), Forgery.part, a grid row's
 # all-gather forwards its column owners' signed chunks; 8: BarrierReady names the ring's order only when it
-# changed, and carries samples and a norm bound in place of every member's weight and norm
-SCHEMA_VERSION = 9
+# changed, and carries samples and a norm bound in place of every member's weight and norm; 9: no_more,
+# MoreWork; 10: BarrierReady.flat (the grid gives way to the flat ring after a failure nobody was named for)
+SCHEMA_VERSION = 10
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -441,6 +442,9 @@ class BarrierReady(_Msg):
     # redoes one whose announcements disagreed; each also reports the state it steps from (`before`).
     confirm: bool = False
     recheck: bool = False
+    # The flat ring even from GRID_FROM members: a grid's later passes name nobody they wait for, so
+    # after a grid attempt failed with nobody named the swarm reduces where every wait is evidence.
+    flat: bool = False
     # What a member may take beyond the others to send its part before it is named late (the
     # all-gather's relative deadline): two heartbeats, and overlapped one inner step of the
     # slowest member by the coordinator's clock (a member finishes the step in hand first).

@@ -236,7 +236,9 @@ class Grid:
     them is proven (Forgery, `signer`). Timeouts are evidence only in the rows' reduce-scatter
     (every member starts it at once); a column starts when its rows' reduce-scatters end and a
     row's all-gather when its columns end, so a wait there can be anybody's delay: it lasts to
-    the pass's deadline and names nobody."""
+    the pass's deadline and names nobody. A member silent there would stall every round unnamed,
+    so once an attempt fails with nobody named, the swarm reduces on the flat ring, where every
+    wait is evidence (rules.flat_from_now, BarrierReady.flat)."""
 
     q: int
     rows: int
@@ -262,21 +264,24 @@ class Grid:
         return p if p < self.n else None
 
 
-def grid(n: int, codec: Codec | str) -> Grid | None:
-    """How n members all-reduce with `codec`: None for the flat ring (fewer than GRID_FROM, or a
-    codec with error feedback, whose residual needs each value encoded once a round)."""
+def grid(n: int, codec: Codec | str, flat: bool = False) -> Grid | None:
+    """How n members all-reduce with `codec`: None for the flat ring (fewer than GRID_FROM, a codec
+    with error feedback, whose residual needs each value encoded once a round, or `flat`: the
+    coordinator's BarrierReady.flat)."""
     feedback = (CODECS[codec] if isinstance(codec, str) else codec).error_feedback
-    if n < GRID_FROM or feedback:
+    if flat or n < GRID_FROM or feedback:
         return None
     q = math.isqrt(n)
     return Grid(q, n // q, n)
 
 
-def signer(ids: list[str], codec: str, forwarder: str, level: int, seg: int, part: int = 0) -> str | None:
+def signer(
+    ids: list[str], codec: str, forwarder: str, level: int, seg: int, part: int = 0, flat: bool = False
+) -> str | None:
     """Who must have signed segment `seg` of the all-gather that `forwarder` passed on at `level`
     (in a grid, of its row's segment `part`: every all-gather chunk there is its column's), by the
     ring `ids` (the coordinator's, never an accuser's word); None: no such chunk."""
-    layout = grid(len(ids), codec)
+    layout = grid(len(ids), codec, flat)
     if layout is None:
         group = ids if level == ROW else []
     elif level != COLUMN or forwarder not in ids or layout.passenger(f := ids.index(forwarder)) or part >= layout.q:
@@ -519,11 +524,13 @@ class Ring:
         round_: int,
         codec: Codec | str | None = None,
         generation: int = 0,
+        flat: bool = False,
         **codec_options,
     ) -> ReduceStats:
         """Replace x (flat float32, in place) by the sum of every member's x, sent with `codec`
         (a Codec, or a name plus make_codec options; default: the ring's). All members must use
-        the same codec and options, or the all-reduce fails. From GRID_FROM members, as a grid."""
+        the same codec and options, or the all-reduce fails. From GRID_FROM members, as a grid,
+        unless `flat`."""
         if x.dtype != np.float32 or x.ndim != 1 or not x.flags.c_contiguous:
             raise ValueError("allreduce_sum needs a flat, contiguous float32 array")
         if codec is None:
@@ -539,7 +546,7 @@ class Ring:
             return ReduceStats(0.0, 0, 0, codec=codec.name)
         ids = [m.node_id for m in members]
         me = ids.index(self.node_id)
-        layout = grid(n, codec)
+        layout = grid(n, codec, flat)
         out, inc = await self._configure(members, generation, *_links(ids, me, layout))
         sent0 = sum(ch.bytes_sent for ch in out.values())
         recv0 = sum(ch.bytes_received for ch in inc.values())

@@ -35,7 +35,7 @@ from drift import diloco, hierarchy, rules
 from drift import protocol as P
 from drift.gather import signed_payload
 from drift.recipe import Recipe
-from drift.ring import proves_forgery, signer
+from drift.ring import grid, proves_forgery, signer
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer, Swarm
@@ -102,6 +102,8 @@ class SwarmView(Protocol):
     def evaluating(self) -> Set[str]: ...
     @property
     def ring_epoch(self) -> int: ...
+    @property
+    def flat_ring(self) -> bool: ...
     @property
     def poison_suspects(self) -> Set[str]: ...
     @property
@@ -292,6 +294,12 @@ class ToldOrder:
 
 
 @dataclass(frozen=True)
+class FlatRing:
+    """A grid attempt failed with nobody named: the swarm reduces on the flat ring from now on
+    (Swarm.distrust_grid)."""
+
+
+@dataclass(frozen=True)
 class NewRingEpoch:
     """The all-reduce is retried as ring epoch `epoch` (Swarm.ring_renewed): older connections are stale."""
 
@@ -363,6 +371,7 @@ Action = (
     | Measured
     | Slowed
     | NewRingEpoch
+    | FlatRing
     | Told
     | ToldOrder
     | Suspects
@@ -389,6 +398,8 @@ def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
             swarm.slowed(i, sps)
         case NewRingEpoch(epoch=epoch):
             swarm.ring_renewed(epoch)
+        case FlatRing():
+            swarm.distrust_grid()
         case Told(node=i, mark=mark):
             swarm.told_tickets(i, mark)
         case ToldOrder(nodes=nodes, order=order):
@@ -486,6 +497,7 @@ class Round:
         self.accusations: list[tuple[int, str, str, int]] = []
         self.failed_at: dict[tuple[int, str], tuple[int, str]] = {}
         self.forgers: set[str] = set()  # ring members proven to forward bytes their owner did not sign
+        self.flat = False  # the attempt in flight runs on the flat ring, even at a grid's size
         self.abandoned: str | None = None  # why this round's all-reduce was given up (θ unchanged)
         # A ring of two (BarrierReady.confirm): its members announce θ before applying the step.
         self.confirm = False  # this attempt's members announce first
@@ -862,7 +874,7 @@ class Round:
             p.forwarder == msg.suspect != i
             and p.round == self.rnd
             and p.generation == self.ring_epoch()
-            and (owner := signer(ids, self.r.codec, p.forwarder, p.level, p.segment, p.part)) is not None
+            and (owner := signer(ids, self.r.codec, p.forwarder, p.level, p.segment, p.part, self.flat)) is not None
             and proves_forgery(p, owner)
         )
 
@@ -1035,6 +1047,7 @@ class Round:
         time), each member's counted samples (its weight) and the bound on the sum's norm."""
         s, part = self.s, self.part()
         epoch = self.attempt = self.ring_epoch()
+        self.flat = self.flat or s.flat_ring
         n, w = rules.counted(self.nodes, part), rules.weights(self.nodes, part)
         order = part if epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
         for i in part:  # each member the tickets it has not been told: then the ring names ids alone
@@ -1055,6 +1068,7 @@ class Round:
             ring_epoch=epoch,
             confirm=self.confirm,
             recheck=self.confirm and bool(self.earlier),
+            flat=self.flat,
             slack_s=min(3600.0, 2 * self.r.heartbeat_s + (self.slowest_step(part) if self.r.overlap else 0.0)),
         )
         told = s.told_order(order)  # the members sent this order last time are not sent it again
@@ -1182,9 +1196,16 @@ class Round:
         round up after MAX_RING_RETRIES. True once the round is settled (given up)."""
         # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
         # bad node cannot hold the all-reduce hostage.
+        caught = rules.caught(self.suspects(), self.part())
+        was_grid = grid(len(self.ring), self.r.codec, self.flat) is not None
+        if rules.flat_from_now(was_grid, [*self.forgers, *caught], self.ring_ids() - set(self.part())):
+            self.flat = True
+            self.warn(f"round {self.rnd}: the grid's all-reduce failed and nobody was named; from now on the flat ring")
+            self.note("flat_ring", round=self.rnd, ring_epoch=self.attempt)
+            self.out.append(FlatRing())
         for i in self.forgers:
             self.convict(i, "forged", FORGED)
-        for i in rules.caught(self.suspects(), self.part()):
+        for i in caught:
             if i in self.part():
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         # Members that applied the last attempt cannot redo it (announced steps were never applied)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Set
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -479,6 +479,16 @@ def caught(suspects: Mapping[str, set[str]], ring: list[str]) -> list[str]:
     """Ring members caught breaking the all-reduce by both their neighbours (the ring reverses on
     every retry, so each node's output reaches two neighbours; one node alone cannot frame another)."""
     return [i for i, by in suspects.items() if len(by) >= 2 and i in ring]
+
+
+def flat_from_now(grid: bool, named: Collection[str], left: Collection[str]) -> bool:
+    """A failed all-reduce attempt moves the swarm to the flat ring for the rest of the run: it
+    ran as a grid (drift/ring.py), and nobody was named for it (caught by two, or proven to forge)
+    and nobody left it. A grid's columns and its rows' all-gathers wait on whatever the pass
+    before waits on, so their timeouts name nobody: a member silent there would stall every
+    round and never be named. On the flat ring every wait names the one waited for, and a retry
+    reverses the ring, so its other neighbour names it too (caught)."""
+    return grid and not named and not left
 
 
 def planning_speeds(speeds: Mapping[str, float], measured: Set[str]) -> dict[str, float]:

@@ -57,6 +57,7 @@ class Swarm:
         self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
         self.strikes: dict[str, list[int]] = {}  # the rounds of each node's recent misbehaviours (strike)
         self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
+        self.flat_ring = False  # a grid attempt failed with nobody named: the flat ring from then on
         self.measured: set[str] = set()  # nodes whose speed our own clock has measured
         self.poison_suspects: set[str] = set()  # one of these sent more into a ring than it reported
         self.banned: dict[str, str] = {}  # nodes proven to poison the all-reduce -> why: out for the run
@@ -216,6 +217,10 @@ class Swarm:
     def ban(self, i: str, why: str) -> None:
         """Node i is out for the run (proven to poison the all-reduce, forge or equivocate): refused from now on."""
         self.banned[i] = why
+
+    def distrust_grid(self) -> None:
+        """A grid attempt failed and nobody was named: every later all-reduce runs on the flat ring."""
+        self.flat_ring = True
 
     def ring_renewed(self, epoch: int) -> None:
         """The all-reduce in flight is retried as ring `epoch`: connections of older epochs are stale."""

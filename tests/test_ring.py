@@ -476,6 +476,10 @@ def test_who_signs_a_grid_chunk_comes_from_the_ring_never_the_accuser() -> None:
     assert signer(ids, "int8", ids[66], COLUMN, 1, part=1) is None  # a passenger forwards nothing
     assert signer(ids, "int8", "ff" * 32, COLUMN, 1, part=1) is None  # nor does a stranger
     assert signer(ids[:10], "int8", ids[3], ROW, 4) == segment_owner(ids[:10], 4)  # the flat ring
+    # told to reduce on the flat ring (BarrierReady.flat), the 70 sign as a ring of 70
+    assert grid(n, "int8", flat=True) is None
+    assert signer(ids, "int8", ids[f], ROW, 5, flat=True) == segment_owner(ids, 5)
+    assert signer(ids, "int8", ids[f], COLUMN, 5, part=4, flat=True) is None
 
 
 async def _grid_round(n: int, size: int, codec: str, cls: dict[int, type[Ring]] | None = None):

@@ -19,6 +19,7 @@ from drift import protocol as P
 from drift import round as R
 from drift import rules
 from drift.recipe import Recipe
+from drift.ring import GRID_FROM
 from drift.round import Round
 from drift.scheduler import UnitQueue
 from drift.swarm import Peer, Swarm
@@ -320,6 +321,47 @@ def test_a_silent_member_that_two_others_name_is_redone_without_at_once() -> Non
     sim.failed("b", suspect="w")
     assert not sim.tick()  # caught: decided now, not after the grace
     assert [sorted(r) for r in sim.rings()] == [["a", "b", "w"], ["a", "b"]] and sim.struck() == {"w"}
+
+
+def _grid_swarm() -> Sim:
+    """GRID_FROM members with int8: the all-reduce runs as a grid (drift/ring.py); the ring is sent."""
+    sim = Sim([f"n{k}" for k in range(GRID_FROM)], codec="int8")
+    sim.start()
+    sim.ring()
+    return sim
+
+
+def _flat(sim: Sim) -> dict[tuple[int, int], bool]:
+    """(round, ring epoch) -> whether its BarrierReady said to reduce on the flat ring."""
+    return {(m.round, m.ring_epoch): m.flat for _, m in sim.sent if isinstance(m, P.BarrierReady)}
+
+
+def test_a_grid_that_fails_with_nobody_named_is_redone_on_the_flat_ring_and_stays_there() -> None:
+    # A member silent after its row's reduce-scatter stalls its column, and everyone waits to the
+    # pass's deadline naming nobody: retried as a grid, it could stall every round unnamed.
+    sim = _grid_swarm()
+    for n in sim.ids:
+        sim.failed(n)
+    assert not sim.tick(GRACE + 1)
+    assert _flat(sim) == {(0, 0): False, (0, 1): True} and not sim.struck()
+    assert [f["ring_epoch"] for f in sim.noted("flat_ring")] == [0]
+    for n in sim.ids:
+        sim.done(n)
+    assert sim.tick(GRACE + 2)
+    sim.start(1)
+    sim.ring()
+    assert _flat(sim)[(1, sim.s.ring_epoch)]  # the rounds after it too: the silent one gets no second grid
+
+
+def test_a_grid_attempt_whose_breaker_two_members_name_is_redone_as_a_grid_without_it() -> None:
+    sim = _grid_swarm()
+    sim.failed("n1", suspect="n0")
+    sim.failed("n2", suspect="n0")
+    for n in list(sim.ids)[3:]:
+        sim.failed(n)
+    assert not sim.tick(GRACE + 1)
+    assert _flat(sim) == {(0, 0): False, (0, 1): False} and not sim.noted("flat_ring")
+    assert "n0" not in sim.rings()[-1] and sim.struck() == {"n0"}
 
 
 def test_a_member_silent_long_after_a_majority_reported_is_behind() -> None:
