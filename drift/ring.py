@@ -6,7 +6,8 @@ between rounds while the ring order stays the same. The vector is cut into N seg
 forwarded as soon as it has been received and reduced, so the 2(N-1) steps overlap on the wire.
 Sending and receiving run as two concurrent tasks.
 
-From GRID_FROM members the ring is a grid (`Grid`): rows reduce-scatter, columns all-reduce the
+From GRID_FROM members the ring is a grid (`Grid`), unless the coordinator says to reduce flat
+(`BarrierReady.flat`, after a grid attempt failed with nobody named): rows reduce-scatter, columns all-reduce the
 segment they own, rows all-gather; each a ring as below, on its part of the vector. A ring of
 1,000 walks 1,998 steps one after another, each a chance for a late hop; the grid walks 122, for
 about the same bytes a member.
@@ -237,8 +238,8 @@ class Grid:
     (every member starts it at once); a column starts when its rows' reduce-scatters end and a
     row's all-gather when its columns end, so a wait there can be anybody's delay: it lasts to
     the pass's deadline and names nobody. A member silent there would stall every round unnamed,
-    so once an attempt fails with nobody named, the swarm reduces on the flat ring, where every
-    wait is evidence (rules.flat_from_now, BarrierReady.flat)."""
+    so once an attempt most members report failed ends with nobody named, the swarm reduces on the
+    flat ring for a while, where every wait is evidence (rules.flat_from_now, BarrierReady.flat)."""
 
     q: int
     rows: int

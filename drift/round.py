@@ -103,7 +103,7 @@ class SwarmView(Protocol):
     @property
     def ring_epoch(self) -> int: ...
     @property
-    def flat_ring(self) -> bool: ...
+    def flat_until(self) -> int: ...
     @property
     def poison_suspects(self) -> Set[str]: ...
     @property
@@ -295,7 +295,7 @@ class ToldOrder:
 
 @dataclass(frozen=True)
 class FlatRing:
-    """A grid attempt failed with nobody named: the swarm reduces on the flat ring from now on
+    """A grid attempt failed with nobody named: the swarm reduces on the flat ring for a while
     (Swarm.distrust_grid)."""
 
 
@@ -399,7 +399,7 @@ def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
         case NewRingEpoch(epoch=epoch):
             swarm.ring_renewed(epoch)
         case FlatRing():
-            swarm.distrust_grid()
+            swarm.distrust_grid(rnd)
         case Told(node=i, mark=mark):
             swarm.told_tickets(i, mark)
         case ToldOrder(nodes=nodes, order=order):
@@ -1047,7 +1047,7 @@ class Round:
         time), each member's counted samples (its weight) and the bound on the sum's norm."""
         s, part = self.s, self.part()
         epoch = self.attempt = self.ring_epoch()
-        self.flat = self.flat or s.flat_ring
+        self.flat = self.flat or self.rnd < s.flat_until
         n, w = rules.counted(self.nodes, part), rules.weights(self.nodes, part)
         order = part if epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
         for i in part:  # each member the tickets it has not been told: then the ring names ids alone
@@ -1197,12 +1197,11 @@ class Round:
         # A member caught by both its neighbours (bad bytes, or silence) sits the round out, so one
         # bad node cannot hold the all-reduce hostage.
         caught = rules.caught(self.suspects(), self.part())
-        was_grid = grid(len(self.ring), self.r.codec, self.flat) is not None
-        if rules.flat_from_now(was_grid, [*self.forgers, *caught], self.ring_ids() - set(self.part())):
-            self.flat = True
-            self.warn(f"round {self.rnd}: the grid's all-reduce failed and nobody was named; from now on the flat ring")
-            self.note("flat_ring", round=self.rnd, ring_epoch=self.attempt)
-            self.out.append(FlatRing())
+        ring = self.ring_ids()
+        was_grid = rule_class(self.r).collective == "ring" and grid(len(ring), self.r.codec, self.flat) is not None
+        unnamed = rules.flat_from_now(
+            was_grid, [*self.forgers, *caught], ring - set(self.part()), self.failed, len(ring)
+        )
         for i in self.forgers:
             self.convict(i, "forged", FORGED)
         for i in caught:
@@ -1212,6 +1211,11 @@ class Round:
         applied = [] if self.announcing() else [i for i in self.part() if self.nodes[i].done is not None]
         if applied and not self.poisoned and self.applied_by_majority(applied):
             return True
+        if unnamed:
+            self.flat = True
+            self.warn(f"round {self.rnd}: the grid's all-reduce failed and nobody was named; on the flat ring a while")
+            self.note("flat_ring", round=self.rnd, ring_epoch=self.attempt)
+            self.out.append(FlatRing())
         for i in applied:
             self.applied_before[i] = self.nodes[i].done
             self.sit_out(i, "retry", "it applied an earlier attempt of this all-reduce", strike=False)

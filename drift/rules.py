@@ -481,14 +481,24 @@ def caught(suspects: Mapping[str, set[str]], ring: list[str]) -> list[str]:
     return [i for i, by in suspects.items() if len(by) >= 2 and i in ring]
 
 
-def flat_from_now(grid: bool, named: Collection[str], left: Collection[str]) -> bool:
-    """A failed all-reduce attempt moves the swarm to the flat ring for the rest of the run: it
-    ran as a grid (drift/ring.py), and nobody was named for it (caught by two, or proven to forge)
-    and nobody left it. A grid's columns and its rows' all-gathers wait on whatever the pass
-    before waits on, so their timeouts name nobody: a member silent there would stall every
-    round and never be named. On the flat ring every wait names the one waited for, and a retry
-    reverses the ring, so its other neighbour names it too (caught)."""
-    return grid and not named and not left
+def flat_from_now(
+    grid: bool, named: Collection[str], left: Collection[str], failed: Collection[str], ring: int
+) -> bool:
+    """A failed all-reduce attempt moves the swarm to the flat ring for a while (`flat_rounds`): it
+    ran as a grid (drift/ring.py), more than half its members reported it failed, and nobody was
+    named for it (caught by two, or proven to forge) or left it. A grid's columns and its rows'
+    all-gathers wait on whatever the pass before waits on, so their timeouts name nobody: a member
+    silent there would stall every round and never be named. On the flat ring every wait names the
+    one waited for, and a retry reverses the ring, so its other neighbour names it too (caught).
+    A lone report of a failure (a member's word) is not enough: it only has the attempt redone."""
+    return grid and not named and not left and 2 * len(failed) > ring
+
+
+def flat_rounds(times: int) -> int:
+    """Rounds the swarm stays on the flat ring after its `times`-th such failure (1, 2, ...): twice
+    as long each time, so a member that is silent in the grid only stalls ever rarer rounds, and an
+    honest failure costs the grid's speed for a while, not for the run."""
+    return 2**times
 
 
 def planning_speeds(speeds: Mapping[str, float], measured: Set[str]) -> dict[str, float]:

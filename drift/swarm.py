@@ -57,7 +57,9 @@ class Swarm:
         self.evaluating: set[str] = set()  # evaluators with an evaluation in flight
         self.strikes: dict[str, list[int]] = {}  # the rounds of each node's recent misbehaviours (strike)
         self.ring_epoch = 0  # +1 per retried all-reduce (ring connections renew)
-        self.flat_ring = False  # a grid attempt failed with nobody named: the flat ring from then on
+        # A grid attempt failed with nobody named (rules.flat_from_now): rounds before this one
+        # reduce on the flat ring; how many times that happened (each lasts rules.flat_rounds).
+        self.flat_until, self.grid_distrusted = 0, 0
         self.measured: set[str] = set()  # nodes whose speed our own clock has measured
         self.poison_suspects: set[str] = set()  # one of these sent more into a ring than it reported
         self.banned: dict[str, str] = {}  # nodes proven to poison the all-reduce -> why: out for the run
@@ -218,9 +220,11 @@ class Swarm:
         """Node i is out for the run (proven to poison the all-reduce, forge or equivocate): refused from now on."""
         self.banned[i] = why
 
-    def distrust_grid(self) -> None:
-        """A grid attempt failed and nobody was named: every later all-reduce runs on the flat ring."""
-        self.flat_ring = True
+    def distrust_grid(self, rnd: int) -> None:
+        """A grid attempt of round rnd failed and nobody was named: the all-reduces of the next
+        rules.flat_rounds rounds, this one's retries included, run on the flat ring."""
+        self.grid_distrusted += 1
+        self.flat_until = max(self.flat_until, rnd + rules.flat_rounds(self.grid_distrusted))
 
     def ring_renewed(self, epoch: int) -> None:
         """The all-reduce in flight is retried as ring `epoch`: connections of older epochs are stale."""

@@ -529,8 +529,10 @@ def test_a_run_that_ends_writes_the_checkpoint_it_skipped_while_saving_unless_a_
     assert rules.checkpoint_owed(skipped=0, newest=-1, last=None, failed=False) is None  # no round agreed
 
 
-def test_only_a_grid_failure_nobody_is_named_for_moves_the_swarm_to_the_flat_ring() -> None:
-    assert rules.flat_from_now(True, [], [])  # a grid, and nobody caught, proven or gone
-    assert not rules.flat_from_now(False, [], [])  # the flat ring's timeouts name whom they waited for
-    assert not rules.flat_from_now(True, ["x"], [])  # caught or proven: it sits out, the grid goes on
-    assert not rules.flat_from_now(True, [], {"y"})  # a member left during it: that is why it failed
+def test_only_a_grid_failure_most_report_and_nobody_is_named_for_moves_the_swarm_to_the_flat_ring() -> None:
+    assert rules.flat_from_now(True, [], [], ["a", "b"], 3)  # a grid, most failed, nobody caught, proven or gone
+    assert not rules.flat_from_now(False, [], [], ["a", "b"], 3)  # the flat ring's timeouts name whom they waited for
+    assert not rules.flat_from_now(True, ["x"], [], ["a", "b"], 3)  # caught or proven: it sits out, the grid goes on
+    assert not rules.flat_from_now(True, [], {"y"}, ["a", "b"], 3)  # a member left during it: that is why it failed
+    assert not rules.flat_from_now(True, [], [], ["a"], 3)  # one member's word: the attempt is only redone
+    assert [rules.flat_rounds(k) for k in (1, 2, 3)] == [2, 4, 8]  # longer each time, never for good
