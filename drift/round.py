@@ -35,7 +35,7 @@ from drift import diloco, hierarchy, rules
 from drift import protocol as P
 from drift.gather import signed_payload
 from drift.recipe import Recipe
-from drift.ring import grid, proves_forgery, signer
+from drift.ring import MIN_RATE, grid, proves_forgery, signer
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer, Swarm
@@ -77,7 +77,10 @@ class Late:
 
 
 class Host(Protocol):
-    """What a round reads from the coordinator (nothing it writes): where a node gets θ."""
+    """What a round reads from the coordinator (nothing it writes): where a node gets θ, and how
+    many values θ has (the nodes agreed on it when training started)."""
+
+    n_params: int
 
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None: ...
 
@@ -1350,19 +1353,19 @@ class Round:
             self.note("deadline", node_id=i, name=name, round=self.rnd, waited_s=now - self.t_ring, phase="reduce")
             self.fell_behind(i)
             self.strike(i, "it did not report θ after the all-reduce")
-        waited = now - self.t_ring
+        waited, deadline = now - self.t_ring, rules.reduce_deadline(self.host.n_params, MIN_RATE)
         if (
             self.ring_failed_at is None
-            and waited > rules.REDUCE_DEADLINE_S
+            and waited > deadline
             and rules.majority_done_s(self.done_after, self.part()) is None
         ):
-            for i in rules.reduce_timed_out(self.part(), self.done(), waited):
+            for i in rules.reduce_timed_out(self.part(), self.done(), waited, deadline):
                 self.note("deadline", node_id=i, name=self.name(i), round=self.rnd, waited_s=waited, phase="reduce")
                 if len(self.part()) > 1:  # the others go on without it
                     self.sit_out(i, "deadline", f"it did not report θ within {waited:.0f}s of the all-reduce")
                 else:
                     self.strike(i, "it did not report θ after the all-reduce")
-            self.retry_reason = f"no majority of the ring reported θ within {rules.REDUCE_DEADLINE_S:g}s"
+            self.retry_reason = f"no majority of the ring reported θ within {deadline:.0f}s"
 
     def announcing(self) -> bool:
         """A ring of two whose members announced (or will announce) a θ nobody has applied yet."""

@@ -243,6 +243,15 @@ def failure_heard(
 REDUCE_DEADLINE_S = 150.0  # an all-reduce no majority finished by then is redone (the nodes' ring timeouts are 120 s)
 
 
+def reduce_deadline(n_params: int, min_rate: float) -> float:
+    """Seconds after BarrierReady past which an all-reduce no majority finished is redone: the
+    nodes' ring timeouts and slack (REDUCE_DEADLINE_S), plus what the nodes' own pass deadlines
+    allow for the bytes (drift/ring.py: three times them at `min_rate`), counted as fp32 both
+    ways, the most any rule sends a member. A fixed 150 s redid every round of a model whose
+    all-reduce takes longer: a billion values in int8 over a 20 Mbit/s uplink take ~800 s."""
+    return REDUCE_DEADLINE_S + 3 * 8 * n_params / min_rate
+
+
 def reduce_timed_out(
     ring: list[str], done: Iterable[str], waited: float, deadline: float = REDUCE_DEADLINE_S
 ) -> list[str]:

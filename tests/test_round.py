@@ -19,7 +19,7 @@ from drift import protocol as P
 from drift import round as R
 from drift import rules
 from drift.recipe import Recipe
-from drift.ring import GRID_FROM
+from drift.ring import GRID_FROM, MIN_RATE
 from drift.round import Round
 from drift.scheduler import UnitQueue
 from drift.swarm import Peer, Swarm
@@ -33,10 +33,11 @@ def nid(name: str) -> str:
 
 
 class Host:
-    """What a round reads from the coordinator: where a node gets θ."""
+    """What a round reads from the coordinator: where a node gets θ, θ's size."""
 
-    def __init__(self, swarm: Swarm):
+    def __init__(self, swarm: Swarm, n_params: int = 0):
         self.s = swarm
+        self.n_params = n_params
 
     def state_source(self, node: str, force: bool = False) -> P.StateSource | None:
         return self.s.state_source(node, force)
@@ -445,6 +446,18 @@ def test_of_two_the_one_known_not_to_hold_the_agreed_theta_yet_sits_out_and_is_n
     assert sim.tick(3)
     assert sim.result.checksum == "theta-a2" and not sim.dropped
     assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets round 1's θ
+
+
+def test_a_big_models_all_reduce_is_redone_only_past_what_its_bytes_take_at_the_nodes_slowest_rate() -> None:
+    # 100M values: the nodes' own pass deadlines allow ~2,400 s at 1 MiB/s; 150 s redid every round
+    sim = Sim(["a", "b", "c"])
+    sim.host.n_params = 100_000_000
+    sim.start()
+    sim.ring()
+    deadline = rules.reduce_deadline(sim.host.n_params, MIN_RATE)
+    assert deadline > 2000
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 1) and len(sim.rings()) == 1  # still reducing
+    assert not sim.tick(deadline + 1) and len(sim.rings()) == 2  # past what its bytes allow: redone
 
 
 def test_a_ring_nobody_finishes_is_redone_at_the_deadline_and_nobody_struck() -> None:
