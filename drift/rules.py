@@ -240,7 +240,7 @@ def failure_heard(
     return waited > grace or (bool(failed) and all(i in heard for i in ring))
 
 
-REDUCE_DEADLINE_S = 150.0  # an all-reduce no majority finished by then is redone (the nodes' ring timeouts are 120 s)
+REDUCE_DEADLINE_S = 150.0  # reduce_deadline for no bytes: the nodes' ring timeouts (120 s) and slack
 
 
 def reduce_deadline(n_params: int, min_rate: float) -> float:

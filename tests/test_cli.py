@@ -172,22 +172,6 @@ def test_local_below_min_nodes_says_the_run_waits_and_how_to_join(tiny_recipe: P
             proc.kill()
 
 
-@pytest.mark.swarm
-def test_relative_paths_from_another_directory(tiny_recipe: Path, tmp_path: Path) -> None:
-    """Paths as a user types them, relative to wherever the shell is: the recipe, --run-dir,
-    --local's node checkouts under it, and the key files."""
-    cwd = tiny_recipe.parents[1]
-    out = subprocess.run(
-        drift_cmd("coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "myrun"),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert (cwd / "myrun" / "metrics.jsonl").exists() and list((cwd / "myrun" / "repos").glob("*/*/recipes"))
-
-
 def _files_holding(root: Path, needles: list[str]) -> list[str]:
     """Every file under `root` (logs, metrics, TensorBoard, checkpoints, pages) holding a needle."""
     found = []

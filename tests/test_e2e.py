@@ -18,15 +18,20 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "tiny"
+    # Paths as a user types them, relative to the repo the shell is in: the recipe, --run-dir, and
+    # --local's node checkouts under it.
+    repo = tiny_recipe.parents[1]
+    run_dir = repo / "runs" / "tiny"
     out = subprocess.run(
-        drift_cmd("coord", str(tiny_recipe), "--local", "3", "--run-dir", str(run_dir)),
+        drift_cmd("coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "runs/tiny"),
+        cwd=repo,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
+    assert list((run_dir / "repos").glob("*/*/recipes"))  # each node's checkout of the commit
     events = _events(run_dir)
     joined = [e for e in events if e["event"] == "node_joined"]
     rounds = [e for e in events if e["event"] == "round"]
