@@ -392,8 +392,8 @@ class InnerLoop:
         if self.data is not None and not state["granted"]:
             return max(done, pieces[-1].start if pieces else done)
         step_s = self._step_s(job)
-        if step_s == 0:
-            return done  # no step measured yet
+        if step_s == 0:  # no step timed yet: one unit ahead of the one training, no more
+            return done if len(pieces) <= 1 and not state["granted"] else None
         rest = sum(-(-(u.hi - u.lo) // bs) for u in state["granted"])
         return max(done, math.ceil(n + rest - max(self.rtt_s * 2, step_s) / step_s))
 

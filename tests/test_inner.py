@@ -216,6 +216,25 @@ def test_a_node_asks_for_its_next_unit_on_the_report_of_the_last_one(worker) -> 
     ]
 
 
+def test_before_its_first_step_is_timed_a_node_asks_for_one_unit_ahead_not_more(worker) -> None:
+    """A coordinator that answers at once, while the node's first step still runs: the node does
+    not know its speed yet, so it holds one unit ahead of the one training and asks again only
+    once a unit ended (no grabbing a queue's worth of units it may be too slow for)."""
+    granted, device, sent = [_unit(0)], Slow(worker), []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        if n <= 6:
+            granted.append(_unit(n))
+            inbox.put_nowait(P.AssignNext(round=0, unit=granted[-1]))
+        else:
+            inbox.put_nowait(P.NoMoreWork(round=0))
+
+    report = run_async(_round(device, granted[:1], replies, rtt_s=0.001, sent=sent))
+    assert sorted(u.id for u in report.trained) == list(range(7))
+    first = next(k for k, m in enumerate(sent) if isinstance(m, P.TrainProgress))
+    assert [type(m) for m in sent[:first]] == [P.AskForMoreWork]
+
+
 def test_a_late_reply_of_the_round_before_changes_nothing(worker) -> None:
     """Replies to the last round's asks that cross into this one (a grant, "no more work", a
     stop) are not this round's: no unit of the round before is trained, the round does not stop."""
