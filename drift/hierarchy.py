@@ -79,6 +79,10 @@ class Level:
         pos = m - own.start
         return [t for c in parent if c is not own for t in c if (t - c.start) % len(own) == pos]
 
+    def neighbours(self, m: int) -> set[int]:
+        """The members m takes payloads from or sends its block's payload to at this level."""
+        return ({src for _, src in self.sources(m)} | set(self.targets(m))) - {m}
+
     def children(self, m: int) -> list[range]:
         """The blocks m's parent joins, in order (m's own among them)."""
         return self._place(m)[0]

@@ -292,6 +292,13 @@ def signer(
     return segment_owner(group, seg) if seg < len(group) else None
 
 
+def neighbours(ids: list[str], member: str, codec: Codec | str, flat: bool = False) -> set[str]:
+    """The members `member` sends to or takes from in an all-reduce of `ids`: the only ones whose
+    bytes, silence or unreachability it witnesses (whom its RingFailed may name)."""
+    send, take = _links(ids, ids.index(member), grid(len(ids), codec, flat))
+    return {*send, *take} - {member}
+
+
 def _links(ids: list[str], me: int, layout: Grid | None) -> tuple[list[str], list[str]]:
     """(the members this one sends to, those it receives from) in an all-reduce of `ids`."""
     n = len(ids)

@@ -35,7 +35,7 @@ from drift import diloco, hierarchy, rules
 from drift import protocol as P
 from drift.gather import signed_payload
 from drift.recipe import Recipe
-from drift.ring import MIN_RATE, grid, proves_forgery, signer
+from drift.ring import MIN_RATE, grid, neighbours, proves_forgery, signer
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer, Swarm
@@ -855,7 +855,7 @@ class Round:
             # Honest code sends only proof it checked: this accuser lied (its word counts for nothing).
             why = "it accused a ring neighbour with proof that does not hold"
             self.lied(i, "false_accusation", why, accused=msg.suspect)
-        elif msg.suspect in self.part() and msg.suspect != i:
+        elif msg.suspect in self.part() and msg.suspect != i and self.witnessed(i, msg.suspect, msg.level):
             self.accusations.append((self.attempt, msg.suspect, i, msg.level))
             if msg.proof is not None:
                 self.forgers.add(msg.suspect)
@@ -867,6 +867,23 @@ class Round:
         """Ring member -> the members that named it (rules.accused: not those its own failure
         below explains)."""
         return rules.accused(self.accusations, self.failed_at)
+
+    def witnessed(self, i: str, suspect: str, level: int) -> bool:
+        """Whether i sends to or takes from `suspect` in this attempt (at `level` of the sparse
+        rule's hierarchy): only those witness its bytes or silence, so only their word that it
+        broke the all-reduce counts. Two members anywhere else could name anyone."""
+        ids = [m.node_id for m in self.ring]
+        if i not in ids or suspect not in ids:
+            return False
+        if rule_class(self.r).collective == "ring":
+            return suspect in neighbours(ids, i, self.r.codec, self.flat)
+        levels = self.levels()
+        return not levels or (level < len(levels) and ids.index(suspect) in levels[level].neighbours(ids.index(i)))
+
+    def levels(self) -> list[hierarchy.Level]:
+        """The sparse rule's hierarchy over this attempt's ring ([]: a rule without one)."""
+        fanout = getattr(rule_class(self.r).Params.model_validate(self.r.sync_params), "fanout", 0)
+        return hierarchy.plan(len(self.ring), fanout) if fanout and self.ring else []
 
     def proven(self, i: str, msg: P.RingFailed) -> bool:
         """Whether msg.proof shows that msg.suspect forwarded, in this attempt's ring (or a pass of
@@ -1406,9 +1423,7 @@ class Round:
         block payload in the hierarchy (drift/hierarchy.py) is out the same way, and those it
         misled are behind. A member that reports a payload its owner did not sign made it up: a
         strike, as for any false accusation."""
-        rnd, epoch, ring = self.rnd, self.attempt, [m.node_id for m in self.ring]
-        fanout = getattr(rule_class(self.r).Params.model_validate(self.r.sync_params), "fanout", 0)
-        levels = hierarchy.plan(len(ring), fanout) if fanout and ring else []
+        rnd, epoch, ring, levels = self.rnd, self.attempt, [m.node_id for m in self.ring], self.levels()
         place = {j: k for k, j in enumerate(ring)}
         found = rules.equivocation(
             {i: [(h.owner, h.digest, h.sig, h.level) for h in d.heard] for i, d in self.done().items()},

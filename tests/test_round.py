@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drift import hierarchy, rules
 from drift import protocol as P
 from drift import round as R
-from drift import rules
 from drift.recipe import Recipe
-from drift.ring import GRID_FROM, MIN_RATE
+from drift.ring import GRID_FROM, MIN_RATE, neighbours
 from drift.round import Round
 from drift.scheduler import UnitQueue
 from drift.swarm import Peer, Swarm
@@ -362,15 +362,53 @@ def test_one_members_word_that_a_grid_failed_has_it_redone_but_keeps_the_grid() 
     assert _flat(sim) == {(0, 0): False, (0, 1): False} and not sim.noted("flat_ring")
 
 
+def _neighbours(sim: Sim, name: str, level: int = 0) -> list[str]:
+    """Who `name` sends to or takes from in the attempt in flight (by the ring it was sent)."""
+    order = sim.rings()[-1]
+    if sim.recipe.sync == "sparse":
+        level_ = hierarchy.plan(len(order), sim.recipe.sync_params["fanout"])[level]
+        return sorted(order[k] for k in level_.neighbours(order.index(name)))
+    ids, flat = [sim.ids[n] for n in order], [m for _, m in sim.sent if isinstance(m, P.BarrierReady)][-1].flat
+    return sorted(sim.names[i] for i in neighbours(ids, sim.ids[name], sim.recipe.codec, flat))
+
+
 def test_a_grid_attempt_whose_breaker_two_members_name_is_redone_as_a_grid_without_it() -> None:
     sim = _grid_swarm()
-    sim.failed("n1", suspect="n0")
-    sim.failed("n2", suspect="n0")
-    for n in list(sim.ids)[3:]:
+    named_by = _neighbours(sim, "n0")[:2]
+    for n in named_by:
+        sim.failed(n, suspect="n0")
+    for n in [n for n in sim.ids if n not in named_by and n != "n0"]:
         sim.failed(n)
     assert not sim.tick(GRACE + 1)
     assert _flat(sim) == {(0, 0): False, (0, 1): False} and not sim.noted("flat_ring")
     assert "n0" not in sim.rings()[-1] and sim.struck() == {"n0"}
+
+
+@pytest.mark.parametrize("swarm", ["flat ring", "grid", "sparse hierarchy"])
+def test_two_members_that_exchange_no_bytes_with_a_member_cannot_have_it_caught(swarm: str) -> None:
+    """Only a member's neighbours in the attempt (those it sends to or takes from, at the
+    accusation's level of a hierarchy) witness its bytes or its silence: two colluders anywhere
+    else who name it are not evidence, so it stays in the retry, unstruck. Its neighbours' word is."""
+    names = [f"n{k}" for k in range(GRID_FROM if swarm == "grid" else 9)]
+    recipe = {"codec": "int8"} if swarm != "sparse hierarchy" else {"sync": "sparse", "sync_params": {"fanout": 3}}
+    sim = Sim(names, **recipe)
+    sim.start()
+    sim.ring()
+    victim = sim.rings()[-1][0]
+    far = [n for n in names if n != victim and n not in _neighbours(sim, victim)]
+    for n in far[:2]:
+        sim.failed(n, suspect=victim)
+    for n in [n for n in names if n not in far[:2]]:
+        sim.failed(n)
+    sim.tick(GRACE + 1)
+    assert victim in sim.rings()[-1] and len(sim.rings()) == 2 and victim not in sim.struck()
+    # the same words from two of its neighbours catch it
+    for n in _neighbours(sim, victim)[:2]:
+        sim.failed(n, suspect=victim)
+    for n in [n for n in names if n not in _neighbours(sim, victim)[:2]]:
+        sim.failed(n)
+    sim.tick(2 * (GRACE + 1))
+    assert victim not in sim.rings()[-1] and victim in sim.struck()
 
 
 def test_a_member_silent_long_after_a_majority_reported_is_behind() -> None:
