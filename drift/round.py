@@ -1116,17 +1116,20 @@ class Round:
                 part,
                 set(done),
                 self.failed,
-                set(rules.caught(self.suspects(), part)),
+                {*rules.caught(self.suspects(), part), *(i for i in part if self.nodes[i].behind)},
+                any(i not in self.nodes for i in self.ring_ids()),
                 now - self.ring_failed_at,
                 2 * self.r.heartbeat_s + 1,
+                now - self.t_ring > rules.reduce_deadline(self.host.n_params, MIN_RATE),
             )
         ):
-            if self.poisoned:
-                return self.redo_poisoned(now)
-            # The ring is all or nothing: if every other member finished it, they agree on θ and
-            # the reporters' word against them changes nothing (a node repeating RingFailed cannot
-            # hold every round hostage); the reporters get θ with Agreed.
+            # The ring is all or nothing: if most members finished it, they agree on θ and the
+            # reporters' word against them changes nothing (a node repeating RingFailed cannot
+            # hold every round hostage); the reporters get θ with Agreed. That holds for a refusal
+            # too (`poisoned`): every honest member checks the same sum against the same bound.
             keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
+            if self.poisoned and not (rules.finished_by_majority(part, set(done)) and keep is not None):
+                return self.redo_poisoned(now)
             if rules.finished_by_majority(part, set(done)) and keep is not None:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
                 # counts; only their θ is behind. (A proven forger's too: it is out from now on.)

@@ -229,15 +229,30 @@ def reduce_overdue(
 
 
 def failure_heard(
-    ring: Iterable[str], done: Set[str], failed: Set[str], caught: Set[str], waited: float, grace: float
+    ring: Iterable[str],
+    done: Set[str],
+    failed: Set[str],
+    caught: Set[str],
+    gone: bool,
+    waited: float,
+    grace: float,
+    expired: bool,
 ) -> bool:
-    """The all-reduce broke `waited` seconds ago (a member left, or `failed` reported it): decide
-    (retry, or keep what a majority applied) after `grace`, the time a member still in the ring
-    needs to report; or sooner, once a member reported the failure and every ring member has
-    reported (θ or failure) or is caught (named by two: its own word would change nothing). A
-    member that only left decides nothing early: the others' RoundDones settle the round."""
+    """The all-reduce broke `waited` seconds ago (a member left, or `failed` reported it): whether
+    to decide now (retry, or keep what a majority applied). Once every ring member has reported (θ
+    or failure) or is `caught` (named by two, or behind: silent long after a majority reported;
+    its own word would change nothing), if a member
+    reported the failure; past the reduce deadline (`expired`); or `grace` (the time a member still
+    in the ring needs to report) after it, when that is more than one member's word: a member left
+    (`gone`: the coordinator saw its connection close), one is caught, or more than half the ring
+    reported it (an honest failure closes every member's ring connections, so all of them report
+    within moments). A lone report waits for the others: a member that says the ring failed while
+    it keeps sending cannot have a slow all-reduce redone. A member that only left decides nothing
+    early: the others' RoundDones settle the round."""
     heard = done | failed | caught
-    return waited > grace or (bool(failed) and all(i in heard for i in ring))
+    if expired or (failed and all(i in heard for i in ring)):
+        return True
+    return waited > grace and (gone or bool(caught) or 2 * len(failed) > len(list(ring)))
 
 
 REDUCE_DEADLINE_S = 150.0  # reduce_deadline for no bytes: the nodes' ring timeouts (120 s) and slack

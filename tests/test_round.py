@@ -237,7 +237,9 @@ def test_a_sit_out_with_its_round_done_of_the_earlier_attempt_is_accepted_withou
     sim = Sim(["a", "b", "c", "x"])
     sim.start()
     sim.ring()
-    sim.failed("c", suspect="x")  # the first attempt breaks for c: nobody finished it in time
+    sim.failed("c", suspect="x")  # the first attempt breaks: nobody finished it in time
+    sim.failed("b")
+    sim.failed("x")
     assert not sim.tick(GRACE + 1)
     assert len(sim.rings()) == 2  # redone with everyone (one accuser names nobody)
     # a had applied the first attempt after all: its RoundDone of it comes late, then its answer.
@@ -268,6 +270,7 @@ def test_sit_outs_of_every_member_abandon_the_round_cleanly() -> None:
     sim.start()
     sim.ring()
     sim.failed("a", suspect="b")
+    sim.failed("b")
     assert not sim.tick(GRACE + 1)
     for n in "abc":
         sim.done(n, epoch=0)
@@ -355,11 +358,48 @@ def test_a_grid_that_fails_with_nobody_named_is_redone_on_the_flat_ring_for_a_wh
         assert _flat(sim)[(rnd, sim.s.ring_epoch)] == (rnd == 1)
 
 
-def test_one_members_word_that_a_grid_failed_has_it_redone_but_keeps_the_grid() -> None:
+def test_one_members_word_that_a_grid_failed_neither_redoes_it_nor_leaves_the_grid() -> None:
     sim = _grid_swarm()
     sim.failed("n5")  # nobody else reports a failure, and the grid takes longer than the grace
     assert not sim.tick(GRACE + 1)
-    assert _flat(sim) == {(0, 0): False, (0, 1): False} and not sim.noted("flat_ring")
+    assert _flat(sim) == {(0, 0): False} and not sim.noted("flat_ring")
+    for n in [n for n in sim.ids if n != "n5"]:
+        sim.done(n)
+    assert sim.tick(GRACE + 2) and sim.result.checksum == "theta1" and not sim.struck()
+
+
+@pytest.mark.parametrize("claim", ["failed", "refused"])
+def test_one_member_that_says_a_slow_all_reduce_failed_while_the_others_finish_it_changes_nothing(
+    claim: str,
+) -> None:
+    # An all-reduce that takes minutes (a big θ on home links): one member's word that it failed,
+    # or that its sum was too large to apply, neither redoes it nor sits anybody out (it once had
+    # it redone 5 s after the report, every attempt, until the round was given up; and a refusal
+    # banned every member that applied the sum).
+    sim = Sim(["a", "b", "c", "x"])
+    sim.host.n_params = 10**9
+    sim.start()
+    sim.ring()
+    if claim == "failed":
+        sim.failed("x")
+    else:
+        _poisoned(sim, "x")
+    assert not sim.tick(GRACE + 1) and not sim.tick(300.0)
+    assert len(sim.rings()) == 1 and not sim.s.banned
+    for n in "abc":
+        sim.done(n)
+    assert sim.tick(301.0)
+    assert sim.result.checksum == "theta1" and not sim.s.banned and not sim.dropped
+    assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x takes the round's θ
+
+
+def test_a_lone_report_of_a_failure_nobody_else_settles_is_redone_at_the_reduce_deadline() -> None:
+    sim = Sim(["a", "b", "c", "x"])
+    sim.start()
+    sim.ring()
+    sim.failed("x")  # and nobody else reports anything
+    assert not sim.tick(rules.REDUCE_DEADLINE_S - 1) and len(sim.rings()) == 1
+    assert not sim.tick(rules.REDUCE_DEADLINE_S + 1) and len(sim.rings()) == 2
 
 
 def _neighbours(sim: Sim, name: str, level: int = 0) -> list[str]:
@@ -1327,7 +1367,8 @@ def test_a_round_driven_through_every_kind_of_write_leaves_the_swarm_as_it_was(h
             sim.done(n, epoch=1)
         assert sim.tick(100.0 + GRACE + 2)
     else:
-        sim.failed("a", suspect="b", epoch=0)
+        for n in "abc":
+            sim.failed(n, epoch=0)
         assert not sim.tick(100.0 + GRACE + 1)
         for n in "abcd":
             sim.done(n, epoch=0)

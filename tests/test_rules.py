@@ -510,12 +510,22 @@ def test_a_node_may_hold_two_units_or_what_our_clock_measured_it_trains_in_a_qua
 
 def test_a_failed_ring_is_decided_early_only_once_a_member_reported_the_failure() -> None:
     ring = ["a", "b", "c"]
-    assert rules.failure_heard(ring, {"a", "b"}, {"c"}, set(), waited=0.1, grace=5.0)  # all heard
-    assert not rules.failure_heard(ring, {"a"}, {"c"}, set(), waited=0.1, grace=5.0)  # b not yet
-    assert rules.failure_heard(ring, {"a"}, {"c"}, {"b"}, waited=0.1, grace=5.0)  # b caught
+
+    def heard(done, failed, caught=(), gone=False, waited=0.1, expired=False):
+        return rules.failure_heard(ring, set(done), set(failed), set(caught), gone, waited, 5.0, expired)
+
+    assert heard("ab", "c")  # all heard
+    assert not heard("a", "c")  # b not yet
+    assert heard("a", "c", caught="b")  # b caught
     # a member left (nobody reported a failure): the others' RoundDones settle it, not this rule
-    assert not rules.failure_heard(["a", "b"], {"a", "b"}, set(), set(), waited=0.1, grace=5.0)
-    assert rules.failure_heard(["a", "b"], set(), set(), set(), waited=6.0, grace=5.0)
+    assert not rules.failure_heard(["a", "b"], {"a", "b"}, set(), set(), True, 0.1, 5.0, False)
+    assert rules.failure_heard(["a", "b"], set(), set(), set(), True, 6.0, 5.0, False)
+    # past the grace, a lone report is one member's word: the others' reports (or the deadline) decide
+    assert not heard("", "c", waited=60.0)
+    assert heard("", "c", waited=60.0, expired=True)
+    assert heard("", "bc", waited=6.0) and not heard("", "bc", waited=4.0)  # most of the ring
+    assert heard("", "c", gone=True, waited=6.0)  # and a member left
+    assert heard("", "c", caught="b", waited=6.0)
 
 
 def test_a_run_that_ends_writes_the_checkpoint_it_skipped_while_saving_unless_a_save_failed() -> None:
