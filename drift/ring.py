@@ -555,15 +555,15 @@ class Ring:
         ids = [m.node_id for m in members]
         me = ids.index(self.node_id)
         layout = grid(n, codec, flat)
-        out, inc = await self._configure(members, generation, *_links(ids, me, layout))
-        sent0 = sum(ch.bytes_sent for ch in out.values())
-        recv0 = sum(ch.bytes_received for ch in inc.values())
         self._residuals(x.size, codec)
         chunks = x.size // self._chunk_elems(codec) + n
         received = codec.encoded_nbytes(x.size) + 2 * _SIG * chunks  # per half, at most
-        until = time.monotonic() + self.timeout + (2 if layout is None else 3) * received / MIN_RATE
         tally = ReduceStats(0.0, 0, 0, codec=codec.name)  # its codec and check seconds, as they add up
-        try:
+        try:  # (its setup too: a failure there reaches the neighbours as any other does)
+            out, inc = await self._configure(members, generation, *_links(ids, me, layout))
+            sent0 = sum(ch.bytes_sent for ch in out.values())
+            recv0 = sum(ch.bytes_received for ch in inc.values())
+            until = time.monotonic() + self.timeout + (2 if layout is None else 3) * received / MIN_RATE
             if layout is None:
                 right, left = out[ids[(me + 1) % n]], inc[ids[(me - 1) % n]]
                 feedback = (self.residual, self._residual_next) if codec.error_feedback else (None, None)

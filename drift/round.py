@@ -838,8 +838,11 @@ class Round:
     def on_ring_failed(self, i: str, msg: P.RingFailed) -> None:
         if self.ring is None or msg.round != self.rnd or msg.ring_epoch != self.ring_epoch():
             return
+        if i not in self.ring_ids() or i not in self.part():  # (sat out, or never in this attempt)
+            return
         self.failed.add(i)
-        self.failed_at.setdefault((self.attempt, i), (msg.level, msg.suspect))
+        named = msg.suspect if msg.suspect and self.witnessed(i, msg.suspect, msg.level) else ""
+        self.failed_at.setdefault((self.attempt, i), (msg.level, named))
         if msg.sit_out:  # it already applied an earlier attempt's outer step: it cannot redo it
             if i in self.applied_before:  # ... and its own RoundDone of that attempt says so
                 self.sit_out(i, "retry", "it finished an earlier attempt of this all-reduce", strike=False)
@@ -855,7 +858,7 @@ class Round:
             # Honest code sends only proof it checked: this accuser lied (its word counts for nothing).
             why = "it accused a ring neighbour with proof that does not hold"
             self.lied(i, "false_accusation", why, accused=msg.suspect)
-        elif msg.suspect in self.part() and msg.suspect != i and self.witnessed(i, msg.suspect, msg.level):
+        elif named in self.part() and named != i:
             self.accusations.append((self.attempt, msg.suspect, i, msg.level))
             if msg.proof is not None:
                 self.forgers.add(msg.suspect)
@@ -1117,7 +1120,7 @@ class Round:
                 set(done),
                 self.failed,
                 {*rules.caught(self.suspects(), part), *(i for i in part if self.nodes[i].behind)},
-                any(i not in self.nodes for i in self.ring_ids()),
+                bool(self.forgers) or any(i not in self.nodes for i in self.ring_ids()),
                 now - self.ring_failed_at,
                 2 * self.r.heartbeat_s + 1,
                 now - self.t_ring > rules.reduce_deadline(self.host.n_params, MIN_RATE),
@@ -1128,7 +1131,9 @@ class Round:
             # hold every round hostage); the reporters get θ with Agreed. That holds for a refusal
             # too (`poisoned`): every honest member checks the same sum against the same bound.
             keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
-            if self.poisoned and not (rules.finished_by_majority(part, set(done)) and keep is not None):
+            if self.poisoned and keep is not None:
+                self.poisoned.clear()  # (most members applied one θ: their word against a few)
+            if self.poisoned:
                 return self.redo_poisoned(now)
             if rules.finished_by_majority(part, set(done)) and keep is not None:
                 # Their Δ is in the others' result (that is how a ring finishes), so their work
@@ -1143,8 +1148,9 @@ class Round:
                     "all-reduce that the others finished; they get θ from a peer"
                 )
                 return True
-            self.retry_reason = "a node reported a broken all-reduce and nobody left"
-        if self.retry_reason is None and not self.poisoned:
+            if keep is None:  # (else every member reported θ, a reporter of a failure too: below)
+                self.retry_reason = "a node reported a broken all-reduce and nobody left"
+        if self.retry_reason is None:
             self.behind(now)
         if (
             self.retry_reason is None
@@ -1291,10 +1297,12 @@ class Round:
         candidates carry over to the next round). A ring without X that passes, after one
         with X was refused, names X."""
         part = self.part()
-        applied = [i for i in part if self.nodes[i].done is not None]
-        if applied and len(applied) < len(part):
+        applied = [] if self.announcing() else [i for i in part if self.nodes[i].done is not None]
+        if applied and len(applied) < len(part) and 2 * len(self.poisoned & set(part)) > len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
+        elif len(part) == 2:
+            pass  # one's word against the other's: redone, nobody convicted (given up after MAX_RING_RETRIES)
         elif len(part) == 1:  # alone, only its own contribution was in the sum: no honest node's is refused
             self.poisoner(part[0], "found by halves")
             self.abandon("the all-reduce was poisoned; its sender is out, the round's work is redone")

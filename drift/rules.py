@@ -233,7 +233,7 @@ def failure_heard(
     done: Set[str],
     failed: Set[str],
     caught: Set[str],
-    gone: bool,
+    evidence: bool,
     waited: float,
     grace: float,
     expired: bool,
@@ -243,16 +243,19 @@ def failure_heard(
     or failure) or is `caught` (named by two, or behind: silent long after a majority reported;
     its own word would change nothing), if a member
     reported the failure; past the reduce deadline (`expired`); or `grace` (the time a member still
-    in the ring needs to report) after it, when that is more than one member's word: a member left
-    (`gone`: the coordinator saw its connection close), one is caught, or more than half the ring
+    in the ring needs to report) after it, when that is more than one member's word: `evidence` of
+    the coordinator's own (a member left: it saw the connection close; or one is proven to have
+    forged bytes, by its own signature), a member is caught, or more than half the ring
     reported it (an honest failure closes every member's ring connections, so all of them report
-    within moments). A lone report waits for the others: a member that says the ring failed while
+    within moments), or the ring is a pair (one report is as much as its silent partner can
+    contradict). A lone report waits for the others: a member that says the ring failed while
     it keeps sending cannot have a slow all-reduce redone. A member that only left decides nothing
     early: the others' RoundDones settle the round."""
     heard = done | failed | caught
     if expired or (failed and all(i in heard for i in ring)):
         return True
-    return waited > grace and (gone or bool(caught) or 2 * len(failed) > len(list(ring)))
+    n = len(list(ring))
+    return waited > grace and (evidence or bool(caught) or 2 * len(failed) > n or n <= 2)
 
 
 REDUCE_DEADLINE_S = 150.0  # reduce_deadline for no bytes: the nodes' ring timeouts (120 s) and slack

@@ -393,6 +393,90 @@ def test_one_member_that_says_a_slow_all_reduce_failed_while_the_others_finish_i
     assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x takes the round's θ
 
 
+def test_a_refusal_from_a_member_that_also_reported_theta_or_sat_out_keeps_the_round() -> None:
+    # Every member reported θ, the refuser too; and one that sits the attempt out refuses it:
+    # neither has the round bisected, abandoned, or anyone banned.
+    sim = Sim(["a", "b", "c", "x"])
+    sim.start()
+    sim.ring()
+    _poisoned(sim, "x")
+    for n in "abcx":
+        sim.done(n)
+    assert sim.tick(1.0) and sim.rd.abandoned is None and sim.result.checksum == "theta1"
+    assert not sim.s.banned and not sim.noted("sat_out")
+
+    sim = Sim(["a", "b", "c", "d", "x"])
+    sim.start()
+    sim.ring()
+    for n in _neighbours(sim, "x"):
+        sim.failed(n, suspect="x")  # caught by both its neighbours: it sits the retry out
+    for n in [n for n in sim.ids if n not in _neighbours(sim, "x") and n != "x"]:
+        sim.failed(n)
+    assert not sim.tick(GRACE + 1) and "x" not in sim.rings()[-1]
+    _poisoned(sim, "x")
+    for n in sim.rings()[-1]:
+        sim.done(n)
+    assert sim.tick(GRACE + 2) and sim.rd.abandoned is None and sim.result.checksum == "theta1"
+    assert not sim.s.banned
+
+
+def test_a_lone_refusal_does_not_keep_a_silent_member_from_being_behind() -> None:
+    sim = Sim(["a", "b", "c", "d", "x"])
+    sim.host.n_params = 10**8
+    sim.start()
+    sim.ring()
+    _poisoned(sim, "x")
+    for n in "abc":
+        sim.done(n)  # d says nothing: behind, as without x's refusal
+    assert not sim.tick(60.0)  # (d is found behind now; then everyone is accounted for)
+    assert sim.tick(60.1) and sim.result.checksum == "theta1" and sim.struck() == {"d"}
+
+
+def test_in_a_ring_of_two_a_refusal_against_an_announcement_convicts_nobody() -> None:
+    # One word against the other: whoever refuses, nobody can tell which of the two is honest.
+    sim = Sim(["a", "x"])
+    sim.start()
+    sim.ring()
+    _poisoned(sim, "x")
+    sim.done("a", checksum="theta-a", announced=True, before="theta0")
+    assert not sim.tick(GRACE + 1)
+    assert not sim.s.banned and len(sim.rings()) == 2
+
+
+def test_in_a_ring_of_two_a_report_that_the_partner_is_silent_is_decided_at_the_grace() -> None:
+    sim = Sim(["a", "x"])
+    sim.host.n_params = 10**8  # (a reduce deadline of ~40 minutes)
+    sim.start()
+    sim.ring()
+    sim.failed("a", suspect="x")  # a's pass timed out on x
+    assert not sim.tick(GRACE - 1) and len(sim.rings()) == 1
+    assert not sim.tick(GRACE + 1) and len(sim.rings()) == 2
+
+
+def test_a_member_cannot_excuse_itself_by_naming_one_it_exchanged_nothing_with() -> None:
+    # The sparse rule's hierarchy: h fails at level 0 naming y, whom two of y's neighbours caught
+    # there, but h is no neighbour of y: its failure is not excused, and those it held up at
+    # level 1 catch it.
+    sim = Sim([f"n{k}" for k in range(9)], sync="sparse", sync_params={"fanout": 3})
+    sim.start()
+    sim.ring()
+    order = sim.rings()[-1]
+    y = order[0]
+    h = next(n for n in order if n != y and n not in _neighbours(sim, y) and y not in _neighbours(sim, n, level=1))
+
+    def report(name: str, suspect: str, level: int) -> None:
+        e = sim.rd.ring_epoch()
+        sim.msg(name, P.RingFailed(round=0, ring_epoch=e, reason="t", suspect=sim.ids[suspect], level=level))
+
+    for n in _neighbours(sim, y)[:2]:
+        report(n, y, 0)
+    report(h, y, 0)
+    for n in _neighbours(sim, h, level=1):
+        report(n, h, 1)
+    caught = {sim.names[i] for i in rules.caught(sim.rd.suspects(), sim.rd.part())}
+    assert caught == {y, h}
+
+
 def test_a_lone_report_of_a_failure_nobody_else_settles_is_redone_at_the_reduce_deadline() -> None:
     sim = Sim(["a", "b", "c", "x"])
     sim.start()
@@ -1357,7 +1441,8 @@ def test_a_round_driven_through_every_kind_of_write_leaves_the_swarm_as_it_was(h
         sim.train(n)
     assert not sim.tick(100.0)  # x trained nothing: past its deadline it sits out, slowed
     assert rd.ring is not None and len(rd.ring) == 4
-    sim.msg("x", P.RingFailed(round=0, ring_epoch=0, reason="x", sit_out=True))  # a claim: a strike
+    sim.msg("x", P.RingFailed(round=0, ring_epoch=0, reason="x", sit_out=True))  # sat out: not heard
+    sim.msg("a", P.RingFailed(round=0, ring_epoch=0, reason="x", sit_out=True))  # a claim: a strike
     if how == "poisoned":
         for n in "abc":
             _poisoned(sim, n)

@@ -511,8 +511,8 @@ def test_a_node_may_hold_two_units_or_what_our_clock_measured_it_trains_in_a_qua
 def test_a_failed_ring_is_decided_early_only_once_a_member_reported_the_failure() -> None:
     ring = ["a", "b", "c"]
 
-    def heard(done, failed, caught=(), gone=False, waited=0.1, expired=False):
-        return rules.failure_heard(ring, set(done), set(failed), set(caught), gone, waited, 5.0, expired)
+    def heard(done, failed, caught=(), evidence=False, waited=0.1, expired=False):
+        return rules.failure_heard(ring, set(done), set(failed), set(caught), evidence, waited, 5.0, expired)
 
     assert heard("ab", "c")  # all heard
     assert not heard("a", "c")  # b not yet
@@ -524,7 +524,7 @@ def test_a_failed_ring_is_decided_early_only_once_a_member_reported_the_failure(
     assert not heard("", "c", waited=60.0)
     assert heard("", "c", waited=60.0, expired=True)
     assert heard("", "bc", waited=6.0) and not heard("", "bc", waited=4.0)  # most of the ring
-    assert heard("", "c", gone=True, waited=6.0)  # and a member left
+    assert heard("", "c", evidence=True, waited=6.0)  # and a member left, or one is proven to forge
     assert heard("", "c", caught="b", waited=6.0)
 
 
