@@ -43,10 +43,12 @@ def _check_dropped_not_waited_for(swarm: Swarm, name: str) -> None:
     assert "evaluation(s) still running" not in swarm.log(), swarm.log()
 
 
-def test_mixed_speeds(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=3, inner_steps=12, **SIM)
+def test_shares_follow_each_nodes_speed_as_it_changes(tmp_path: Path) -> None:
+    """Three devices 5x apart, one of which gets 10x slower from round 2 on (a laptop that got
+    hot): each round's shares follow the speeds measured, and the run trains its whole budget."""
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=3, rounds=5, inner_steps=10, **SIM)
     swarm = Swarm(recipe, tmp_path)
-    for step_s in ("0.04", "0.1", "0.2"):  # (well above a step's compute on a loaded 2-core machine)
+    for step_s in ("0.04", "0.04,0.04,0.4", "0.2"):  # (well above a step's compute on a loaded 2-core machine)
         swarm.join(step_s)
     assert swarm.finish() == 0, swarm.log()
     assert swarm.node_exits() == [0, 0, 0], swarm.node_logs()
@@ -54,30 +56,17 @@ def test_mixed_speeds(tmp_path: Path) -> None:
     check_exactly_once(events, 2 * BATCH)
     _check_idle(events)
     rounds = [e for e in events if e["event"] == "round"]
-    assert len(rounds) == 3
+    assert len(rounds) == 5
     # The run trains its whole budget: what a round's cut left is trained later, the last round
-    # is not cut (3 rounds × 3 nodes × 12 steps × 8 samples).
-    assert sum(r["samples"] for r in rounds) >= 3 * 3 * 12 * BATCH, [r["samples"] for r in rounds]
+    # is not cut (5 rounds × 3 nodes × 10 steps × 8 samples).
+    assert sum(r["samples"] for r in rounds) >= 5 * 3 * 10 * BATCH, [r["samples"] for r in rounds]
     assert next(e for e in events if e["event"] == "complete")["pending"] == []
     # Shares follow speed (5x apart): over the run the fastest node trained clearly more.
     total = {n: sum(r["nodes"].get(n, {"samples": 0})["samples"] for r in rounds) for n in ("n0", "n2")}
     assert total["n0"] > 2 * total["n2"], [r["nodes"] for r in rounds]
-
-
-def test_node_that_slows_down_gets_less_work(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, inner_steps=10, **SIM)
-    swarm = Swarm(recipe, tmp_path)
-    swarm.join("0.04")
-    swarm.join("0.04,0.04,0.4")  # 10x slower from round 2 on (a laptop that got hot)
-    assert swarm.finish() == 0, swarm.log()
-    assert swarm.node_exits() == [0, 0], swarm.node_logs()
-    events = swarm.events()
-    check_exactly_once(events, 2 * BATCH)
-    rounds = [e for e in events if e["event"] == "round"]
-    # (once slow it may even be made an evaluator: then it trains nothing, which is less work too)
+    # n1 is as fast as n0, then the slowest (once slow it may even evaluate: less work too)
     share = [r["nodes"].get("n1", {"samples": 0})["samples"] / max(1, r["samples"]) for r in rounds]
-    assert share[0] > 0.3 and share[-1] < 0.2, share
-    _check_idle(events)
+    assert share[0] > 0.3 and max(share[2:]) < 0.2, share
 
 
 def test_node_dies_mid_round(tmp_path: Path) -> None:
