@@ -495,6 +495,7 @@ class Round:
         self.retry_reason: str | None = None  # why the all-reduce in flight must be redone
         self.ring_failed_at: float | None = None
         self.failed: set[str] = set()  # members that reported this attempt failed (RingFailed)
+        self.heard_alone: set[str] = set()  # members whose lone failure report had an attempt redone
         # (attempt, suspect, accuser, level): who named whom for bad bytes or silence, at which level
         # of the hierarchy (drift/hierarchy.py; 0 for a ring), and at which level each reporter failed
         self.accusations: list[tuple[int, str, str, int]] = []
@@ -1109,6 +1110,14 @@ class Round:
         """The ring members' reports of θ after the outer step (this ring epoch)."""
         return {i: n.done for i, n in self.nodes.items() if n.done is not None}
 
+    def first_alone(self) -> bool:
+        """One member alone reports a plain failure (no refusal), the first time this round: it has
+        the attempt redone at the grace. A failure in a ring's setup may reach nobody else (its
+        neighbours never connected), and the others would wait out their 120 s timeouts. A second
+        lone report of the same member waits for the others' reports: one member's word redoes at
+        most one attempt a round, never every attempt of a slow all-reduce."""
+        return len(self.failed) == 1 and not self.poisoned and not (self.failed & self.heard_alone)
+
     def reduce_progress(self, now: float) -> bool:
         """While the ring runs: retry it when it broke; once every member reported, check θ."""
         part, done = self.part(), self.done()
@@ -1120,7 +1129,7 @@ class Round:
                 set(done),
                 self.failed,
                 {*rules.caught(self.suspects(), part), *(i for i in part if self.nodes[i].behind)},
-                bool(self.forgers) or any(i not in self.nodes for i in self.ring_ids()),
+                bool(self.forgers) or any(i not in self.nodes for i in self.ring_ids()) or self.first_alone(),
                 now - self.ring_failed_at,
                 2 * self.r.heartbeat_s + 1,
                 now - self.t_ring > rules.reduce_deadline(self.host.n_params, MIN_RATE),
@@ -1131,8 +1140,9 @@ class Round:
             # hold every round hostage); the reporters get θ with Agreed. That holds for a refusal
             # too (`poisoned`): every honest member checks the same sum against the same bound.
             keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
-            if self.poisoned and keep is not None:
-                self.poisoned.clear()  # (most members applied one θ: their word against a few)
+            applied = [] if self.announcing() else [i for i in part if i in done]
+            if self.poisoned and (keep is not None or len(self.poisoned & set(part)) <= len(applied)):
+                self.poisoned.clear()  # (as many applied the sum: their word against a few, a failure report)
             if self.poisoned:
                 return self.redo_poisoned(now)
             if rules.finished_by_majority(part, set(done)) and keep is not None:
@@ -1149,6 +1159,8 @@ class Round:
                 )
                 return True
             if keep is None:  # (else every member reported θ, a reporter of a failure too: below)
+                if self.first_alone():
+                    self.heard_alone |= self.failed
                 self.retry_reason = "a node reported a broken all-reduce and nobody left"
         if self.retry_reason is None:
             self.behind(now)
@@ -1301,8 +1313,8 @@ class Round:
         if applied and len(applied) < len(part) and 2 * len(self.poisoned & set(part)) > len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
-        elif len(part) == 2:
-            pass  # one's word against the other's: redone, nobody convicted (given up after MAX_RING_RETRIES)
+        elif len(part) == 2 and any(self.nodes[i].done is not None for i in part):
+            pass  # one's refusal against the other's announcement: redone, nobody convicted (then given up)
         elif len(part) == 1:  # alone, only its own contribution was in the sum: no honest node's is refused
             self.poisoner(part[0], "found by halves")
             self.abandon("the all-reduce was poisoned; its sender is out, the round's work is redone")
@@ -1531,8 +1543,11 @@ class Round:
         for i in self.part():
             if self.nodes[i].counted:
                 self.give_back.extend(self.nodes[i].synced.trained)
-        for i in [*self.applied_before, *self.done()]:  # its θ moved: it is no donor of the agreed one
-            self.out.append(Moved(i))
+        announced = self.done() if self.announcing() else {}
+        for i in [*self.applied_before, *(i for i in self.done() if i not in announced)]:
+            self.out.append(Moved(i))  # its θ moved: it is no donor of the agreed one
+        for i in announced:  # (it applied nothing: it hears, with the others, that θ stays)
+            self.nodes[i].done = None
 
     # --- the result ------------------------------------------------------------------------------
 
