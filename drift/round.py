@@ -1113,10 +1113,17 @@ class Round:
     def first_alone(self) -> bool:
         """One member alone reports a plain failure (no refusal), the first time this round: it has
         the attempt redone at the grace. A failure in a ring's setup may reach nobody else (its
-        neighbours never connected), and the others would wait out their 120 s timeouts. A second
-        lone report of the same member waits for the others' reports: one member's word redoes at
-        most one attempt a round, never every attempt of a slow all-reduce."""
-        return len(self.failed) == 1 and not self.poisoned and not (self.failed & self.heard_alone)
+        neighbours never connected), and the others would wait out their 120 s timeouts; so only
+        within the time a setup may take (REDUCE_DEADLINE_S). A second lone report of the same
+        member waits for the others' reports: one member's word redoes at most one attempt a
+        round, early in it, never every attempt of a slow all-reduce."""
+        return (
+            len(self.failed) == 1
+            and not self.poisoned
+            and not (self.failed & self.heard_alone)
+            and self.ring_failed_at is not None
+            and self.ring_failed_at - self.t_ring <= rules.REDUCE_DEADLINE_S  # (while a setup may still fail)
+        )
 
     def reduce_progress(self, now: float) -> bool:
         """While the ring runs: retry it when it broke; once every member reported, check θ."""
@@ -1141,8 +1148,8 @@ class Round:
             # too (`poisoned`): every honest member checks the same sum against the same bound.
             keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
             applied = [] if self.announcing() else [i for i in part if i in done]
-            if self.poisoned and (keep is not None or len(self.poisoned & set(part)) <= len(applied)):
-                self.poisoned.clear()  # (as many applied the sum: their word against a few, a failure report)
+            if self.poisoned and (keep is not None or len(self.poisoned & set(part)) < len(applied)):
+                self.poisoned.clear()  # (more applied the sum: their word against a few, a failure report)
             if self.poisoned:
                 return self.redo_poisoned(now)
             if rules.finished_by_majority(part, set(done)) and keep is not None:
@@ -1313,8 +1320,10 @@ class Round:
         if applied and len(applied) < len(part) and 2 * len(self.poisoned & set(part)) > len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
-        elif len(part) == 2 and any(self.nodes[i].done is not None for i in part):
-            pass  # one's refusal against the other's announcement: redone, nobody convicted (then given up)
+        elif len(part) == 2:
+            # One's word against the other's; and a poisoner left alone by a search by halves could
+            # send its own Δ, pass, and have its partner named. Redone (then given up), both suspects.
+            self.out.append(Suspects(frozenset(part)))
         elif len(part) == 1:  # alone, only its own contribution was in the sum: no honest node's is refused
             self.poisoner(part[0], "found by halves")
             self.abandon("the all-reduce was poisoned; its sender is out, the round's work is redone")
