@@ -1320,9 +1320,10 @@ class Round:
         if applied and len(applied) < len(part) and 2 * len(self.poisoned & set(part)) > len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
-        elif len(part) == 2:
-            # One's word against the other's; and a poisoner left alone by a search by halves could
-            # send its own Δ, pass, and have its partner named. Redone (then given up), both suspects.
+        elif len(part) == 2 and sum(n.role == "train" for n in self.nodes.values()) == 2:
+            # A swarm of two: one's word against the other's; and a poisoner left alone by a search
+            # by halves could send its own Δ, pass, and have its partner named. Redone (then given
+            # up), both suspects. (A pair a search narrowed a larger ring to is searched on.)
             self.out.append(Suspects(frozenset(part)))
         elif len(part) == 1:  # alone, only its own contribution was in the sum: no honest node's is refused
             self.poisoner(part[0], "found by halves")
