@@ -860,9 +860,9 @@ class Round:
             why = "it accused a ring neighbour with proof that does not hold"
             self.lied(i, "false_accusation", why, accused=msg.suspect)
         elif named in self.part() and named != i:
-            self.accusations.append((self.attempt, msg.suspect, i, msg.level))
+            self.accusations.append((self.attempt, named, i, msg.level))
             if msg.proof is not None:
-                self.forgers.add(msg.suspect)
+                self.forgers.add(named)
         if self.ring_failed_at is None:
             self.warn(f"round {self.rnd}: {self.name(i)} reports the all-reduce failed: {msg.reason}")
             self.ring_failed_at = self.now
@@ -1110,6 +1110,15 @@ class Round:
         """The ring members' reports of θ after the outer step (this ring epoch)."""
         return {i: n.done for i, n in self.nodes.items() if n.done is not None}
 
+    def applied(self) -> list[str]:
+        """The members taking part that applied this attempt's outer step (a ring of two's
+        announcement applies nothing)."""
+        return [] if self.announcing() else [i for i in self.part() if self.nodes[i].done is not None]
+
+    def refused(self) -> int:
+        """How many members taking part refused this attempt's sum (`poisoned`)."""
+        return len(self.poisoned & set(self.part()))
+
     def first_alone(self) -> bool:
         """One member alone reports a plain failure (no refusal), the first time this round: it has
         the attempt redone at the grace. A failure in a ring's setup may reach nobody else (its
@@ -1147,8 +1156,7 @@ class Round:
             # hold every round hostage); the reporters get θ with Agreed. That holds for a refusal
             # too (`poisoned`): every honest member checks the same sum against the same bound.
             keep = rules.held_by_majority({i: d.checksum for i, d in done.items()}, len(self.ring))
-            applied = [] if self.announcing() else [i for i in part if i in done]
-            if self.poisoned and (keep is not None or len(self.poisoned & set(part)) < len(applied)):
+            if self.poisoned and (keep is not None or self.refused() < len(self.applied())):
                 self.poisoned.clear()  # (more applied the sum: their word against a few, a failure report)
             if self.poisoned:
                 return self.redo_poisoned(now)
@@ -1256,7 +1264,7 @@ class Round:
             if i in self.part():
                 self.sit_out(i, "ring", "both its ring neighbours caught it breaking the all-reduce")
         # Members that applied the last attempt cannot redo it (announced steps were never applied)
-        applied = [] if self.announcing() else [i for i in self.part() if self.nodes[i].done is not None]
+        applied = self.applied()
         if applied and not self.poisoned and self.applied_by_majority(applied):
             return True
         if unnamed:
@@ -1316,8 +1324,8 @@ class Round:
         candidates carry over to the next round). A ring without X that passes, after one
         with X was refused, names X."""
         part = self.part()
-        applied = [] if self.announcing() else [i for i in part if self.nodes[i].done is not None]
-        if applied and len(applied) < len(part) and 2 * len(self.poisoned & set(part)) > len(part):
+        applied = self.applied()
+        if applied and len(applied) < len(part) and 2 * self.refused() > len(part):
             for i in applied:
                 self.poisoner(i, "it applied an all-reduced Δ that the others refused")
         elif len(part) == 2 and sum(n.role == "train" for n in self.nodes.values()) == 2:
@@ -1553,11 +1561,13 @@ class Round:
         for i in self.part():
             if self.nodes[i].counted:
                 self.give_back.extend(self.nodes[i].synced.trained)
-        announced = self.done() if self.announcing() else {}
-        for i in [*self.applied_before, *(i for i in self.done() if i not in announced)]:
-            self.out.append(Moved(i))  # its θ moved: it is no donor of the agreed one
-        for i in announced:  # (it applied nothing: it hears, with the others, that θ stays)
-            self.nodes[i].done = None
+        done = self.done()
+        if self.announcing():  # (an announcement applied nothing: it hears, with the others, that θ stays)
+            for i in done:
+                self.nodes[i].done = None
+            done = {}
+        for i in [*self.applied_before, *done]:  # its θ moved: it is no donor of the agreed one
+            self.out.append(Moved(i))
 
     # --- the result ------------------------------------------------------------------------------
 

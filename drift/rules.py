@@ -229,7 +229,7 @@ def reduce_overdue(
 
 
 def failure_heard(
-    ring: Iterable[str],
+    ring: Collection[str],
     done: Set[str],
     failed: Set[str],
     caught: Set[str],
@@ -239,23 +239,23 @@ def failure_heard(
     expired: bool,
 ) -> bool:
     """The all-reduce broke `waited` seconds ago (a member left, or `failed` reported it): whether
-    to decide now (retry, or keep what a majority applied). Once every ring member has reported (θ
-    or failure) or is `caught` (named by two, or behind: silent long after a majority reported;
-    its own word would change nothing), if a member
-    reported the failure; past the reduce deadline (`expired`); or `grace` (the time a member still
-    in the ring needs to report) after it, when that is more than one member's word: `evidence` of
-    the coordinator's own (a member left: it saw the connection close; or one is proven to have
-    forged bytes, by its own signature), a member is caught, or more than half the ring
-    reported it (an honest failure closes every member's ring connections, so all of them report
-    within moments), or the ring is a pair (one report is as much as its silent partner can
-    contradict). A lone report waits for the others: a member that says the ring failed while
-    it keeps sending cannot have a slow all-reduce redone. A member that only left decides nothing
-    early: the others' RoundDones settle the round."""
+    to decide now (retry, or keep what a majority applied).
+
+    At once when a member reported the failure and every ring member has reported (θ or failure)
+    or is `caught` (named by two, or behind: silent long after a majority reported; its own word
+    would change nothing); or past the reduce deadline (`expired`). After `grace` (the time a
+    member still in the ring needs to report) when the failure is more than one member's word:
+    `evidence` of the coordinator's own (a member left: it saw the connection close; one is proven
+    to have forged bytes; a member's first lone report early in the round: Round.first_alone), a
+    member caught, more than half the ring reporting it (an honest failure closes every member's
+    ring connections, so all of them report within moments), or a ring of two (one report is as
+    much as its silent partner can contradict). Otherwise a lone report waits for the others: a
+    member that says the ring failed while it keeps sending cannot have a slow all-reduce redone.
+    A member that only left decides nothing early: the others' RoundDones settle the round."""
     heard = done | failed | caught
     if expired or (failed and all(i in heard for i in ring)):
         return True
-    n = len(list(ring))
-    return waited > grace and (evidence or bool(caught) or 2 * len(failed) > n or n <= 2)
+    return waited > grace and (evidence or bool(caught) or 2 * len(failed) > len(ring) or len(ring) <= 2)
 
 
 REDUCE_DEADLINE_S = 150.0  # reduce_deadline for no bytes: the nodes' ring timeouts (120 s) and slack
