@@ -1178,7 +1178,7 @@ class Round:
                     self.heard_alone |= self.failed
                 self.retry_reason = "a node reported a broken all-reduce and nobody left"
         if self.retry_reason is None:
-            self.behind(now)
+            self.behind(now, part)
         if (
             self.retry_reason is None
             and not self.poisoned
@@ -1382,7 +1382,7 @@ class Round:
             if len(self.bisect_out) == 1:
                 self.convict(self.bisect_out[0], "bisected", "it poisoned the all-reduce (found by halves)")
 
-    def behind(self, now: float) -> None:
+    def behind(self, now: float, part: list[str]) -> None:
         """Members that did not report θ long after a majority did (rules.reduce_overdue) are
         behind: the round settles without them and they get θ with Agreed (their Δ is in it: the
         ring finished). Holding the swarm up is a strike; twice, and the node is dropped. With no
@@ -1390,14 +1390,15 @@ class Round:
         ring of one that stays silent is struck (nobody else could have held it up), and so is the
         silent member of a ring of two whose partner reported, which sits the round out."""
         r = self.r
+        majority_s = rules.majority_done_s(self.done_after, part)
         extra = {}
         if self.val_reporter is not None:  # it evaluates θ before it reports
             extra[self.val_reporter] = r.eval_batches * r.batch_size / self.s.speed[self.val_reporter]
         late = rules.reduce_overdue(
-            [i for i in self.part() if i not in self.failed],  # (a member that reported a failure is not silent)
+            [i for i in part if i not in self.failed],  # (a member that reported a failure is not silent)
             self.nodes,
             now - self.t_ring,
-            rules.majority_done_s(self.done_after, self.part()),
+            majority_s,
             r.unit_deadline_factor,
             2 * r.heartbeat_s,
             extra,
@@ -1412,11 +1413,7 @@ class Round:
             self.fell_behind(i)
             self.strike(i, "it did not report θ after the all-reduce")
         waited, deadline = now - self.t_ring, rules.reduce_deadline(self.host.n_params, MIN_RATE)
-        if (
-            self.ring_failed_at is None
-            and waited > deadline
-            and rules.majority_done_s(self.done_after, self.part()) is None
-        ):
+        if self.ring_failed_at is None and waited > deadline and majority_s is None:
             for i in rules.reduce_timed_out(self.part(), self.done(), waited, deadline):
                 self.note("deadline", node_id=i, name=self.name(i), round=self.rnd, waited_s=waited, phase="reduce")
                 if len(self.part()) > 1:  # the others go on without it

@@ -73,26 +73,45 @@ class TransportTimeout(TransportError):
 
 # --- the copy fix -----------------------------------------------------------------------------
 # iroh's generated binding lowers every outgoing bytes object into a Rust buffer one byte at a
-# time in a Python loop (~3 MiB/s). We replace that single method with one memmove. The buffer
-# layout (len-prefixed by write_i32 before write() is called) is unchanged, so nothing else in the
-# binding notices. Pinned to iroh==1.2.0 in pyproject; install_copy_fix() checks the shape first.
+# time in a Python loop (~3 MiB/s), after its 4-byte length, also written a byte at a time, into a
+# buffer it then grows: two allocations in Rust. We lower bytes in one allocation of the exact
+# size and two memmoves; the buffer's layout (big-endian i32 length, then the bytes) is the
+# binding's own. Pinned to iroh==1.2.0 in pyproject; install_copy_fix() checks the shape first.
 
 _original_write = iroh_ffi._UniffiRustBufferBuilder.write
 _original_continuation = iroh_ffi._uniffi_continuation_callback
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+_I32 = struct.Struct(">i")
+
+
+def _copy_into(dst: int, value) -> None:
+    n = len(value)
+    if isinstance(value, bytes):
+        ctypes.memmove(dst, value, n)
+    else:  # memoryview / bytearray / numpy: any contiguous 1-byte-item buffer, no extra copy
+        src = np.frombuffer(value, dtype=np.uint8)
+        if src.size != n:
+            raise ValueError("drift transport writes need a flat byte buffer")
+        ctypes.memmove(dst, src.ctypes.data, n)
 
 
 def _fast_write(self, value) -> None:
+    with self._reserve(len(value)):
+        _copy_into(ctypes.cast(self.rbuf.data, ctypes.c_void_p).value + self.rbuf.len, value)
+
+
+def _fast_lower(value) -> iroh_ffi._UniffiRustBuffer:
     n = len(value)
-    with self._reserve(n):
-        dst = ctypes.cast(self.rbuf.data, ctypes.c_void_p).value + self.rbuf.len
-        if isinstance(value, bytes):
-            ctypes.memmove(dst, value, n)
-        else:  # memoryview / bytearray / numpy: any contiguous 1-byte-item buffer, no extra copy
-            src = np.frombuffer(value, dtype=np.uint8)
-            if src.size != n:
-                raise ValueError("drift transport writes need a flat byte buffer")
-            ctypes.memmove(dst, src.ctypes.data, n)
+    rbuf = iroh_ffi._UniffiRustBuffer.alloc(_I32.size + n)
+    try:
+        dst = ctypes.cast(rbuf.data, ctypes.c_void_p).value
+        ctypes.memmove(dst, _I32.pack(n), _I32.size)
+        _copy_into(dst + _I32.size, value)
+    except BaseException:
+        rbuf.free()
+        raise
+    rbuf.len = _I32.size + n
+    return rbuf
 
 
 # --- the wake-up fix ---------------------------------------------------------------------------
@@ -117,15 +136,19 @@ def install_copy_fix() -> None:
     """Swap the per-byte copy in iroh's binding for one memmove, and its wake-up of the event loop
     for a plain call_soon where it runs on the loop's own thread (idempotent)."""
     builder = iroh_ffi._UniffiRustBufferBuilder
-    if not hasattr(builder, "_reserve") or not hasattr(iroh_ffi, "_uniffi_set_future_result"):
+    bytes_conv = getattr(iroh_ffi, "_UniffiFfiConverterBytes", None)
+    if not hasattr(builder, "_reserve") or not hasattr(iroh_ffi, "_uniffi_set_future_result") or bytes_conv is None:
         raise RuntimeError("iroh binding changed shape; drift's copy fix does not apply")
     builder.write = _fast_write
+    bytes_conv.lower = staticmethod(_fast_lower)
     iroh_ffi._uniffi_continuation_callback = _continuation
 
 
 def uninstall_copy_fix() -> None:
     """Restore the binding's own copy loop and wake-up (benchmarks compare both)."""
     iroh_ffi._UniffiRustBufferBuilder.write = _original_write
+    if "lower" in vars(iroh_ffi._UniffiFfiConverterBytes):  # (the binding's own is inherited)
+        del iroh_ffi._UniffiFfiConverterBytes.lower
     iroh_ffi._uniffi_continuation_callback = _original_continuation
 
 

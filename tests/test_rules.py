@@ -296,6 +296,14 @@ def test_a_reported_norm_far_outside_the_others_is_an_outlier() -> None:
     assert rules.norm_outliers({"a": (1.0, 1), "x": (1e6, 1)}) == []  # two: nobody can tell which
 
 
+def test_a_member_is_named_an_outlier_only_by_more_than_half_of_the_others() -> None:
+    ring = ["a", "b", "c", "d", "e"]
+    # e named by a and b: half of the other four. b naming it twice, and e naming itself, add nothing.
+    reports = {"a": ["e"], "b": ["e", "e"], "c": [], "d": ["a"], "e": ["e", "a"]}
+    assert rules.named_outliers(reports, ring) == []
+    assert rules.named_outliers({**reports, "c": ["e"]}, ring) == ["e"]
+
+
 def test_the_reduced_sum_may_not_exceed_the_reported_norms() -> None:
     import numpy as np
 

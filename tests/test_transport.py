@@ -19,6 +19,7 @@ async def _pair() -> tuple[Endpoint, Endpoint]:
 
 def test_copy_fix_is_installed() -> None:
     assert iroh_ffi._UniffiRustBufferBuilder.write is transport._fast_write
+    assert iroh_ffi._UniffiFfiConverterBytes.lower is transport._fast_lower
 
 
 @pytest.mark.parametrize("fixed", [True, False])

@@ -89,6 +89,8 @@ class RunStats:
 
 
 class Host:
+    n_params = 10**6  # θ's size: only the reduce deadline reads it (REDUCE_DEADLINE_S and a little more)
+
     def __init__(self, swarm: Swarm):
         self.s = swarm
 
