@@ -100,9 +100,8 @@ def test_unreachable_ticket_times_out_with_what_was_tried() -> None:
             await a.close()
 
     msg = run_async(main(), timeout=60)
-    assert "connecting to" in msg and "127.0.0.1" in msg
-    # It ended by drift's own bound on the wait (or a failure iroh reported), not by the test's.
-    assert "timed out after 2s connecting to" in msg or "failed" in msg, msg
+    # It ended by drift's own bound on the wait, not the test's, and says what was tried.
+    assert "timed out after 2s connecting to" in msg and "127.0.0.1" in msg, msg
 
 
 def test_mode_for_ticket_reads_loopback() -> None:
