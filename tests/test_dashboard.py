@@ -433,6 +433,40 @@ FINISHED_RUN = [
 ]
 
 
+def _a_thousand_nodes() -> list[dict]:
+    """A round of 1,000 nodes, n999 the slowest and n0 the fastest, each 1 MiB sent."""
+    ids = [f"{k:064x}" for k in range(1000)]
+    events = [{"t": 0.0, "event": "run", "recipe": "big", "rounds": 1, "round_samples": 16000}]
+    events += [
+        {"t": 1.0, "event": "node_joined", "node_id": i, "name": f"n{k}", "device": "cpu", "backend": "numpy"}
+        for k, i in enumerate(ids)
+    ]
+    events.append({"t": 1.5, "event": "training_started", "nodes": 1000})
+    events += [
+        {"t": 2.0, "event": "progress", "node_id": i, "round": 0, "unit": [0, k, 0, 16], "samples_per_s": 1000.0 - k}
+        for k, i in enumerate(ids)
+    ]
+    row = {"weight": 0.001, "samples": 16, "bytes_sent": 2**20, "busy_s": 0.5, "idle_s": 0.1, "sync_s": 1.0}
+    nodes = {f"n{k}": {"node_id": i, **row} for k, i in enumerate(ids)}
+    events.append({"t": 3.0, "event": "round", "round": 0, "samples": 16000, "nodes": nodes})
+    return events
+
+
+@pytest.mark.chromium
+def test_a_thousand_nodes_page_shows_the_slowest_and_sums_up_the_rest(browser, tmp_path: Path) -> None:
+    """At a thousand nodes the page stays readable (issue 40): its table and per-node charts show
+    the slowest 16, and one row sums up the rest, as the terminal's table does."""
+    write_static(_a_thousand_nodes(), tmp_path / "page.html")
+    page = _open(browser, (tmp_path / "page.html").as_uri())
+    page.wait_for_selector("#nodes tbody tr")
+    assert _names(page) == [f"n{999 - k}" for k in range(16)]  # the slowest first
+    rest = " ".join(page.text_content("#nodes tbody tr.rest").split())
+    assert rest.startswith("984 faster nodes") and "98.4 %" in rest and "984.0" in rest  # their share, MiB sent
+    assert page.eval_on_selector_all("#times > div", "ds => ds.length") == 16
+    assert page.errors == []
+    page.close()
+
+
 def test_a_finished_runs_snapshot_says_finished(tmp_path: Path) -> None:
     """The monitor's `complete` event, as the coordinator emits it, makes the served page's state finished."""
     from drift.monitor import Monitor
