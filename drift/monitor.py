@@ -67,7 +67,7 @@ class Monitor:
         self.console = Console(stderr=False)
         self._live: Live | None = None
         self._eta = Eta()
-        if self.live:  # rich draws the table (self.__rich__) 4 times a second, from the figures of then
+        if self.live:
             self._live = Live(self, console=self.console, refresh_per_second=4)
             self._live.start()
         self._board = Board.open(self.run_dir)
@@ -95,7 +95,7 @@ class Monitor:
                 sub(rec)
             except Exception:  # a page or a tracker must never end the run
                 log.exception("monitor: a subscriber failed on a %s event", kind)
-        if self._live:  # rich redraws the table 4 times a second (__rich__); one built at each event
+        if self._live:  # rich redraws the table (__rich__) 4 times a second; one built at each event
             return  # was 0.3 ms an event at a thousand nodes: most of a second of the coordinator's a round
         if kind == "node_joined":
             self._joined += 1

@@ -94,7 +94,7 @@ def samples(units: list[P.WorkUnit]) -> int:
 
 def part(recs: Records) -> list[str]:
     """The nodes in this round's barrier and ring, in the records' order."""
-    return [i for i, r in recs.items() if r.role == "train" and not r.sitting_out]  # (takes_part, inlined: per tick)
+    return [i for i, r in recs.items() if takes_part(r)]
 
 
 def takes_part(r: NodeRound) -> bool:
