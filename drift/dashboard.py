@@ -13,6 +13,13 @@ textContent only, and the Content-Security-Policy runs no script but the page's 
 The coordinator never waits for a browser: each client has a bounded queue, a client that falls
 behind is disconnected (its EventSource reconnects and resumes from the last event it got), and
 requests and clients are capped in number, size and time.
+
+The history a client is sent is bounded: a round event has a row per node (~290 bytes), so a
+thousand nodes over a thousand rounds would hold ~290 MB for the page and parse it all again for
+each snapshot. Only the newest FULL_ROUNDS round events keep every row; an older one keeps the
+rows of its KEPT slowest nodes (those the page shows one by one, with room for speeds to change),
+and the rows cut are summed per node into one `earlier` event that new clients get first. The
+page bounds its own copy the same way.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ CLIENT_QUEUE = 512  # events waiting for one event-stream client; one that falls
 WRITE_TIMEOUT = 10.0  # a client that does not read for this long is dropped
 KEEPALIVE_S = 15.0  # an event-stream comment this often: dead connections are noticed
 MAX_HISTORY = 50_000  # events kept for clients that connect later (progress: the newest per node)
+FULL_ROUNDS = 8  # the newest round events kept with every node's row
+KEPT = 32  # rows an older round event keeps: its slowest nodes' (twice the 16 the page shows)
 ROUTES = ("/", "/events", "/snapshot.json")
 
 
@@ -124,6 +133,12 @@ def _json(obj: Any) -> str:
         return json.dumps(_finite(obj), allow_nan=False, default=str)
 
 
+def _num(v: Any, default: float = 0) -> float:
+    """A figure as the page reads it (its num()): a finite number, else `default`."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return v if ok else default
+
+
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
@@ -164,6 +179,10 @@ class Dashboard:
         self.token = token or secrets.token_urlsafe(16)
         self._history: deque[tuple[int, bytes]] = deque(maxlen=MAX_HISTORY)  # (id, SSE message)
         self._progress: dict[str, bytes] = {}  # node id -> its newest progress event (SSE message)
+        self._speed: dict[str, float] = {}  # node id -> its newest samples/s (-1: none), to pick the slowest
+        self._full: deque[tuple[int, dict[str, Any]]] = deque()  # (id, event) of the newest round events, whole
+        self._earlier: dict[str, dict[str, float]] = {}  # node id -> sums of its rows cut from older rounds
+        self._cut_id = -1  # the newest round event cut: a client that has not seen it gets everything again
         self._next_id = 0
         self.finished = False  # the run's `complete` event came: the page shows it finished, its nodes done
         self._clients: set[_Client] = set()
@@ -229,9 +248,14 @@ class Dashboard:
         if rec.get("event") == "progress":
             msg = f"data: {data}\n\n".encode()
             self._progress[str(rec.get("node_id"))] = msg
+            self._speed[str(rec.get("node_id"))] = _num(rec.get("samples_per_s"), -1.0)
         else:
             msg = f"id: {self._next_id}\ndata: {data}\n\n".encode()
             self._history.append((self._next_id, msg))
+            if rec.get("event") == "round" and isinstance(rec.get("nodes"), dict):
+                self._full.append((self._next_id, rec))
+                if len(self._full) > FULL_ROUNDS:
+                    self._cut(*self._full.popleft())
             self._next_id += 1
         for c in list(self._clients):
             try:
@@ -240,10 +264,47 @@ class Dashboard:
                 log.info("dashboard: dropping a client that fell %d events behind", CLIENT_QUEUE)
                 self._drop(c)
 
+    def _cut(self, rid: int, rec: dict[str, Any]) -> None:
+        """Round event `rid` is no longer among the newest FULL_ROUNDS: its stored message keeps the
+        rows of the KEPT slowest nodes (by the newest speeds, none yet first, as the page picks its
+        nodes) and rows without a node id; the others are added into `earlier`."""
+        nodes = rec["nodes"]
+        ids = [str(r["node_id"]) for r in nodes.values() if isinstance(r, dict) and r.get("node_id")]
+        first = self._history[0][0]
+        if len(ids) <= KEPT or rid < first:  # (a small swarm loses nothing; rid < first: gone already)
+            return
+        slow = set(sorted(ids, key=lambda i: self._speed.get(i, -1.0))[:KEPT])
+        kept: dict[str, Any] = {}
+        for name, r in nodes.items():
+            if not (isinstance(r, dict) and r.get("node_id")) or str(r["node_id"]) in slow:
+                kept[name] = r
+                continue
+            sums = self._earlier.setdefault(str(r["node_id"]), {"samples": 0, "bytes_sent": 0, "step_s": 0})
+            for f in sums:
+                sums[f] += _num(r.get(f))
+        # (each event kept takes the next id, so the history's ids have no gaps: `rid` is at rid - first)
+        self._history[rid - first] = (rid, f"id: {rid}\ndata: {_json({**rec, 'nodes': kept})}\n\n".encode())
+        self._cut_id = rid
+
+    def _backlog(self, last_id: str) -> list[bytes]:
+        """The events a client is sent before those to come. One that reconnects (`last_id`: the
+        last event it got) and has seen every cut round event whole gets the history after it. Any
+        other gets the `earlier` sums and the whole history, after a `reset` if it reconnects (the
+        rows it missed are summed up with others it has: it starts again). Each, the newest
+        progress per node."""
+        after = int(last_id) if last_id.isdigit() else None
+        if after is not None and after >= self._cut_id:
+            return [m for i, m in self._history if i > after] + list(self._progress.values())
+        first = [f"data: {_json({'event': 'reset'})}\n\n".encode()] if after is not None else []
+        if self._earlier:
+            first.append(f"data: {_json({'event': 'earlier', 'nodes': self._earlier})}\n\n".encode())
+        return first + [m for _, m in self._history] + list(self._progress.values())
+
     def snapshot(self) -> dict[str, Any]:
-        """What a client that connects now is sent: the events so far, the newest progress per node,
-        and whether the run has finished."""
-        events = [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
+        """What a client that connects now is sent: the events so far (the `earlier` sums first, if
+        any), the newest progress per node, and whether the run has finished."""
+        earlier = [{"event": "earlier", "nodes": self._earlier}] if self._earlier else []
+        events = earlier + [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
         progress = [json.loads(m.split(b"data: ", 1)[1]) for m in self._progress.values()]
         return {"events": events, "progress": progress, "state": "finished" if self.finished else "running"}
 
@@ -345,13 +406,11 @@ class Dashboard:
         await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
 
     async def _stream(self, writer: asyncio.StreamWriter, last_id: str) -> None:
-        """The event stream: the history after Last-Event-ID (all of it for a new client), each
-        node's newest progress, then every event as it comes."""
+        """The event stream: the backlog (`_backlog`), then every event as it comes."""
         client = _Client(writer)
         self._clients.add(client)  # from here on no event is missed: they queue while the history goes out
         try:
-            after = int(last_id) if last_id.isdigit() else -1
-            backlog = [m for i, m in self._history if i > after] + list(self._progress.values())
+            backlog = self._backlog(last_id)
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"
                 b"X-Content-Type-Options: nosniff\r\nConnection: close\r\n\r\nretry: 2000\n\n"

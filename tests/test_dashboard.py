@@ -18,12 +18,15 @@ from conftest import drift_cmd, make_task_repo, run_async
 
 from drift.dashboard import (
     CLIENT_QUEUE,
+    FULL_ROUNDS,
+    KEPT,
     MAX_CLIENTS,
     MAX_PENDING_PER_SOURCE,
     MAX_REQUEST,
     Dashboard,
     parse_addr,
     read_events,
+    slim,
     write_static,
 )
 from drift.monitor import Eta
@@ -498,3 +501,162 @@ def test_a_finished_runs_page_shows_it_finished_and_its_nodes_done(browser, tmp_
     assert page.evaluate("document.getElementById('progress').style.width") == "100%"
     assert page.errors == []
     page.close()
+
+
+# --- many rounds of many nodes: a bounded history -----------------------------------------------
+
+
+def _many_rounds(nodes: int, rounds: int, silent: int = 0) -> list[dict]:
+    """`rounds` rounds of `nodes` nodes, n0 the fastest and n{nodes - 1} the slowest, the last
+    `silent` of them with no speed yet (slowest of all); each row's samples and bytes differ by node
+    and round; one row (`coordinator`) has no node id."""
+    ids = [f"{k:064x}" for k in range(nodes)]
+    events = [{"t": 0.0, "event": "run", "recipe": "many", "rounds": rounds, "round_samples": 1000}]
+    events += [{"t": 0.5, "event": "node_joined", "node_id": i, "name": f"n{k}"} for k, i in enumerate(ids)]
+    events.append({"t": 0.9, "event": "training_started", "nodes": nodes})
+    for r in range(rounds):
+        t = 1.0 + r
+        events += [
+            {"t": t, "event": "progress", "node_id": i, "round": r, "unit": [0, k, 0, 8], "samples_per_s": 1000.0 - k}
+            for k, i in enumerate(ids[: nodes - silent])
+        ]
+        rows = {
+            f"n{k}": {"node_id": i, "weight": 0.01, "samples": 10 + (k + r) % 7, "bytes_sent": 100_003 * (k + 1) + r}
+            | {"step_s": 0.25 * (1 + k % 4), "busy_s": 0.4, "idle_s": 0.05, "sync_s": 0.05, "role": "train"}
+            for k, i in enumerate(ids)
+        }
+        rows["coordinator"] = {"samples": 0, "bytes_sent": 7}
+        events.append({"t": t + 0.5, "event": "round", "round": r, "samples": 1000, "bytes_sent": 0, "nodes": rows})
+    return events
+
+
+def _totals(events: list[dict]) -> dict[str, list[float]]:
+    """Each node's samples, bytes sent and step seconds, summed as the page sums them (step
+    seconds are quarters: their sums are exact in any order)."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        rows = e["nodes"].items() if e["event"] == "round" else []
+        if e["event"] == "earlier":
+            rows = [(i, {"node_id": i, **sums}) for i, sums in e["nodes"].items()]
+        for _, row in rows:
+            if row.get("node_id"):
+                n = out.setdefault(row["node_id"], [0, 0, 0.0])
+                n[0], n[1], n[2] = n[0] + row["samples"], n[1] + row["bytes_sent"], n[2] + row["step_s"]
+    return out
+
+
+def test_a_long_run_of_many_nodes_keeps_a_bounded_history() -> None:
+    """200 nodes over 40 rounds: a client that connects late is sent every row of the newest
+    FULL_ROUNDS rounds, the KEPT slowest nodes' rows of every older one, and the rest summed per
+    node, so each node's totals are exact while the history holds a third of the rows."""
+    nodes, rounds = 200, 40
+    events = _many_rounds(nodes, rounds, silent=4)
+    board = Dashboard()
+    for e in events:
+        board.event(e)
+    sent = board.snapshot()["events"]
+    assert sent[0]["event"] == "earlier"
+    assert _totals(sent) == _totals(events)
+    got = [e for e in sent if e["event"] == "round"]
+    assert [e["round"] for e in got] == list(range(rounds))
+    slowest = {f"n{k}" for k in range(nodes - KEPT, nodes)}  # (the 4 silent ones among them)
+    for e in got[:-FULL_ROUNDS]:
+        assert set(e["nodes"]) == slowest | {"coordinator"}
+    assert [len(e["nodes"]) for e in got[-FULL_ROUNDS:]] == [nodes + 1] * FULL_ROUNDS
+    # what the history holds: in proportion to its rows
+    whole = sum(len(json.dumps(slim(e))) for e in events if e["event"] == "round")
+    held = sum(len(json.dumps(e)) for e in got)
+    rows = FULL_ROUNDS * (nodes + 1) + (rounds - FULL_ROUNDS) * (KEPT + 1)
+    assert held < 1.1 * whole * rows / (rounds * (nodes + 1)) < 0.4 * whole
+    # a swarm of KEPT nodes loses nothing
+    small = Dashboard()
+    events = _many_rounds(KEPT, 12)
+    for e in events:
+        small.event(e)
+    assert small.snapshot()["events"] == [e for e in events if e["event"] != "progress"]
+
+
+async def _backlog(port: int, token: str, last_id: str | None, until: int) -> list[dict]:
+    """The events an event-stream client is sent (with `Last-Event-ID: last_id`) up to event `until`."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    header = "" if last_id is None else f"Last-Event-ID: {last_id}\r\n"
+    w.write(f"GET /events?token={token} HTTP/1.1\r\n{header}\r\n".encode())
+    buf = b""
+    while not (b"id: %d\n" % until in buf and buf.endswith(b"\n\n")):
+        chunk = await asyncio.wait_for(r.read(1 << 16), 10)
+        assert chunk, "the stream ended"
+        buf += chunk
+    w.close()
+    return [json.loads(m.split(b"data: ", 1)[1]) for m in buf.split(b"\n\n") if b"data: " in m]
+
+
+def test_a_reconnecting_page_resumes_or_starts_again() -> None:
+    """A page that reconnects having seen every round event that was cut since gets exactly the
+    events after its last one; one that missed a cut gets `reset`, then what a new page gets."""
+    events = [e for e in _many_rounds(KEPT + 8, FULL_ROUNDS + 4) if e["event"] != "progress"]
+    cut = events.index(next(e for e in events if e.get("round") == 3))  # the newest round cut (its id)
+
+    async def main() -> None:
+        d = Dashboard()
+        await d.start("127.0.0.1", 0)
+        port = int(d.url.split(":")[2].split("/")[0])
+        for e in events:
+            d.event(e)
+        history, last = d.snapshot()["events"], len(events) - 1  # (the earlier sums, then the history)
+        assert await _backlog(port, d.token, None, last) == history
+        assert await _backlog(port, d.token, str(cut), last) == events[cut + 1 :]  # whole rounds, as they came
+        assert await _backlog(port, d.token, str(cut - 1), last) == [{"event": "reset"}, *history]
+        await d.close()
+
+    _run_in_thread(main(), timeout=60)
+
+
+def _cells(page) -> list[list[str]]:
+    return page.eval_on_selector_all("#nodes tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+
+
+def _bars(page, node_id: str) -> int:
+    """The rounds drawn in a node's time-per-round chart."""
+    xs = page.eval_on_selector_all(f"#times div[data-node='{node_id}'] rect", "rs => rs.map(r => r.dataset.round)")
+    return len(set(xs))
+
+
+@pytest.mark.chromium
+def test_a_long_run_of_many_nodes_page_is_exact_and_bounded(browser, tmp_path: Path) -> None:
+    """100 nodes over 20 rounds, the fastest (n0) turning slowest after the last: the page's table
+    shows every node's exact share and MiB sent (the shown ones, and the rest row). Older rounds
+    keep the rows of the KEPT slowest nodes only: a slow node's chart has every round, n0's the
+    newest FULL_ROUNDS. A page that reconnected late (`reset`, the server's `earlier` sums and
+    its cut history) shows the same."""
+    nodes, rounds = 100, 20
+    events = _many_rounds(nodes, rounds, silent=4)
+    late = {"t": 99.0, "event": "progress", "node_id": f"{0:064x}", "round": rounds, "unit": [0, 0, 0, 8]}
+    events.append(late | {"samples_per_s": 0.5})
+    totals, ids = _totals(events), {f"n{k}": f"{k:064x}" for k in range(nodes)}
+    samples = sum(n[0] for n in totals.values())
+    shown = [f"n{k}" for k in range(nodes - 4, nodes)] + ["n0"] + [f"n{k}" for k in range(nodes - 5, nodes - 16, -1)]
+    rest = [n for n in ids if n not in shown]
+    expected_rest = [
+        f"{len(rest)} faster nodes",
+        f"{100 * sum(totals[ids[n]][0] for n in rest) / samples:.1f} %",
+        f"{sum(totals[ids[n]][1] for n in rest) / 2**20:.1f}",
+    ]
+    board = Dashboard()
+    for e in events:
+        board.event(e)
+    snap = board.snapshot()
+    reconnected = [*events[:500], {"event": "reset"}, *snap["events"], *snap["progress"]]
+    for name, run in (("page.html", events), ("reconnected.html", reconnected)):
+        write_static(run, tmp_path / name)
+        page = _open(browser, (tmp_path / name).as_uri())
+        page.wait_for_selector("#nodes tbody tr.rest")
+        rows = _cells(page)
+        assert sorted(r[0] for r in rows[:-1]) == sorted(shown)
+        for r in rows[:-1]:
+            assert r[5] == f"{100 * totals[ids[r[0]]][0] / samples:.1f} %", r  # share
+            assert r[7] == f"{totals[ids[r[0]]][1] / 2**20:.1f}", r  # MiB sent
+        assert [rows[-1][k] for k in (0, 5, 7)] == expected_rest
+        assert _bars(page, ids[f"n{nodes - 5}"]) == rounds
+        assert _bars(page, ids["n0"]) == FULL_ROUNDS
+        assert page.errors == []
+        page.close()
