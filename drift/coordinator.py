@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from drift import protocol as P
@@ -29,7 +29,7 @@ from drift.diloco import ParamLayout, checksum, stream_checksum
 from drift.monitor import Monitor, NodeView
 from drift.recipe import Recipe
 from drift.round import Round, RoundError, RoundResult
-from drift.scheduler import Ledger, UnitQueue
+from drift.scheduler import UnitQueue
 from drift.state import MIN_RATE as STATE_MIN_RATE
 from drift.state import StateError, StateServer, fetch_state
 from drift.swarm import DONOR_TRIES, Peer, Swarm
@@ -155,12 +155,14 @@ class Coordinator:
         self._started = False
         self._finished = False
         self._tasks: set[asyncio.Task] = set()
+        # Each settled round's figures. Its units and per-member bytes are in its `round` event
+        # (metrics.jsonl), not here: a thousand members' units, kept a round after round, grow
+        # the coordinator by megabytes a round.
         self.results: list[RoundResult] = []
         self.initial_val_loss: float | None = None
         self.final_val_loss: float | None = None  # of the final θ, once the run completed
         self.vals: dict[int, float] = {}  # the val loss of θ after each round (-1: the initial θ)
         self.swarm = Swarm(r, note=self.note)  # members, speeds, strikes, checksums, ring epoch
-        self.ledger = Ledger()
         self.joining: list[Peer] = []  # admitted after the start: enter at the next round
         # A resumed checkpoint's θ, to members (init_weights: self.base, drift/base.py).
         self.state = StateServer(allowed=self._member)
@@ -1057,8 +1059,7 @@ class Coordinator:
                 await self._settle(cur, checkpoint=False)
 
     def _record(self, result: RoundResult) -> None:
-        self.results.append(result)
-        self.ledger.add(result.trained)
+        self.results.append(replace(result, trained=[], given_back=[], late={}, bytes_sent={}))
         self.samples_seen += result.samples
         self.samples_at[result.round] = self.samples_seen
 

@@ -1592,6 +1592,7 @@ class Round:
 
     def prev_settled(self, now: float) -> None:
         """Overlapped: the round before settled; this round's clocks start now, and its evaluators' jobs."""
+        self.prev = None  # (held, it would hold the one before it, and so on: every round of the run)
         self.t_stop = max(self.t_stop, now) if self.stop_sent else self.t_stop
         for n in self.nodes.values():
             n.last_progress = now

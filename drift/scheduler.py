@@ -5,8 +5,9 @@ of `unit_samples`. A WorkUnit(id, lo, hi) is samples [lo, hi) of unit `id`.
 
 Exactly once: the coordinator's event loop is the only place that grants units, and it grants
 each unit to one node at a time. What a node did not train (cut by StopRound, never started, or
-lost with a node that left) comes back to the front of the UnitQueue; what was trained is
-recorded in the Ledger only when it made it into θ (the node's Δ was reduced).
+lost with a node that left) comes back to the front of the UnitQueue; what was trained counts
+only when it made it into θ (the node's Δ was reduced): the round's result, and each member's
+`trained` in its `round` event.
 """
 
 from __future__ import annotations
@@ -240,17 +241,3 @@ def check_accounting(granted: list[WorkUnit], trained: list[WorkUnit], returned:
         if pieces != _merged(spans):
             return f"unit {key[1]}: reported {sorted(got[key])}, granted {sorted(spans)}"
     return None
-
-
-@dataclass
-class Ledger:
-    """Samples whose training reached θ, per epoch: the record behind 'exactly once'."""
-
-    trained: dict[int, list[WorkUnit]] = field(default_factory=dict)
-
-    def add(self, units: list[WorkUnit]) -> None:
-        for u in units:
-            self.trained.setdefault(u.epoch, []).append(u)
-
-    def samples(self, epoch: int) -> int:
-        return sum(u.hi - u.lo for u in self.trained.get(epoch, []))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from drift.checkpoint import load_checkpoint
 from drift.coordinator import Coordinator
 from drift.diloco import ParamLayout, checksum
 from drift.recipe import load_recipe
+from drift.round import RoundResult
 from drift.state import StateServer
 from drift.swarm import Peer
 from drift.transport import CONTROL_ALPN, MAX_CONTROL_FRAME, STATE_ALPN, Endpoint
@@ -246,3 +248,31 @@ def test_a_checkpoint_asks_at_most_donor_tries_holders(tiny_recipe: Path, tmp_pa
     assert path is None and not (tmp_path / "run" / "checkpoints" / "round-000003").exists()
     assert sorted(set(asked)) == [f"liar{k}" for k in range(DONOR_TRIES)]  # (each perhaps twice: pieces come back)
     assert why.startswith("no peer could hand over the state of round 3: ") and "is not the swarm's" in why, why
+
+
+def test_settled_rounds_keep_their_figures_not_their_units(tiny_recipe: Path, tmp_path: Path) -> None:
+    """A thousand members train thousands of units a round. The coordinator keeps each settled
+    round's figures (the run's results), not its units or per-member bytes (those are in the
+    round's event, metrics.jsonl): kept, they would grow it by megabytes a round, for the run."""
+    coord = Coordinator(load_recipe(tiny_recipe), tmp_path / "run")
+    members = [f"{k:064x}" for k in range(1000)]
+
+    def result(r: int) -> RoundResult:
+        units = [P.WorkUnit(epoch=0, id=r * 2000 + k, lo=0, hi=8) for k in range(2000)]
+        return RoundResult(r, 2.0, 2.1, f"c{r}", 16_000, 1.0, units, dict.fromkeys(members, 10), None, units[:10])
+
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        one = result(0)
+        a_round = tracemalloc.get_traced_memory()[0] - start  # what one round's units and bytes take
+        del one
+        start = tracemalloc.get_traced_memory()[0]
+        for r in range(20):
+            coord._record(result(r))  # (what settling a round keeps)
+        held = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert [(x.round, x.samples, x.checksum) for x in coord.results] == [(r, 16_000, f"c{r}") for r in range(20)]
+    assert coord.samples_seen == 20 * 16_000
+    assert held < a_round / 10, (held, a_round)

@@ -9,6 +9,8 @@ meets; what the round decides is asserted through what it sends, notes, strikes 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from types import MappingProxyType
 
 import pytest
@@ -684,6 +686,27 @@ def test_a_ring_allows_two_heartbeats_and_overlapped_one_inner_step_of_its_slowe
         sim.start()
         sim.ring()
         assert {m.slack_s for _, m in sim.sent if isinstance(m, P.BarrierReady)} == {2 * sim.recipe.heartbeat_s + want}
+
+
+def test_an_overlapped_round_lets_go_of_the_round_before_once_it_settled() -> None:
+    # Overlapped, round r + 1 starts while round r is in its all-reduce and reads it until it
+    # settles. Held after that, each round would hold the one before it: a coordinator keeping
+    # every round of the run, every node's messages in each (megabytes a round at 1,000 nodes).
+    sim = Sim(["a", "b", "c"], rounds=3, overlap=True)
+    r0 = sim.start(0)
+    sim.ring()
+    taken = sim.queue.take_round(R.budget(sim.s, sim.queue.pending_samples()))
+    r1 = Round(sim.s, sim.host, 1, taken, sim.now, prev=r0)
+    sim.apply(r1.start(0))
+    for n in sim.ids:
+        sim.done(n)
+    assert sim.tick()
+    held = weakref.ref(r0)
+    sim.rd = r1
+    sim.apply(r1.step(R.PrevSettled(), sim.now))
+    del r0
+    gc.collect()
+    assert held() is None
 
 
 # --- rounds that close at a quorum: a late member's work merges into its next round ------------
