@@ -27,6 +27,8 @@ and weights each Δ by its share of the round's samples, as drift does. `--hosti
 sends F x its Δ (what an attacker achieves within the sparse rule's clip). `--fanout G`: the
 sparse payloads go up drift/hierarchy.py's levels of at most G blocks (benchmarks/harness/tree.py:
 each replica merges what its node would receive), where the default all-gathers them flat. The
+`--dense-first F`: a sparse run's first F rounds are the int8 ring's (outer lr `--dense-lr`, no
+momentum), its error feedback empty until the first sparse round. The
 last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per node
 per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers).
 """
@@ -80,6 +82,10 @@ def main() -> None:
     ap.add_argument("--hostile", type=float, default=None, help="replica 0 sends this many times its Δ")
     ap.add_argument("--clip", type=float, default=1.0, help="sparse: clip to this x the median contribution")
     ap.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error feedback's decay")
+    ap.add_argument(
+        "--dense-first", type=int, default=0, help="sparse: the first this many rounds go as the int8 ring instead"
+    )
+    ap.add_argument("--dense-lr", type=float, default=1.3, help="--dense-first: those rounds' outer lr (no momentum)")
     ap.add_argument("--seed", type=int, default=None, help="θ0 and the sample order (default: the recipe's)")
     ap.add_argument("--inner-lr", type=float, default=None, help="AdamW's lr (default: the recipe's)")
     ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config, e.g. n_layer=8 n_embd=512")
@@ -141,9 +147,17 @@ def main() -> None:
         codec = make_codec("int8" if a.int8 else "fp32")
         per_round = int(2 * (N - 1) / N * codec.encoded_nbytes(theta.size))
 
+    dense_rounds, codec8 = 0, make_codec("int8")  # (--dense-first)
+    outer8 = NesterovOuter(theta.size, a.dense_lr, 0.0)
+
     def step(deltas: list[np.ndarray], shares: np.ndarray) -> None:
         """θ_global after the round, from the replicas' Δs and their shares of the round's samples, by the rule."""
-        nonlocal sent
+        nonlocal sent, dense_rounds
+        if a.sync == "sparse" and dense_rounds < a.dense_first:  # (the error feedback stays empty)
+            dense_rounds += 1
+            sent += int(2 * (N - 1) / N * codec8.encoded_nbytes(theta.size))
+            outer8.step(theta, np.mean([codec8.decode(codec8.encode(d), np.empty_like(d)) for d in deltas], axis=0))
+            return
         sent += per_round
         if a.hostile is not None:
             deltas[0] = deltas[0] * np.float32(a.hostile)
