@@ -28,7 +28,8 @@ sends F x its Δ (what an attacker achieves within the sparse rule's clip). `--f
 sparse payloads go up drift/hierarchy.py's levels of at most G blocks (benchmarks/harness/tree.py:
 each replica merges what its node would receive), where the default all-gathers them flat. The
 `--dense-first F`: a sparse run's first F rounds are the int8 ring's (outer lr `--dense-lr`, no
-momentum), its error feedback empty until the first sparse round. The
+momentum), its error feedback empty until the first sparse round; with `--k-first K` they are the
+sparse rule's all-gather with K values a chunk (outer lr `--dense-lr`) instead. The
 last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per node
 per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers).
 """
@@ -84,6 +85,9 @@ def main() -> None:
     ap.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error feedback's decay")
     ap.add_argument(
         "--dense-first", type=int, default=0, help="sparse: the first this many rounds go as the int8 ring instead"
+    )
+    ap.add_argument(
+        "--k-first", type=int, default=0, help="--dense-first: those rounds send this k, all-gathered, instead of int8"
     )
     ap.add_argument("--dense-lr", type=float, default=1.3, help="--dense-first: those rounds' outer lr (no momentum)")
     ap.add_argument("--seed", type=int, default=None, help="θ0 and the sample order (default: the recipe's)")
@@ -141,6 +145,8 @@ def main() -> None:
             }
         )
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
+        big = {"sync_params": {**sr.sync_params, "k": a.k_first, "lr": a.dense_lr}}  # (--k-first)
+        first_rules = [make_rule(layout, sr.model_copy(update=big)) for _ in range(N)] if a.k_first else []
         per_round = (hierarchy.transfers(N, a.fanout)[0] if a.fanout else N - 1) * rules[0].payload_nbytes
         scratch = np.zeros_like(theta)  # where the other replicas apply the same step
     else:
@@ -155,6 +161,17 @@ def main() -> None:
         nonlocal sent, dense_rounds
         if a.sync == "sparse" and dense_rounds < a.dense_first:  # (the error feedback stays empty)
             dense_rounds += 1
+            if first_rules:  # the sparse rule with a larger k; its error feedback carries on
+                ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
+                payloads = [rule.contribute(d, w) for rule, d, w in zip(first_rules, deltas, shares)]
+                sent += (N - 1) * first_rules[0].payload_nbytes
+                for rule in first_rules:
+                    rule.combine(payloads, ring)
+                    rule.apply(theta if rule is first_rules[0] else scratch)
+                if dense_rounds == a.dense_first:
+                    for rule, first in zip(rules, first_rules):
+                        rule.ef = first.ef.copy()
+                return
             sent += int(2 * (N - 1) / N * codec8.encoded_nbytes(theta.size))
             outer8.step(theta, np.mean([codec8.decode(codec8.encode(d), np.empty_like(d)) for d in deltas], axis=0))
             return
