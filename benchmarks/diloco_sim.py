@@ -156,18 +156,23 @@ def main() -> None:
     dense_rounds, codec8 = 0, make_codec("int8")  # (--dense-first)
     outer8 = NesterovOuter(theta.size, a.dense_lr, 0.0)
 
+    def allgather(rs: list, deltas: list[np.ndarray], shares: np.ndarray) -> None:
+        """The sparse rule's flat round: every replica's rule does what its node would (its error
+        feedback moves on), replica 0's on θ_global."""
+        ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
+        payloads = [rule.contribute(d, w) for rule, d, w in zip(rs, deltas, shares)]
+        for rule in rs:
+            rule.combine(payloads, ring)
+            rule.apply(theta if rule is rs[0] else scratch)
+
     def step(deltas: list[np.ndarray], shares: np.ndarray) -> None:
         """θ_global after the round, from the replicas' Δs and their shares of the round's samples, by the rule."""
         nonlocal sent, dense_rounds
         if a.sync == "sparse" and dense_rounds < a.dense_first:  # (the error feedback stays empty)
             dense_rounds += 1
             if first_rules:  # the sparse rule with a larger k; its error feedback carries on
-                ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
-                payloads = [rule.contribute(d, w) for rule, d, w in zip(first_rules, deltas, shares)]
                 sent += (N - 1) * first_rules[0].payload_nbytes
-                for rule in first_rules:
-                    rule.combine(payloads, ring)
-                    rule.apply(theta if rule is first_rules[0] else scratch)
+                allgather(first_rules, deltas, shares)
                 if dense_rounds == a.dense_first:
                     for rule, first in zip(rules, first_rules):
                         rule.ef = first.ef.copy()
@@ -184,11 +189,7 @@ def main() -> None:
                 rule.apply(theta if rule is rules[0] else scratch)
             return
         if a.sync == "sparse":
-            ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
-            payloads = [rule.contribute(d, w) for rule, d, w in zip(rules, deltas, shares)]
-            for rule in rules:  # every replica's rule does what its node would (its error feedback moves on)
-                rule.combine(payloads, ring)
-                rule.apply(theta if rule is rules[0] else scratch)
+            allgather(rules, deltas, shares)
             return
         if a.int8:
             deltas = [codec.decode(codec.encode(d), np.empty_like(d)) for d in deltas]

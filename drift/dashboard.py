@@ -133,6 +133,11 @@ def _json(obj: Any) -> str:
         return json.dumps(_finite(obj), allow_nan=False, default=str)
 
 
+def _sse(rec: dict[str, Any], event_id: int | None = None) -> bytes:
+    """One server-sent event: the record as JSON, with its id (one the browser resumes from) or without."""
+    return (f"id: {event_id}\n" if event_id is not None else "").encode() + f"data: {_json(rec)}\n\n".encode()
+
+
 def _num(v: Any, default: float = 0) -> float:
     """A figure as the page reads it (its num()): a finite number, else `default`."""
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -242,15 +247,14 @@ class Dashboard:
             self._loop.call_soon_threadsafe(self.event, rec)
             return
         rec = slim(rec)
-        data = _json(rec)
         if rec.get("event") in ("run", "complete"):  # (a resumed run starts with a `run` event)
             self.finished = rec.get("event") == "complete"
         if rec.get("event") == "progress":
-            msg = f"data: {data}\n\n".encode()
+            msg = _sse(rec)
             self._progress[str(rec.get("node_id"))] = msg
             self._speed[str(rec.get("node_id"))] = _num(rec.get("samples_per_s"), -1.0)
         else:
-            msg = f"id: {self._next_id}\ndata: {data}\n\n".encode()
+            msg = _sse(rec, self._next_id)
             self._history.append((self._next_id, msg))
             if rec.get("event") == "round" and isinstance(rec.get("nodes"), dict):
                 self._full.append((self._next_id, rec))
@@ -283,7 +287,7 @@ class Dashboard:
             for f in sums:
                 sums[f] += _num(r.get(f))
         # (each event kept takes the next id, so the history's ids have no gaps: `rid` is at rid - first)
-        self._history[rid - first] = (rid, f"id: {rid}\ndata: {_json({**rec, 'nodes': kept})}\n\n".encode())
+        self._history[rid - first] = (rid, _sse({**rec, "nodes": kept}, rid))
         self._cut_id = rid
 
     def _backlog(self, last_id: str) -> list[bytes]:
@@ -295,16 +299,21 @@ class Dashboard:
         after = int(last_id) if last_id.isdigit() else None
         if after is not None and after >= self._cut_id:
             return [m for i, m in self._history if i > after] + list(self._progress.values())
-        first = [f"data: {_json({'event': 'reset'})}\n\n".encode()] if after is not None else []
-        if self._earlier:
-            first.append(f"data: {_json({'event': 'earlier', 'nodes': self._earlier})}\n\n".encode())
-        return first + [m for _, m in self._history] + list(self._progress.values())
+        first = [{"event": "reset"}] if after is not None else []
+        return (
+            [_sse(e) for e in first + self._earlier_event()]
+            + [m for _, m in self._history]
+            + list(self._progress.values())
+        )
+
+    def _earlier_event(self) -> list[dict[str, Any]]:
+        """The sums of the rows cut from older rounds, as the one event a new client gets first ([]: none cut)."""
+        return [{"event": "earlier", "nodes": self._earlier}] if self._earlier else []
 
     def snapshot(self) -> dict[str, Any]:
         """What a client that connects now is sent: the events so far (the `earlier` sums first, if
         any), the newest progress per node, and whether the run has finished."""
-        earlier = [{"event": "earlier", "nodes": self._earlier}] if self._earlier else []
-        events = earlier + [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
+        events = self._earlier_event() + [json.loads(m.split(b"data: ", 1)[1]) for _, m in self._history]
         progress = [json.loads(m.split(b"data: ", 1)[1]) for m in self._progress.values()]
         return {"events": events, "progress": progress, "state": "finished" if self.finished else "running"}
 
