@@ -82,13 +82,15 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     assert [vals[r["round"]] for r in scored] == [np.float32(r["val_loss"]) for r in scored]
     assert len(board.Scalars("round/samples_per_s")) == 4 and len(board.Scalars("sync/MiB_sent")) == 4
 
-    # `drift report` on the real run: three PNGs and a summary quoting the run's own figures.
+    # `drift report` on the real run, typed as above (relative to the repo): three PNGs, the run's
+    # page again, and a summary quoting the run's own figures.
     rep = subprocess.run(
-        drift_cmd("report", str(run_dir), "--out", str(tmp_path / "plots")), capture_output=True, text=True, timeout=120
+        drift_cmd("report", "runs/tiny", "--out", "plots"), cwd=repo, capture_output=True, text=True, timeout=120
     )
     assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert '"event": "complete"' in (repo / "plots" / "dashboard.html").read_text()
     for name in ("loss.png", "nodes.png", "bytes.png"):
-        png = (tmp_path / "plots" / name).read_bytes()
+        png = (repo / "plots" / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
     row = next(line for line in rep.stdout.splitlines() if line.startswith("tiny "))
     assert row.split()[1:4] == ["4", str(sum(r["samples"] for r in rounds)), f"{rounds[-1]['val_loss']:.4f}"]
