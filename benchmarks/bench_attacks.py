@@ -38,7 +38,7 @@ NAMING = ("false_claim", "outlier_delta", "poisoner", "sat_out", "node_left", "s
 def run(work: Path, rule: str, fault: str | None, rounds: int, inner_steps: int) -> dict:
     recipe = {**TINY_RECIPE, **SIM, "min_nodes": 4, "rounds": rounds, "inner_steps": inner_steps}
     if rule == "sparse":
-        recipe["sync"] = "sparse"
+        recipe.update(sync="sparse", sync_params={"dense_rounds": 0})  # every round all-gathered
     swarm = Swarm(make_task_repo(work / "repo", recipe), work)
     if fault is not None:
         swarm.join("0.02", name="bad", script=FAULT_NODE, env={"DRIFT_TEST_FAULT": fault})

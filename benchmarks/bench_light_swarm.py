@@ -62,7 +62,11 @@ def hwm_mib(pid: int) -> float:
 
 
 def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout: int) -> dict:
-    rule = {"sync": "sparse", "sync_params": {"chunk": 64, "k": 8, "fanout": fanout}} if sync == "sparse" else {}
+    rule = (
+        {"sync": "sparse", "sync_params": {"chunk": 64, "k": 8, "fanout": fanout, "dense_rounds": 0}}
+        if sync == "sparse"
+        else {}
+    )
     with tempfile.TemporaryDirectory(prefix="drift-light-") as tmp:
         s = LightSwarm(Path(tmp), n, max(1, -(-n // per_process)), rounds=rounds, **rule)
         pid = s.coord.pid

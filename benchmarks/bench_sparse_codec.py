@@ -58,9 +58,10 @@ def main() -> int:
     )
     ring = [RingMember(node_id=f"{i:064x}", ticket="t", weight=1 / a.nodes) for i in range(a.nodes)]
     rule = make_rule(layout, recipe)  # each node's payload from a zero error feedback: never applied
-    payloads = [rule.contribute(pseudo_gradient(a.size, i), m.weight) for i, m in enumerate(ring)]
+    rnd = rule.params.dense_rounds  # the first all-gathered round
+    payloads = [rule.contribute(pseudo_gradient(a.size, i), m.weight, rnd) for i, m in enumerate(ring)]
     delta = pseudo_gradient(a.size, 0)
-    t_contribute = best(lambda: rule.contribute(delta, ring[0].weight), a.reps)  # delta garbled: same cost
+    t_contribute = best(lambda: rule.contribute(delta, ring[0].weight, rnd), a.reps)  # delta garbled: same cost
     delta = pseudo_gradient(a.size, 0)
     t_encode = best(lambda: rule.codec.encode(delta), a.reps)
     t_norms = best(lambda: [rule.codec.norm(p) for p in payloads], a.reps)

@@ -28,7 +28,8 @@ sends F x its Δ (what an attacker achieves within the sparse rule's clip). `--f
 sparse payloads go up drift/hierarchy.py's levels of at most G blocks (benchmarks/harness/tree.py:
 each replica merges what its node would receive), where the default all-gathers them flat. The
 `--dense-first F`: a sparse run's first F rounds are the int8 ring's (outer lr `--dense-lr`, no
-momentum), its error feedback empty until the first sparse round; with `--k-first K` they are the
+momentum), its error feedback empty until the first sparse round: the rule's own `dense_rounds`
+and `dense_lr` (0 here unless given, as the runs in BENCHMARKS.md before the rule had them); with `--k-first K` they are the
 sparse rule's all-gather with K values a chunk (outer lr `--dense-lr`) instead. The
 last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per node
 per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers).
@@ -48,7 +49,7 @@ from drift import protocol as P  # noqa: E402
 from drift.compress import make_codec  # noqa: E402
 from drift.diloco import NesterovOuter, ParamLayout, epoch_order  # noqa: E402
 from drift.recipe import Recipe, load_recipe  # noqa: E402
-from drift.sync import make_rule  # noqa: E402
+from drift.sync import collective, make_rule  # noqa: E402
 from drift.workers import load_task  # noqa: E402
 from drift.workers.torch_worker import TorchWorker  # noqa: E402
 from harness.tree import hierarchical_round  # noqa: E402
@@ -141,11 +142,14 @@ def main() -> None:
         sr = r.model_copy(
             update={
                 "sync": "sparse",
-                "sync_params": {"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip, "ef_decay": a.ef_decay},
+                "sync_params": {
+                    **{"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip, "ef_decay": a.ef_decay},
+                    **{"dense_rounds": 0 if a.k_first else a.dense_first, "dense_lr": a.dense_lr},
+                },
             }
         )
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
-        big = {"sync_params": {**sr.sync_params, "k": a.k_first, "lr": a.dense_lr}}  # (--k-first)
+        big = {"sync_params": {**sr.sync_params, "k": a.k_first, "lr": a.dense_lr, "dense_rounds": 0}}  # (--k-first)
         first_rules = [make_rule(layout, sr.model_copy(update=big)) for _ in range(N)] if a.k_first else []
         per_round = (hierarchy.transfers(N, a.fanout)[0] if a.fanout else N - 1) * rules[0].payload_nbytes
         scratch = np.zeros_like(theta)  # where the other replicas apply the same step
@@ -153,43 +157,54 @@ def main() -> None:
         codec = make_codec("int8" if a.int8 else "fp32")
         per_round = int(2 * (N - 1) / N * codec.encoded_nbytes(theta.size))
 
-    dense_rounds, codec8 = 0, make_codec("int8")  # (--dense-first)
-    outer8 = NesterovOuter(theta.size, a.dense_lr, 0.0)
+    codec8 = make_codec("int8")  # (--dense-first)
 
-    def allgather(rs: list, deltas: list[np.ndarray], shares: np.ndarray) -> None:
+    def allgather(rs: list, deltas: list[np.ndarray], shares: np.ndarray, rnd: int) -> None:
         """The sparse rule's flat round: every replica's rule does what its node would (its error
         feedback moves on), replica 0's on θ_global."""
         ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
-        payloads = [rule.contribute(d, w) for rule, d, w in zip(rs, deltas, shares)]
+        payloads = [rule.contribute(d, w, rnd) for rule, d, w in zip(rs, deltas, shares)]
         for rule in rs:
             rule.combine(payloads, ring)
             rule.apply(theta if rule is rs[0] else scratch)
 
-    def step(deltas: list[np.ndarray], shares: np.ndarray) -> None:
-        """θ_global after the round, from the replicas' Δs and their shares of the round's samples, by the rule."""
-        nonlocal sent, dense_rounds
-        if a.sync == "sparse" and dense_rounds < a.dense_first:  # (the error feedback stays empty)
-            dense_rounds += 1
-            if first_rules:  # the sparse rule with a larger k; its error feedback carries on
-                sent += (N - 1) * first_rules[0].payload_nbytes
-                allgather(first_rules, deltas, shares)
-                if dense_rounds == a.dense_first:
-                    for rule, first in zip(rules, first_rules):
-                        rule.ef = first.ef.copy()
-                return
+    def ring_round(rs: list, deltas: list[np.ndarray], shares: np.ndarray, rnd: int) -> None:
+        """One of the sparse rule's dense rounds: what each rule gives the ring (w·Δ), summed as
+        the int8 ring's codec sends it (a ring of one sends nothing), then each rule's step."""
+        ring = [P.RingMember(node_id=f"{i:064x}", ticket="t", weight=float(w)) for i, w in enumerate(shares)]
+        mine = [rule.contribute(d, w, rnd) for rule, d, w in zip(rs, deltas, shares)]
+        total = sum(codec8.decode(codec8.encode(x), np.empty_like(x)) if N > 1 else x.copy() for x in mine)
+        for rule, x in zip(rs, mine):
+            x[...] = total
+            rule.combine(x, ring)
+            rule.apply(theta if rule is rs[0] else scratch)
+
+    def step(deltas: list[np.ndarray], shares: np.ndarray, rnd: int) -> None:
+        """θ_global after round `rnd`, from the replicas' Δs and their shares of the round's
+        samples, by the rule."""
+        nonlocal sent
+        if a.sync == "sparse" and first_rules and rnd < a.dense_first:  # (--k-first)
+            # the sparse rule with a larger k; its error feedback carries on
+            sent += (N - 1) * first_rules[0].payload_nbytes
+            allgather(first_rules, deltas, shares, rnd)
+            if rnd == a.dense_first - 1:
+                for rule, first in zip(rules, first_rules):
+                    rule.ef = first.ef.copy()
+            return
+        if a.sync == "sparse" and collective(sr, rnd) == "ring":  # (the error feedback stays empty)
             sent += int(2 * (N - 1) / N * codec8.encoded_nbytes(theta.size))
-            outer8.step(theta, np.mean([codec8.decode(codec8.encode(d), np.empty_like(d)) for d in deltas], axis=0))
+            ring_round(rules, deltas, shares, rnd)
             return
         sent += per_round
         if a.hostile is not None:
             deltas[0] = deltas[0] * np.float32(a.hostile)
         if a.sync == "sparse" and a.fanout:
-            hierarchical_round(rules, deltas, list(shares), a.fanout)
+            hierarchical_round(rules, deltas, list(shares), a.fanout, rnd)
             for rule in rules:
                 rule.apply(theta if rule is rules[0] else scratch)
             return
         if a.sync == "sparse":
-            allgather(rules, deltas, shares)
+            allgather(rules, deltas, shares, rnd)
             return
         if a.int8:
             deltas = [codec.decode(codec.encode(d), np.empty_like(d)) for d in deltas]
@@ -215,11 +230,11 @@ def main() -> None:
 
     even = np.full(N, 1 / N)
 
-    def land() -> None:
+    def land(rnd: int) -> None:
         """The all-reduce of the round before lands: the outer step, then every replica keeps the
         progress it made since its barrier on top of the new θ_global (OverlappedDiLoCo.catch_up)."""
         deltas, snaps = pending
-        step(deltas, even)
+        step(deltas, even, rnd)
         for i in range(N):
             local[i] += theta - snaps[i]
 
@@ -235,7 +250,7 @@ def main() -> None:
         for i, w in enumerate(replicas):
             train(i, w, first)
         if pending is not None:
-            land()
+            land(rnd - 1)
             pending = None
         for i, w in enumerate(replicas):
             train(i, w, int(steps[i]) - first)
@@ -243,12 +258,12 @@ def main() -> None:
         if a.overlapped:
             pending = (deltas, [x.copy() for x in local])
         else:
-            step(deltas, steps / steps.sum() if a.uneven is not None else even)
+            step(deltas, steps / steps.sum() if a.uneven is not None else even, rnd)
             local = [theta.copy() for _ in replicas]
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  round {rnd}  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
     if pending is not None:  # the last round's outer step lands after the run, as in drift
-        land()
+        land(a.steps // H - 1)
         w0.set_params(layout.unflatten(theta))
         print(f"{pos:>7} samples  final  val {w0.evaluate(r.eval_batches, B):.4f}", flush=True)
     print(

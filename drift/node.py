@@ -73,7 +73,7 @@ from drift.recipe import Data, Recipe
 from drift.repo import RepoError
 from drift.ring import ReduceStats, Ring, RingError
 from drift.state import StateError, StateServer, fetch_state, into_arrays, lied_to
-from drift.sync import Combined, SyncRule, catch_up, make_rule
+from drift.sync import Combined, SyncRule, catch_up, collective, make_rule
 from drift.transport import (
     CONTROL_ALPN,
     DATA_ALPN,
@@ -970,9 +970,9 @@ class Session:
             return r, None, ring, [], None, None  # not in this ring: θ comes with Agreed
         async with t.lock:
             t.pseudo_gradient(t.snap)
-        mine = t.rule.contribute(t.delta, me.weight)
+        mine = t.rule.contribute(t.delta, me.weight, ready.round)
         try:
-            if t.rule.collective == "ring":
+            if collective(t.recipe, ready.round) == "ring":
                 stats = await self.node.ring.allreduce_sum(
                     mine,
                     ring,

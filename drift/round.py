@@ -39,7 +39,7 @@ from drift.ring import MIN_RATE, grid, neighbours, proves_forgery, signer
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer, Swarm
-from drift.sync import rule_class
+from drift.sync import collective, rule_class
 
 MAX_RING_RETRIES = 5
 FORGED = "it forwarded ring bytes that their owner did not sign (proven by its own signature)"
@@ -879,13 +879,16 @@ class Round:
         ids = [m.node_id for m in self.ring]
         if i not in ids or suspect not in ids:
             return False
-        if rule_class(self.r).collective == "ring":
+        if collective(self.r, self.rnd) == "ring":
             return suspect in neighbours(ids, i, self.r.codec, self.flat)
         levels = self.levels()
         return not levels or (level < len(levels) and ids.index(suspect) in levels[level].neighbours(ids.index(i)))
 
     def levels(self) -> list[hierarchy.Level]:
-        """The sparse rule's hierarchy over this attempt's ring ([]: a rule without one)."""
+        """The sparse rule's hierarchy over this attempt's ring ([]: a rule without one, or a
+        round that goes around the ring)."""
+        if collective(self.r, self.rnd) == "ring":
+            return []
         fanout = getattr(rule_class(self.r).Params.model_validate(self.r.sync_params), "fanout", 0)
         return hierarchy.plan(len(self.ring), fanout) if fanout and self.ring else []
 
@@ -1254,7 +1257,7 @@ class Round:
         # bad node cannot hold the all-reduce hostage.
         caught = rules.caught(self.suspects(), self.part())
         ring = self.ring_ids()
-        was_grid = rule_class(self.r).collective == "ring" and grid(len(ring), self.r.codec, self.flat) is not None
+        was_grid = collective(self.r, self.rnd) == "ring" and grid(len(ring), self.r.codec, self.flat) is not None
         unnamed = rules.flat_from_now(
             was_grid, [*self.forgers, *caught], ring - set(self.part()), self.failed, len(ring)
         )

@@ -128,7 +128,9 @@ def test_real_endpoints_gather_level_by_level_and_land_on_the_in_process_result(
         serving = [asyncio.ensure_future(ep.serve({GATHER_ALPN: g.handle_incoming})) for ep, g in zip(eps, gathers)]
         ring = [P.RingMember(node_id=ep.node_id, ticket=ep.ticket(), weight=w) for ep, w in zip(eps, weights)]
         rules = [make_rule(LAYOUT, recipe) for _ in range(n)]
-        mine = [rule.contribute(d.copy(), w) for rule, d, w in zip(rules, deltas, weights)]
+        mine = [
+            rule.contribute(d.copy(), w, 3) for rule, d, w in zip(rules, deltas, weights)
+        ]  # (past the dense rounds)
         try:
             got = await asyncio.gather(
                 *(

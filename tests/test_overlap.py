@@ -36,7 +36,7 @@ def test_catch_up_keeps_the_progress_made_since_the_barrier() -> None:
     t_block, t_over = theta.copy(), theta.copy()
     for rule, t in ((blocking, t_block), (overlapped, t_over)):  # the same reduced Δ on both
         ring = [RingMember(node_id="0" * 64, ticket="t", weight=1.0)]
-        assert rule.combine(rule.contribute(theta - local_at_barrier, 1.0), ring).problem is None
+        assert rule.combine(rule.contribute(theta - local_at_barrier, 1.0, 0), ring).problem is None
         rule.apply(t)
     assert np.array_equal(t_block, t_over)  # the outer step itself is DiLoCo's
     snap = local_at_barrier.copy()

@@ -25,6 +25,7 @@ from drift.ring import GRID_FROM, MIN_RATE, neighbours
 from drift.round import Round
 from drift.scheduler import UnitQueue
 from drift.swarm import Peer, Swarm
+from drift.sync import collective
 
 BATCH = 4
 GRACE = 2 * 2.0 + 1  # Round.reduce_progress: how long a RingFailed waits for the others' reports
@@ -171,7 +172,9 @@ class Sim:
         e = self.s.ring_epoch if epoch is None else epoch
         self.msg(name, P.RoundDone(round=self.rd.rnd, ring_epoch=e, checksum=checksum, **kw))
 
-    def failed(self, name: str, suspect: str = "", sit_out: bool = False, epoch: int | None = None) -> None:
+    def failed(
+        self, name: str, suspect: str = "", sit_out: bool = False, epoch: int | None = None, level: int = 0
+    ) -> None:
         e = self.s.ring_epoch if epoch is None else epoch
         self.msg(
             name,
@@ -181,6 +184,7 @@ class Sim:
                 reason="test",
                 suspect=self.ids.get(suspect, ""),
                 sit_out=sit_out,
+                level=level,
             ),
         )
 
@@ -502,7 +506,7 @@ def test_a_member_cannot_excuse_itself_by_naming_one_it_exchanged_nothing_with()
     # The sparse rule's hierarchy: h fails at level 0 naming y, whom two of y's neighbours caught
     # there, but h is no neighbour of y: its failure is not excused, and those it held up at
     # level 1 catch it.
-    sim = Sim([f"n{k}" for k in range(9)], sync="sparse", sync_params={"fanout": 3})
+    sim = Sim([f"n{k}" for k in range(9)], sync="sparse", sync_params={"fanout": 3, "dense_rounds": 0})
     sim.start()
     sim.ring()
     order = sim.rings()[-1]
@@ -533,10 +537,11 @@ def test_a_lone_report_of_a_failure_nobody_else_settles_is_redone_at_the_reduce_
     assert not sim.tick(GRACE + 1 + rules.REDUCE_DEADLINE_S + 1) and len(sim.rings()) == 3
 
 
-def _neighbours(sim: Sim, name: str, level: int = 0) -> list[str]:
-    """Who `name` sends to or takes from in the attempt in flight (by the ring it was sent)."""
+def _neighbours(sim: Sim, name: str, level: int = 0, gathered: bool | None = None) -> list[str]:
+    """Who `name` sends to or takes from in the attempt in flight (by the ring it was sent);
+    `gathered`: as if the round were all-gathered in levels (True) or went around the ring."""
     order = sim.rings()[-1]
-    if sim.recipe.sync == "sparse":
+    if collective(sim.recipe, sim.rd.rnd) == "allgather" if gathered is None else gathered:
         level_ = hierarchy.plan(len(order), sim.recipe.sync_params["fanout"])[level]
         return sorted(order[k] for k in level_.neighbours(order.index(name)))
     ids, flat = [sim.ids[n] for n in order], [m for _, m in sim.sent if isinstance(m, P.BarrierReady)][-1].flat
@@ -561,7 +566,11 @@ def test_two_members_that_exchange_no_bytes_with_a_member_cannot_have_it_caught(
     accusation's level of a hierarchy) witness its bytes or its silence: two colluders anywhere
     else who name it are not evidence, so it stays in the retry, unstruck. Its neighbours' word is."""
     names = [f"n{k}" for k in range(GRID_FROM if swarm == "grid" else 9)]
-    recipe = {"codec": "int8"} if swarm != "sparse hierarchy" else {"sync": "sparse", "sync_params": {"fanout": 3}}
+    recipe = {
+        "flat ring": {"codec": "int8"},
+        "grid": {"codec": "int8"},
+        "sparse hierarchy": {"sync": "sparse", "sync_params": {"fanout": 3, "dense_rounds": 0}},
+    }[swarm]
     sim = Sim(names, **recipe)
     sim.start()
     sim.ring()
@@ -580,6 +589,28 @@ def test_two_members_that_exchange_no_bytes_with_a_member_cannot_have_it_caught(
         sim.failed(n)
     sim.tick(2 * (GRACE + 1))
     assert victim not in sim.rings()[-1] and victim in sim.struck()
+
+
+def test_in_the_sparse_rules_dense_rounds_its_ring_neighbours_witness_a_member_not_its_blocks() -> None:
+    """The sparse rule's first rounds go around the ring (`dense_rounds`): there a member's
+    witnesses are its ring neighbours. Two members its hierarchy would make witnesses at level 1,
+    were the round all-gathered, exchange no bytes with it around the ring: their word is not
+    evidence, and it stays in the retry, unstruck."""
+    names = [f"n{k}" for k in range(9)]
+    sim = Sim(names, sync="sparse", sync_params={"fanout": 3})  # 3 blocks of 3, were it gathered
+    sim.start()
+    sim.ring()
+    assert collective(sim.recipe, sim.rd.rnd) == "ring"
+    victim = sim.rings()[-1][0]
+    ring = _neighbours(sim, victim)
+    far = [n for n in _neighbours(sim, victim, level=1, gathered=True) if n not in ring]
+    assert len(far) == 2, far
+    for n in far:
+        sim.failed(n, suspect=victim, level=1)
+    for n in [n for n in names if n not in far]:
+        sim.failed(n)
+    sim.tick(GRACE + 1)
+    assert victim in sim.rings()[-1] and len(sim.rings()) == 2 and victim not in sim.struck()
 
 
 def test_a_member_silent_long_after_a_majority_reported_is_behind() -> None:

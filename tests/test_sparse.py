@@ -22,16 +22,22 @@ from drift.diloco import ParamLayout
 from drift.protocol import RingMember
 from drift.recipe import Recipe
 from drift.sync import make_rule
-from drift.sync.sparse import Codec
+from drift.sync.sparse import Codec, SparseParams
 from harness.simulate import Swarm
 
+FIRST_SPARSE = SparseParams().dense_rounds  # the first round the default rule all-gathers
+
 # quorum 1: rounds wait for every node (one cut as late under load would never bring its fault to the round checked)
-SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "sync_params": {"chunk": 1024, "k": 64}, "quorum": 1.0}
+# every round all-gathered (dense_rounds 0): these runs are about the gather and what it catches
+SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "quorum": 1.0}
+SIM["sync_params"] = {"chunk": 1024, "k": 64, "dense_rounds": 0}
 
 
 @pytest.mark.swarm
 def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, checkpoint_every=1, **SIM)
+    # the rule's defaults, its dense first rounds included
+    defaults = {**SIM, "sync_params": {"chunk": 1024, "k": 64}}
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=5, checkpoint_every=1, **defaults)
     swarm = Swarm(recipe, tmp_path)
     for i in range(2):
         swarm.join("0.02", name=f"n{i}", env={"DRIFT_TEST_THETA": str(tmp_path / f"n{i}.npz")})
@@ -51,8 +57,12 @@ def test_a_sparse_swarm_trains_and_its_replicas_agree(tmp_path: Path) -> None:
     final = next(e for e in events if e["event"] == "complete")["final_val_loss"]
     assert final < initial - 0.1, (initial, final)
     check_exactly_once(events, 2 * BATCH)
-    # each node uploads its payload once per other member, a few KiB here: no dense vector moves
-    assert all(0 < n["bytes_sent"] < 4096 for r in rounds for n in r["nodes"].values()), rounds
+    # the first rounds go around the ring, dense: a byte a value of θ (int8) from each of the two;
+    # then each node uploads its payload once per other member, a KiB here: no dense vector moves
+    size = sum(v.size for v in models[0].values())
+    sent = [[n["bytes_sent"] for n in r["nodes"].values()] for r in rounds]
+    assert all(b >= size for r in sent[:FIRST_SPARSE] for b in r), (size, sent)
+    assert all(0 < b < 4096 for r in sent[FIRST_SPARSE:] for b in r), (size, sent)
 
 
 @pytest.mark.swarm
@@ -211,7 +221,7 @@ def _golden_case(chunk: int, k: int) -> tuple[str, str]:
     for _ in range(2):
         payloads = []
         for i, rule in enumerate(rules):
-            payloads.append(rule.contribute(_bits_gradient(rng, layout.size, i), ring[i].weight))
+            payloads.append(rule.contribute(_bits_gradient(rng, layout.size, i), ring[i].weight, FIRST_SPARSE))
             wire.update(payloads[-1])
         for rule in rules:
             combined = rule.combine(payloads, ring)

@@ -14,15 +14,16 @@ import pytest
 from conftest import run_async
 
 from drift import protocol as P
-from drift.diloco import ParamLayout, checksum
+from drift.diloco import ParamLayout, checksum, norm_bound
 from drift.gather import LATE_FACTOR, Gather, late_after, signed_payload
 from drift.recipe import Recipe, RecipeError, load_recipe
 from drift.ring import MIN_RATE, RingError
-from drift.sync import make_rule
-from drift.sync.sparse import Codec, PayloadError
+from drift.sync import collective, make_rule
+from drift.sync.sparse import Codec, PayloadError, SparseParams
 from drift.transport import GATHER_ALPN, Endpoint
 
 BASE = {"name": "x", "task": "t.py", "rounds": 1, "inner_steps": 1, "batch_size": 1}
+SPARSE_ROUND = SparseParams().dense_rounds  # the first round the default sparse rule all-gathers
 LAYOUT = ParamLayout(("b", "w"), ((100,), (3, 4000)))  # 12,100 values: 3 chunks, the last one short
 
 
@@ -141,26 +142,26 @@ def test_a_payload_keeping_most_of_each_chunk_decodes_to_its_top_k(k: int) -> No
 def test_error_feedback_keeps_what_the_payload_did_not_carry() -> None:
     rule = make_rule(LAYOUT, recipe(sync="sparse"))
     d1, d2 = _delta(1), _delta(2)
-    payload = rule.contribute(d1.copy(), 0.5)
-    assert rule.contribute(d1.copy(), 0.5) == payload  # a retried attempt sends the same bytes
+    payload = rule.contribute(d1.copy(), 0.5, SPARSE_ROUND)
+    assert rule.contribute(d1.copy(), 0.5, SPARSE_ROUND) == payload  # a retried attempt sends the same bytes
     rule.combine([payload], members(1))
     rule.apply(np.zeros(LAYOUT.size, np.float32))  # the round is applied
     sent = _decoded(rule.codec, payload)
     np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)  # e = Δ - what was sent
-    payload2 = rule.contribute(d2.copy(), 0.5)
+    payload2 = rule.contribute(d2.copy(), 0.5, SPARSE_ROUND)
     rule.abandon()  # this round's θ came from a peer: the buffer stays as it was
     np.testing.assert_allclose(rule.ef + sent, d1, atol=1e-9)
-    rule.combine([rule.contribute(d2.copy(), 0.5)], members(1))
+    rule.combine([rule.contribute(d2.copy(), 0.5, SPARSE_ROUND)], members(1))
     rule.apply(np.zeros(LAYOUT.size, np.float32))
     want = np.float32(rule.params.ef_decay) * (d1 - sent) + d2 - _decoded(rule.codec, payload2)
     np.testing.assert_allclose(rule.ef, want, atol=1e-8)
-    assert rule.contribute(d2.copy(), 0.0) == b""  # weight 0: nothing sent, nothing kept
+    assert rule.contribute(d2.copy(), 0.0, SPARSE_ROUND) == b""  # weight 0: nothing sent, nothing kept
 
 
 def test_the_sum_is_the_same_bits_whatever_order_payloads_arrive_in() -> None:
     ring = members(4, [0.1, 0.2, 0.3, 0.4])
     loose = recipe(sync="sparse", sync_params={"clip": 3.0})  # similar norms: none is clipped
-    payloads = [make_rule(LAYOUT, loose).contribute(_delta(10 + i), 0.25) for i in range(4)]
+    payloads = [make_rule(LAYOUT, loose).contribute(_delta(10 + i), 0.25, SPARSE_ROUND) for i in range(4)]
     results = []
     for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):  # arrival orders: each lands at its ring position
         arrived: list[bytes] = [b""] * 4
@@ -189,16 +190,18 @@ def _combined(rule, result: list[bytes], ring) -> tuple[list[str], np.ndarray]:
 
 def test_a_contribution_far_outside_the_others_adds_nothing_and_is_named() -> None:
     ring = members(4)
-    honest = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(20 + i), 0.25) for i in range(3)]
+    honest = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(20 + i), 0.25, SPARSE_ROUND) for i in range(3)]
     rule = make_rule(LAYOUT, recipe(sync="sparse"))
     _, honest_only = _combined(rule, [*honest, b""], ring)
     for scale in (1000, -10):  # x1000, and the -10x flip (clipped, it still pulled θ back for a round)
-        hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(scale) * _delta(23), 0.25)
+        hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(
+            np.float32(scale) * _delta(23), 0.25, SPARSE_ROUND
+        )
         outliers, out = _combined(rule, [*honest, hostile], ring)
         assert outliers == [ring[3].node_id] and np.array_equal(out, honest_only)
     # Within the outlier bound a contribution is clipped to clip x the median, not dropped.
     norms = [rule.codec.norm(p) for p in honest]
-    big = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(3) * _delta(23), 0.25)
+    big = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(3) * _delta(23), 0.25, SPARSE_ROUND)
     outliers, out = _combined(rule, [*honest, big], ring)
     assert outliers == [] and not np.array_equal(out, honest_only)
     assert float(np.linalg.norm(out - honest_only)) <= 0.25 * rule.params.clip * sorted(norms)[1] * (1 + 1e-5)
@@ -210,8 +213,8 @@ def test_a_contribution_far_outside_the_others_adds_nothing_and_is_named() -> No
 
 def test_a_zero_payload_does_not_clip_the_other_member_of_two_to_nothing() -> None:
     ring = members(2, [0.5, 0.5])
-    honest = make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(30), 0.5)
-    nothing = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.zeros(LAYOUT.size, np.float32), 0.5)
+    honest = make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(30), 0.5, SPARSE_ROUND)
+    nothing = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.zeros(LAYOUT.size, np.float32), 0.5, SPARSE_ROUND)
     rule = make_rule(LAYOUT, recipe(sync="sparse"))
     assert rule.codec.norm(nothing) == 0
     _, out = _combined(rule, [honest, nothing], ring)
@@ -380,20 +383,67 @@ def test_allgather_payloads_are_signed_by_their_senders_and_reported_as_heard() 
     assert "did not sign" in str(refused)
 
 
+def test_the_sparse_rules_first_rounds_go_around_the_ring_dense_and_leave_its_error_feedback_empty() -> None:
+    # Which collective: the recipe and the round number alone (the coordinator and every node agree).
+    sparse = recipe(sync="sparse")
+    assert [collective(sparse, k) for k in range(4)] == ["ring", "ring", "allgather", "allgather"]
+    assert collective(recipe(sync="sparse", sync_params={"dense_rounds": 0}), 0) == "allgather"
+    assert collective(recipe(sync="sparse", sync_params={"dense_rounds": 5}), 4) == "ring"
+    assert all(collective(recipe(), k) == "ring" for k in range(4))  # sync: dense, every round
+    # A dense round: each member gives the ring w·Δ; θ -= dense_lr x the sum on the parameters, the
+    # plain sum on the buffers.
+    layout = ParamLayout(("a", "buf"), ((9000,), (5,)), n_buffers=1)
+    rng = np.random.default_rng(7)
+    theta = rng.standard_normal(layout.size).astype(np.float32)
+    deltas = [np.float32(1e-2) * rng.standard_normal(layout.size).astype(np.float32) for _ in range(2)]
+    weights = [0.25, 0.75]
+    rules = [make_rule(layout, sparse) for _ in weights]
+    sent = [rule.contribute(d.copy(), w, 1) for rule, d, w in zip(rules, deltas, weights)]
+    assert all(np.array_equal(x, np.float32(w) * d) for x, w, d in zip(sent, weights, deltas))
+    total = sent[0] + sent[1]
+    bound = norm_bound((w, float(np.linalg.norm(d))) for w, d in zip(weights, deltas))
+    after = []
+    for rule, x in zip(rules, sent):
+        x[...] = total  # the ring's sum, in place
+        assert rule.combine(x, members(2, weights), bound).problem is None
+        t = theta.copy()
+        rule.apply(t)
+        after.append(t)
+    want = theta.copy()
+    want[:9000] -= np.float32(SparseParams().dense_lr) * total[:9000]
+    want[9000:] -= total[9000:]
+    assert all(np.array_equal(t, want) for t in after)
+    # its error feedback is as empty as a new node's: the first sparse round sends the same bytes
+    d = np.float32(1e-2) * rng.standard_normal(layout.size).astype(np.float32)
+    new = make_rule(layout, sparse).contribute(d.copy(), 0.5, SPARSE_ROUND)
+    assert rules[0].contribute(d.copy(), 0.5, SPARSE_ROUND) == new
+    # a ring sum larger than the members' reported norms allow is refused: θ must not move
+    rule = make_rule(layout, sparse)
+    x = rule.contribute(deltas[0].copy(), 1.0, 0)
+    x *= np.float32(1000)  # (a member sent 1,000 x what it reported)
+    assert "reported norms allow" in (rule.combine(x, members(1), float(np.linalg.norm(deltas[0]))).problem or "")
+
+
 @pytest.mark.parametrize(
-    "fields",
-    [{}, {"outer_optimizer": {"momentum": 0.0}}, {"outer_optimizer": {"nesterov": False}}, {"sync": "sparse"}],
+    ("fields", "rnd"),
+    [
+        ({}, 0),
+        ({"outer_optimizer": {"momentum": 0.0}}, 0),
+        ({"outer_optimizer": {"nesterov": False}}, 0),
+        ({"sync": "sparse"}, 0),  # a dense round of the sparse rule
+        ({"sync": "sparse"}, SPARSE_ROUND),
+    ],
 )
-def test_preview_is_the_checksum_the_outer_step_leads_to_and_changes_nothing(fields: dict) -> None:
+def test_preview_is_the_checksum_the_outer_step_leads_to_and_changes_nothing(fields: dict, rnd: int) -> None:
     # (a ring of two compares it before either member applies the step: BarrierReady.confirm)
     layout = ParamLayout(("a", "b", "buf"), ((1_500_000,), (600_001,), (7,)), n_buffers=1)  # 3 chunks
-    rule = make_rule(layout, recipe(**fields))
+    rule = make_rule(layout, rule_recipe := recipe(**fields))
     rng = np.random.default_rng(1)
     theta, delta = (rng.standard_normal(layout.size).astype(np.float32) for _ in range(2))
     for x in rule.state.values():
         x[: layout.params_size] = rng.standard_normal(layout.params_size)
-    sent = rule.contribute(delta, 1.0)  # a ring of one: the sum is what this node sent
-    assert rule.combine(sent if rule.collective == "ring" else [sent], members(1)).problem is None
+    sent = rule.contribute(delta, 1.0, rnd)  # a ring of one: the sum is what this node sent
+    assert rule.combine(sent if collective(rule_recipe, rnd) == "ring" else [sent], members(1)).problem is None
     held = checksum(theta, *rule.state.values())
     announced = rule.preview(theta)
     assert checksum(theta, *rule.state.values()) == held != announced

@@ -77,7 +77,7 @@ def test_256_lightweight_nodes_join_train_and_agree_on_theta(tmp_path: Path) -> 
 def test_64_lightweight_nodes_gather_the_sparse_rule_in_levels_of_bounded_bytes(tmp_path: Path) -> None:
     # sync: sparse above its fanout (16): 8 blocks of 8 (drift/hierarchy.py). Every node holds the
     # same θ after each round, and uploads 14 payloads a round where the flat all-gather takes 63.
-    n, params = 64, {"chunk": 64, "k": 8, "fanout": 16}
+    n, params = 64, {"chunk": 64, "k": 8, "fanout": 16, "dense_rounds": 0}
     s = LightSwarm(tmp_path, n, processes=2, rounds=2, sync="sparse", sync_params=params)
     rc, light = s.finish(timeout=200)
     events = s.events()

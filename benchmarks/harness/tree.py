@@ -18,14 +18,19 @@ def node_id(i: int) -> str:
 
 
 def hierarchical_round(
-    rules: list[SparseLoCo], deltas: list[np.ndarray], weights: list[float], fanout: int = hierarchy.FANOUT
+    rules: list[SparseLoCo],
+    deltas: list[np.ndarray],
+    weights: list[float],
+    fanout: int = hierarchy.FANOUT,
+    rnd: int | None = None,
 ) -> list[Combined]:
     """One round: member i contributes deltas[i] (its rule's buffer from then on) at weights[i];
     then every level, each member merges (the last level: combines) the payloads of its parent's
     children, taken from the members plan() names, each child weighing what its members weigh
     together (as Gather.tree). What each member found at the top."""
     n = len(rules)
-    held = [rule.contribute(d, w) for rule, d, w in zip(rules, deltas, weights)]
+    rnd = rules[0].params.dense_rounds if rnd is None else rnd  # (default: the first all-gathered round)
+    held = [rule.contribute(d, w, rnd) for rule, d, w in zip(rules, deltas, weights)]
     levels = hierarchy.plan(n, fanout)
     for depth, level in enumerate(levels):
         found, nxt = [], []

@@ -8,8 +8,10 @@ A rule declares
     resumed by name, in this order);
   * `collective`: what carries the contributions: "ring" (an all-reduce of one dense vector,
     drift/ring.py) or "allgather" (every member's payload reaches every member, drift/gather.py);
+    a rule may pick it by the round (`collective_at`: the recipe and the round number only, so the
+    coordinator and every node agree without a word about it);
   * the round's lifecycle, in this order (the rule keeps what one round needs in between):
-      `contribute(delta, weight)`: what this node sends, from its Δ (`delta`: the node's buffer,
+      `contribute(delta, weight, rnd)`: what this node sends in round `rnd`, from its Δ (`delta`: the node's buffer,
       which the rule may use until the round ends; for the ring: the vector to sum, in place);
       `combine(result, ring)`: the round's update, from what the collective returned (the ring's
       sum, or every member's payload in ring order), plus what looked wrong;
@@ -70,7 +72,12 @@ class SyncRule:
         self.params = self.Params.model_validate(recipe.sync_params)
         self.state: dict[str, np.ndarray] = {n: np.zeros(layout.size, np.float32) for n in self.STATE}
 
-    def contribute(self, delta: np.ndarray, weight: float):
+    @classmethod
+    def collective_at(cls, params: Params, rnd: int) -> Literal["ring", "allgather"]:
+        """The collective that carries round `rnd`'s contributions under `params`."""
+        return cls.collective
+
+    def contribute(self, delta: np.ndarray, weight: float, rnd: int):
         raise NotImplementedError
 
     def combine(self, result, ring: list[RingMember], bound: float | None = None) -> Combined:
@@ -112,6 +119,12 @@ def rules() -> dict[str, type[SyncRule]]:
 
 def rule_class(recipe: Recipe) -> type[SyncRule]:
     return rules()[recipe.sync]
+
+
+def collective(recipe: Recipe, rnd: int) -> Literal["ring", "allgather"]:
+    """What carries round `rnd`'s contributions under the recipe's rule."""
+    cls = rule_class(recipe)
+    return cls.collective_at(cls.Params.model_validate(recipe.sync_params), rnd)
 
 
 def make_rule(layout: ParamLayout, recipe: Recipe) -> SyncRule:

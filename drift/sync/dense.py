@@ -36,7 +36,7 @@ class DenseDiLoCo(SyncRule):
         self.bounded = recipe.codec != "topk"  # top-k re-sparsifies at every hop: its sum has no norm bound
         self._sum: np.ndarray | None = None  # the round's: what contribute gave the ring, then the sum
 
-    def contribute(self, delta: np.ndarray, weight: float) -> np.ndarray:
+    def contribute(self, delta: np.ndarray, weight: float, rnd: int) -> np.ndarray:
         """delta <- w * Δ, in place (the ring sums it there). A node of weight 0 sends exact zeros
         (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
         if weight == 0:

@@ -12,6 +12,13 @@ w_i x them in ring order; θ -= lr x that (buffers: the plain weighted sum).
 
 About 0.14 bits per value of θ per round with the defaults (64 of 4096), against 8.15 for int8.
 
+The first `dense_rounds` rounds (2 by default) go around the ring instead, dense (w·Δ summed in
+the recipe's `codec`, int8 by default), and θ -= dense_lr x the sum: a run's first Δs, from θ0,
+are its largest, and a few percent of them a round is where the sparse rule lost most against the
+ring at DiLoCo's H (BENCHMARKS.md, "Where the 16-node gap is: the first rounds"). The error
+feedback stays empty until the first sparse round. The round number alone decides
+(`collective_at`), so the coordinator and every node agree, a retry included.
+
 Shared state: none (θ only is checksummed). The error-feedback buffer is node-local: it is not
 in the checksum, not transferred and not checkpointed; a node that joins (or rejoins after a
 restart) starts with zeros, and a round whose θ a node took from a peer instead of applying it
@@ -27,14 +34,15 @@ is numpy's, so torch, mlx and numpy workers produce the same payloads.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from drift import hierarchy
 from drift.compress import Bf16
-from drift.diloco import CHUNK, ParamLayout, checksum_of
+from drift.diloco import CHUNK, ParamLayout, checksum_of, reduced_problem, sgd_preview, sgd_step
 from drift.sync import Combined, Params, SyncRule
 
 if TYPE_CHECKING:
@@ -60,6 +68,9 @@ class SparseParams(Params):
     fanout: int = Field(
         hierarchy.FANOUT, ge=2, le=256, description="above this many members, payloads gather in levels"
     )
+
+    dense_rounds: int = Field(2, ge=0, description="the run's first this many rounds go around the dense ring")
+    dense_lr: float = Field(1.3, gt=0, description="their outer learning rate (plain SGD on the ring's sum)")
 
     @model_validator(mode="after")
     def _shape(self) -> SparseParams:
@@ -224,16 +235,30 @@ class SparseLoCo(SyncRule):
         self.ef: np.ndarray | None = None  # node-local error feedback (zeros until the first round)
         self._ef_next: np.ndarray | None = None  # what it becomes once this round is applied (in Δ's buffer)
         self._update: list[tuple[bytes, np.float32]] = []  # the round's: (payload, coefficient) in ring order
+        self._sum: np.ndarray | None = None  # a dense round's: what contribute gave the ring, then the sum
+        self._bounded = recipe.codec != "topk"  # (as DenseDiLoCo: top-k's sum has no norm bound)
+
+    @classmethod
+    def collective_at(cls, params: SparseParams, rnd: int) -> Literal["ring", "allgather"]:
+        return "ring" if rnd < params.dense_rounds else "allgather"
 
     @property
     def payload_nbytes(self) -> int:
         return self.codec.nbytes
 
-    def contribute(self, delta: np.ndarray, weight: float) -> bytes:
+    def contribute(self, delta: np.ndarray, weight: float, rnd: int) -> bytes | np.ndarray:
         """This round's payload: top-k of ef_decay * e + Δ. `delta` becomes what e will be once
         the round is applied (what the payload did not carry); e itself changes only then, so a
-        retried attempt sends the same bytes and an abandoned round leaves e as it was."""
-        self._ef_next = None
+        retried attempt sends the same bytes and an abandoned round leaves e as it was. In a dense
+        round: w * Δ in place, for the ring to sum (a node of weight 0 sends exact zeros)."""
+        self._ef_next = self._sum = None
+        if self.collective_at(self.params, rnd) == "ring":
+            if weight == 0:
+                delta[...] = 0
+            else:
+                delta *= np.float32(weight)
+            self._sum = delta
+            return delta
         if weight == 0:
             return b""
         if self.ef is None:
@@ -254,7 +279,13 @@ class SparseLoCo(SyncRule):
         coefficients (decoded again by preview and apply: no θ-sized sum); members whose payload
         does not decode add nothing, and they and any far outside the median (three or more
         members: then every member names the same) are the outliers: a far one adds nothing
-        either, where clipped it would still pull θ its way for a round."""
+        either, where clipped it would still pull θ its way for a round. A dense round's sum (the
+        ring's, in place) is refused if larger than the members' reported norms allow (`bound`)."""
+        if self._sum is not None:
+            assert result is self._sum
+            t = time.perf_counter()
+            problem = reduced_problem(result, bound) if self._bounded else None
+            return Combined(problem, check_s=time.perf_counter() - t)
         self._update = []
         bad, norms = [], {}
         for m, payload in zip(ring, result):
@@ -324,7 +355,11 @@ class SparseLoCo(SyncRule):
 
     def apply(self, theta: np.ndarray) -> None:
         """θ -= lr * update on the parameters, θ -= update on the buffers; the error feedback of
-        this round becomes the node's."""
+        this round becomes the node's. A dense round: θ -= dense_lr * sum (the sum is scratch)."""
+        if self._sum is not None:
+            sgd_step(theta, self._sum, np.float32(self.params.dense_lr), self.layout.params_size)
+            self._sum = None
+            return
         for a, b, step in self._steps(theta):
             theta[a:b] -= step
         if self._ef_next is not None:
@@ -333,9 +368,11 @@ class SparseLoCo(SyncRule):
         self._update = []
 
     def preview(self, theta: np.ndarray) -> str:
+        if self._sum is not None:
+            return sgd_preview(theta, self._sum, np.float32(self.params.dense_lr), self.layout.params_size)
         stepped = (theta[a:b] - step for a, b, step in self._steps(theta))
         return checksum_of((stepped, *([a] for a in self.state.values())))
 
     def abandon(self) -> None:
-        self._ef_next = None
+        self._ef_next = self._sum = None
         self._update = []

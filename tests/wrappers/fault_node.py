@@ -336,8 +336,8 @@ elif kind in ("eval-initial", "val-every-round"):
         await orig(self, msg)
 elif kind in ("scale-ring", "flip-ring", "noise-ring"):
 
-    def hostile(orig, self, delta, weight):
-        if Session.current_round >= at and weight > 0:  # (before the rule sees it: either rule)
+    def hostile(orig, self, delta, weight, rnd):
+        if rnd >= at and weight > 0:  # (before the rule sees it: either rule)
             if kind == "scale-ring":
                 delta *= np.float32(1000)
             elif kind == "flip-ring":
@@ -346,15 +346,10 @@ elif kind in ("scale-ring", "flip-ring", "noise-ring"):
                 norm = float(np.linalg.norm(delta))
                 noise = np.random.default_rng().standard_normal(delta.size).astype(np.float32)
                 delta += noise * np.float32(10 * norm / float(np.linalg.norm(noise)))
-        return orig(self, delta, weight)
+        return orig(self, delta, weight, rnd)
 
     for rule in rules().values():
         patch(rule, "contribute")(hostile)
-
-    @patch(Session, "_round")
-    async def _(orig, self, a):
-        Session.current_round = a.round
-        return await orig(self, a)
 elif kind == "announce-wrong":
     wrong = [True]
 
@@ -407,18 +402,13 @@ elif kind == "lie-steps":
             msg = msg.model_copy(update={"steps": 10**9, "delta_norm": 1000 * msg.delta_norm})
         await orig(self, msg)
 
-    def scaled(orig, self, delta, weight):
-        if Session.current_round >= at and weight > 0:
+    def scaled(orig, self, delta, weight, rnd):
+        if rnd >= at and weight > 0:
             delta *= np.float32(1000)
-        return orig(self, delta, weight)
+        return orig(self, delta, weight, rnd)
 
     for rule in rules().values():
         patch(rule, "contribute")(scaled)
-
-    @patch(Session, "_round")
-    async def _(orig, self, a):
-        Session.current_round = a.round
-        return await orig(self, a)
 elif kind == "sit-out-late":
 
     @patch(Session, "send")
