@@ -29,7 +29,8 @@ sparse payloads go up drift/hierarchy.py's levels of at most G blocks (benchmark
 each replica merges what its node would receive), where the default all-gathers them flat. The
 `--dense-first F`: a sparse run's first F rounds are the int8 ring's (outer lr `--dense-lr`, no
 momentum), its error feedback empty until the first sparse round: the rule's own `dense_rounds`
-and `dense_lr` (0 here unless given, as the runs in BENCHMARKS.md before the rule had them); with `--k-first K` they are the
+and `dense_lr` (0 here unless given, as the runs in BENCHMARKS.md before the rule had them;
+`--lr-growth` likewise is the rule's `lr_growth`, 1 here unless given: `--outer-lr` at any size); with `--k-first K` they are the
 sparse rule's all-gather with K values a chunk (outer lr `--dense-lr`) instead. The
 last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per node
 per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers).
@@ -91,6 +92,9 @@ def main() -> None:
         "--k-first", type=int, default=0, help="--dense-first: those rounds send this k, all-gathered, instead of int8"
     )
     ap.add_argument("--dense-lr", type=float, default=1.3, help="--dense-first: those rounds' outer lr (no momentum)")
+    ap.add_argument(
+        "--lr-growth", type=float, default=1.0, help="sparse: the rule's lr_growth (1: --outer-lr whatever the nodes)"
+    )
     ap.add_argument("--seed", type=int, default=None, help="θ0 and the sample order (default: the recipe's)")
     ap.add_argument("--inner-lr", type=float, default=None, help="AdamW's lr (default: the recipe's)")
     ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config, e.g. n_layer=8 n_embd=512")
@@ -145,6 +149,7 @@ def main() -> None:
                 "sync_params": {
                     **{"lr": a.outer_lr, "k": a.k, "chunk": a.chunk, "clip": a.clip, "ef_decay": a.ef_decay},
                     **{"dense_rounds": 0 if a.k_first else a.dense_first, "dense_lr": a.dense_lr},
+                    "lr_growth": a.lr_growth,
                 },
             }
         )

@@ -29,7 +29,9 @@ SPARSE = Recipe.model_validate(
         "inner_steps": 1,
         "batch_size": 1,
         "sync": "sparse",
-        "sync_params": {"chunk": 1024, "k": 16, "clip": 1e6, "outlier": 1e6},  # no clip: the sum is exact
+        # no clip: the sum is exact; one outer lr whatever the contributions (lr_growth 1), so a flat
+        # sum of members and a top level's of blocks step alike
+        "sync_params": {"chunk": 1024, "k": 16, "clip": 1e6, "outlier": 1e6, "lr_growth": 1.0},
     }
 )
 

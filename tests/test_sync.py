@@ -174,14 +174,46 @@ def test_the_sum_is_the_same_bits_whatever_order_payloads_arrive_in() -> None:
         results.append(theta.tobytes())
     assert len(set(results)) == 1
     want = sum(m.weight * _decoded(make_rule(LAYOUT, loose).codec, p) for m, p in zip(ring, payloads))
-    moved = (np.ones(LAYOUT.size, np.float32) - np.frombuffer(results[0], np.float32)) / node.params.lr
+    # four contributions: the outer lr is lr x √(4 / 2) (lr_growth)
+    moved = (np.ones(LAYOUT.size, np.float32) - np.frombuffer(results[0], np.float32)) / (node.params.lr * 2**0.5)
     np.testing.assert_allclose(moved, want, atol=1e-7)
+
+
+def test_the_sparse_rules_outer_lr_grows_with_the_contributions_summed_up_to_its_cap() -> None:
+    # One or two contributions step θ by lr; n by lr x √(n / 2) (their top-k sets overlap little:
+    # their mean is shorter than each), up to lr_growth x lr. Counted are the contributions summed:
+    # not a member of weight 0, nor one that sent nothing, nor one far outside the others.
+    rule = make_rule(LAYOUT, recipe(sync="sparse"))
+    lr = rule.params.lr
+    assert [round(float(rule.round_lr(n)) / lr, 4) for n in (1, 2, 3, 4, 8, 16, 1000)] == [
+        *(1.0, 1.0, 1.2247, 1.4142),
+        *(2.0, 2.0, 2.0),
+    ]
+    assert make_rule(LAYOUT, recipe(sync="sparse", sync_params={"lr_growth": 1})).round_lr(16) == np.float32(lr)
+    ring = members(6)
+    payloads = [
+        make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(40 + i), 1 / 6, SPARSE_ROUND) for i in range(4)
+    ]
+    far = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.float32(1000) * _delta(45), 1 / 6, SPARSE_ROUND)
+    steps = []
+    for result in ([*payloads, b"", b""], [*payloads, far, b""]):  # 4 summed either way
+        node = make_rule(LAYOUT, recipe(sync="sparse", sync_params={"clip": 3.0}))  # (none clipped)
+        node.combine(result, ring)
+        theta = np.zeros(LAYOUT.size, np.float32)
+        node.apply(theta)
+        steps.append(theta)
+    want = sum(np.float32(1 / 6) * _decoded(rule.codec, p) for p in payloads)
+    np.testing.assert_allclose(-steps[0], lr * 2**0.5 * want, rtol=1e-5, atol=1e-9)
+    assert np.array_equal(steps[0], steps[1])
+
+
+UNIT_LR = recipe(sync="sparse", sync_params={"lr": 1.0, "lr_growth": 1.0})  # (for _combined: θ moves by the update)
 
 
 def _combined(rule, result: list[bytes], ring) -> tuple[list[str], np.ndarray]:
     """The outliers combine names, and the update it leads to (outer lr 1 from θ = 0: θ is
     -update, and 0 - θ gives its bits back)."""
-    assert rule.params.lr == 1
+    assert rule.params.lr == rule.params.lr_growth == 1
     outliers = rule.combine(result, ring).outliers
     theta = np.zeros(LAYOUT.size, np.float32)
     rule.apply(theta)
@@ -191,7 +223,7 @@ def _combined(rule, result: list[bytes], ring) -> tuple[list[str], np.ndarray]:
 def test_a_contribution_far_outside_the_others_adds_nothing_and_is_named() -> None:
     ring = members(4)
     honest = [make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(20 + i), 0.25, SPARSE_ROUND) for i in range(3)]
-    rule = make_rule(LAYOUT, recipe(sync="sparse"))
+    rule = make_rule(LAYOUT, UNIT_LR)
     _, honest_only = _combined(rule, [*honest, b""], ring)
     for scale in (1000, -10):  # x1000, and the -10x flip (clipped, it still pulled θ back for a round)
         hostile = make_rule(LAYOUT, recipe(sync="sparse")).contribute(
@@ -215,7 +247,7 @@ def test_a_zero_payload_does_not_clip_the_other_member_of_two_to_nothing() -> No
     ring = members(2, [0.5, 0.5])
     honest = make_rule(LAYOUT, recipe(sync="sparse")).contribute(_delta(30), 0.5, SPARSE_ROUND)
     nothing = make_rule(LAYOUT, recipe(sync="sparse")).contribute(np.zeros(LAYOUT.size, np.float32), 0.5, SPARSE_ROUND)
-    rule = make_rule(LAYOUT, recipe(sync="sparse"))
+    rule = make_rule(LAYOUT, UNIT_LR)
     assert rule.codec.norm(nothing) == 0
     _, out = _combined(rule, [honest, nothing], ring)
     _, alone = _combined(rule, [honest, b""], ring)

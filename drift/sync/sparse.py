@@ -8,9 +8,10 @@ fifth more values in the same bytes, which learned as well or better (what one m
 wrong stays in e and goes out later; BENCHMARKS.md, "One bit a value").
 Payloads are all-gathered (sums of sparse vectors are not sparse, so no ring): every member
 decodes every payload, clips each to `clip` x the round's median contribution norm, and adds
-w_i x them in ring order; θ -= lr x that (buffers: the plain weighted sum).
+w_i x them in ring order; θ -= lr x that (buffers: the plain weighted sum), the lr growing with
+the number of contributions summed (`round_lr`; in levels, the top level's).
 
-About 0.14 bits per value of θ per round with the defaults (64 of 4096), against 8.15 for int8.
+About 0.30 bits per value of θ per round with the defaults (160 of 4096), against 8.15 for int8.
 
 The first `dense_rounds` rounds (2 by default) go around the ring instead, dense (w·Δ summed in
 the recipe's `codec`, int8 by default), and θ -= dense_lr x the sum: a run's first Δs, from θ0,
@@ -56,12 +57,17 @@ BLOCK_ROWS = 256
 
 class SparseParams(Params):
     chunk: int = Field(4096, ge=2, le=65536, description="values per top-k chunk (a power of two)")
-    k: int = Field(64, ge=1, description="values sent per chunk")
+    # k 160, lr 2.5 growing to 5 and 2 dense first rounds: within 2 % of the int8 ring at DiLoCo's H 25
+    # from 2 to 16 nodes, where 64 and lr 1 were +18 % at 16 (BENCHMARKS.md, "The sparse rule's
+    # defaults at H 25")
+    k: int = Field(160, ge=1, description="values sent per chunk")
     # 0.9: better than 0.95 and 1 at every outer lr, 2 and 4 nodes (BENCHMARKS.md, "Tuning"; again
-    # with the corrected simulation: "The real swarms' gap, found"); a larger lr (3 at 2 nodes, 5 at
-    # 4) learned faster on the char GPTs, but a test's tiny model diverged at 2
+    # with the corrected simulation: "The real swarms' gap, found")
     ef_decay: float = Field(0.9, ge=0, le=1, description="error feedback: e <- ef_decay * e + Δ")
-    lr: float = Field(1.0, gt=0, description="outer learning rate (plain SGD on the clipped sum)")
+    lr: float = Field(2.5, gt=0, description="outer learning rate (plain SGD on the clipped sum) of 2 contributions")
+    lr_growth: float = Field(
+        2.0, ge=1, description="with n contributions the lr is lr x √(n / 2), up to lr_growth x lr"
+    )
     # 1, not 3: a liar under the outlier bound, clipped to 3 x, undid a 4-node run (BENCHMARKS.md)
     clip: float = Field(1.0, ge=1, description="each contribution's norm is clipped to clip x the round's median")
     outlier: float = Field(6.0, ge=1, description="a contribution over outlier x the median is reported")
@@ -93,7 +99,7 @@ class Codec:
             (index >> low) + j of its span, so a span holds exactly k ones,
         m x k bits: each value's sign (1 = negative).
     Indices increase within a chunk; low = floor(log2(chunk / k)), span = k + chunk >> low: about
-    2 + low bits an index (8 for 64 of 4096). A payload of 0 bytes carries nothing (weight 0)."""
+    2 + low bits an index (8 for 64 of 4096, 6 for 160). A payload of 0 bytes carries nothing (weight 0)."""
 
     def __init__(self, n: int, chunk: int, k: int):
         self.n, self.chunk, self.k = n, chunk, k
@@ -235,12 +241,21 @@ class SparseLoCo(SyncRule):
         self.ef: np.ndarray | None = None  # node-local error feedback (zeros until the first round)
         self._ef_next: np.ndarray | None = None  # what it becomes once this round is applied (in Δ's buffer)
         self._update: list[tuple[bytes, np.float32]] = []  # the round's: (payload, coefficient) in ring order
+        self._lr = np.float32(self.params.lr)  # the round's (lr_growth)
         self._sum: np.ndarray | None = None  # a dense round's: what contribute gave the ring, then the sum
         self._bounded = recipe.codec != "topk"  # (as DenseDiLoCo: top-k's sum has no norm bound)
 
     @classmethod
     def collective_at(cls, params: SparseParams, rnd: int) -> Literal["ring", "allgather"]:
         return "ring" if rnd < params.dense_rounds else "allgather"
+
+    def round_lr(self, n: int) -> np.float32:
+        """The outer lr of a sum of n contributions. Their top-k sets overlap little, so their mean
+        is shorter than each (1/√n as long where they do not overlap at all): the lr grows as
+        √(n / 2) from 2 contributions, up to lr_growth x lr (2 nodes wanted 2.5 where 5 was +7 %,
+        8 and 16 nodes 5 where 2.5 was +5 %: BENCHMARKS.md)."""
+        p = self.params
+        return np.float32(p.lr * min(p.lr_growth, max(1.0, math.sqrt(n / 2))))
 
     @property
     def payload_nbytes(self) -> int:
@@ -307,6 +322,7 @@ class SparseLoCo(SyncRule):
             if m.node_id in norms and m.node_id not in far:
                 scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
                 self._update.append((payload, np.float32(m.weight * scale)))
+        self._lr = self.round_lr(len(self._update))
         return Combined(outliers=bad + far)
 
     def merge(self, result: list[bytes | None], ring: list[RingMember]) -> tuple[bytes, Combined]:
@@ -339,7 +355,7 @@ class SparseLoCo(SyncRule):
         """θ after the step, a block of chunks at a time: (a, b, θ[a:b]'s step, lr x the update
         on the parameters and the update itself on the buffers). The members' values are added in
         ring order, into a block of zeros: the same bits as one θ-sized sum."""
-        n, params, lr = theta.size, self.layout.params_size, np.float32(self.params.lr)
+        n, params, lr = theta.size, self.layout.params_size, self._lr
         span = BLOCK_ROWS * self.codec.chunk
         block = np.empty(min(span, n), np.float32)
         streams = [self.codec.pieces(payload, coef) for payload, coef in self._update]
