@@ -253,7 +253,7 @@ class SparseLoCo(SyncRule):
         """The outer lr of a sum of n contributions. Their top-k sets overlap little, so their mean
         is shorter than each (1/√n as long where they do not overlap at all): the lr grows as
         √(n / 2) from 2 contributions, up to lr_growth x lr (2 nodes wanted 2.5 where 5 was +7 %,
-        8 and 16 nodes 5 where 2.5 was +5 %: BENCHMARKS.md)."""
+        16 nodes 5 where 2.5 was +4.9 % and 7 diverged: BENCHMARKS.md)."""
         p = self.params
         return np.float32(p.lr * min(p.lr_growth, max(1.0, math.sqrt(n / 2))))
 
