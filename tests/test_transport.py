@@ -94,14 +94,14 @@ def test_unreachable_ticket_times_out_with_what_was_tried() -> None:
         a = await Endpoint.bind("local")
         try:
             with pytest.raises(TransportError) as e:
-                await a.connect(ticket, CONTROL_ALPN, timeout=2)
+                await a.connect(ticket, CONTROL_ALPN, timeout=1)
             return str(e.value)
         finally:
             await a.close()
 
     msg = run_async(main(), timeout=60)
     # It ended by drift's own bound on the wait, not the test's, and says what was tried.
-    assert "timed out after 2s connecting to" in msg and "127.0.0.1" in msg, msg
+    assert "timed out after 1s connecting to" in msg and "127.0.0.1" in msg, msg
 
 
 def test_mode_for_ticket_reads_loopback() -> None:

@@ -31,13 +31,14 @@ so θ and the state stay bit-identical across the swarm; the checksum proves it 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from drift.diloco import CHUNK, ParamLayout
+from drift.diloco import CHUNK, ParamLayout, reduced_problem
 
 if TYPE_CHECKING:
     from drift.protocol import RingMember
@@ -95,6 +96,25 @@ class SyncRule:
     def abandon(self) -> None:
         """The round's contribution was not used here (θ came from a peer, or the round was
         given up): forget anything kept for it."""
+
+
+def weighted(delta: np.ndarray, weight: float) -> np.ndarray:
+    """delta <- w * Δ in place: what a member gives the ring to sum. Weight 0 gives exact zeros
+    (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
+    if weight == 0:
+        delta[...] = 0
+    else:
+        delta *= np.float32(weight)
+    return delta
+
+
+def checked_sum(total: np.ndarray, bound: float | None, bounded: bool) -> Combined:
+    """The ring's sum, refused if larger than the members' reported norms allow (`bound`,
+    BarrierReady.bound: someone sent more than it reported); `bounded`: whether the codec's sum
+    has a norm bound at all (top-k re-sparsifies at every hop: it has none)."""
+    t = time.perf_counter()
+    problem = reduced_problem(total, bound) if bounded else None
+    return Combined(problem, check_s=time.perf_counter() - t)
 
 
 def catch_up(theta_global: np.ndarray, snapshot: np.ndarray) -> None:

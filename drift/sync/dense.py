@@ -11,13 +11,12 @@ rules were files.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from drift.diloco import NesterovOuter, ParamLayout, reduced_problem
-from drift.sync import Combined, SyncRule
+from drift.diloco import NesterovOuter, ParamLayout
+from drift.sync import Combined, SyncRule, checked_sum, weighted
 
 if TYPE_CHECKING:
     from drift.protocol import RingMember
@@ -39,20 +38,14 @@ class DenseDiLoCo(SyncRule):
     def contribute(self, delta: np.ndarray, weight: float, rnd: int) -> np.ndarray:
         """delta <- w * Δ, in place (the ring sums it there). A node of weight 0 sends exact zeros
         (0 * NaN is NaN: a node whose Δ went bad sends nothing)."""
-        if weight == 0:
-            delta[...] = 0
-        else:
-            delta *= np.float32(weight)
-        self._sum = delta
+        self._sum = weighted(delta, weight)
         return delta
 
     def combine(self, result: np.ndarray, ring: list[RingMember], bound: float | None = None) -> Combined:
         """The ring summed in place: refuse a sum larger than the members' reported norms allow
         (`bound`, BarrierReady.bound: someone sent more than it reported)."""
         assert result is self._sum
-        t = time.perf_counter()
-        problem = reduced_problem(result, bound) if self.bounded else None
-        return Combined(problem, check_s=time.perf_counter() - t)
+        return checked_sum(result, bound, self.bounded)
 
     def apply(self, theta: np.ndarray) -> None:
         """The outer Nesterov step (the sum is used as scratch)."""

@@ -35,7 +35,6 @@ is numpy's, so torch, mlx and numpy workers produce the same payloads.
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -43,8 +42,8 @@ from pydantic import Field, model_validator
 
 from drift import hierarchy
 from drift.compress import Bf16
-from drift.diloco import CHUNK, ParamLayout, checksum_of, reduced_problem, sgd_preview, sgd_step
-from drift.sync import Combined, Params, SyncRule
+from drift.diloco import CHUNK, ParamLayout, checksum_of, sgd_preview, sgd_step
+from drift.sync import Combined, Params, SyncRule, checked_sum, weighted
 
 if TYPE_CHECKING:
     from drift.protocol import RingMember
@@ -268,11 +267,7 @@ class SparseLoCo(SyncRule):
         round: w * Δ in place, for the ring to sum (a node of weight 0 sends exact zeros)."""
         self._ef_next = self._sum = None
         if self.collective_at(self.params, rnd) == "ring":
-            if weight == 0:
-                delta[...] = 0
-            else:
-                delta *= np.float32(weight)
-            self._sum = delta
+            self._sum = weighted(delta, weight)
             return delta
         if weight == 0:
             return b""
@@ -298,9 +293,7 @@ class SparseLoCo(SyncRule):
         ring's, in place) is refused if larger than the members' reported norms allow (`bound`)."""
         if self._sum is not None:
             assert result is self._sum
-            t = time.perf_counter()
-            problem = reduced_problem(result, bound) if self._bounded else None
-            return Combined(problem, check_s=time.perf_counter() - t)
+            return checked_sum(result, bound, self._bounded)
         self._update = []
         bad, norms = [], {}
         for m, payload in zip(ring, result):
