@@ -30,7 +30,7 @@ FIRST_SPARSE = SparseParams().dense_rounds  # the first round the default rule a
 # quorum 1: rounds wait for every node (one cut as late under load would never bring its fault to the round checked)
 # every round all-gathered (dense_rounds 0): these runs are about the gather and what it catches
 SIM = {**CONF_SIM, "inner_steps": 6, "sync": "sparse", "quorum": 1.0}
-SIM["sync_params"] = {"chunk": 1024, "k": 64, "dense_rounds": 0}
+SIM["sync_params"] = {"chunk": 1024, "k": 64, "dense_rounds": 0, "lr": 1.0, "lr_growth": 1.0}  # (test_attacks.py)
 
 
 @pytest.mark.swarm
@@ -75,8 +75,7 @@ def test_a_contribution_far_outside_the_others_is_clipped_and_its_sender_exclude
     # tests/test_sync.py::test_a_contribution_far_outside_the_others_adds_nothing_and_is_named.
     # Noise is the one run here: whether its payload is named depends on real Δs and their error
     # feedback over rounds, which no fast test has.
-    lr1 = {**SIM, "sync_params": {**SIM["sync_params"], "lr": 1.0, "lr_growth": 1.0}}  # (below)
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, **lr1)
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=4, rounds=4, **SIM)  # (at outer lr 1: below)
     swarm = Swarm(recipe, tmp_path)
     swarm.join("0.02", name="bad", script=WRAPPERS / "fault_node.py", env={"DRIFT_TEST_FAULT": "noise-ring:1"})
     for i in range(3):
