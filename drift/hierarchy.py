@@ -4,8 +4,9 @@ large for every member to send its payload to every other (issue 39).
 In a flat all-gather each member uploads N - 1 payloads and downloads N - 1, so its bytes grow
 with the swarm. Here the members (in ring order) form L levels of blocks. Level 0's blocks are
 the members themselves; each level joins runs of about g consecutive blocks of the level below
-(its *children*) into one block, until one block holds everyone. L = ceil(log_FANOUT N) and
-g = ceil(N ** (1 / L)): a swarm of at most FANOUT members is one level, the flat all-gather.
+(its *children*) into one block, until one block holds everyone. A swarm of at most `fanout`
+members is one level, the flat all-gather; above it L = ceil(log_G N), G = min(fanout, LEVEL), and
+g = ceil(N ** (1 / L)).
 
 At each level every member holds its own block's payload (at level 0 its own) and needs the
 payload of every sibling block (the other children of its parent). A member at position p of
@@ -15,8 +16,8 @@ With all of them it computes the parent's payload (drift.sync.sparse.SparseLoCo.
 same bytes on every member of the parent), and the last level's sum is the round's update.
 
 Per member and round: (g - 1) x L payloads each way, where the flat all-gather moves N - 1: at
-the default fanout of 64, 63 at 64 members (flat), 30 at 256, 62 down and at most 69 up at 1,000;
-at fanout 16, 15 at 16 (flat), 14 at 64, 30 at 256, 27 at 1,000 (`transfers`).
+the default fanout of 64, 63 at 64 members (flat), 30 at 256, 27 at 1,000 (3 levels of 10); at
+fanout 16, 15 at 16 (flat), 14 at 64, 30 at 256, 27 at 1,000 (`transfers`).
 """
 
 from __future__ import annotations
@@ -25,21 +26,24 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-# Most blocks a parent joins; a swarm of at most this many all-gathers flat. Measured (BENCHMARKS.md,
-# "Swarm size"): at 64 nodes the flat all-gather ended 0.3 % above the int8 ring's val loss and the
-# hierarchy 11 % (a block's payload carries a 1/g of its sum; the rest waits in error feedback), while
-# at the rule's defaults the flat all-gather moves fewer bytes than the int8 ring up to ~112 nodes.
-# 16 keeps a node's payloads at 1,000 nodes within 2x of those at 16 (27), at that cost in loss.
+# A swarm of at most this many all-gathers flat. Measured (BENCHMARKS.md, "Swarm size"): at 64
+# nodes and H 25 the flat all-gather ended 0.24 % above the int8 ring's val loss and the hierarchy
+# 6.1 % (a block's payload carries k of its children's ~g·k values; the rest waits in error
+# feedback), though from ~55 members the flat one sends more bytes than the ring (1.2x at 64).
 FANOUT = 64
+# Most blocks a parent joins above that: a node's payloads at 1,000 members stay within 2x of
+# those at 16 (27 against 15), where levels of up to 64 would move 62 (blocks of 31 and 32).
+LEVEL = 16
 
 
 def shape(n: int, fanout: int = FANOUT) -> tuple[int, int]:
-    """(levels, children per parent) for n members: the fewest levels of at most `fanout`
-    children, and the children per parent that spreads n evenly over them."""
+    """(levels, children per parent) for n members: one level (flat) up to `fanout` members,
+    else the fewest levels of at most min(fanout, LEVEL) children, and the children per parent
+    that spreads n evenly over them."""
     if n < 1 or fanout < 2:
         raise ValueError(f"a hierarchy needs n >= 1 and fanout >= 2, got n={n}, fanout={fanout}")
-    levels = 1
-    while fanout**levels < n:
+    levels, most = 1, (fanout if n <= fanout else min(fanout, LEVEL))
+    while most**levels < n:
         levels += 1
     g = max(2, math.ceil(round(n ** (1 / levels), 9)))  # (round: 1000 ** (1/3) is 9.999999999999998)
     return levels, g

@@ -53,16 +53,18 @@ def test_each_member_receives_every_sibling_blocks_payload_once_from_a_member_of
 
 
 def test_per_member_bytes_stay_bounded_as_the_swarm_grows() -> None:
-    # fanout 16: a node's payloads at 1,000 members within 2x of those at 16
+    # a node's payloads at 1,000 members within 2x of those at 16, at fanout 16 and at the default
     up16, down16 = hierarchy.transfers(16, 16)
-    assert (up16, down16) == (15, 15)  # at most `fanout` members: the flat all-gather
-    for n in (64, 256, 1000):
-        up, down = hierarchy.transfers(n, 16)
-        assert up <= 2 * up16 and down <= 2 * down16, (n, up, down)
+    assert (up16, down16) == (15, 15) == hierarchy.transfers(16)  # at most `fanout` members: flat
+    for fanout in (16, hierarchy.FANOUT):
+        for n in (64, 256, 1000):
+            up, down = hierarchy.transfers(n, fanout)
+            if n > fanout:
+                assert up <= 2 * up16 and down <= 2 * down16, (fanout, n, up, down)
     assert hierarchy.transfers(1000, 16) == (27, 27)  # 3 levels of 10, where flat moves 999 each way
-    # the default (64): flat while flat pays, then levels of about sqrt(N) (at 1,000: blocks of 31
-    # and 32, so a member of a 31 sends to two in some of the 32s)
-    assert [hierarchy.transfers(n) for n in (64, 256, 1000)] == [(63, 63), (30, 30), (69, 62)]
+    # the default (64): flat up to 64 members, then levels of at most 16 blocks (at 1,000 three
+    # levels of 10, where two levels of 31 or 32 blocks would move 62 down and up to 69 up)
+    assert [hierarchy.transfers(n) for n in (64, 65, 256, 1000)] == [(63, 63), (15, 15), (30, 30), (27, 27)]
 
 
 def _deltas(n: int, seed: int) -> list[np.ndarray]:

@@ -108,12 +108,12 @@ def weighted(delta: np.ndarray, weight: float) -> np.ndarray:
     return delta
 
 
-def checked_sum(total: np.ndarray, bound: float | None, bounded: bool) -> Combined:
-    """The ring's sum, refused if larger than the members' reported norms allow (`bound`,
-    BarrierReady.bound: someone sent more than it reported); `bounded`: whether the codec's sum
-    has a norm bound at all (top-k re-sparsifies at every hop: it has none)."""
+def checked_sum(total: np.ndarray, bound: float | None, codec: str) -> Combined:
+    """The ring's sum in the recipe's `codec`, refused if larger than the members' reported norms
+    allow (`bound`, BarrierReady.bound: someone sent more than it reported). Top-k re-sparsifies
+    at every hop, so its sum has no norm bound and is not checked."""
     t = time.perf_counter()
-    problem = reduced_problem(total, bound) if bounded else None
+    problem = reduced_problem(total, bound) if codec != "topk" else None
     return Combined(problem, check_s=time.perf_counter() - t)
 
 

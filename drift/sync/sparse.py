@@ -71,7 +71,10 @@ class SparseParams(Params):
     clip: float = Field(1.0, ge=1, description="each contribution's norm is clipped to clip x the round's median")
     outlier: float = Field(6.0, ge=1, description="a contribution over outlier x the median is reported")
     fanout: int = Field(
-        hierarchy.FANOUT, ge=2, le=256, description="above this many members, payloads gather in levels"
+        hierarchy.FANOUT,
+        ge=2,
+        le=256,
+        description="above this many members, payloads gather in levels (of at most min(fanout, 16) blocks)",
     )
 
     dense_rounds: int = Field(2, ge=0, description="the run's first this many rounds go around the dense ring")
@@ -242,7 +245,7 @@ class SparseLoCo(SyncRule):
         self._update: list[tuple[bytes, np.float32]] = []  # the round's: (payload, coefficient) in ring order
         self._lr = np.float32(self.params.lr)  # the round's (lr_growth)
         self._sum: np.ndarray | None = None  # a dense round's: what contribute gave the ring, then the sum
-        self._bounded = recipe.codec != "topk"  # (as DenseDiLoCo: top-k's sum has no norm bound)
+        self._ring_codec = recipe.codec  # a dense round's
 
     @classmethod
     def collective_at(cls, params: SparseParams, rnd: int) -> Literal["ring", "allgather"]:
@@ -293,7 +296,7 @@ class SparseLoCo(SyncRule):
         ring's, in place) is refused if larger than the members' reported norms allow (`bound`)."""
         if self._sum is not None:
             assert result is self._sum
-            return checked_sum(result, bound, self._bounded)
+            return checked_sum(result, bound, self._ring_codec)
         self._update = []
         bad, norms = [], {}
         for m, payload in zip(ring, result):
