@@ -71,6 +71,7 @@ class SyncRule:
     def __init__(self, layout: ParamLayout, recipe: Recipe):
         self.layout = layout
         self.params = self.Params.model_validate(recipe.sync_params)
+        self.ring_codec = recipe.codec  # what the ring's rounds are encoded in (checked_sum)
         self.state: dict[str, np.ndarray] = {n: np.zeros(layout.size, np.float32) for n in self.STATE}
 
     @classmethod

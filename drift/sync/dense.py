@@ -32,7 +32,6 @@ class DenseDiLoCo(SyncRule):
         oo = recipe.outer_optimizer
         self.outer = NesterovOuter(layout.size, oo.lr, oo.momentum, oo.nesterov, params=layout.params_size)
         self.state = {"velocity": self.outer.velocity}
-        self.codec = recipe.codec
         self._sum: np.ndarray | None = None  # the round's: what contribute gave the ring, then the sum
 
     def contribute(self, delta: np.ndarray, weight: float, rnd: int) -> np.ndarray:
@@ -45,7 +44,7 @@ class DenseDiLoCo(SyncRule):
         """The ring summed in place: refuse a sum larger than the members' reported norms allow
         (`bound`, BarrierReady.bound: someone sent more than it reported)."""
         assert result is self._sum
-        return checked_sum(result, bound, self.codec)
+        return checked_sum(result, bound, self.ring_codec)
 
     def apply(self, theta: np.ndarray) -> None:
         """The outer Nesterov step (the sum is used as scratch)."""

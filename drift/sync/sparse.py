@@ -245,7 +245,6 @@ class SparseLoCo(SyncRule):
         self._update: list[tuple[bytes, np.float32]] = []  # the round's: (payload, coefficient) in ring order
         self._lr = np.float32(self.params.lr)  # the round's (lr_growth)
         self._sum: np.ndarray | None = None  # a dense round's: what contribute gave the ring, then the sum
-        self._ring_codec = recipe.codec  # a dense round's
 
     @classmethod
     def collective_at(cls, params: SparseParams, rnd: int) -> Literal["ring", "allgather"]:
@@ -296,7 +295,7 @@ class SparseLoCo(SyncRule):
         ring's, in place) is refused if larger than the members' reported norms allow (`bound`)."""
         if self._sum is not None:
             assert result is self._sum
-            return checked_sum(result, bound, self._ring_codec)
+            return checked_sum(result, bound, self.ring_codec)
         self._update = []
         bad, norms = [], {}
         for m, payload in zip(ring, result):
