@@ -483,7 +483,8 @@ async def _coord(
 def _keep_page(monitor: Monitor, run_dir: Path) -> None:
     """The run's page as it ended, one static file in the run dir: the live URL ends with the
     coordinator (`drift report` writes it again, with the plots)."""
-    from drift.dashboard import read_events, write_static
+    from drift.dashboard import write_static
+    from drift.monitor import read_events
 
     try:
         monitor.say(f"page:       {write_static(read_events(run_dir), run_dir / 'dashboard.html')}")
@@ -743,7 +744,8 @@ def export(run_dir: Path, out: Path | None, merge: bool, repo: Path | None) -> N
 def report(run_dirs: tuple[Path, ...], out: Path | None) -> None:
     """Plot RUN_DIR/metrics.jsonl: loss.png, nodes.png, bytes.png (several runs overlay), and the
     run's page as one static file (dashboard.html; dashboard-RUN.html for each of several runs)."""
-    from drift.dashboard import read_events, write_static
+    from drift.dashboard import write_static
+    from drift.monitor import read_events
     from drift.report import ReportError, load_run, summary, write_report
 
     try:

@@ -103,20 +103,6 @@ def page(events: list[dict] | None = None) -> str:
     return html.replace("/*DRIFT_DATA*/null", data, 1).replace("DRIFT_CSP", _csp(html, static=events is not None), 1)
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    """RUN_DIR/metrics.jsonl as event dicts; a line that is not one (torn by a full disk, or
-    being written right now) is left out."""
-    events = []
-    for line in (Path(run_dir) / "metrics.jsonl").read_text(errors="replace").splitlines():
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(e, dict) and "event" in e:
-            events.append(e)
-    return events
-
-
 def write_static(events: list[dict], path: Path) -> Path:
     """The page of a finished (or running) run with its events inside, written atomically."""
     tmp = path.with_name(f".{path.name}.tmp")

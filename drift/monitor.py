@@ -28,6 +28,10 @@ log = logging.getLogger("drift.monitor")
 
 JOIN_LINES = 16  # nodes named as they join; after them one line each time the count doubles
 TABLE_ROWS = 16  # nodes in the live table: the slowest; one more row sums up the rest
+ROUND_ROWS = 16  # node rows a round event keeps in metrics.jsonl: every member's up to this many,
+# else the slowest to the barrier and a summary of all; every row goes to nodes.jsonl (`rows_at`)
+ROW_TIMES = ("busy_s", "step_s", "idle_s", "sync_s", "check_s")  # a summary's min, median, max
+ROW_SUMS = ("samples", "steps", "bytes_sent", "units_after_stop")  # a summary's totals
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Monitor:
             self._live = Live(self, console=self.console, refresh_per_second=4)
             self._live.start()
         self._board = Board.open(self.run_dir)
+        self._rows: Any = None  # nodes.jsonl, opened by the first round of more than ROUND_ROWS members
         self._joined = 0  # node_joined events so far (the terminal names the first JOIN_LINES)
 
     def fail(self, error: str) -> None:
@@ -84,7 +89,8 @@ class Monitor:
         rec = {"t": round(time.time() - self._t0, 3), "event": kind, **fields}
         if self.error is None:
             try:
-                self._metrics.write(json.dumps(rec) + "\n")
+                line = self._rows_apart(rec) if kind == "round" and len(rec.get("nodes") or ()) > ROUND_ROWS else rec
+                self._metrics.write(json.dumps(line) + "\n")
             except OSError as e:
                 self.fail(f"cannot write {self.run_dir / 'metrics.jsonl'}: {e.strerror or e}")
         if self._board is not None:
@@ -106,6 +112,18 @@ class Monitor:
         elif kind in ("initial", "round", "complete", "error", "node_left"):
             eta = f"  ETA {_duration(self._eta.seconds_left(self.rounds, rec['t']))}" if kind == "round" else ""
             self.say(_line(rec) + eta)
+
+    def _rows_apart(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """A round of many members: its rows, all of them, as a line of nodes.jsonl; the round
+        event as metrics.jsonl keeps it (`cut_round`), with where that line starts."""
+        if self._rows is None:
+            path = self.run_dir / "nodes.jsonl"
+            _cut_torn_line(path)
+            self._rows = open(path, "ab")
+        at = self._rows.tell()
+        self._rows.write(json.dumps({"round": rec["round"], "nodes": rec["nodes"]}).encode() + b"\n")
+        self._rows.flush()  # before the event that points at it
+        return cut_round(rec, at)
 
     def say(self, text: str) -> None:
         """Print one line as it is: no markup, no highlighting, no emoji codes."""
@@ -147,12 +165,70 @@ class Monitor:
     def close(self) -> None:
         if self._live:
             self._live.stop()
-        try:
-            self._metrics.close()
-        except OSError:  # the line buffer could not be flushed: `error` says so already
-            pass
+        for f in (self._metrics, self._rows):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:  # the buffer could not be flushed: `error` says so already
+                pass
         if self._board is not None:
             self._board.close()
+
+
+def cut_round(rec: dict[str, Any], rows_at: int) -> dict[str, Any]:
+    """A round event of more than ROUND_ROWS node rows as metrics.jsonl keeps it: the rows of the
+    ROUND_ROWS members last to reach the barrier (the round's stragglers), a `summary` of every
+    member's (how many, by role, counted; the totals; each time's min, median and max), and
+    `rows_at`, where nodes.jsonl holds all of them (read_events(whole=True) puts them back)."""
+    rows = rec["nodes"]
+    slowest = sorted(rows, key=lambda k: (-float(rows[k].get("busy_s") or 0.0), k))[:ROUND_ROWS]
+    summary: dict[str, Any] = {
+        "members": len(rows),
+        "train": sum(r.get("role") != "evaluate" for r in rows.values()),
+        "evaluate": sum(r.get("role") == "evaluate" for r in rows.values()),
+        "counted": sum((r.get("weight") or 0) > 0 for r in rows.values()),
+        **{f: sum(r.get(f) or 0 for r in rows.values()) for f in ROW_SUMS},
+    }
+    for f in ROW_TIMES:
+        v = sorted(float(r.get(f) or 0.0) for r in rows.values())
+        summary[f] = {"min": v[0], "median": v[len(v) // 2], "max": v[-1]}
+    return {**rec, "nodes": {k: rows[k] for k in slowest}, "summary": summary, "rows_at": rows_at}
+
+
+def read_events(run_dir: Path, whole: bool = False) -> list[dict]:
+    """RUN_DIR/metrics.jsonl as event dicts; a line that is not one (torn by a full disk, or
+    being written right now) is left out. `whole`: a round event cut to its slowest members
+    (`cut_round`) gets all its rows back from nodes.jsonl."""
+    events = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and "event" in e:
+            events.append(e)
+    if whole:
+        attach_rows(run_dir, events)
+    return events
+
+
+def attach_rows(run_dir: Path, events: list[dict]) -> None:
+    """Give each round event cut to its slowest members (`cut_round`) all its rows again, from
+    RUN_DIR/nodes.jsonl. Raises ValueError, naming the file, where they are not there."""
+    cut = [e for e in events if e.get("event") == "round" and isinstance(e.get("rows_at"), int)]
+    if not cut:
+        return
+    path = Path(run_dir) / "nodes.jsonl"
+    with open(path, "rb") as fh:
+        for e in cut:
+            fh.seek(e["rows_at"])
+            try:
+                rows = json.loads(fh.readline())
+            except ValueError:
+                rows = {}
+            if not isinstance(rows, dict) or rows.get("round") != e["round"] or not isinstance(rows.get("nodes"), dict):
+                raise ValueError(f"{path}: no rows of round {e['round']} at byte {e['rows_at']}")
+            e["nodes"] = rows["nodes"]
 
 
 class RunDirError(Exception):
@@ -275,11 +351,7 @@ def scalars(rec: dict[str, Any]) -> list[tuple[int, dict[str, float | None]]]:
                     "round/samples_per_s": rec["samples"] / secs if secs else None,
                     "sync/reduce_s": rec.get("reduce_s"),
                     "sync/MiB_sent": rec.get("bytes_sent", 0) / 2**20,
-                    **{
-                        f"utilization/{printable(name, MAX_NAME)}": n["step_s"] / secs
-                        for name, n in rec.get("nodes", {}).items()
-                        if secs and "step_s" in n
-                    },
+                    **_utilization(rec.get("nodes", {}), secs),
                     **_task_metrics(rec),
                 },
             )
@@ -291,6 +363,16 @@ def scalars(rec: dict[str, Any]) -> list[tuple[int, dict[str, float | None]]]:
     if kind == "val":
         return [(rec["after_round"], {"loss/val_evaluator": rec["val_loss"], **_task_metrics(rec, "_evaluator")})]
     return []
+
+
+def _utilization(rows: dict[str, Any], secs: float | None) -> dict[str, float]:
+    """Each node's share of the round in inner steps; of more than ROUND_ROWS nodes, the min,
+    median and max share (a thousand nodes' chart is three lines, not a thousand)."""
+    shares = {printable(k, MAX_NAME): n["step_s"] / secs for k, n in rows.items() if secs and "step_s" in n}
+    if len(shares) <= ROUND_ROWS:
+        return {f"utilization/{k}": v for k, v in shares.items()}
+    v = sorted(shares.values())
+    return {"utilization/min": v[0], "utilization/median": v[len(v) // 2], "utilization/max": v[-1]}
 
 
 def _duration(s: float | None) -> str:

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drift.monitor import attach_rows
+
 
 class ReportError(ValueError):
     """A run directory that cannot be reported on; the message names it and what is wrong."""
@@ -166,6 +168,12 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
     run.rounds = [{**by_round[k], "t": by_round[k]["t"] - run.startup_s} for k in sorted(by_round)]
     if not run.rounds:
         raise ReportError(f"{path}: no finished round yet, nothing to plot")
+    try:  # rounds of many members keep their slowest rows in metrics.jsonl, all of them in nodes.jsonl
+        attach_rows(Path(run_dir), run.rounds)
+    except OSError as e:
+        raise ReportError(f"{run_dir}: its rounds' rows cannot be read (nodes.jsonl: {e.strerror})") from None
+    except ValueError as e:
+        raise ReportError(str(e)) from None
     return run
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from drift.monitor import Eta, _duration
 
+NAMES = 16  # nodes named on the `nodes` line; the others counted (a thousand names are no status)
+
 
 class StatusError(Exception):
     """Why a run directory says nothing; one line for the user."""
@@ -64,8 +66,9 @@ def run_status(run_dir: Path) -> list[str]:
         vl = complete.get("final_val_loss")
         lines.append(f"run complete: {complete.get('rounds')} rounds" + (f", final val loss {vl:.4f}" if vl else ""))
     else:
-        names = ", ".join(sorted(nodes.values()))
-        lines.append(f"nodes {len(nodes)}" + (f" ({names})" if names else ""))
+        names = sorted(nodes.values())
+        shown = ", ".join(names[:NAMES]) + (f", +{len(names) - NAMES} more" if len(names) > NAMES else "")
+        lines.append(f"nodes {len(nodes)}" + (f" ({shown})" if names else ""))
         if rounds:
             lines.append(f"ETA {_duration(eta.seconds_left(rounds, t + age))}")
     return lines

@@ -25,11 +25,10 @@ from drift.dashboard import (
     MAX_REQUEST,
     Dashboard,
     parse_addr,
-    read_events,
     slim,
     write_static,
 )
-from drift.monitor import Eta
+from drift.monitor import Eta, read_events
 from harness.simulate import Swarm
 
 HOSTILE = "<img src=x onerror=alert(1)>"

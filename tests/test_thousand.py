@@ -20,7 +20,7 @@ from conftest import check_exactly_once
 
 from drift import hierarchy
 from drift.gather import _HEADER as GATHER_HEADER
-from drift.monitor import JOIN_LINES
+from drift.monitor import JOIN_LINES, ROUND_ROWS, read_events
 from drift.ring import _HEADER as RING_HEADER
 from drift.sync.sparse import Codec
 from drift.transport import Throttle
@@ -47,7 +47,15 @@ def test_256_lightweight_nodes_join_train_and_agree_on_theta(tmp_path: Path) -> 
     assert all(n["role"] == "train" for n in rnd["nodes"].values())
     r = s.recipe
     assert rnd["samples"] == N * r["inner_steps"] * r["batch_size"]  # the round's budget, all of it
-    check_exactly_once(events, r["unit_steps"] * r["batch_size"])
+    check_exactly_once(events, r["unit_steps"] * r["batch_size"])  # (every row: nodes.jsonl)
+    # metrics.jsonl itself: the ROUND_ROWS members last at the barrier, and a summary of all N
+    (line,) = [e for e in read_events(s.run_dir) if e["event"] == "round"]
+    assert len(line["nodes"]) == ROUND_ROWS and line["summary"]["members"] == N
+    assert line["summary"]["samples"] == rnd["samples"] and line["summary"]["counted"] == N
+    assert (
+        min(n["busy_s"] for n in line["nodes"].values())
+        == sorted(n["busy_s"] for n in rnd["nodes"].values())[-ROUND_ROWS]
+    )
 
     # θ: every node holds the round's agreed θ, and it is θ0 moved by the mean f(s) of the round's samples
     nodes = s.nodes()

@@ -39,6 +39,7 @@ from drift import protocol as P
 from drift.auth import NodeKey
 from drift.diloco import epoch_order, unit_indices
 from drift.inner import Steps, UnitSteps
+from drift.monitor import read_events
 from drift.node import Node, NodeError, NodeOptions
 from drift.recipe import Recipe
 from drift.repo import tree_of
@@ -305,14 +306,8 @@ class LightSwarm:
         raise AssertionError("coordinator printed no ticket")
 
     def events(self) -> list[dict]:
-        f = self.run_dir / "metrics.jsonl"
-        events = []
-        for line in f.read_text().splitlines() if f.exists() else []:
-            try:
-                events.append(json.loads(line))
-            except ValueError:  # the line being written right now
-                break
-        return events
+        """metrics.jsonl's events so far, a round's rows all there (drift.monitor.read_events)."""
+        return read_events(self.run_dir, whole=True) if (self.run_dir / "metrics.jsonl").exists() else []
 
     def finish(self, timeout: float) -> tuple[int | None, list[int | None]]:
         """(the coordinator's exit code, each light process's; None: still running, after

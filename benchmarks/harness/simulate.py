@@ -8,7 +8,6 @@ simulated swarm means the same on any machine.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from drift.monitor import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,16 +153,8 @@ class Swarm:
         return p
 
     def events(self) -> list[dict]:
-        f = self.run_dir / "metrics.jsonl"
-        if not f.exists():
-            return []
-        events = []
-        for line in f.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:  # the line being written right now
-                break
-        return events
+        """metrics.jsonl's events so far, a round's rows all there (drift.monitor.read_events)."""
+        return read_events(self.run_dir, whole=True) if (self.run_dir / "metrics.jsonl").exists() else []
 
     def wait_event(self, pred, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
