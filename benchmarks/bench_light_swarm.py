@@ -18,6 +18,8 @@ nodes a process, default 250; --rounds rounds, default 3):
   sync cpu    of that, its CPU seconds per second while the nodes' all-reduce runs (it only waits,
               pings and holds N connections then)
   rss         the coordinator's peak RSS (VmHWM), MiB
+  round line  the longest round event in metrics.jsonl, KiB (above 16 members: the 16 slowest
+              members' rows and a summary; every row in nodes.jsonl)
   ring        the fewest members with a weight in one round's all-reduce (rounds 1..): N when every
               node trained and reduced (a round of a few members says the figures are not a full
               round's)
@@ -35,14 +37,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from drift import hierarchy
+from drift.monitor import read_events
 from harness.light import LightSwarm
 
 TICK = 0.05  # how often the coordinator's /proc and metrics.jsonl are read
@@ -78,12 +78,16 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
                 cpu, rss = cpu_s(pid), max(rss, hwm_mib(pid))
             except (OSError, IndexError, ValueError):
                 break
-            for e in s.events():
+            for e in read_events(s.run_dir) if (s.run_dir / "metrics.jsonl").exists() else []:
                 key = (e["event"], e.get("round"))
                 if e["event"] in ("training_started", "barrier", "round") and key not in marks:
                     marks[key] = (time.monotonic(), cpu)
             time.sleep(TICK)
         events = s.events()
+        line = max(
+            (len(x) for x in (s.run_dir / "metrics.jsonl").read_bytes().splitlines() if b'"event": "round"' in x),
+            default=0,
+        )
         rc, _ = s.finish(60)
         nodes = s.nodes()
         done = sum(1 for v in nodes.values() if v["code"] == 0)
@@ -116,6 +120,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
             ),
             "done": done,
             "rounds": len(rnds),
+            "line_kib": line / 1024,
         }
 
 
@@ -134,7 +139,7 @@ def main() -> None:
     a = ap.parse_args()
     print(
         f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'train cpu s':>11} {'round s':>8} {'sync s':>7} "
-        f"{'coord cpu s/round':>17} {'sync cpu s/s':>12} {'rss MiB':>8} {'ring':>5}  completed",
+        f"{'coord cpu s/round':>17} {'sync cpu s/s':>12} {'rss MiB':>8} {'ring':>5} {'round line KiB':>14}  completed",
         flush=True,
     )
     for n in a.nodes:
@@ -142,7 +147,7 @@ def main() -> None:
         print(
             f"{n:>5} {_f(r['joined_s'], '{:.1f}'):>9} {_f(r['join_cpu_s']):>10} {_f(r['train_cpu_s'], '{:.3f}'):>11} "
             f"{_f(r['round_s']):>8} {_f(r['sync_s']):>7} {_f(r['coord_cpu_s'], '{:.3f}'):>17} "
-            f"{_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5}  "
+            f"{_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5} {r['line_kib']:>14.1f}  "
             f"{r['done']}/{n} nodes, {r['rounds']} rounds{'' if r['ok'] else '  (not completed)'}",
             flush=True,
         )

@@ -106,6 +106,42 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     assert bad.returncode != 0 and bad.stderr.startswith("drift: error: ") and len(bad.stderr.splitlines()) == 1
 
 
+def test_a_sparse_recipe_runs_from_a_clone_as_typed(tmp_path: Path) -> None:
+    """`sync: sparse` in a user's recipe, run as typed from the repo with relative paths: its first
+    rounds go around the dense ring, the rest all-gather sparse payloads of a fraction of that,
+    and `drift status` and `drift report` read the run where it was written."""
+    from conftest import make_task_repo
+
+    from drift.sync.sparse import SparseParams
+
+    repo = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=4, sync="sparse").parents[1]
+    out = subprocess.run(
+        drift_cmd("coord", "recipes/tiny.yaml", "--local", "2", "--run-dir", "runs/sparse"),
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = _events(repo / "runs" / "sparse")
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3] and len({r["checksum"] for r in rounds}) == 4
+    initial = next(e["val_loss"] for e in events if e["event"] == "initial")
+    assert rounds[-1]["val_loss"] < initial - 0.3, (initial, [r["val_loss"] for r in rounds])
+    dense = SparseParams().dense_rounds
+    assert 0 < dense < len(rounds)
+    sent = [sorted(n["bytes_sent"] for n in r["nodes"].values()) for r in rounds]
+    # int8 around the ring: a byte a value of θ, each way; a sparse payload: a few % of the values
+    assert all(0 < b < min(sent[0]) / 8 for r in sent[dense:] for b in r), sent
+    status, report = (
+        subprocess.run(drift_cmd(*cmd), cwd=repo, capture_output=True, text=True, timeout=120)
+        for cmd in (("status", "runs/sparse"), ("report", "runs/sparse", "--out", "plots"))
+    )
+    assert status.returncode == 0 and "run complete: 4 rounds" in status.stdout, status.stdout + status.stderr
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert (repo / "plots" / "bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_batchnorm_task_with_dict_batches_trains_in_a_swarm(tmp_path: Path) -> None:
     """A task of the general interface (make_model, dict batches, a task loss) with BatchNorm, in a
     real 2-node swarm: the float buffers are part of θ, averaged at every barrier (the checksum
