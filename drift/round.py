@@ -1140,6 +1140,8 @@ class Round:
     def reduce_progress(self, now: float) -> bool:
         """While the ring runs: retry it when it broke; once every member reported, check θ."""
         part, done = self.part(), self.done()
+        if (self.ring_failed_at is not None or self.poisoned) and (kept := self.committed_theta()) is not None:
+            return self.keep_committed(kept)
         if (
             self.retry_reason is None
             and self.ring_failed_at is not None
@@ -1200,6 +1202,31 @@ class Round:
         if self.retry_reason is None:
             return False
         return self.retry(now)
+
+    def committed_theta(self) -> str | None:
+        """A ring of two that committed: the θ both members announced, once one of them applied it
+        (its RoundDone after the Commit). Both named it, so it is proven."""
+        values = set(self.announced.values())
+        if not self.committed or len(self.announced) < 2 or len(values) != 1:
+            return None
+        (theta,) = values
+        return theta if any(d.checksum == theta for d in self.done().values()) else None
+
+    def keep_committed(self, theta: str) -> bool:
+        """The committed θ stands whatever else a member says of the attempt (it failed, or it
+        refused the sum it announced the step of): a redo would leave it to the one that did not
+        apply it, alone, and its own Δ would be the round. That member is behind: θ with Agreed.
+        True: settled."""
+        for i in self.part():
+            if (d := self.nodes[i].done) is None or d.checksum != theta:
+                self.fell_behind(i)
+        self.warn(
+            f"round {self.rnd}: a member of the ring of two reported a failure after both announced θ; the applied θ stands"
+        )
+        self.retry_reason = self.ring_failed_at = None
+        self.poisoned.clear()
+        self.cleared()
+        return True
 
     def pair_progress(self, now: float) -> bool:
         """A ring of two, every member reported (or is behind). Announcements: commit the θ they

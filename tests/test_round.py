@@ -668,6 +668,27 @@ def test_a_committed_ring_of_two_whose_other_member_dies_is_kept_not_given_up() 
     assert sim.rd.abandoned is None and sim.result.checksum == "theta-1"
 
 
+@pytest.mark.parametrize("failure", ["failed", "refused"])
+def test_a_committed_ring_of_two_is_not_redone_alone_by_the_member_that_says_it_failed(failure: str) -> None:
+    # Both announced the same θ and got the Commit; a applied it; x then says the step failed (or
+    # that it refused the sum). Both named that θ, so it is the round's, and x is behind: it gets θ
+    # from a. (Before, a sat the retry out as one applier of two, no majority, and x redid the
+    # round alone: its own Δ, a's dropped, became the round's θ.)
+    sim = Sim(["a", "x"])
+    sim.start()
+    sim.ring()
+    for n in "ax":
+        sim.done(n, checksum="theta-1", announced=True, before="theta0")
+    assert not sim.tick() and sim.to("x", P.Commit)
+    sim.done("a", checksum="theta-1")
+    sim.msg("x", P.RingFailed(round=0, ring_epoch=sim.s.ring_epoch, reason="test", poisoned=failure == "refused"))
+    settled = any(sim.tick(t) for t in (1, 10, rules.REDUCE_DEADLINE_S + 1))
+    assert settled and sim.rings() == [["a", "x"]]
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta-1"
+    assert not sim.struck() and not sim.dropped
+    assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x takes the round's θ from a
+
+
 def test_of_two_the_one_known_not_to_hold_the_agreed_theta_yet_sits_out_and_is_not_dropped() -> None:
     # Overlapped: x sat round 0 out (it applied an attempt that was redone without it) and is
     # fetching round 0's θ while round 1's ring of two already runs. Its step starts from another
