@@ -3,21 +3,29 @@ gets, encoded as it goes on the wire, with real Ed25519-signed RepoCommits. Befo
 it carried every member's RepoCommit (N of them to each of N nodes); now the member ids and
 auth_threshold's few, and each node verifies a peer's own RepoCommit as they first talk. And
 one node joining a swarm of N: every member got the whole membership again; now the newcomer
-gets it, the others what changed (MembersChanged).
+gets it, the others what changed (MembersChanged). And the first ring: every member was told
+every member's ring ticket; now those of the members it connects to (drift.round.Round.links),
+measured on the real round logic in virtual time (benchmarks/harness/rounds.py) with tickets as
+long as a real one of this machine (an iroh endpoint bound as `network: lan`).
 
-    python3 benchmarks/bench_admission.py --nodes 16 256 1000
+    python3 benchmarks/bench_admission.py --nodes 16 64 256 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
+import logging
 import os
 import time
 
 from drift import protocol as P
 from drift.auth import Admission, NodeKey, sign_message
 from drift.coordinator import members_changed, ready_message
+from drift.recipe import Recipe
+from drift.transport import Endpoint
+from harness.rounds import Failures, VirtualSwarm
 
 
 def signed(key: NodeKey, commit: str, run: str) -> dict:
@@ -65,6 +73,31 @@ def main() -> None:
         whole = len(P.encode(ready_message(admission, ids, None)))
         changed = len(P.encode(members_changed(set(ids[:n]), ids)))
         print(f"{n:5d}  {(n + 1) * whole / 1e6:27.2f} MB   {(whole + n * changed) / 1e6:40.3f} MB")
+    ticket = asyncio.run(_real_ticket())
+    logging.disable(logging.WARNING)  # (the stand-in nodes claim no speed: a line each)
+    print(f"the first ring: the tickets sent (a ticket of this machine: {len(ticket)} characters)")
+    print("nodes  every member's to each   dense (ring, grid from 64)   sparse (all-gather, levels from 65)")
+    for n in args.nodes:
+        every = n * len(P.encode(P.Tickets(tickets={f"{k:064x}": f"{ticket}{k}" for k in range(n - 1)})))
+        sparse = {"sync": "sparse", "sync_params": {"dense_rounds": 0}}  # (a gather round, at the default fanout)
+        told = [_first_ring_tickets(n, ticket, **rule) for rule in ({}, sparse)]
+        print(f"{n:5d}  {every / 1e6:19.2f} MB   {told[0] / 1e6:23.2f} MB   {told[1] / 1e6:17.2f} MB")
+
+
+async def _real_ticket() -> str:
+    ep = await Endpoint.bind("lan")
+    try:
+        return ep.ticket()
+    finally:
+        await ep.close()
+
+
+def _first_ring_tickets(n: int, ticket: str, **rule) -> int:
+    """Bytes of Tickets the coordinator sends in round 0 of n nodes."""
+    r = Recipe(name="t", task="x.py", rounds=2, min_nodes=n, inner_steps=4, batch_size=8, unit_steps=1, **rule)
+    sw = VirtualSwarm(r, [100.0] * n, Failures(), ticket=ticket)
+    sw.run(1)
+    return sw.sent["Tickets"]
 
 
 if __name__ == "__main__":

@@ -299,6 +299,16 @@ def neighbours(ids: list[str], member: str, codec: Codec | str, flat: bool = Fal
     return {*send, *take} - {member}
 
 
+def links(ids: list[str], codec: Codec | str, flat: bool = False) -> dict[str, set[str]]:
+    """Every member's `neighbours` in an all-reduce of `ids`, at once."""
+    layout = grid(len(ids), codec, flat)
+    out = {}
+    for me, i in enumerate(ids):
+        send, take = _links(ids, me, layout)
+        out[i] = {*send, *take} - {i}
+    return out
+
+
 def _links(ids: list[str], me: int, layout: Grid | None) -> tuple[list[str], list[str]]:
     """(the members this one sends to, those it receives from) in an all-reduce of `ids`."""
     n = len(ids)

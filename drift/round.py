@@ -27,7 +27,7 @@ Who takes part, in the order a round decides it:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,6 +36,7 @@ from drift import protocol as P
 from drift.gather import signed_payload
 from drift.recipe import Recipe
 from drift.ring import MIN_RATE, grid, neighbours, proves_forgery, signer
+from drift.ring import links as ring_links
 from drift.rules import NodeRound, samples
 from drift.scheduler import RoundPlan, Taken, check_accounting
 from drift.swarm import Peer, Swarm
@@ -116,7 +117,7 @@ class SwarmView(Protocol):
     def newest(self) -> int: ...
     def evaluators(self, budget: int) -> set[str]: ...
     def struck_out(self, i: str, rnd: int, more: int = 1) -> bool: ...
-    def ticket_news(self, i: str) -> tuple[dict[str, str], int]: ...
+    def ticket_news(self, i: str, peers: Iterable[str]) -> dict[str, str]: ...
     def told_order(self, order: list[str]) -> Set[str]: ...
 
 
@@ -282,10 +283,10 @@ class Slowed:
 
 @dataclass(frozen=True)
 class Told:
-    """Member `node` was sent the members' tickets up to `mark` (Swarm.told_tickets)."""
+    """Member `node` was sent the tickets of `peers` (Swarm.told_tickets)."""
 
     node: str
-    mark: int
+    peers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -403,8 +404,8 @@ def write_swarm(swarm: Swarm, a: Action, rnd: int) -> bool:
             swarm.ring_renewed(epoch)
         case FlatRing():
             swarm.distrust_grid(rnd)
-        case Told(node=i, mark=mark):
-            swarm.told_tickets(i, mark)
+        case Told(node=i, peers=peers):
+            swarm.told_tickets(i, peers)
         case ToldOrder(nodes=nodes, order=order):
             swarm.ring_told(nodes, order)
         case Suspects(nodes=nodes):
@@ -884,6 +885,16 @@ class Round:
         levels = self.levels()
         return not levels or (level < len(levels) and ids.index(suspect) in levels[level].neighbours(ids.index(i)))
 
+    def links(self, order: list[str]) -> dict[str, set[str]]:
+        """Each member's peers in this attempt over `order` (the ring or grid, or the sparse rule's
+        levels): the members it sends to or takes from, the only ones whose tickets it needs. A
+        thousand members' tickets to each of a thousand was 150 MB from the coordinator."""
+        if collective(self.r, self.rnd) == "ring":
+            return ring_links(order, self.r.codec, self.flat)
+        if not (levels := self.levels()):
+            return {i: set(order) - {i} for i in order}
+        return {i: {order[m] for level in levels for m in level.neighbours(k)} for k, i in enumerate(order)}
+
     def levels(self) -> list[hierarchy.Level]:
         """The sparse rule's hierarchy over this attempt's ring ([]: a rule without one, or a
         round that goes around the ring)."""
@@ -1077,12 +1088,11 @@ class Round:
         self.flat = self.flat or self.rnd < s.flat_until
         n, w = rules.counted(self.nodes, part), rules.weights(self.nodes, part)
         order = part if epoch % 2 == 0 else part[::-1]  # a retry swaps everyone's neighbours
-        for i in part:  # each member the tickets it has not been told: then the ring names ids alone
-            news, mark = s.ticket_news(i)
-            if news:
-                self.send(i, P.Tickets(tickets=news))
-                self.out.append(Told(i, mark))
         self.ring = [P.RingMember(node_id=i, weight=w[i]) for i in order]
+        for i, peers in self.links(order).items():  # the tickets of those it connects to, not yet told
+            if news := s.ticket_news(i, peers):  # (then the ring names ids alone)
+                self.send(i, P.Tickets(tickets=news))
+                self.out.append(Told(i, tuple(news)))
         self.t_ring, self.done_after = self.now, {}
         self.rings[epoch] = set(part)
         self.confirm, self.committed, self.announced = len(self.ring) == 2, False, {}

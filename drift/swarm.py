@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from drift import protocol as P
@@ -66,10 +66,11 @@ class Swarm:
         # holder -> the members it sent pieces that were not the swarm's (HolderReport)
         self.holder_named_by: dict[str, set[str]] = {}
         # Tickets told (a BarrierReady names members by id): each member's ticket and when it was
-        # first seen (a counter), and the newest of those each member has been told in its session.
+        # first seen (a counter), and, per member, which of its peers' tickets it was told in its
+        # session (as of that counter: a peer back with a new ticket is told again).
         self._seq = 0
         self._ticket_seq: dict[str, tuple[str, int]] = {}
-        self._told_seq: dict[str, int] = {}
+        self._told: dict[str, dict[str, int]] = {}
         # The ring order last sent, and who was sent it (a BarrierReady leaves it out for them).
         self._order: tuple[str, ...] = ()
         self._told_order: set[str] = set()
@@ -94,7 +95,7 @@ class Swarm:
         if self._ticket_seq.get(p.id, (None, 0))[0] != p.info.ring_ticket:
             self._seq += 1
             self._ticket_seq[p.id] = (p.info.ring_ticket, self._seq)
-        self._told_seq[p.id] = 0  # a new session knows no ticket, and no ring order
+        self._told[p.id] = {}  # a new session knows no ticket, and no ring order
         self._told_order.discard(p.id)
         self.speed[p.id] = self.checked_speed(p, p.commit.samples_per_s if p.commit else None)
         # Every claim against the new set (as bounded() would one by one, in one pass over it).
@@ -119,23 +120,27 @@ class Swarm:
         self.evaluating.discard(i)
         self.measured.discard(i)
         self._ticket_seq.pop(i, None)
-        self._told_seq.pop(i, None)
+        self._told.pop(i, None)
+        for told in self._told.values():
+            told.pop(i, None)
         self._told_order.discard(i)
         return self.members.pop(i, None)
 
-    def ticket_news(self, i: str) -> tuple[dict[str, str], int]:
-        """The members' tickets member i has not been told in this session (all of them to a
-        newcomer, then those of members who joined or came back since), and the mark to record
-        once they are sent (told_tickets)."""
-        told = self._told_seq.get(i, 0)
-        if told >= self._seq:
-            return {}, told
-        return {j: t for j, (t, seq) in self._ticket_seq.items() if seq > told}, self._seq
+    def ticket_news(self, i: str, peers: Iterable[str]) -> dict[str, str]:
+        """The tickets of `peers` (the members i connects to in an all-reduce) that member i was
+        not told in this session, or was told before the peer came back with a new one."""
+        told, news = self._told.get(i, {}), {}
+        for j in peers:
+            if (ticket := self._ticket_seq.get(j)) is not None and told.get(j) != ticket[1]:
+                news[j] = ticket[0]
+        return news
 
-    def told_tickets(self, i: str, mark: int) -> None:
-        """Member i was sent the tickets ticket_news gave with `mark`."""
-        if i in self._told_seq:
-            self._told_seq[i] = max(self._told_seq[i], mark)
+    def told_tickets(self, i: str, peers: Iterable[str]) -> None:
+        """Member i was sent the tickets of `peers` that ticket_news gave."""
+        if (told := self._told.get(i)) is not None:
+            for j in peers:
+                if j in self._ticket_seq:
+                    told[j] = self._ticket_seq[j][1]
 
     def told_order(self, order: list[str]) -> frozenset[str]:
         """The members whose last BarrierReady named exactly this ring order."""

@@ -22,7 +22,7 @@ import heapq
 import itertools
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 
 from drift import protocol as P
@@ -109,8 +109,12 @@ class VirtualSwarm:
         seed: int = 0,
         latency_s: float = 0.02,
         sync_s: float = 1.0,
+        ticket: str = "t",
     ):
-        self.r, self.fail, self.latency, self.sync_s = recipe, failures, latency_s, sync_s
+        """`ticket`: each node's ring ticket is it and the node's number (as long as a real one,
+        where the bytes sent matter: `sent`)."""
+        self.r, self.fail, self.latency, self.sync_s, self.ticket = recipe, failures, latency_s, sync_s, ticket
+        self.sent: Counter[str] = Counter()  # bytes the coordinator sent, by message type
         self.rng = random.Random(seed)
         self.s = Swarm(recipe)
         self.host = Host(self.s)
@@ -132,7 +136,7 @@ class VirtualSwarm:
     def enter(self, sps: float) -> None:
         k = next(self.names)
         i = f"{k:064x}"
-        info = P.NodeInfo(node_id=i, name=f"n{k}", backend="numpy", device="cpu", ring_ticket=f"t{k}")
+        info = P.NodeInfo(node_id=i, name=f"n{k}", backend="numpy", device="cpu", ring_ticket=f"{self.ticket}{k}")
         self.s.enter(Peer(info=info, ch=None), -1)  # type: ignore[arg-type]  # (this file sends)
         self.s.speed[i] = sps  # its calibration, exact here
         self.s.seen(i, self.now)
@@ -152,6 +156,7 @@ class VirtualSwarm:
             match a:
                 case R.Send(nodes=nodes, msg=msg):
                     wire = P.encode(msg)
+                    self.sent[msg.type] += len(wire) * len(nodes)
                     for i in nodes:
                         self.at(self.now + self.latency, "to_node", i, wire)
                 case R.Note(kind=kind):
