@@ -57,8 +57,9 @@ class RawNode:
         await self.ch.send_frame(frame)
 
     async def close(self) -> None:
-        if self.ep:
-            await self.ep.close()
+        ep, self.ep = self.ep, None
+        if ep:
+            await ep.close()
 
 
 def _repo_commit(signer: NodeKey, cfg: P.TrainConfig, **over) -> bytes:
@@ -339,6 +340,7 @@ def test_swarm_is_cancelled_when_auth_threshold_cannot_be_met(tmp_path: Path) ->
             assert not run.done()  # 2 of 3 can still verify
             await _refused(RawNode(keys[2]), ticket, lambda c: _repo_commit(keys[2], c, commit="2" * 40))
             cancel = await good.reply()  # now only 1 can: everyone is told
+            await good.close()  # (and leaves, as drift join does: the coordinator waits for that)
             try:
                 await run
             except CoordinatorError as e:
