@@ -29,7 +29,8 @@ log = logging.getLogger("drift.monitor")
 JOIN_LINES = 16  # nodes named as they join; after them one line each time the count doubles
 TABLE_ROWS = 16  # nodes in the live table: the slowest; one more row sums up the rest
 ROUND_ROWS = 16  # node rows a round event keeps in metrics.jsonl: every member's up to this many,
-# else the slowest to the barrier and a summary of all; every row goes to nodes.jsonl (`rows_at`)
+# else the slowest to the barrier and a summary of all; every row goes to nodes.jsonl (`rows_at`),
+# and so do the units' progress events of a swarm of more members than this
 ROW_TIMES = ("busy_s", "step_s", "idle_s", "sync_s", "check_s")  # a summary's min, median, max
 ROW_SUMS = ("samples", "steps", "bytes_sent", "units_after_stop")  # a summary's totals
 
@@ -75,7 +76,7 @@ class Monitor:
             self._live = Live(self, console=self.console, refresh_per_second=4)
             self._live.start()
         self._board = Board.open(self.run_dir)
-        self._rows: Any = None  # nodes.jsonl, opened by the first round of more than ROUND_ROWS members
+        self._rows: Any = None  # nodes.jsonl: the per-node lines of a swarm of more than ROUND_ROWS
         self._joined = 0  # node_joined events so far (the terminal names the first JOIN_LINES)
 
     def fail(self, error: str) -> None:
@@ -89,8 +90,13 @@ class Monitor:
         rec = {"t": round(time.time() - self._t0, 3), "event": kind, **fields}
         if self.error is None:
             try:
-                line = self._rows_apart(rec) if kind == "round" and len(rec.get("nodes") or ()) > ROUND_ROWS else rec
-                self._metrics.write(json.dumps(line) + "\n")
+                if kind == "progress" and len(self.nodes) > ROUND_ROWS:  # a thousand lines a round
+                    self._detail(rec)
+                elif kind == "round" and len(rec.get("nodes") or ()) > ROUND_ROWS:
+                    at = self._detail({"t": rec["t"], "event": "rows", "round": rec["round"], "nodes": rec["nodes"]})
+                    self._metrics.write(json.dumps(cut_round(rec, at)) + "\n")
+                else:
+                    self._metrics.write(json.dumps(rec) + "\n")
             except OSError as e:
                 self.fail(f"cannot write {self.run_dir / 'metrics.jsonl'}: {e.strerror or e}")
         if self._board is not None:
@@ -113,17 +119,16 @@ class Monitor:
             eta = f"  ETA {_duration(self._eta.seconds_left(self.rounds, rec['t']))}" if kind == "round" else ""
             self.say(_line(rec) + eta)
 
-    def _rows_apart(self, rec: dict[str, Any]) -> dict[str, Any]:
-        """A round of many members: its rows, all of them, as a line of nodes.jsonl; the round
-        event as metrics.jsonl keeps it (`cut_round`), with where that line starts."""
+    def _detail(self, rec: dict[str, Any]) -> int:
+        """A line of nodes.jsonl (a round's rows, a unit's progress); returns where it starts."""
         if self._rows is None:
             path = self.run_dir / "nodes.jsonl"
             _cut_torn_line(path)
             self._rows = open(path, "ab")
         at = self._rows.tell()
-        self._rows.write(json.dumps({"round": rec["round"], "nodes": rec["nodes"]}).encode() + b"\n")
-        self._rows.flush()  # before the event that points at it
-        return cut_round(rec, at)
+        self._rows.write(json.dumps(rec).encode() + b"\n")
+        self._rows.flush()  # (before the round event that points at it)
+        return at
 
     def say(self, text: str) -> None:
         """Print one line as it is: no markup, no highlighting, no emoji codes."""
@@ -226,9 +231,9 @@ def attach_rows(run_dir: Path, events: list[dict]) -> None:
                 rows = json.loads(fh.readline())
             except ValueError:
                 rows = {}
-            if not isinstance(rows, dict) or rows.get("round") != e["round"] or not isinstance(rows.get("nodes"), dict):
+            if not isinstance(rows, dict) or rows.get("event") != "rows" or rows.get("round") != e["round"]:
                 raise ValueError(f"{path}: no rows of round {e['round']} at byte {e['rows_at']}")
-            e["nodes"] = rows["nodes"]
+            e["nodes"] = rows.get("nodes") or {}
 
 
 class RunDirError(Exception):

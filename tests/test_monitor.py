@@ -6,6 +6,7 @@ nodes.jsonl), instead of a line or a row per node."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,26 @@ def test_status_names_sixteen_nodes_and_counts_the_rest(tmp_path: Path) -> None:
         monitor.close()
     (line,) = [x for x in run_status(tmp_path / "run") if x.startswith("nodes ")]
     assert line == "nodes 1000 (" + ", ".join(f"n{i:03}" for i in range(NAMES)) + f", +{1000 - NAMES} more)"
+
+
+@pytest.mark.parametrize("members", [ROUND_ROWS, 1000])
+def test_a_large_swarms_unit_progress_goes_to_nodes_jsonl_and_still_moves_the_bar(tmp_path: Path, members: int) -> None:
+    """A thousand members report a thousand units a round: above ROUND_ROWS members their progress
+    events are lines of nodes.jsonl, not metrics.jsonl; the live view counts them either way."""
+    run = tmp_path / "run"
+    monitor = Monitor(run, live=False)
+    try:
+        for k in range(members):
+            monitor.nodes[f"{k:064x}"] = NodeView(f"n{k}", "cpu")
+        monitor.round_samples = 64
+        monitor.event("progress", node_id=f"{0:064x}", round=0, unit=[0, 7, 0, 16], loss=1.0, samples_per_s=5.0)
+        screen = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+        screen.print(monitor)  # (what the live view draws)
+    finally:
+        monitor.close()
+    in_metrics = [e for e in read_events(run) if e["event"] == "progress"]
+    detail = run / "nodes.jsonl"
+    in_nodes = [json.loads(x) for x in detail.read_text().splitlines()] if detail.exists() else []
+    assert (len(in_metrics), len(in_nodes)) == ((1, 0) if members <= ROUND_ROWS else (0, 1))
+    assert [e["unit"] for e in in_metrics + in_nodes] == [[0, 7, 0, 16]]
+    assert "[#####...............] 25%" in screen.file.getvalue()  # 16 of the round's 64 samples

@@ -214,16 +214,15 @@ def tree(repo: Path, commit: str) -> str:
 
 
 def light_theta(events: list[dict], size: int, n_train: int, unit_samples: int, seed: int) -> np.ndarray:
-    """θ after every round of a light swarm, recomputed from metrics.jsonl: each settled round
-    moves θ by the mean f(s) over the samples its units trained (progress events)."""
+    """θ after every round of a light swarm, recomputed from its round events (with every row:
+    read_events(whole=True)): each settled round moves θ by the mean f(s) over the samples of the
+    units its counted members trained."""
     theta = theta0(size).astype(np.float64)
-    settled = {e["round"] for e in events if e["event"] == "round" and not e.get("abandoned")}
     orders: dict[int, np.ndarray] = {}
-    for rnd in sorted(settled):
+    for e in sorted((e for e in events if e["event"] == "round" and not e.get("abandoned")), key=lambda e: e["round"]):
         total, n = np.zeros(size, np.float64), 0
-        for e in events:
-            if e["event"] == "progress" and e["round"] == rnd:
-                epoch, uid, lo, hi = e["unit"]
+        for row in e["nodes"].values():
+            for epoch, uid, lo, hi in row["trained"] if row["weight"] > 0 else []:
                 if epoch not in orders:
                     orders[epoch] = epoch_order(n_train, seed, epoch)
                 idx = unit_indices(orders[epoch], P.WorkUnit(epoch=epoch, id=uid, lo=lo, hi=hi), unit_samples)
