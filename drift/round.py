@@ -463,6 +463,7 @@ class Round:
 
         # Nodes that join later enter the next round: the records are this round's participants.
         self.nodes: dict[str, NodeRound] = {i: NodeRound(role(i), last_progress=now, t_unit=now) for i in members}
+        self._part: list[str] | None = None  # part(), kept until a node leaves or sits out
         trainers = {i: swarm.speed[i] for i, n in self.nodes.items() if n.role == "train"}
         self.trainers = rules.planning_speeds(trainers, swarm.measured)
         self.queue_before = taken.before  # the data position before this round took its units
@@ -516,8 +517,14 @@ class Round:
     # --- who is where ---------------------------------------------------------------------------
 
     def part(self) -> list[str]:
-        """The nodes in this round's barrier and ring."""
-        return rules.part(self.nodes)
+        """The nodes in this round's barrier and ring (worked out again only after one leaves or
+        sits out: the clocks ask at every tick, a pass over a thousand records each)."""
+        if self._part is None:
+            self._part = rules.part(self.nodes)
+        return list(self._part)
+
+    def _sits_out(self, n: NodeRound) -> None:
+        n.sitting_out, self._part = True, None
 
     def ring_ids(self) -> set[str]:
         return {m.node_id for m in self.ring or []}
@@ -615,7 +622,7 @@ class Round:
             case PrevSettled():
                 self.prev_settled(now)
             case CatchingUp(node=i):
-                self.nodes.setdefault(i, NodeRound("late")).catching_up = True
+                self.nodes.setdefault(i, NodeRound("late")).catching_up = True  # (a late record: in no part)
         return self.flush()
 
     def samples_synced(self) -> int:
@@ -626,7 +633,7 @@ class Round:
         """Node i left the swarm: its work of this round is redone. A ring it was in is redone
         unless the others finish it: its leaving counts as a report that the ring failed, so the
         members' RoundDones of the next moment decide (a majority that applied it keeps it)."""
-        n = self.nodes.pop(i, None)
+        n, self._part = self.nodes.pop(i, None), None
         if n is not None and n.counted:
             self.give_back.extend(n.synced.trained)
         for book in (self.carry, self.late):
@@ -1062,7 +1069,7 @@ class Round:
             self.abandon("no node's work of this round can be used")
             return True
         for i in d.stragglers:  # stragglers past their deadline or late: the swarm goes on without them
-            self.nodes[i].sitting_out = True
+            self._sits_out(self.nodes[i])
             reason = "late" if self.nodes[i].late_cut else "deadline"
             self.note("sat_out", node_id=i, name=self.name(i), round=self.rnd, reason=reason)
         counted = {i: self.nodes[i].synced for i in self.part() if self.nodes[i].counted}
@@ -1585,7 +1592,8 @@ class Round:
         n = self.nodes[i]
         if n.counted:
             self.give_back.extend(n.synced.trained)
-        n.excluded = n.sitting_out = True
+        n.excluded = True
+        self._sits_out(n)
         n.done = None
         if strike and self.struck(i, why):
             self.drop(i, f"{why}, again")

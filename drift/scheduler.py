@@ -132,19 +132,17 @@ class RoundPlan:
     granted: dict[str, list[WorkUnit]] = field(default_factory=dict)
     orphans: deque[WorkUnit] = field(default_factory=deque)  # from nodes that left mid-round
     left: int = 0  # samples planned or orphaned, not granted (remaining(): asked at every grant)
+    # Samples still planned per node with any: a steal weighs only these (summing every queue at
+    # every steal was most of a thousand nodes' round logic)
+    queued: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def make(cls, units: list[WorkUnit], speeds: dict[str, float], steal: bool = True) -> RoundPlan:
         ids = list(speeds)
         shares = split_proportional(units, [speeds[i] for i in ids])
         planned = {i: deque(s) for i, s in zip(ids, shares)}
-        return cls(
-            dict(speeds),
-            steal,
-            planned,
-            {i: [] for i in ids},
-            left=sum(u.hi - u.lo for q in planned.values() for u in q),
-        )
+        queued = {i: n for i, q in planned.items() if (n := sum(u.hi - u.lo for u in q))}
+        return cls(dict(speeds), steal, planned, {i: [] for i in ids}, left=sum(queued.values()), queued=queued)
 
     def grant_first(self, node: str, k: int = 1) -> list[WorkUnit]:
         out = [self.next_for(node) for _ in range(k)]
@@ -155,18 +153,24 @@ class RoundPlan:
         if node not in self.planned:
             return None
         if self.planned[node]:
-            u = self.planned[node].popleft()
+            u = self._unplan(node, self.planned[node].popleft())
         elif self.orphans and self.steal:
             u = self.orphans.popleft()
-        elif self.steal:
-            victims = [(sum(x.hi - x.lo for x in q) / self.speeds[v], v) for v, q in self.planned.items() if q]
-            if not victims:
-                return None
-            u = self.planned[max(victims)[1]].pop()
+        elif self.steal and self.queued:
+            _, victim = max((n / self.speeds[v], v) for v, n in self.queued.items())
+            u = self._unplan(victim, self.planned[victim].pop())
         else:
             return None
         self.granted[node].append(u)
         self.left -= u.hi - u.lo
+        return u
+
+    def _unplan(self, node: str, u: WorkUnit) -> WorkUnit:
+        """Unit u leaves node's plan."""
+        if (n := self.queued.get(node, 0) - (u.hi - u.lo)) > 0:
+            self.queued[node] = n
+        else:
+            self.queued.pop(node, None)
         return u
 
     def exhausted_for(self, node: str) -> bool:
@@ -192,6 +196,7 @@ class RoundPlan:
         late report says which it trained), and its plan goes to the others."""
         granted = self.granted.pop(node, [])
         self.orphans.extend(self.planned.pop(node, deque()))
+        self.queued.pop(node, None)
         self.speeds.pop(node, None)
         return granted
 

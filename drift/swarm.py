@@ -182,10 +182,12 @@ class Swarm:
         node that really became far slower is caught by its deadline instead (slowed)."""
         if i in self.speed and finite_positive(sps):
             # (every unit of every node comes here: a Python pass over the members for each was N²
-            # a round, so the fastest member is found in C, and the next only when i is the fastest)
-            top = max(map(self.speed.__getitem__, self.members), default=None)
-            if top is not None and self.speed[i] >= top:
-                top = max((v for j, v in self.speed.items() if j != i and j in self.members), default=None)
+            # a round, so the fastest other member is found in C: the fastest, or, when that is i,
+            # the next, which in a swarm of equal speeds is every unit's case)
+            speeds = list(map(self.speed.__getitem__, self.members))
+            top = max(speeds, default=None)
+            if top is not None and i in self.members and self.speed[i] >= top:
+                top = sorted(speeds)[-2] if len(speeds) > 1 else None
             sps = min(sps, SPEED_CAP * top) if top is not None else sps
             first = i not in self.measured  # a claim above what we measured goes at once
             self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps

@@ -1125,7 +1125,9 @@ def test_an_ask_riding_on_a_progress_report_is_answered_as_one() -> None:
 
 def test_a_measured_speed_is_capped_relative_to_the_others_and_cannot_make_them_all_evaluate() -> None:
     sim = Sim(["a", "b", "c", "x"])
-    sim.s.measured_speed(sim.ids["x"], 1e12)
+    sim.s.measured_speed(sim.ids["x"], 1e12)  # (all equal: capped by the others' 100)
+    assert sim.s.speed[sim.ids["x"]] <= 1000 * 100.0
+    sim.s.measured_speed(sim.ids["x"], 1e12)  # now the fastest: capped by the next, not by itself
     assert sim.s.speed[sim.ids["x"]] <= 1000 * 100.0
     assert sim.s.evaluators(10_000) == set()  # one node's speed makes nobody else an evaluator
 
@@ -1699,3 +1701,31 @@ def test_an_evaluator_whose_job_could_not_start_gets_a_fresh_one_also_rounds_lat
         sim.msg("slow", P.AskForMoreWork(round=rnd))
         assert [a for a in sim.actions if isinstance(a, R.Evaluate)] == [R.Evaluate(sim.ids["slow"])], rnd
         assert not sim.to("slow", P.NoMoreWork)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    speeds=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=8),
+    sizes=st.lists(st.integers(1, 16), min_size=1, max_size=40),
+    asks=st.lists(st.integers(0, 7), max_size=80),
+)
+def test_a_node_out_of_work_takes_the_last_unit_of_the_node_expected_to_finish_last(speeds, sizes, asks) -> None:
+    # The steal's choice, kept as a running count (summing every queue at every steal was most of
+    # a thousand nodes' round logic): the same unit as the sum over each node's plan would pick.
+    from collections import deque
+
+    from drift.scheduler import RoundPlan
+
+    ids = [f"n{k}" for k in range(len(speeds))]
+    units = [P.WorkUnit(epoch=0, id=k, lo=0, hi=n) for k, n in enumerate(sizes)]
+    plan = RoundPlan.make(units, dict(zip(ids, speeds)))
+    mine = {i: deque(q) for i, q in plan.planned.items()}  # the reference: the plan as it was made
+    for a in asks:
+        node = ids[a % len(ids)]
+        if mine[node]:
+            want = mine[node].popleft()
+        else:
+            busy = [(sum(u.hi - u.lo for u in q) / plan.speeds[v], v) for v, q in mine.items() if q]
+            want = mine[max(busy)[1]].pop() if busy else None
+        assert plan.next_for(node) == want
+        assert plan.remaining() == sum(u.hi - u.lo for q in mine.values() for u in q)
