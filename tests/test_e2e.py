@@ -13,6 +13,11 @@ from conftest import drift_cmd
 pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
 
+def _as_typed(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    """`drift ARGS...` as a user types it in the clone `repo`: paths relative to it."""
+    return subprocess.run(drift_cmd(*args), cwd=repo, capture_output=True, text=True, timeout=600)
+
+
 def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -22,13 +27,7 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
     # --local's node checkouts under it.
     repo = tiny_recipe.parents[1]
     run_dir = repo / "runs" / "tiny"
-    out = subprocess.run(
-        drift_cmd("coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "runs/tiny"),
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = _as_typed(repo, "coord", "recipes/tiny.yaml", "--local", "3", "--run-dir", "runs/tiny")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     assert list((run_dir / "repos").glob("*/*/recipes"))  # each node's checkout of the commit
@@ -84,9 +83,7 @@ def test_local_swarm_learns_and_replicas_agree(tiny_recipe: Path, tmp_path: Path
 
     # `drift report` on the real run, typed as above (relative to the repo): three PNGs, the run's
     # page again, and a summary quoting the run's own figures.
-    rep = subprocess.run(
-        drift_cmd("report", "runs/tiny", "--out", "plots"), cwd=repo, capture_output=True, text=True, timeout=120
-    )
+    rep = _as_typed(repo, "report", "runs/tiny", "--out", "plots")
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert '"event": "complete"' in (repo / "plots" / "dashboard.html").read_text()
     for name in ("loss.png", "nodes.png", "bytes.png"):
@@ -115,13 +112,7 @@ def test_a_sparse_recipe_runs_from_a_clone_as_typed(tmp_path: Path) -> None:
     from drift.sync.sparse import SparseParams
 
     repo = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=4, sync="sparse").parents[1]
-    out = subprocess.run(
-        drift_cmd("coord", "recipes/tiny.yaml", "--local", "2", "--run-dir", "runs/sparse"),
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = _as_typed(repo, "coord", "recipes/tiny.yaml", "--local", "2", "--run-dir", "runs/sparse")
     assert out.returncode == 0, out.stdout + out.stderr
     events = _events(repo / "runs" / "sparse")
     rounds = [e for e in events if e["event"] == "round"]
@@ -133,10 +124,8 @@ def test_a_sparse_recipe_runs_from_a_clone_as_typed(tmp_path: Path) -> None:
     sent = [sorted(n["bytes_sent"] for n in r["nodes"].values()) for r in rounds]
     # int8 around the ring: a byte a value of θ, each way; a sparse payload: a few % of the values
     assert all(0 < b < min(sent[0]) / 8 for r in sent[dense:] for b in r), sent
-    status, report = (
-        subprocess.run(drift_cmd(*cmd), cwd=repo, capture_output=True, text=True, timeout=120)
-        for cmd in (("status", "runs/sparse"), ("report", "runs/sparse", "--out", "plots"))
-    )
+    status = _as_typed(repo, "status", "runs/sparse")
+    report = _as_typed(repo, "report", "runs/sparse", "--out", "plots")
     assert status.returncode == 0 and "run complete: 4 rounds" in status.stdout, status.stdout + status.stderr
     assert report.returncode == 0, report.stdout + report.stderr
     assert (repo / "plots" / "bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,13 +17,18 @@ from drift.report import ReportError, load_run
 from drift.status import NAMES, run_status
 
 
-def test_a_thousand_joins_are_a_few_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    monitor = Monitor(tmp_path / "run", live=False)
+def _joins(run: Path, names: list[str]) -> None:
+    """What the coordinator records as these nodes join, in `run`."""
+    monitor = Monitor(run, live=False)
     try:
-        for i in range(1000):
-            monitor.event("node_joined", node_id=f"{i:064x}", name=f"n{i}", device="cpu")
+        for i, name in enumerate(names):
+            monitor.event("node_joined", node_id=f"{i:064x}", name=name, device="cpu")
     finally:
         monitor.close()
+
+
+def test_a_thousand_joins_are_a_few_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _joins(tmp_path / "run", [f"n{i}" for i in range(1000)])
     out = capsys.readouterr().out.splitlines()
     named = [line for line in out if line.startswith("node joined: ")]
     assert [line.split()[2] for line in named] == [f"n{i}" for i in range(JOIN_LINES)]
@@ -179,12 +184,7 @@ def test_a_thousand_nodes_chart_three_utilization_lines(tmp_path: Path) -> None:
 
 
 def test_status_names_sixteen_nodes_and_counts_the_rest(tmp_path: Path) -> None:
-    monitor = Monitor(tmp_path / "run", live=False)
-    try:
-        for i in range(1000):
-            monitor.event("node_joined", node_id=f"{i:064x}", name=f"n{i:03}", device="cpu")
-    finally:
-        monitor.close()
+    _joins(tmp_path / "run", [f"n{i:03}" for i in range(1000)])
     (line,) = [x for x in run_status(tmp_path / "run") if x.startswith("nodes ")]
     assert line == "nodes 1000 (" + ", ".join(f"n{i:03}" for i in range(NAMES)) + f", +{1000 - NAMES} more)"
 

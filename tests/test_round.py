@@ -652,41 +652,29 @@ def test_a_ring_of_two_whose_partner_never_announces_is_redone_and_the_silent_on
     assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x gets the round's θ from a
 
 
-def test_a_committed_ring_of_two_whose_other_member_dies_is_kept_not_given_up() -> None:
-    # --local 2, one node killed after the commit: the survivor applied the step and reported it.
-    # Its leaving counts as a failed ring, but nobody said the attempt failed: the survivor's
-    # report settles the round (before: it was given up at once, and the run ended).
+@pytest.mark.parametrize("then", ["dies", "fails", "refuses"])
+def test_a_committed_ring_of_two_keeps_the_theta_one_applied_whatever_the_other_does_next(then: str) -> None:
+    # --local 2: both announced the same θ and got the Commit; a applied it and reported. Then x's
+    # process is killed, or x says the step failed, or that it refused the sum. Both named that θ,
+    # so it is the round's, settled at the next tick; x, if still there, is behind and gets θ from
+    # a. (Before: a dead partner had the round given up, and the run ended; one that failed or
+    # refused had a sit the retry out, one applier of two being no majority, and redid the round
+    # alone: its own Δ, a's dropped, became the round's θ.)
     sim = Sim(["a", "x"])
     sim.start()
     sim.ring()
     for n in "ax":
         sim.done(n, checksum="theta-1", announced=True, before="theta0")
-    assert not sim.tick() and sim.to("a", P.Commit)
+    assert not sim.tick() and sim.to("a", P.Commit) and sim.to("x", P.Commit)
     sim.done("a", checksum="theta-1")
-    sim.drop(sim.ids["x"], "its process exited")
-    assert sim.tick()
-    assert sim.rd.abandoned is None and sim.result.checksum == "theta-1"
-
-
-@pytest.mark.parametrize("failure", ["failed", "refused"])
-def test_a_committed_ring_of_two_is_not_redone_alone_by_the_member_that_says_it_failed(failure: str) -> None:
-    # Both announced the same θ and got the Commit; a applied it; x then says the step failed (or
-    # that it refused the sum). Both named that θ, so it is the round's, and x is behind: it gets θ
-    # from a. (Before, a sat the retry out as one applier of two, no majority, and x redid the
-    # round alone: its own Δ, a's dropped, became the round's θ.)
-    sim = Sim(["a", "x"])
-    sim.start()
-    sim.ring()
-    for n in "ax":
-        sim.done(n, checksum="theta-1", announced=True, before="theta0")
-    assert not sim.tick() and sim.to("x", P.Commit)
-    sim.done("a", checksum="theta-1")
-    sim.msg("x", P.RingFailed(round=0, ring_epoch=sim.s.ring_epoch, reason="test", poisoned=failure == "refused"))
-    settled = any(sim.tick(t) for t in (1, 10, rules.REDUCE_DEADLINE_S + 1))
-    assert settled and sim.rings() == [["a", "x"]]
-    assert sim.rd.abandoned is None and sim.result.checksum == "theta-1"
-    assert not sim.struck() and not sim.dropped
-    assert [m.abandoned for m in sim.to("x", P.Agreed)] == [False]  # x takes the round's θ from a
+    if then == "dies":
+        sim.drop(sim.ids["x"], "its process exited")
+    else:
+        sim.msg("x", P.RingFailed(round=0, ring_epoch=sim.s.ring_epoch, reason="test", poisoned=then == "refuses"))
+    assert sim.tick() and sim.rings() == [["a", "x"]]
+    assert sim.rd.abandoned is None and sim.result.checksum == "theta-1" and not sim.struck()
+    if then != "dies":
+        assert not sim.dropped and [m.abandoned for m in sim.to("x", P.Agreed)] == [False]
 
 
 def test_of_two_the_one_known_not_to_hold_the_agreed_theta_yet_sits_out_and_is_not_dropped() -> None:
