@@ -194,9 +194,9 @@ class MembersChanged(_Msg):
 
 
 class Tickets(_Msg):
-    """Coordinator -> a member, before a BarrierReady: the tickets of members it has not been told
-    yet (a BarrierReady names members by id alone: a ticket each for every member in every round's
-    BarrierReady to every member was most of the coordinator's bytes and CPU at 1,000 nodes)."""
+    """Coordinator -> a member, before a BarrierReady: the tickets of the members it connects to in
+    that attempt (its ring, grid or level neighbours) that it has not been told yet. A BarrierReady
+    names members by id alone: every member's ticket to every member was N² bytes (150 MB at 1,000)."""
 
     type: Literal["Tickets"] = "Tickets"
     tickets: Annotated[dict[NodeId, Ticket], Field(max_length=MAX_NODES)]
