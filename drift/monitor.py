@@ -1,6 +1,7 @@
-"""What the coordinator shows and records: metrics.jsonl in the run directory, TensorBoard event
-files beside it (when the `tensorboard` extra is installed: one scalar per round per metric), and
-a live table (rich) when stdout is a terminal, plain log lines otherwise.
+"""What the coordinator shows and records: metrics.jsonl in the run directory (with nodes.jsonl
+beside it for the per-node lines of a swarm of more than ROUND_ROWS members), TensorBoard event
+files (when the `tensorboard` extra is installed: one scalar per round per metric), and a live
+table (rich) when stdout is a terminal, plain log lines otherwise.
 
 Names, devices and reasons come from the network: they are shown as plain text (never rich
 markup, highlighting or emoji codes), one line each (protocol.printable)."""
