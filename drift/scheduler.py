@@ -132,8 +132,8 @@ class RoundPlan:
     granted: dict[str, list[WorkUnit]] = field(default_factory=dict)
     orphans: deque[WorkUnit] = field(default_factory=deque)  # from nodes that left mid-round
     left: int = 0  # samples planned or orphaned, not granted (remaining(): asked at every grant)
-    # Samples still planned per node with any: a steal weighs only these (summing every queue at
-    # every steal was most of a thousand nodes' round logic)
+    # Samples still planned per node with units planned: a steal weighs only these (summing every
+    # queue at every steal was most of a thousand nodes' round logic)
     queued: dict[str, int] = field(default_factory=dict)
 
     @classmethod
@@ -141,7 +141,7 @@ class RoundPlan:
         ids = list(speeds)
         shares = split_proportional(units, [speeds[i] for i in ids])
         planned = {i: deque(s) for i, s in zip(ids, shares)}
-        queued = {i: n for i, q in planned.items() if (n := sum(u.hi - u.lo for u in q))}
+        queued = {i: sum(u.hi - u.lo for u in q) for i, q in planned.items() if q}
         return cls(dict(speeds), steal, planned, {i: [] for i in ids}, left=sum(queued.values()), queued=queued)
 
     def grant_first(self, node: str, k: int = 1) -> list[WorkUnit]:
@@ -166,9 +166,9 @@ class RoundPlan:
         return u
 
     def _unplan(self, node: str, u: WorkUnit) -> WorkUnit:
-        """Unit u leaves node's plan."""
-        if (n := self.queued.get(node, 0) - (u.hi - u.lo)) > 0:
-            self.queued[node] = n
+        """Unit u left node's plan."""
+        if self.planned[node]:
+            self.queued[node] -= u.hi - u.lo
         else:
             self.queued.pop(node, None)
         return u
