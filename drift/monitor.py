@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,8 +196,7 @@ def cut_round(rec: dict[str, Any], rows_at: int) -> dict[str, Any]:
         **{f: sum(r.get(f) or 0 for r in rows.values()) for f in ROW_SUMS},
     }
     for f in ROW_TIMES:
-        v = sorted(float(r.get(f) or 0.0) for r in rows.values())
-        summary[f] = {"min": v[0], "median": v[len(v) // 2], "max": v[-1]}
+        summary[f] = _spread(float(r.get(f) or 0.0) for r in rows.values())
     return {**rec, "nodes": {k: rows[k] for k in slowest}, "summary": summary, "rows_at": rows_at}
 
 
@@ -375,10 +374,15 @@ def _utilization(rows: dict[str, Any], secs: float | None) -> dict[str, float]:
     """Each node's share of the round in inner steps; of more than ROUND_ROWS nodes, the min,
     median and max share (a thousand nodes' chart is three lines, not a thousand)."""
     shares = {printable(k, MAX_NAME): n["step_s"] / secs for k, n in rows.items() if secs and "step_s" in n}
-    if len(shares) <= ROUND_ROWS:
-        return {f"utilization/{k}": v for k, v in shares.items()}
-    v = sorted(shares.values())
-    return {"utilization/min": v[0], "utilization/median": v[len(v) // 2], "utilization/max": v[-1]}
+    return {
+        f"utilization/{k}": v for k, v in (shares if len(shares) <= ROUND_ROWS else _spread(shares.values())).items()
+    }
+
+
+def _spread(values: Iterable[float]) -> dict[str, float]:
+    """The least, the median and the most of some values (at least one)."""
+    v = sorted(values)
+    return {"min": v[0], "median": v[len(v) // 2], "max": v[-1]}
 
 
 def _duration(s: float | None) -> str:

@@ -1234,16 +1234,9 @@ class Round:
         refused the sum it announced the step of): a redo would leave it to the one that did not
         apply it, alone, and its own Δ would be the round. That member is behind: θ with Agreed.
         True: settled."""
-        for i in self.part():
-            if (d := self.nodes[i].done) is None or d.checksum != theta:
-                self.fell_behind(i)
-        self.warn(
-            f"round {self.rnd}: a member of the ring of two reported a failure after both announced θ; the applied θ stands"
-        )
-        self.retry_reason = self.ring_failed_at = None
-        self.poisoned.clear()
-        self.cleared()
-        return True
+        applied = [i for i in self.part() if (d := self.nodes[i].done) is not None and d.checksum == theta]
+        why = "a member of the ring of two reported a failure after both announced θ; the applied θ stands"
+        return self.stands(theta, applied, why)
 
     def pair_progress(self, now: float) -> bool:
         """A ring of two, every member reported (or is behind). Announcements: commit the θ they
@@ -1350,16 +1343,20 @@ class Round:
         keep = rules.held_by_majority({i: self.nodes[i].done.checksum for i in applied}, len(ring))
         if keep is None:
             return False
+        why = f"{self.retry_reason}, but {len(applied)} of {len(ring)} members applied the all-reduce and agree"
+        return self.stands(keep, applied, f"{why}: the round stands")
+
+    def stands(self, keep: str, applied: list[str], why: str) -> bool:
+        """θ `keep`, which `applied` applied, is the round's although a retry was due: whoever
+        did not apply it is behind (θ with Agreed), whoever applied another θ diverged. True."""
         for i in self.part():
             if i not in applied:
                 self.fell_behind(i)
             elif self.nodes[i].done.checksum != keep:
                 self.diverged(i)
-        self.warn(
-            f"round {self.rnd}: {self.retry_reason}, but {len(applied)} of {len(ring)} members applied the "
-            "all-reduce and agree: the round stands"
-        )
+        self.warn(f"round {self.rnd}: {why}")
         self.retry_reason = self.ring_failed_at = None
+        self.poisoned.clear()
         self.cleared()
         return True
 

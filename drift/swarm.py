@@ -184,10 +184,9 @@ class Swarm:
             # (every unit of every node comes here: a Python pass over the members for each was N²
             # a round, so the fastest other member is found in C: the fastest, or, when that is i,
             # the next, which in a swarm of equal speeds is every unit's case)
-            speeds = list(map(self.speed.__getitem__, self.members))
-            top = max(speeds, default=None)
+            top = max(map(self.speed.__getitem__, self.members), default=None)
             if top is not None and i in self.members and self.speed[i] >= top:
-                top = sorted(speeds)[-2] if len(speeds) > 1 else None
+                top = sorted(map(self.speed.__getitem__, self.members))[-2] if len(self.members) > 1 else None
             sps = min(sps, SPEED_CAP * top) if top is not None else sps
             first = i not in self.measured  # a claim above what we measured goes at once
             self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps

@@ -39,14 +39,13 @@ from drift import protocol as P
 from drift.auth import NodeKey
 from drift.diloco import epoch_order, unit_indices
 from drift.inner import Steps, UnitSteps
-from drift.monitor import read_events
 from drift.node import Node, NodeError, NodeOptions
 from drift.recipe import Recipe
 from drift.repo import tree_of
 from drift.workers import Choice
 from drift.workers.base import ParamsOnly, check_params
 
-from .simulate import ENV, ROOT, git
+from .simulate import ENV, ROOT, git, run_events
 
 LIGHT_SIZE = 64  # θ's values in the stand-in model
 SCALE = 2.0**-8  # f(s)'s unit: small, exact in float32
@@ -305,8 +304,7 @@ class LightSwarm:
         raise AssertionError("coordinator printed no ticket")
 
     def events(self) -> list[dict]:
-        """metrics.jsonl's events so far, a round's rows all there (drift.monitor.read_events)."""
-        return read_events(self.run_dir, whole=True) if (self.run_dir / "metrics.jsonl").exists() else []
+        return run_events(self.run_dir)
 
     def finish(self, timeout: float) -> tuple[int | None, list[int | None]]:
         """(the coordinator's exit code, each light process's; None: still running, after

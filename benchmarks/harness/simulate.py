@@ -23,6 +23,13 @@ from drift.monitor import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def run_events(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl events so far ([] before it has one), a round's rows all there
+    (drift.monitor.read_events)."""
+    return read_events(run_dir, whole=True) if (run_dir / "metrics.jsonl").exists() else []
+
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 SIM_NODE = ROOT / "tests" / "wrappers" / "sim_node.py"  # `drift join` on a simulated device
 
@@ -153,8 +160,7 @@ class Swarm:
         return p
 
     def events(self) -> list[dict]:
-        """metrics.jsonl's events so far, a round's rows all there (drift.monitor.read_events)."""
-        return read_events(self.run_dir, whole=True) if (self.run_dir / "metrics.jsonl").exists() else []
+        return run_events(self.run_dir)
 
     def wait_event(self, pred, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
