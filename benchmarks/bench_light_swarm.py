@@ -15,6 +15,9 @@ nodes a process, default 250; --rounds rounds, default 3):
               ring's order and weights sent to every member
   round       the median wall time between two round events (rounds 1..), and its sync part
   coord cpu   its CPU seconds per round (rounds 1..): all it does for a round
+  of it python  of that, its Python thread's: drift's own work (the round's logic, the codec,
+              its side of each iroh call); the rest is iroh's runtime threads (QUIC, the
+              connections' upkeep)
   sync cpu    of that, its CPU seconds per second while the nodes' all-reduce runs (it only waits,
               pings and holds N connections then)
   rss         the coordinator's peak RSS (VmHWM), MiB
@@ -48,9 +51,9 @@ from harness.light import LightSwarm
 TICK = 0.05  # how often the coordinator's /proc and metrics.jsonl are read
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """utime + stime of a process (or of its thread tid), in seconds."""
+    fields = Path(f"/proc/{pid}" + (f"/task/{tid}" if tid else "") + "/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -70,18 +73,18 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
     with tempfile.TemporaryDirectory(prefix="drift-light-") as tmp:
         s = LightSwarm(Path(tmp), n, max(1, -(-n // per_process)), rounds=rounds, **rule)
         pid = s.coord.pid
-        marks: dict[tuple, tuple[float, float]] = {}  # (wall, cpu) when each event first appeared
+        marks: dict[tuple, tuple[float, float, float]] = {}  # (wall, cpu, its Python thread's) as each event came
         rss = 0.0
         deadline = time.monotonic() + timeout
         while s.coord.poll() is None and time.monotonic() < deadline:
             try:
-                cpu, rss = cpu_s(pid), max(rss, hwm_mib(pid))
+                cpu, py, rss = cpu_s(pid), cpu_s(pid, pid), max(rss, hwm_mib(pid))
             except (OSError, IndexError, ValueError):
                 break
             for e in read_events(s.run_dir) if (s.run_dir / "metrics.jsonl").exists() else []:
                 key = (e["event"], e.get("round"))
                 if e["event"] in ("training_started", "barrier", "round") and key not in marks:
-                    marks[key] = (time.monotonic(), cpu)
+                    marks[key] = (time.monotonic(), cpu, py)
             time.sleep(TICK)
         events = s.events()
         line = max(
@@ -94,7 +97,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
         rnds = [e for e in events if e["event"] == "round"]
         start = marks.get(("training_started", None))
         ends = [start] + [marks.get(("round", r)) for r in range(rounds)]  # round r: ends[r] .. ends[r + 1]
-        walls, cpus, trains, rates = [], [], [], []
+        walls, cpus, pys, trains, rates = [], [], [], [], []
         for r in range(rounds):
             a, b, bar = ends[r], ends[r + 1], marks.get(("barrier", r))
             if a is not None and bar is not None:
@@ -102,6 +105,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
             if r >= 1 and a is not None and b is not None:  # (round 0 also evaluates θ0)
                 walls.append(b[0] - a[0])
                 cpus.append(b[1] - a[1])
+                pys.append(b[2] - a[2])
                 if bar is not None and b[0] > bar[0]:
                     rates.append((b[1] - bar[1]) / (b[0] - bar[0]))
         med = statistics.median
@@ -113,6 +117,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
             "round_s": med(walls) if walls else None,
             "sync_s": med(e["reduce_s"] for e in rnds[1:]) if len(rnds) > 1 else None,
             "coord_cpu_s": med(cpus) if cpus else None,
+            "py_cpu_s": med(pys) if pys else None,
             "sync_cpu_rate": med(rates) if rates else None,
             "rss_mib": rss,
             "ring": min(
@@ -139,7 +144,7 @@ def main() -> None:
     a = ap.parse_args()
     print(
         f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'train cpu s':>11} {'round s':>8} {'sync s':>7} "
-        f"{'coord cpu s/round':>17} {'sync cpu s/s':>12} {'rss MiB':>8} {'ring':>5} {'round line KiB':>14}  completed",
+        f"{'coord cpu s/round':>17} {'of it python':>12} {'sync cpu s/s':>12} {'rss MiB':>8} {'ring':>5} {'round line KiB':>14}  completed",
         flush=True,
     )
     for n in a.nodes:
@@ -147,7 +152,7 @@ def main() -> None:
         print(
             f"{n:>5} {_f(r['joined_s'], '{:.1f}'):>9} {_f(r['join_cpu_s']):>10} {_f(r['train_cpu_s'], '{:.3f}'):>11} "
             f"{_f(r['round_s']):>8} {_f(r['sync_s']):>7} {_f(r['coord_cpu_s'], '{:.3f}'):>17} "
-            f"{_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5} {r['line_kib']:>14.1f}  "
+            f"{_f(r['py_cpu_s'], '{:.3f}'):>12} {_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5} {r['line_kib']:>14.1f}  "
             f"{r['done']}/{n} nodes, {r['rounds']} rounds{'' if r['ok'] else '  (not completed)'}",
             flush=True,
         )
