@@ -19,7 +19,7 @@ nodes a process, default 250; --rounds rounds, default 3):
               its side of each iroh call); the rest is iroh's runtime threads (QUIC, the
               connections' upkeep)
   sync cpu    of that, its CPU seconds per second while the nodes' all-reduce runs (it only waits,
-              pings and holds N connections then)
+              pings and holds N connections then), and its Python thread's share
   rss         the coordinator's peak RSS (VmHWM), MiB
   round line  the longest round event in metrics.jsonl, KiB (above 16 members: the 16 slowest
               members' rows and a summary; every row in nodes.jsonl)
@@ -97,7 +97,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
         rnds = [e for e in events if e["event"] == "round"]
         start = marks.get(("training_started", None))
         ends = [start] + [marks.get(("round", r)) for r in range(rounds)]  # round r: ends[r] .. ends[r + 1]
-        walls, cpus, pys, trains, rates = [], [], [], [], []
+        walls, cpus, pys, trains, rates, py_rates = [], [], [], [], [], []
         for r in range(rounds):
             a, b, bar = ends[r], ends[r + 1], marks.get(("barrier", r))
             if a is not None and bar is not None:
@@ -108,6 +108,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
                 pys.append(b[2] - a[2])
                 if bar is not None and b[0] > bar[0]:
                     rates.append((b[1] - bar[1]) / (b[0] - bar[0]))
+                    py_rates.append((b[2] - bar[2]) / (b[0] - bar[0]))
         med = statistics.median
         return {
             "ok": rc == 0 and done == n,
@@ -119,6 +120,7 @@ def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout
             "coord_cpu_s": med(cpus) if cpus else None,
             "py_cpu_s": med(pys) if pys else None,
             "sync_cpu_rate": med(rates) if rates else None,
+            "sync_py_rate": med(py_rates) if py_rates else None,
             "rss_mib": rss,
             "ring": min(
                 (sum(1 for v in e["nodes"].values() if v.get("weight", 0) > 0) for e in rnds[1:]), default=None
@@ -144,7 +146,7 @@ def main() -> None:
     a = ap.parse_args()
     print(
         f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'train cpu s':>11} {'round s':>8} {'sync s':>7} "
-        f"{'coord cpu s/round':>17} {'of it python':>12} {'sync cpu s/s':>12} {'rss MiB':>8} {'ring':>5} {'round line KiB':>14}  completed",
+        f"{'coord cpu s/round':>17} {'of it python':>12} {'sync cpu s/s':>12} {'of it python':>12} {'rss MiB':>8} {'ring':>5} {'round line KiB':>14}  completed",
         flush=True,
     )
     for n in a.nodes:
@@ -152,7 +154,7 @@ def main() -> None:
         print(
             f"{n:>5} {_f(r['joined_s'], '{:.1f}'):>9} {_f(r['join_cpu_s']):>10} {_f(r['train_cpu_s'], '{:.3f}'):>11} "
             f"{_f(r['round_s']):>8} {_f(r['sync_s']):>7} {_f(r['coord_cpu_s'], '{:.3f}'):>17} "
-            f"{_f(r['py_cpu_s'], '{:.3f}'):>12} {_f(r['sync_cpu_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5} {r['line_kib']:>14.1f}  "
+            f"{_f(r['py_cpu_s'], '{:.3f}'):>12} {_f(r['sync_cpu_rate'], '{:.3f}'):>12} {_f(r['sync_py_rate'], '{:.3f}'):>12} {r['rss_mib']:>8.0f} {_f(r['ring'], '{}'):>5} {r['line_kib']:>14.1f}  "
             f"{r['done']}/{n} nodes, {r['rounds']} rounds{'' if r['ok'] else '  (not completed)'}",
             flush=True,
         )
