@@ -64,12 +64,14 @@ def hwm_mib(pid: int) -> float:
     return 0.0
 
 
-def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout: int) -> dict:
+def run(n: int, per_process: int, rounds: int, timeout: float, sync: str, fanout: int, beats: list[float]) -> dict:
     rule = (
         {"sync": "sparse", "sync_params": {"chunk": 64, "k": 8, "fanout": fanout, "dense_rounds": 0}}
         if sync == "sparse"
         else {}
     )
+    if beats:
+        rule |= {"heartbeat_s": beats[0], "stale_after_s": beats[1]}
     with tempfile.TemporaryDirectory(prefix="drift-light-") as tmp:
         s = LightSwarm(Path(tmp), n, max(1, -(-n // per_process)), rounds=rounds, **rule)
         pid = s.coord.pid
@@ -143,6 +145,14 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0, help="per N (then what was reached is printed)")
     ap.add_argument("--sync", choices=["dense", "sparse"], default="dense", help="the rule (dense: the fp32 ring)")
     ap.add_argument("--fanout", type=int, default=hierarchy.FANOUT, help="sparse: the hierarchy's fanout")
+    ap.add_argument(
+        "--beats",
+        type=float,
+        nargs=2,
+        metavar=("HEARTBEAT_S", "STALE_AFTER_S"),
+        default=[],
+        help="the recipe's liveness (default: the light recipe's, which stretches both with N; drift's own: 2 10)",
+    )
     a = ap.parse_args()
     print(
         f"{'N':>5} {'joined s':>9} {'join cpu s':>10} {'train cpu s':>11} {'round s':>8} {'sync s':>7} "
@@ -150,7 +160,7 @@ def main() -> None:
         flush=True,
     )
     for n in a.nodes:
-        r = run(n, a.per_process, a.rounds, a.timeout, a.sync, a.fanout)
+        r = run(n, a.per_process, a.rounds, a.timeout, a.sync, a.fanout, a.beats)
         print(
             f"{n:>5} {_f(r['joined_s'], '{:.1f}'):>9} {_f(r['join_cpu_s']):>10} {_f(r['train_cpu_s'], '{:.3f}'):>11} "
             f"{_f(r['round_s']):>8} {_f(r['sync_s']):>7} {_f(r['coord_cpu_s'], '{:.3f}'):>17} "

@@ -187,6 +187,7 @@ class Coordinator:
         # The last settled round's late members (blocking: the next round merges their work).
         self.late: dict[str, R.Late] = {}
         self.told: set[str] = set()  # the membership the members were last told (TrainingReady, MembersChanged)
+        self.most_told = 0  # the most members they were ever told of: how seldom a member may beat
         self.samples_at: dict[int, int] = {}  # samples trained after each settled round
         self._joining_conns = 0  # connections in the handshake, not yet admitted (MAX_JOINING)
         self._joining_by_peer: dict[str, int] = {}  # the same, per node id (MAX_JOINING_PER_PEER)
@@ -548,16 +549,16 @@ class Coordinator:
         # From here on every frame of this node feeds the round loop. Liveness is stamped here, as
         # frames arrive, not when the round loop gets to them: a round that starts after a long
         # checkpoint must not take a backlog of heartbeats for silence.
+        patience = self.patience()
         try:
             while True:
-                msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=self.recipe.stale_after_s))
+                patience = self.patience()
+                msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=patience))
                 self.swarm.seen(peer.id)
                 self.events.put_nowait((peer, msg))
         except Exception as e:
             silent = isinstance(e, TransportTimeout)
-            peer.gone = peer.broken or (
-                f"silent for {self.recipe.stale_after_s:g}s" if silent else f"connection closed ({_why(e)})"
-            )
+            peer.gone = peer.broken or (f"silent for {patience:g}s" if silent else f"connection closed ({_why(e)})")
             if not self._finished:
                 self._drop(ch, conn, _why(e))
             if self.ready.get(peer.id) is peer:
@@ -575,18 +576,33 @@ class Coordinator:
             if not isinstance(msg, P.Heartbeat):
                 return msg
 
+    def _will_tell(self, members: int) -> None:
+        """The members are about to be told a membership of this size. A member beats more
+        seldom once it knows a larger one (rules.quiet_limit), so our patience grows before it
+        can: a member whose beats slow down at once (it beats once when they do) is never taken
+        for silent. It never shrinks: a member told fewer beats more often, and sooner or later."""
+        self.most_told = max(self.most_told, members)
+
+    def patience(self) -> float:
+        """Seconds of silence after which an admitted node is dropped (rules.patience)."""
+        return rules.patience(self.recipe.heartbeat_s, self.recipe.stale_after_s, self.most_told)
+
     async def _ping(self) -> None:
         """Every heartbeat_s, a Ping to every connected node we sent nothing for a while
-        (rules.quiet_limit): a node that hears nothing from us for stale_after_s knows the
-        coordinator is gone (and tries to rejoin). (A ping to each of a thousand nodes whatever
-        else they were sent was a fifth of the coordinator's frames a round.)"""
+        (rules.quiet_limit, for the membership it was told over this connection: a node not yet
+        told any, a newcomer or one back on a new connection, expects the recipe's): a node that
+        hears nothing from us for its patience knows the coordinator is gone (and tries to
+        rejoin). (A ping to each of a thousand nodes whatever else they were sent was a fifth of
+        the coordinator's frames a round.)"""
         r = self.recipe
-        quiet = rules.quiet_limit(r.heartbeat_s, r.stale_after_s)
         while True:
             await asyncio.sleep(r.heartbeat_s)
             ping = P.encode(P.Ping())
+            told, quiet = self.told, rules.quiet_limit(r.heartbeat_s, r.stale_after_s, len(self.told))
+            alone = rules.quiet_limit(r.heartbeat_s, r.stale_after_s)
             for p in list(self.ready.values()):
-                if p.ch.quiet_s() < quiet:
+                member = p.id in told and self.swarm.members.get(p.id) is p
+                if p.ch.quiet_s() < (quiet if member else alone):
                     continue
                 try:
                     await p.ch.send_frame(ping, timeout=self.recipe.heartbeat_s)
@@ -635,6 +651,7 @@ class Coordinator:
     async def run(self) -> list[RoundResult]:
         """Wait for min_nodes, then run every round; returns one result per round."""
         peers = await self._same_task(await self.wait_for_nodes())
+        self._will_tell(len(peers))
         await self.broadcast(peers, ready_message(self.admission, [p.id for p in peers], self.recipe.auth_threshold))
         self.told = {p.id for p in peers}
         r = self.recipe
@@ -876,11 +893,12 @@ class Coordinator:
                 self._start_checkpoint(due)
 
     def _check_silence(self, now: float, rnd: int) -> None:
-        """Drop every node silent for stale_after_s (its connection may look open: a sleeping
-        laptop does not say goodbye)."""
+        """Drop every node silent for our patience, stale_after_s in a swarm of a few (its
+        connection may look open: a sleeping laptop does not say goodbye)."""
+        patience = self.patience()
         for i in list(self.swarm.members):
             silent = now - self.swarm.last_seen.get(i, now)
-            if silent > self.recipe.stale_after_s:
+            if silent > patience:
                 self.drop(i, f"silent for {silent:.0f}s", rnd)
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -1176,6 +1194,7 @@ class Coordinator:
             ids = [p.id for p in members]
             new = set(entered)
             ready = ready_message(self.admission, ids, self.recipe.auth_threshold)
+            self._will_tell(len(ids))
             await self.broadcast([p for p in members if p.id in new], ready)  # a newcomer: all of it
             changed = members_changed(self.told, ids)
             await self.broadcast([p for p in members if p.id not in new], changed)  # the others: what changed

@@ -391,6 +391,8 @@ class Session:
         self.ctl: Channel | None = None
         self.reached = False  # the coordinator's endpoint answered (QUIC handshake done)
         self.silence_s = HANDSHAKE_TIMEOUT  # the coordinator pings; this much silence means it is gone
+        self.members = 0  # how many members the coordinator last told us the swarm has
+        self._slower = asyncio.Event()  # our beats may come more seldom now: beat once at once
         self.round = -1
         self._stash: deque[P.Message | None] = deque()  # messages read early, handled next
         self._tasks: list[asyncio.Task] = []
@@ -526,7 +528,9 @@ class Session:
         t = await self._join()
         r = t.recipe
         self._tasks.append(
-            asyncio.ensure_future(self._heartbeat(r.heartbeat_s, rules.quiet_limit(r.heartbeat_s, r.stale_after_s)))
+            asyncio.ensure_future(
+                self._heartbeat(r.heartbeat_s, lambda: rules.quiet_limit(r.heartbeat_s, r.stale_after_s, self.members))
+            )
         )
         ready = await self.expect(P.TrainingReady, P.TrainComplete)
         if isinstance(ready, P.TrainComplete):
@@ -589,7 +593,7 @@ class Session:
                 f"join it with a fresh `drift join`"
             )
         if t is None:
-            alive = asyncio.ensure_future(self._heartbeat(2.0, 1.0))  # the coordinator hears us while we load
+            alive = asyncio.ensure_future(self._heartbeat(2.0, lambda: 1.0))  # the coordinator hears us while we load
             try:
                 t = node.trainer = await self._load(cfg)
             finally:
@@ -770,11 +774,23 @@ class Session:
             if me not in ready.nodes:
                 return "TrainingReady does not list this node"
             ids = set(ready.nodes)
+        self._told(len(ids), t.recipe)
         peers.set_members(ids - {me})
         self.node.gather.retain(peers.members)
         for gone in [i for i in self.node.tickets if i not in ids]:
             del self.node.tickets[gone]
         return None
+
+    def _told(self, members: int, r: Recipe) -> None:
+        """The coordinator told us the swarm has this many members: how seldom we beat and how
+        long its silence may last follow (rules.quiet_limit, rules.patience). When our beats may
+        slow down we beat once at once: its patience grew before it told us, and that beat ends
+        any wait of its that began before."""
+        before = rules.quiet_limit(r.heartbeat_s, r.stale_after_s, self.members)
+        self.members = members
+        self.silence_s = rules.patience(r.heartbeat_s, r.stale_after_s, members)
+        if rules.quiet_limit(r.heartbeat_s, r.stale_after_s, members) > before:
+            self._slower.set()
 
     async def _verify_ready(self, ready: P.TrainingReady | P.MembersChanged) -> None:
         """Refuse to go on with a membership this node cannot accept (checked once, as it arrived)."""
@@ -1209,19 +1225,22 @@ class Session:
                 t.snap[...] = t.theta
         return val
 
-    async def _heartbeat(self, every_s: float, quiet_s: float) -> None:
+    async def _heartbeat(self, every_s: float, quiet_s: Callable[[], float]) -> None:
         """Tell the coordinator we are alive, also while a long inner step runs (every_s, when
-        we sent it nothing for quiet_s); a --local node also leaves when the coordinator that
-        started it is gone."""
+        we sent it nothing for quiet_s(), and at least every fourth beat or quiet_s(), whichever
+        is longer); a --local node also leaves when the coordinator that started it is gone."""
         parent = int(os.environ.get("DRIFT_PARENT_PID", "0") or 0)
         skipped = 0
         while True:
-            await asyncio.sleep(every_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._slower.wait(), every_s)
             if parent and os.getppid() != parent:
                 print("drift: the coordinator that started this node is gone; leaving", file=sys.stderr)
                 os._exit(1)
-            t = self.node.trainer
-            if self.ctl.quiet_s() < quiet_s and (t.held if t else None) == self._held_told and skipped < 3:
+            t, quiet, slower = self.node.trainer, quiet_s(), self._slower.is_set()
+            self._slower.clear()
+            lately = skipped < max(3, quiet / every_s - 1)
+            if not slower and self.ctl.quiet_s() < quiet and (t.held if t else None) == self._held_told and lately:
                 skipped += 1  # it heard from us meanwhile, and what we hold is what we told it (lately)
                 continue
             skipped = 0

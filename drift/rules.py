@@ -147,13 +147,29 @@ def clock_interval(members: int) -> float:
     return members * CLOCK_S_PER_NODE
 
 
-def quiet_limit(heartbeat_s: float, stale_after_s: float) -> float:
+BEATS_PER_S = 50.0  # beats a second a coordinator hears from all its members (and pings), at most
+
+
+def quiet_limit(heartbeat_s: float, stale_after_s: float, members: int = 0) -> float:
     """How long a control channel may stay quiet before the next beat sends a frame on it (a
     node's Heartbeat, the coordinator's Ping). Beats come every heartbeat_s, so the other end
     hears from us within max(1.5 beats, stale_after_s / 2): half its patience to spare. A round of
     a thousand nodes is quiet for tens of seconds while they all-reduce, and a beat at half a
-    heartbeat was a frame each way per node a round."""
-    return max(heartbeat_s / 2, stale_after_s / 2 - heartbeat_s)
+    heartbeat was a frame each way per node a round.
+
+    `members`: how many the swarm's members were last told it has. Above BEATS_PER_S beats a
+    second in all the limit grows with them (by doublings, so both ends change it seldom): at the
+    defaults from 129 members on; a thousand members beat every 20.5 s where every 3 s was 333
+    Heartbeats and as many Pings a second through the coordinator."""
+    grown = 2 ** math.ceil(math.log2(members)) / BEATS_PER_S if members > 1 else 0.0
+    return max(heartbeat_s / 2, stale_after_s / 2 - heartbeat_s, grown)
+
+
+def patience(heartbeat_s: float, stale_after_s: float, members: int = 0) -> float:
+    """Seconds of silence after which the other end is taken for gone: stale_after_s, and twice
+    what the swarm's size added to the quiet limit (which so stays within half of it)."""
+    base = quiet_limit(heartbeat_s, stale_after_s)
+    return stale_after_s + 2 * (quiet_limit(heartbeat_s, stale_after_s, members) - base)
 
 
 def overdue(waited: float, expected: float, factor: float, heartbeat_s: float, others: int) -> bool:

@@ -84,6 +84,32 @@ def test_a_quiet_channel_is_beaten_on_within_half_the_other_ends_patience(heartb
     assert quiet >= heartbeat_s / 2  # a channel that carried a frame within half a beat needs none
 
 
+@pytest.mark.parametrize("heartbeat_s, stale_after_s", [(2.0, 10.0), (0.5, 1.0), (5.0, 10.0), (50.0, 250.0)])
+@pytest.mark.parametrize("members", [2, 16, 129, 1000, 100_000])
+def test_in_a_larger_swarm_beats_come_more_seldom_and_the_other_end_waits_longer_by_as_much(
+    heartbeat_s, stale_after_s, members
+) -> None:
+    alone = rules.quiet_limit(heartbeat_s, stale_after_s)
+    quiet = rules.quiet_limit(heartbeat_s, stale_after_s, members)
+    patience = rules.patience(heartbeat_s, stale_after_s, members)
+    assert quiet >= alone and patience >= stale_after_s
+    # The other end's longest silence (quiet + a beat) keeps the margin it had in a swarm of one.
+    assert patience - (quiet + heartbeat_s) >= stale_after_s - (alone + heartbeat_s)
+    assert rules.patience(heartbeat_s, stale_after_s) == stale_after_s
+    # Never shorter for more members: a member told a larger swarm never beats more often.
+    assert rules.quiet_limit(heartbeat_s, stale_after_s, 2 * members) >= quiet
+
+
+def test_at_the_default_beats_a_thousand_members_send_the_coordinator_at_most_fifty_beats_a_second() -> None:
+    # Every 3 s of quiet at the defaults: 333 Heartbeats and as many Pings a second at 1,000 members.
+    quiet = rules.quiet_limit(2.0, 10.0, 1000)
+    assert 1000 / quiet <= rules.BEATS_PER_S
+    assert rules.patience(2.0, 10.0, 1000) == pytest.approx(10.0 + 2 * (quiet - 3.0))
+    # A swarm of up to 128 members beats as the recipe says, and is dropped after stale_after_s.
+    assert rules.quiet_limit(2.0, 10.0, 128) == 3.0 and rules.patience(2.0, 10.0, 128) == 10.0
+    assert rules.quiet_limit(2.0, 10.0, 129) > 3.0
+
+
 def test_a_thousand_nodes_all_reducing_for_a_minute_get_no_ping_and_send_no_heartbeat() -> None:
     # (the lightweight swarm's recipe at 1,000 nodes: beats of 50 s, patience of 250 s)
     assert rules.quiet_limit(50.0, 250.0) > 60.0
