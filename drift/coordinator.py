@@ -593,21 +593,31 @@ class Coordinator:
         told any, a newcomer or one back on a new connection, expects the recipe's): a node that
         hears nothing from us for its patience knows the coordinator is gone (and tries to
         rejoin). (A ping to each of a thousand nodes whatever else they were sent was a fifth of
-        the coordinator's frames a round.)"""
+        the coordinator's frames a round.) Each Ping goes on its own, at most one a node at a
+        time: a node that stops reading holds up its own (a send to it waits for its window),
+        never the others'."""
         r = self.recipe
+        pinging: set[str] = set()
+
+        async def ping(p: Peer, frame: bytes) -> None:
+            try:
+                await p.ch.send_frame(frame, timeout=r.heartbeat_s)
+            except TransportError:
+                pass
+            finally:
+                pinging.discard(p.id)
+
         while True:
             await asyncio.sleep(r.heartbeat_s)
-            ping = P.encode(P.Ping())
+            frame = P.encode(P.Ping())
             told, quiet = self.told, rules.quiet_limit(r.heartbeat_s, r.stale_after_s, len(self.told))
             alone = rules.quiet_limit(r.heartbeat_s, r.stale_after_s)
             for p in list(self.ready.values()):
                 member = p.id in told and self.swarm.members.get(p.id) is p
-                if p.ch.quiet_s() < (quiet if member else alone):
+                if p.id in pinging or p.ch.quiet_s() < (quiet if member else alone):
                     continue
-                try:
-                    await p.ch.send_frame(ping, timeout=self.recipe.heartbeat_s)
-                except TransportError:
-                    pass
+                pinging.add(p.id)
+                self._spawn(ping(p, frame))
 
     # --- the run -------------------------------------------------------------------------------
 

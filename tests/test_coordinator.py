@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import dropped, run_async
+from conftest import dropped, make_task_repo, run_async
 
 from drift import protocol as P
 from drift.checkpoint import load_checkpoint
@@ -94,6 +94,54 @@ def test_bad_frames_are_dropped_and_coordinator_keeps_serving(
     assert f"exceeds the {MAX_CONTROL_FRAME}-byte cap" in text
     assert "expected NodeInfo first, got Ping" in text
     assert "not the id of the connecting endpoint" in text
+
+
+def test_a_member_that_stops_reading_does_not_keep_the_others_from_being_pinged(tmp_path: Path) -> None:
+    """A member stops reading its control stream: a send to it fills its window and waits (up to
+    a send's timeout, then it is dropped). Meanwhile every other member still hears a Ping within
+    its patience, or it would take the coordinator for gone and leave."""
+    recipe = load_recipe(make_task_repo(tmp_path / "repo", heartbeat_s=0.1, stale_after_s=1.5))
+
+    async def main() -> list[float]:
+        coord = Coordinator(recipe, tmp_path / "run")
+        await coord.start()
+        server, stuck_end, honest_end = [await Endpoint.bind("local") for _ in range(3)]
+        try:
+            peers = []
+            for client in (stuck_end, honest_end):  # the coordinator's side of two members' channels
+                accepting = asyncio.ensure_future(server.accept())
+                ch = await client.connect(server.ticket(), CONTROL_ALPN)
+                await ch.send_frame(b"hello")
+                _, conn = await accepting
+                theirs = await Endpoint.accept_channel(conn)
+                await theirs.recv_frame(64)
+                peers.append((ch, theirs))
+            (_, stuck), (honest_ch, honest) = peers
+            for node_id, mine in ((stuck_end.node_id, stuck), (honest_end.node_id, honest)):
+                info = P.NodeInfo(node_id=node_id, name=node_id[:4], backend="numpy", device="cpu", ring_ticket="t")
+                coord.ready[node_id] = Peer(info, mine)  # (stuck first: the ping pass reaches it first)
+
+            async def fill() -> None:  # frames to the member that does not read: its window (~1 MiB) fills
+                for _ in range(8):
+                    await stuck.send_frame(b"x" * (MAX_CONTROL_FRAME // 2), timeout=30)
+
+            blocked = asyncio.ensure_future(fill())
+            gaps, last = [], asyncio.get_running_loop().time()
+            while len(gaps) < 3:  # the honest member reads as a node does, within its patience
+                assert isinstance(P.decode(await honest_ch.recv_frame(MAX_CONTROL_FRAME, timeout=30)), P.Ping)
+                now = asyncio.get_running_loop().time()
+                gaps.append(now - last)
+                last = now
+            assert not blocked.done()  # (the send to the member that does not read still waits)
+            return gaps
+        finally:
+            coord.ready.clear()
+            await coord.close()
+            for ep in (server, stuck_end, honest_end):
+                await ep.close()
+
+    gaps = run_async(main(), timeout=120)
+    assert max(gaps) < recipe.stale_after_s, gaps
 
 
 def test_a_node_flooding_data_reports_fills_no_disk(tiny_recipe: Path, tmp_path: Path) -> None:
