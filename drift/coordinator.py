@@ -549,10 +549,9 @@ class Coordinator:
         # From here on every frame of this node feeds the round loop. Liveness is stamped here, as
         # frames arrive, not when the round loop gets to them: a round that starts after a long
         # checkpoint must not take a backlog of heartbeats for silence.
-        patience = self.patience()
         try:
             while True:
-                patience = self.patience()
+                patience = self.patience()  # (it grows with the membership: read it at each frame)
                 msg = P.decode(await ch.recv_frame(MAX_CONTROL_FRAME, timeout=patience))
                 self.swarm.seen(peer.id)
                 self.events.put_nowait((peer, msg))
@@ -607,11 +606,10 @@ class Coordinator:
             finally:
                 pinging.discard(p.id)
 
+        frame, alone = P.encode(P.Ping()), rules.quiet_limit(r.heartbeat_s, r.stale_after_s)
         while True:
             await asyncio.sleep(r.heartbeat_s)
-            frame = P.encode(P.Ping())
             told, quiet = self.told, rules.quiet_limit(r.heartbeat_s, r.stale_after_s, len(self.told))
-            alone = rules.quiet_limit(r.heartbeat_s, r.stale_after_s)
             for p in list(self.ready.values()):
                 member = p.id in told and self.swarm.members.get(p.id) is p
                 if p.id in pinging or p.ch.quiet_s() < (quiet if member else alone):
