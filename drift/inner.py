@@ -54,6 +54,10 @@ class RoundReport:
     metrics: dict[str, float] = field(default_factory=dict)  # the task's, beside val_loss
     busy_s: float = 0.0  # seconds spent in inner steps
     lr: float = 0.0  # the inner learning rate of the round
+    # The reports of the units trained last, not sent: the round ended with them, and the barrier
+    # report lists them (the coordinator counts them then: one frame a node, not two). The node
+    # sends them when its BarrierSync would come late (drift.rules.reports_ride).
+    unsent: list[P.TrainProgress] = field(default_factory=list)
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
         return P.BarrierSync(
@@ -196,6 +200,7 @@ class InnerLoop:
             "asked_at": 0.0,
             "no_more": a.no_more,  # (nothing is left to grant after these units: no ask this round)
             "stop": False,
+            "unsent": [],  # TrainProgress of units that may have been the round's last (RoundReport.unsent)
         }
         self._prefetch(state["granted"])
         pieces: deque[_Piece] = deque()  # units being trained, in order
@@ -210,11 +215,12 @@ class InnerLoop:
                 continue
             await self._train(state, pieces, report)
         for p in pieces:  # (StopRound: what of them is trained counts, the rest goes back)
-            await self._report(p, report, state)
+            await self._report(p, report, state, last=True)
         # A grant may still be on its way: wait for it, then hand back every untrained unit once.
         while state["asked"]:
             self._apply(await self.inbox.get(), state)
         report.returned += list(state["granted"])
+        report.unsent = state["unsent"]
         return report
 
     async def _train(self, state: dict, pieces: deque[_Piece], report: RoundReport) -> None:
@@ -341,12 +347,15 @@ class InnerLoop:
             taken += 1
             if len(p.losses) == len(p.batches):
                 pieces.popleft()
-                await self._report(p, report, state, ask=taken == upto and self._ask_soon(job, pieces, state))
+                ask = taken == upto and self._ask_soon(job, pieces, state)
+                last = not pieces and not state["granted"] and state["no_more"]
+                await self._report(p, report, state, ask=ask, last=last)
         return taken
 
-    async def _report(self, p: _Piece, report: RoundReport, state: dict, ask: bool = False) -> None:
+    async def _report(self, p: _Piece, report: RoundReport, state: dict, ask: bool = False, last: bool = False) -> None:
         """Account for a unit: the part trained (TrainProgress, with the ask for the next unit
-        riding on it if `ask`: one frame instead of two), and the rest handed back."""
+        riding on it if `ask`: one frame instead of two), and the rest handed back. The report of
+        a `last` unit (nothing more in hand or to come) waits: the barrier report lists it."""
         unit, k = p.unit, len(p.losses)
         lo = min(unit.hi, unit.lo + k * self.recipe.batch_size)
         if k:
@@ -355,18 +364,20 @@ class InnerLoop:
             report.samples += lo - unit.lo
             report.steps += k
             report.losses += p.losses
-            if ask:
-                state["asked"], state["asked_at"] = True, time.perf_counter()
-            await self.send(
-                P.TrainProgress(
-                    round=state["round"],
-                    unit=done,
-                    steps=k,
-                    loss=mean_loss(p.losses),
-                    samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
-                    ask=ask,
-                )
+            msg = P.TrainProgress(
+                round=state["round"],
+                unit=done,
+                steps=k,
+                loss=mean_loss(p.losses),
+                samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
             )
+            if ask:
+                await self._ask(state, msg)
+            elif last:
+                state["unsent"].append(msg)
+            else:
+                await self._send_unsent(state)
+                await self.send(msg)
         if lo < unit.hi:
             report.returned.append(unit.model_copy(update={"lo": lo}))
 
@@ -432,9 +443,22 @@ class InnerLoop:
         self._poll(state)
         return state["stop"]
 
-    async def _ask(self, state: dict) -> None:
+    async def _ask(self, state: dict, report: P.TrainProgress | None = None) -> None:
+        """Ask for the next unit: on `report` if given, else on the last report not sent yet (units
+        came back after the round seemed over), else on its own (AskForMoreWork)."""
+        if report is None and state["unsent"]:
+            report = state["unsent"].pop()
+        await self._send_unsent(state)
         state["asked"], state["asked_at"] = True, time.perf_counter()
-        await self.send(P.AskForMoreWork(round=state["round"]))
+        if report is not None:
+            await self.send(report.model_copy(update={"ask": True}))
+        else:
+            await self.send(P.AskForMoreWork(round=state["round"]))
+
+    async def _send_unsent(self, state: dict) -> None:
+        """The round goes on after all: the reports kept for the barrier go now, in order."""
+        while state["unsent"]:
+            await self.send(state["unsent"].pop(0))
 
 
 def mean_loss(losses: list[float]) -> float | None:

@@ -221,6 +221,7 @@ class Trainer:
     pending: Pending | None = None
     delta_check: DeltaCheck = field(default_factory=DeltaCheck)
     kept_steps: int = 0  # the local copy holds this many steps of a round that went on without us (Agreed.keep)
+    barrier_s: float | None = None  # the last round's time from its last step to its BarrierSync (Δ worked out)
 
     # --- moving state between the worker and the flat vectors ----------------------------------
 
@@ -861,8 +862,14 @@ class Session:
         self.progress.trained(a.round, report.samples, mean_loss(report.losses))
         if self.node.data is not None:
             await self.send(self.node.data.fetched())
+        waits = t.pending is not None and not t.pending.settled.is_set()
+        if not rules.reports_ride(t.barrier_s, report.busy_s, waits):
+            for msg in report.unsent:
+                await self.send(msg)
+        started = time.perf_counter()
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
             await self._settled(t.pending)
+            started = time.perf_counter()
         async with t.lock:
             if t.snap is not None:
                 t.read_local(t.snap)  # the local copy at this barrier, for the catch-up
@@ -874,6 +881,7 @@ class Session:
             t.worker.reset_optimizer()  # its moments are likely as broken as its Δ
         self._pend(t, Pending(a.round, a.report_val, steps=steps if not problem else 0))
         norm = t.delta_check.norm if steps and not problem else 0.0  # bounds the ring's sum
+        t.barrier_s = time.perf_counter() - started
         await self.send(report.barrier_sync(a.round).model_copy(update={"delta_error": problem, "delta_norm": norm}))
         if not t.recipe.overlap:
             await self._settled(t.pending)

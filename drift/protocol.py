@@ -337,7 +337,8 @@ class ShardAssignment(_Msg):
 
 
 class TrainProgress(_Msg):
-    """Node -> coordinator: one unit finished."""
+    """Node -> coordinator: one unit finished. Not sent for the units a node ends its round with
+    (drift.rules.reports_ride): its BarrierSync lists them, and the coordinator counts them then."""
 
     type: Literal["TrainProgress"] = "TrainProgress"
     round: Round

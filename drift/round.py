@@ -714,6 +714,20 @@ class Round:
         elif n.ask_held and self._room(i):
             self._answer_ask(i, self.rnd)
 
+    def on_last_units(self, i: str, msg: P.BarrierSync) -> None:
+        """The units its barrier report lists that no TrainProgress reported: count them now, as
+        if reported with it. (A node does not report the units it ended its round with on their
+        own: one frame a node, not two.) Units that overlap reported ones are the report's to
+        account for (check_accounting), not counted again."""
+        reported = self.nodes[i].reported
+        sps = msg.samples / msg.busy_s if msg.busy_s > 0 else 0.0  # (its word: only shown)
+        for u in msg.trained:
+            if not any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in reported):
+                last = P.TrainProgress.model_construct(
+                    round=msg.round, unit=u, steps=0, loss=msg.loss, samples_per_s=sps, ask=False
+                )
+                self.on_progress(i, last)
+
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
         n = self.nodes[i]
         if n.role == "evaluate" and msg.round <= self.rnd:
@@ -777,6 +791,8 @@ class Round:
 
     def on_sync(self, i: str, msg: P.BarrierSync) -> None:
         n = self.nodes[i]
+        if msg.round == self.rnd and n.synced is None:
+            self.on_last_units(i, msg)
         if msg.round == self.rnd and i in self.late:
             self.on_late_report(self.late, i, msg)
             return

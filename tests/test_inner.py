@@ -40,21 +40,26 @@ class Device:
 
     def __init__(self, worker) -> None:
         self.worker = worker
-        self._during: list[P._Msg] = []
+        self._during: list[tuple[int | None, P._Msg]] = []
         self._deliver = None
+        self.steps = 0
 
     def __getattr__(self, name: str):
         return getattr(self.worker, name)
 
-    def during_step(self, inbox: asyncio.Queue, msg: P._Msg) -> None:
+    def during_step(self, inbox: asyncio.Queue, msg: P._Msg, step: int | None = None) -> None:
+        """`msg` comes during the next step, or during the device's `step`-th (from 1)."""
         loop = asyncio.get_running_loop()
         self._deliver = lambda m: loop.call_soon_threadsafe(inbox.put_nowait, m)
-        self._during.append(msg)
+        self._during.append((step, msg))
 
     def train_step(self, indices, micro_batches: int = 1) -> float:
         loss = self.worker.train_step(indices, micro_batches)
-        while self._during:
-            self._deliver(self._during.pop(0))
+        self.steps += 1
+        due = [m for at, m in self._during if at in (None, self.steps)]
+        self._during = [(at, m) for at, m in self._during if at not in (None, self.steps)]
+        for m in due:
+            self._deliver(m)
         return loss
 
 
@@ -69,6 +74,7 @@ async def _round(
     no_more: bool = False,
     waiting: list[P._Msg] = (),
     during: P._Msg | None = None,
+    during_step: int | None = None,
 ):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each ask (an
     AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent."""
@@ -80,7 +86,7 @@ async def _round(
         inbox.put_nowait(m)
     if during is not None:  # (comes during the first step)
         worker = Device(worker)
-        worker.during_step(inbox, during)
+        worker.during_step(inbox, during, during_step)
     asks = 0
     sent = [] if sent is None else sent
 
@@ -153,7 +159,10 @@ def test_a_node_told_nothing_is_left_trains_its_units_without_asking(worker) -> 
 
     report = run_async(_round(worker, [_unit(0), _unit(1)], replies, sent=sent, no_more=True))
     assert sorted(u.id for u in report.trained) == [0, 1] and report.returned == []
-    assert [type(m) for m in sent] == [P.TrainProgress, P.TrainProgress]
+    # The first unit's report goes at once; the last one's rides on the barrier report (it lists
+    # that unit), one frame a node less: kept in the report, for when the barrier has to wait.
+    assert [(type(m), m.unit.id) for m in sent] == [(P.TrainProgress, 0)], sent
+    assert [m.unit.id for m in report.unsent] == [1] and report.unsent[0].unit in report.trained
 
 
 def test_a_node_told_nothing_is_left_asks_again_when_units_come_back(worker) -> None:
@@ -170,6 +179,25 @@ def test_a_node_told_nothing_is_left_asks_again_when_units_come_back(worker) -> 
         report = run_async(_round(worker, granted[:2], replies, no_more=True, **msg))
         assert check_accounting(granted, report.trained, report.returned) is None
         assert sorted(u.id for u in report.trained) == [0, 1, 2], when
+
+
+def test_a_report_waits_for_the_barrier_only_when_the_round_ended_with_its_unit(worker) -> None:
+    """Units come back (MoreWork) while the last unit in hand trains its last step: that unit was
+    not the round's last after all, so its report goes at once; only the unit the round really
+    ended with waits for the barrier report. (Held back, the coordinator would wait for its
+    progress before it granted more, and the node for the grant.)"""
+    granted, sent = [_unit(0), _unit(1), _unit(2)], []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        assert n == 1, "the node asked again after the last grant"
+        _later(inbox, P.AssignNext(round=0, unit=granted[2], no_more=True), 0.01)
+
+    # (step 4: unit 1's last; a node left, its unit is back in the plan)
+    more = {"during": P.MoreWork(round=0), "during_step": 4}
+    report = run_async(_round(worker, granted[:2], replies, sent=sent, no_more=True, **more))
+    assert check_accounting(granted, report.trained, report.returned) is None
+    assert [m.unit.id for m in sent if isinstance(m, P.TrainProgress)] == [0, 1], sent
+    assert [m.unit.id for m in report.unsent] == [2]
 
 
 def test_the_grant_of_the_last_unit_ends_the_asks(worker) -> None:
@@ -342,7 +370,8 @@ def test_who_wants_the_model_gets_it_at_the_next_step(worker) -> None:
         loop.close()
     assert seen == [3]  # the step in flight finished, the next one waited
     assert report.steps == 8 and report.trained == [_unit(0, 8)] and report.returned == []
-    assert [(p.unit, p.steps) for p in progress] == [(_unit(0, 8), 8)]
+    # (reported once, whole: the round ended with it, so its report waits for the barrier's)
+    assert [(p.unit, p.steps) for p in progress + report.unsent] == [(_unit(0, 8), 8)]
 
 
 def test_who_queued_behind_the_unit_gets_the_model_before_its_steps(worker) -> None:

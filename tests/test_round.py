@@ -137,10 +137,15 @@ class Sim:
             self.apply(actions)
         return settled
 
-    def train(self, name: str, norm: float = 1.0, steps: int | None = None, **sync) -> P.BarrierSync:
-        """Node `name` trains every unit it can get (asking until NoMoreWork) and syncs."""
+    def train(
+        self, name: str, norm: float = 1.0, steps: int | None = None, report_last: bool = True, **sync
+    ) -> P.BarrierSync:
+        """Node `name` trains every unit it can get (asking until NoMoreWork) and syncs; unless
+        `report_last`, the units in hand once nothing is left are reported only by its sync."""
         i, rd = self.ids[name], self.rd
         while True:
+            if not report_last and self.told_no_more(name):
+                break
             for u in list(rd.plan.granted.get(i, [])):
                 if (u.epoch, u.id, u.lo, u.hi) not in rd.nodes[i].reported:
                     self.msg(name, P.TrainProgress(round=rd.rnd, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
@@ -924,6 +929,32 @@ def test_repeated_progress_counts_once_and_is_named_and_struck_once_a_round() ->
     assert rd.nodes[sim.ids["x"]].trained == u.hi - u.lo
     assert [(f["name"], f["claim"]) for f in sim.noted("false_claim")] == [("x", "progress")]
     assert sim.struck() == {"x"} and sim.s.strikes[sim.ids["x"]] == [0]
+
+
+def test_units_only_the_barrier_report_lists_count_then_once_and_as_measured_speed() -> None:
+    # A node does not report on their own the units it ended its round with (one frame a node
+    # less): its BarrierSync lists them.
+    sim = Sim(["a", "x"])
+    rd = sim.start()
+    x = sim.ids["x"]
+    sim.now += 1.0
+    granted = sim.train("x", report_last=False).trained
+    assert len(granted) >= 2 and rd.nodes[x].trained == rules.samples(granted)  # counted, reported or not
+    counted = sorted((a.unit.id, a.unit.lo) for a in sim.actions if isinstance(a, R.Progress) and a.node == x)
+    assert counted == sorted((u.id, u.lo) for u in granted)  # each once
+    assert [a.samples_per_s for a in sim.actions if isinstance(a, R.Measured) and a.node == x]  # by our clock
+    assert not sim.struck() and not sim.noted("bad_report") and not sim.noted("false_claim")
+
+
+def test_a_unit_listed_twice_in_a_barrier_report_counts_once_and_is_a_bad_report_not_a_repeat() -> None:
+    sim = Sim(["a", "x"])
+    rd = sim.start()
+    x = sim.ids["x"]
+    u = rd.plan.granted[x][0]
+    n = 2 * (u.hi - u.lo)
+    sim.msg("x", P.BarrierSync(round=0, samples=n, steps=2, loss=1.0, trained=[u, u], delta_norm=1.0))
+    assert rd.nodes[x].trained == u.hi - u.lo
+    assert [f["node_id"] for f in sim.noted("bad_report")] == [x] and not sim.noted("false_claim")
 
 
 def test_asking_again_and_again_grants_at_most_two_units_ahead() -> None:

@@ -580,3 +580,10 @@ def test_only_a_grid_failure_most_report_and_nobody_is_named_for_moves_the_swarm
     assert not rules.flat_from_now(True, [], {"y"}, ["a", "b"], 3)  # a member left during it: that is why it failed
     assert not rules.flat_from_now(True, [], [], ["a"], 3)  # one member's word: the attempt is only redone
     assert [rules.flat_rounds(k) for k in (1, 2, 3)] == [2, 4, 8]  # longer each time, never for good
+
+
+def test_a_nodes_last_reports_ride_on_its_barrier_report_only_when_that_does_not_make_it_look_slower() -> None:
+    assert rules.reports_ride(barrier_s=0.001, busy_s=1.0, waits=False)  # Δ in 0.1 % of the training
+    assert not rules.reports_ride(barrier_s=0.5, busy_s=10.0, waits=False)  # 5 %: a 1B model's Δ beside short units
+    assert not rules.reports_ride(barrier_s=None, busy_s=1.0, waits=False)  # its first round: Δ's time unknown
+    assert not rules.reports_ride(barrier_s=0.001, busy_s=1.0, waits=True)  # overlapped: the round in flight first

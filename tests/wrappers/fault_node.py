@@ -40,8 +40,8 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        on as if busy: the coordinator must not wait for it forever
   other-task           claim another initial θ in its RepoCommit (it loaded a different task); ROUND
                        is ignored
-  claim-fast           claim 1e9 samples/s (calibration and every TrainProgress) while training at
-                       its real pace; ROUND is ignored
+  claim-fast           claim 1e9 samples/s (calibration, every TrainProgress, and the time its
+                       BarrierSync says it trained) while training at its real pace; ROUND is ignored
   eval-initial         answer every evaluation job as if it were of the initial θ (after_round -1);
                        ROUND is ignored
   val-every-round      report a val loss of 1e6 in every RoundDone it was not asked for one; ROUND
@@ -61,7 +61,8 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        it applied), tell the coordinator 1 s later that it sits the round out
                        (RingFailed sit_out): before, every such round was abandoned although every
                        node applied it, and the nodes deadlocked fetching the round before
-  repeat-progress      from that round on, send each TrainProgress and each AskForMoreWork 20 times:
+  repeat-progress      from that round on, send each TrainProgress and each AskForMoreWork 20 times
+                       (and, before its BarrierSync, a TrainProgress of every unit it lists, 20 times):
                        before, the repeats counted as measured speed and units, it became the only
                        trainer, and every honest node was made an evaluator
   withhold-gather      (sync: sparse) from that round on, send its payload to nobody in the
@@ -323,6 +324,8 @@ elif kind == "claim-fast":
     async def _(orig, self, msg):
         if isinstance(msg, (P.TrainProgress, P.EvalResult)):
             msg = msg.model_copy(update={"samples_per_s": 1e9})
+        if isinstance(msg, P.BarrierSync):  # (the speed it shows for the units only its sync reports)
+            msg = msg.model_copy(update={"busy_s": msg.samples / 1e9})
         await orig(self, msg)
 elif kind in ("eval-initial", "val-every-round"):
 
@@ -422,6 +425,11 @@ elif kind == "repeat-progress":
     @patch(Session, "send")
     async def _(orig, self, msg):
         repeats = 20 if isinstance(msg, (P.TrainProgress, P.AskForMoreWork)) and msg.round >= at else 1
+        if isinstance(msg, P.BarrierSync) and msg.round >= at:  # the units only its sync reports, too
+            for u in msg.trained:
+                progress = P.TrainProgress(round=msg.round, unit=u, steps=1, loss=msg.loss, samples_per_s=1.0)
+                for _ in range(20):
+                    await orig(self, progress)
         for _ in range(repeats):
             await orig(self, msg)
 elif kind == "withhold-gather":
