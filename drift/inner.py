@@ -58,6 +58,7 @@ class RoundReport:
     # report lists them (the coordinator counts them then: one frame a node, not two). The node
     # sends them when its BarrierSync would come late (drift.rules.reports_ride).
     unsent: list[P.TrainProgress] = field(default_factory=list)
+    unreported_s: float = 0.0  # seconds from the last TrainProgress sent (or the round's start) to the round's end
 
     def barrier_sync(self, rnd: int) -> P.BarrierSync:
         return P.BarrierSync(
@@ -201,6 +202,7 @@ class InnerLoop:
             "no_more": a.no_more,  # (nothing is left to grant after these units: no ask this round)
             "stop": False,
             "unsent": [],  # TrainProgress of units that may have been the round's last (RoundReport.unsent)
+            "reported_at": time.perf_counter(),  # when the last TrainProgress went (or the round started)
         }
         self._prefetch(state["granted"])
         pieces: deque[_Piece] = deque()  # units being trained, in order
@@ -220,7 +222,7 @@ class InnerLoop:
         while state["asked"]:
             self._apply(await self.inbox.get(), state)
         report.returned += list(state["granted"])
-        report.unsent = state["unsent"]
+        report.unsent, report.unreported_s = state["unsent"], time.perf_counter() - state["reported_at"]
         return report
 
     async def _train(self, state: dict, pieces: deque[_Piece], report: RoundReport) -> None:
@@ -377,7 +379,7 @@ class InnerLoop:
                 state["unsent"].append(msg)
             else:
                 await self._send_unsent(state)
-                await self.send(msg)
+                await self._send_report(state, msg)
         if lo < unit.hi:
             report.returned.append(unit.model_copy(update={"lo": lo}))
 
@@ -451,14 +453,18 @@ class InnerLoop:
         await self._send_unsent(state)
         state["asked"], state["asked_at"] = True, time.perf_counter()
         if report is not None:
-            await self.send(report.model_copy(update={"ask": True}))
+            await self._send_report(state, report.model_copy(update={"ask": True}))
         else:
             await self.send(P.AskForMoreWork(round=state["round"]))
 
     async def _send_unsent(self, state: dict) -> None:
         """The round goes on after all: the reports kept for the barrier go now, in order."""
         while state["unsent"]:
-            await self.send(state["unsent"].pop(0))
+            await self._send_report(state, state["unsent"].pop(0))
+
+    async def _send_report(self, state: dict, msg: P.TrainProgress) -> None:
+        state["reported_at"] = time.perf_counter()
+        await self.send(msg)
 
 
 def mean_loss(losses: list[float]) -> float | None:

@@ -863,7 +863,7 @@ class Session:
         if self.node.data is not None:
             await self.send(self.node.data.fetched())
         waits = t.pending is not None and not t.pending.settled.is_set()
-        if not rules.reports_ride(t.barrier_s, report.busy_s, waits):
+        if not rules.reports_ride(t.barrier_s, report.unreported_s, waits):
             for msg in report.unsent:
                 await self.send(msg)
         started = time.perf_counter()

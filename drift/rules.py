@@ -72,13 +72,14 @@ Records = Mapping[str, NodeRound]
 BARRIER_SHARE = 0.01  # the slowdown a node may show the coordinator's clock to save a frame
 
 
-def reports_ride(barrier_s: float | None, busy_s: float, waits: bool) -> bool:
+def reports_ride(barrier_s: float | None, unreported_s: float, waits: bool) -> bool:
     """A node's reports of the units it ended its round with go in its BarrierSync alone (one
     frame a node less; the coordinator counts them when it comes), unless that comes late enough
-    to make the node look slower than it is, since the coordinator times progress by its own clock:
-    it waits for the round in flight (overlapped), or the last round's Δ (`barrier_s`: last step
-    to BarrierSync; None: none yet) took more than BARRIER_SHARE of this round's training."""
-    return not waits and barrier_s is not None and barrier_s <= BARRIER_SHARE * busy_s
+    to make the node look slower than it is, since the coordinator times progress by its own clock
+    from the report before: it waits for the round in flight (overlapped), or the last round's Δ
+    (`barrier_s`: last step to BarrierSync; None: none yet) took more than BARRIER_SHARE of the
+    time these units took (`unreported_s`: since its last report, or the round's start)."""
+    return not waits and barrier_s is not None and barrier_s <= BARRIER_SHARE * unreported_s
 
 
 def checkpoint_owed(skipped: int | None, newest: int, last: int | None, failed: bool) -> int | None:

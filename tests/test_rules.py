@@ -583,7 +583,11 @@ def test_only_a_grid_failure_most_report_and_nobody_is_named_for_moves_the_swarm
 
 
 def test_a_nodes_last_reports_ride_on_its_barrier_report_only_when_that_does_not_make_it_look_slower() -> None:
-    assert rules.reports_ride(barrier_s=0.001, busy_s=1.0, waits=False)  # Δ in 0.1 % of the training
-    assert not rules.reports_ride(barrier_s=0.5, busy_s=10.0, waits=False)  # 5 %: a 1B model's Δ beside short units
-    assert not rules.reports_ride(barrier_s=None, busy_s=1.0, waits=False)  # its first round: Δ's time unknown
-    assert not rules.reports_ride(barrier_s=0.001, busy_s=1.0, waits=True)  # overlapped: the round in flight first
+    assert rules.reports_ride(barrier_s=0.001, unreported_s=1.0, waits=False)  # Δ in 0.1 % of what its last units took
+    assert not rules.reports_ride(
+        barrier_s=0.5, unreported_s=10.0, waits=False
+    )  # 5 %: a 1B model's Δ beside short units
+    assert not rules.reports_ride(barrier_s=None, unreported_s=1.0, waits=False)  # its first round: Δ's time unknown
+    assert not rules.reports_ride(
+        barrier_s=0.001, unreported_s=1.0, waits=True
+    )  # overlapped: the round in flight first
