@@ -691,7 +691,7 @@ class Round:
         ):
             return  # a late report, or samples it was never granted: counts for nothing
         n, now = self.nodes[i], self.now
-        if any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in n.reported):
+        if n.reported_any(u):
             # Samples it reported before: a unit counts once, and honest code reports each once.
             if not n.repeated:
                 n.repeated = True
@@ -719,10 +719,10 @@ class Round:
         if reported with it. (A node does not report the units it ended its round with on their
         own: one frame a node, not two.) Units that overlap reported ones are the report's to
         account for (check_accounting), not counted again."""
-        reported = self.nodes[i].reported
+        n = self.nodes[i]
         sps = msg.samples / msg.busy_s if msg.busy_s > 0 else 0.0  # (its word: only shown)
         for u in msg.trained:
-            if not any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in reported):
+            if not n.reported_any(u):
                 last = P.TrainProgress.model_construct(
                     round=msg.round, unit=u, steps=0, loss=msg.loss, samples_per_s=sps, ask=False
                 )

@@ -53,6 +53,10 @@ class NodeRound:
         """Its barrier report counts (synced, not excluded)."""
         return self.synced is not None and not self.excluded
 
+    def reported_any(self, u: P.WorkUnit) -> bool:
+        """It reported trained some of unit u's samples already."""
+        return any(e == u.epoch and k == u.id and lo < u.hi and u.lo < hi for e, k, lo, hi in self.reported)
+
     def measure(self, samples: int, now: float) -> float | None:
         """Count a finished unit of `samples`; the node's speed by our clock (samples over time
         since the last measurement) once SPEED_WINDOW_S has passed, else None. Reports that queued
