@@ -200,6 +200,26 @@ def test_a_report_waits_for_the_barrier_only_when_the_round_ended_with_its_unit(
     assert [m.unit.id for m in report.unsent] == [2]
 
 
+def test_units_back_after_the_round_seemed_over_send_the_kept_reports_the_last_with_the_ask(worker) -> None:
+    """The node kept the reports of the units it thought it ended its round with; then units came
+    back (MoreWork) and it asks: the kept reports go first, in order, the last one carrying the
+    ask (one frame, not two). (Kept back, the coordinator would count them only at the barrier.)
+    The moment between a job's last step and the round loop's next look at its inbox cannot be
+    hit by timing: this drives the ask itself."""
+    sent: list[P._Msg] = []
+
+    async def send(msg: P._Msg) -> None:
+        sent.append(msg)
+
+    recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=2)
+    inner = InnerLoop(worker, recipe, asyncio.Queue(), send)
+    kept = [P.TrainProgress(round=0, unit=_unit(k), steps=2, loss=1.0, samples_per_s=1.0) for k in (0, 1)]
+    state = {"round": 0, "unsent": list(kept), "asked": False, "reported_at": 0.0}
+    run_async(inner._ask(state))
+    assert [(m.unit.id, m.ask) for m in sent] == [(0, False), (1, True)], sent
+    assert state["unsent"] == [] and state["asked"] and state["reported_at"] > 0
+
+
 def test_the_grant_of_the_last_unit_ends_the_asks(worker) -> None:
     granted, sent = [_unit(0)], []
 
