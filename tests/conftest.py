@@ -47,6 +47,13 @@ def _audit(event: str, args: tuple) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     sys.addaudithook(_audit)  # (here, not at import: a test module importing tests.conftest adds none)
+    # The suite starts hundreds of processes that import drift. Where the machine sets
+    # PYTHONDONTWRITEBYTECODE (this project's machines do), each one compiled drift's modules from
+    # source, ~0.2 s of CPU a process, and each pytest worker rewrote every test module: both are
+    # now written once, to the project's (git-ignored) __pycache__ folders. (benchmarks/harness's
+    # processes: harness.simulate.ENV.)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -30,7 +30,8 @@ def run_events(run_dir: Path) -> list[dict]:
     return read_events(run_dir, whole=True) if (run_dir / "metrics.jsonl").exists() else []
 
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+# (without PYTHONDONTWRITEBYTECODE: a swarm's processes compile drift once, not each: tests/conftest.py)
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONUNBUFFERED": "1"}
 SIM_NODE = ROOT / "tests" / "wrappers" / "sim_node.py"  # `drift join` on a simulated device
 
 # The simulated swarms' task: a tiny model, fast liveness, a simulated step time (tests/wrappers/sim_node.py) sets each node's pace.
