@@ -866,10 +866,9 @@ class Session:
         if not rules.reports_ride(t.barrier_s, report.unreported_s, waits):
             for msg in report.unsent:
                 await self.send(msg)
-        started = time.perf_counter()
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
             await self._settled(t.pending)
-            started = time.perf_counter()
+        started = time.perf_counter()  # (Δ's time, rules.reports_ride: not the wait above)
         async with t.lock:
             if t.snap is not None:
                 t.read_local(t.snap)  # the local copy at this barrier, for the catch-up
