@@ -52,6 +52,7 @@ from drift.transport import (
     parse_ticket,
     peer_of,
     source_of,
+    within,
 )
 
 log = logging.getLogger("drift.coord")
@@ -635,7 +636,7 @@ class Coordinator:
         if timeout <= 0:
             return None
         try:
-            return await asyncio.wait_for(self.events.get(), timeout)
+            return await within(self.events.get(), timeout)
         except asyncio.TimeoutError:
             return None
 

@@ -92,6 +92,7 @@ from drift.transport import (
     parse_ticket,
     run_finished,
     ticket_run,
+    within,
 )
 from drift.workers import BackendError, Choice, TaskError, trim_heap
 
@@ -467,7 +468,7 @@ class Session:
         raises Lost, messages of an earlier round (replies that crossed ours) are skipped."""
         while True:
             try:
-                msg = self._stash.popleft() if self._stash else await asyncio.wait_for(self.inbox.get(), timeout)
+                msg = self._stash.popleft() if self._stash else await within(self.inbox.get(), timeout)
             except asyncio.TimeoutError:
                 names = "/".join(t.__name__ for t in types)
                 raise Lost(f"coordinator sent no {names} within {timeout:g}s") from None
@@ -726,7 +727,7 @@ class Session:
             await self.send(P.TrainingCancel(reason=reason))
             # Closing at once could drop the frame in flight: wait until the coordinator hangs up.
             while loop.time() < deadline:
-                if await asyncio.wait_for(self.inbox.get(), deadline - loop.time()) is None:
+                if await within(self.inbox.get(), deadline - loop.time()) is None:
                     break
         except Exception:
             pass

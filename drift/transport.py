@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import re
 import struct
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -117,9 +118,18 @@ def _fast_lower(value) -> iroh_ffi._UniffiRustBuffer:
 # --- the wake-up fix ---------------------------------------------------------------------------
 # Every async call into the binding resumes through a continuation callback, which hands the
 # result to the event loop with call_soon_threadsafe: a write to the loop's self-pipe and one more
-# pass of the loop. Two of three come synchronously, on the loop's own thread, from the poll the
-# call itself made (bench: a control frame's round trip); those need no wake-up. With the copy
-# fix and asyncio.timeout in _timed: 17 % less CPU a round trip of a small frame.
+# pass of the loop. Most come synchronously, on the loop's own thread, from the poll the call itself
+# made (a write that fits the stream's buffer, a read of bytes already there): the result is set at
+# once and the await that follows does not suspend. Up to INLINE_MAX calls a pass of the loop: a
+# task that only writes would otherwise keep the loop, and iroh's callbacks that need the GIL,
+# waiting (one process holding both ends of 3,000 frames lost packets to it).
+
+INLINE_MAX = 64
+_inline = threading.local()  # calls finished inside their own poll since this thread's loop last passed
+
+
+def _loop_passed() -> None:
+    _inline.n = 0
 
 
 @iroh_ffi._UNIFFI_RUST_FUTURE_CONTINUATION_CALLBACK
@@ -129,7 +139,17 @@ def _continuation(future_ptr, poll_code) -> None:
         here = asyncio.get_running_loop() is loop
     except RuntimeError:  # one of iroh's threads
         here = False
-    (loop.call_soon if here else loop.call_soon_threadsafe)(iroh_ffi._uniffi_set_future_result, future, poll_code)
+    if not here:
+        loop.call_soon_threadsafe(iroh_ffi._uniffi_set_future_result, future, poll_code)
+        return
+    n = getattr(_inline, "n", 0)
+    if n >= INLINE_MAX:
+        loop.call_soon(iroh_ffi._uniffi_set_future_result, future, poll_code)
+        return
+    if n == 0:
+        loop.call_soon(_loop_passed)
+    _inline.n = n + 1
+    iroh_ffi._uniffi_set_future_result(future, poll_code)
 
 
 def install_copy_fix() -> None:
@@ -272,12 +292,19 @@ def _iroh_reason(e: Exception) -> str:
     return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
+async def within(aw, timeout: float | None):
+    """Await aw for at most `timeout` seconds (asyncio.TimeoutError after): asyncio.wait_for
+    without the task of its own that wait_for makes for each call before Python 3.12 (a frame, a
+    round's next message: thousands a round at the coordinator)."""
+    if _timeout is None:  # Python 3.10
+        return await asyncio.wait_for(aw, timeout)
+    async with _timeout(timeout):
+        return await aw
+
+
 async def _timed(aw, timeout: float, what: str):
     try:
-        if _timeout is None:  # Python 3.10
-            return await asyncio.wait_for(aw, timeout)
-        async with _timeout(timeout):  # (no task of its own a call, as wait_for makes before 3.12)
-            return await aw
+        return await within(aw, timeout)
     except asyncio.TimeoutError:
         raise TransportTimeout(f"timed out after {timeout:g}s {what}") from None
     except iroh.IrohError as e:

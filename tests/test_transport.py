@@ -58,6 +58,48 @@ def test_bytes_round_trip_exactly(fixed: bool) -> None:
     assert got == want
 
 
+def test_a_writer_that_never_waits_leaves_the_loop_to_the_others_in_its_process() -> None:
+    """A write that fits the stream's buffer finishes inside its own call (no pass of the loop),
+    but only INLINE_MAX in a row: a task that only writes lets the other tasks of its loop run,
+    among them the reader of the same frames (lightweight nodes: many endpoints, one loop)."""
+    n = 5000
+
+    async def main() -> tuple[list[bytes], int]:
+        a, b = await _pair()
+        try:
+
+            async def server() -> list[bytes]:
+                _alpn, conn = await b.accept(timeout=10)
+                ch = await Endpoint.accept_channel(conn)
+                return [await ch.recv_frame(64) for _ in range(n)]
+
+            srv = asyncio.ensure_future(server())
+            ch = await a.connect(b.ticket(), CONTROL_ALPN)
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0)
+                    ticks += 1
+
+            t = asyncio.ensure_future(ticker())
+            await asyncio.sleep(0)
+            before = ticks
+            for k in range(n):
+                await ch.send_frame(b"frame %d" % k)
+            during = ticks - before
+            t.cancel()
+            return await asyncio.wait_for(srv, 60), during
+        finally:
+            await a.close()
+            await b.close()
+
+    got, during = run_async(main())
+    assert got == [b"frame %d" % k for k in range(n)]
+    assert during >= n // transport.INLINE_MAX - 1
+
+
 def test_oversized_frame_refused_before_body() -> None:
     async def main() -> str:
         a, b = await _pair()
