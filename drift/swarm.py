@@ -74,6 +74,7 @@ class Swarm:
         # The ring order last sent, and who was sent it (a BarrierReady leaves it out for them).
         self._order: tuple[str, ...] = ()
         self._told_order: set[str] = set()
+        self._near_top: str | None = None  # the fastest other member when measured_speed last looked
 
     def name(self, i: str) -> str:
         return self.members[i].info.name if i in self.members else i[:10]
@@ -181,13 +182,16 @@ class Swarm:
         fast device is a few milliseconds, and one hiccup must not make it look 20x slower. A
         node that really became far slower is caught by its deadline instead (slowed)."""
         if i in self.speed and finite_positive(sps):
-            # (every unit of every node comes here: a Python pass over the members for each was N²
-            # a round, so the fastest other member is found in C: the fastest, or, when that is i,
-            # the next, which in a swarm of equal speeds is every unit's case)
-            top = max(map(self.speed.__getitem__, self.members), default=None)
-            if top is not None and i in self.members and self.speed[i] >= top:
-                top = sorted(map(self.speed.__getitem__, self.members))[-2] if len(self.members) > 1 else None
-            sps = min(sps, SPEED_CAP * top) if top is not None else sps
+            # Capped at SPEED_CAP times the fastest other member. Every unit of every node comes
+            # here, so that member is looked for (a pass over the members) only when the one found
+            # last time, another member still, is not fast enough to leave sps under the cap.
+            ref = self._near_top
+            if ref is None or ref == i or ref not in self.members or sps > SPEED_CAP * self.speed[ref]:
+                ref = self._near_top = max(
+                    (j for j in self.members if j != i), key=self.speed.__getitem__, default=None
+                )
+                if ref is not None:
+                    sps = min(sps, SPEED_CAP * self.speed[ref])
             first = i not in self.measured  # a claim above what we measured goes at once
             self.speed[i] = sps if first and sps < self.speed[i] else 0.5 * self.speed[i] + 0.5 * sps
             self.measured.add(i)

@@ -1151,6 +1151,17 @@ def test_a_measured_speed_is_capped_relative_to_the_others_and_cannot_make_them_
     assert sim.s.evaluators(10_000) == set()  # one node's speed makes nobody else an evaluator
 
 
+def test_a_measured_speed_is_capped_by_the_fastest_other_member_whoever_was_measured_between() -> None:
+    sim = Sim(["a", "b", "x"])
+    sim.s.measured_speed(sim.ids["x"], 1e12)
+    sim.s.measured_speed(sim.ids["x"], 1e12)
+    sim.s.measured_speed(sim.ids["a"], 1.2e5)  # (over the cap of b's 100: a's is x's speed)
+    x, a = sim.s.speed[sim.ids["x"]], sim.s.speed[sim.ids["a"]]
+    assert a < x
+    sim.s.measured_speed(sim.ids["x"], 7e7)  # over a's cap, under its own speed's
+    assert sim.s.speed[sim.ids["x"]] == 0.5 * x + 0.5 * 1000 * a
+
+
 # --- 5. an abandoned round due a checkpoint (the coordinator) ----------------------------------
 
 
