@@ -685,33 +685,11 @@ class Round:
                 self.warn(f"ignoring unexpected {msg.type} from {self.name(i)} in round {self.rnd}")
 
     def on_progress(self, i: str, msg: P.TrainProgress) -> None:
-        u = msg.unit
-        if msg.round != self.rnd or not any(
-            g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
-        ):
-            return  # a late report, or samples it was never granted: counts for nothing
-        n, now = self.nodes[i], self.now
-        if n.reported_any(u):
-            # Samples it reported before: a unit counts once, and honest code reports each once.
-            if not n.repeated:
-                n.repeated = True
-                self.lied(i, "false_claim", "it reported samples it had already reported trained", claim="progress")
+        if not self._count(i, msg.round, msg.unit, msg.loss, msg.samples_per_s):
             return
-        n.reported.append((u.epoch, u.id, u.lo, u.hi))
-        k = u.hi - u.lo
-        # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
-        # val loss: it evaluated θ0 before it).
-        if n.trained == 0 and i == self.val_reporter and self.rnd == 0:
-            n.t_unit = now
-        elif (sps := n.measure(k, now)) is not None:
-            self.out.append(Measured(i, sps))
-        n.trained += k
-        n.units_after_stop += self.stop_sent or n.early
-        n.last_progress = now
-        self.out.append(Progress(i, u, k, msg.loss, msg.samples_per_s))
         if msg.ask:
             self.on_ask(i, P.AskForMoreWork(round=msg.round))
-        elif n.ask_held and self._room(i):
+        elif self.nodes[i].ask_held and self._room(i):
             self._answer_ask(i, self.rnd)
 
     def on_last_units(self, i: str, msg: P.BarrierSync) -> None:
@@ -723,10 +701,36 @@ class Round:
         sps = msg.samples / msg.busy_s if msg.busy_s > 0 else 0.0  # (its word: only shown)
         for u in msg.trained:
             if not n.reported_any(u):
-                last = P.TrainProgress.model_construct(
-                    round=msg.round, unit=u, steps=0, loss=msg.loss, samples_per_s=sps, ask=False
-                )
-                self.on_progress(i, last)
+                self._count(i, msg.round, u, msg.loss, sps)
+
+    def _count(self, i: str, rnd: int, u: P.WorkUnit, loss: float, sps: float) -> bool:
+        """Node i says it trained unit u (of round rnd): counted, and its time measured by our
+        clock, if we granted it those samples this round and it did not report them before.
+        Whether it counted."""
+        if rnd != self.rnd or not any(
+            g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
+        ):
+            return False  # a late report, or samples it was never granted: counts for nothing
+        n, now = self.nodes[i], self.now
+        if n.reported_any(u):
+            # Samples it reported before: a unit counts once, and honest code reports each once.
+            if not n.repeated:
+                n.repeated = True
+                self.lied(i, "false_claim", "it reported samples it had already reported trained", claim="progress")
+            return False
+        n.reported.append((u.epoch, u.id, u.lo, u.hi))
+        k = u.hi - u.lo
+        # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
+        # val loss: it evaluated θ0 before it).
+        if n.trained == 0 and i == self.val_reporter and self.rnd == 0:
+            n.t_unit = now
+        elif (sps_measured := n.measure(k, now)) is not None:
+            self.out.append(Measured(i, sps_measured))
+        n.trained += k
+        n.units_after_stop += self.stop_sent or n.early
+        n.last_progress = now
+        self.out.append(Progress(i, u, k, loss, sps))
+        return True
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
         n = self.nodes[i]
