@@ -122,7 +122,8 @@ def _fast_lower(value) -> iroh_ffi._UniffiRustBuffer:
 # made (a write that fits the stream's buffer, a read of bytes already there): the result is set at
 # once and the await that follows does not suspend. Up to INLINE_MAX calls a pass of the loop: a
 # task that only writes would otherwise keep the loop, and iroh's callbacks that need the GIL,
-# waiting (one process holding both ends of 3,000 frames lost packets to it).
+# waiting (one process holding both ends of 3,000 frames written back to back lost the connection:
+# "too many gaps in stream buffer").
 
 INLINE_MAX = 64
 _inline = threading.local()  # calls finished inside their own poll since this thread's loop last passed
