@@ -625,7 +625,10 @@ class Coordinator:
         Encoded once: a TrainingReady or BarrierReady names every member, so encoding it for each
         of them would cost the coordinator N² a round."""
         frame = P.encode(msg) if peers else b""
-        await asyncio.gather(*(self.send(p, msg, frame) for p in peers))
+        if len(peers) == 1:  # (most are: a grant, an answer; a task and a gather for one cost more than the send)
+            await self.send(peers[0], msg, frame)
+        else:
+            await asyncio.gather(*(self.send(p, msg, frame) for p in peers))
 
     async def _next_event(self, timeout: float) -> tuple[Peer, P.Message | None] | None:
         """The next message of an admitted node (None: its connection ended), or None after
