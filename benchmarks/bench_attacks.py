@@ -25,7 +25,7 @@ ATTACKS = {  # fault -> the issue's attack
     "sit-out-early:1": "1: 'I already applied', at once",
     "lie-steps:1": "2: norm x1000 over 10^9 steps",
     "withhold-gather:1": "3: no all-gather payload sent (sparse only)",
-    "sit-out-late:1": "4: 'I sat out', 1 s late",
+    "sit-out-late:1": "4: 'I sat out', 0.3 s late",
     "repeat-progress:0": "6: each progress and ask x20",
     "withhold-done:1": "6: never a RoundDone",
     "scale-ring:1": "poison: x1000 Δ",

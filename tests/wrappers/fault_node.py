@@ -58,9 +58,11 @@ speed of the machine, or that need a node which misbehaves. $DRIFT_TEST_FAULT=KI
                        inner steps, and send 1000 x its Δ into the all-reduce: before, the per-step
                        outlier check took its word for the steps and θ was poisoned
   sit-out-late         from that round on, in place of each RoundDone (θ after the outer step, which
-                       it applied), tell the coordinator 1 s later that it sits the round out
+                       it applied), tell the coordinator 0.3 s later that it sits the round out
                        (RingFailed sit_out): before, every such round was abandoned although every
-                       node applied it, and the nodes deadlocked fetching the round before
+                       node applied it, and the nodes deadlocked fetching the round before. (Within
+                       the time the others' reports leave it: any later, it is behind already and
+                       its claim is moot.)
   repeat-progress      from that round on, send each TrainProgress and each AskForMoreWork 20 times
                        (and, before its BarrierSync, a TrainProgress of every unit it lists, 20 times):
                        before, the repeats counted as measured speed and units, it became the only
@@ -417,7 +419,7 @@ elif kind == "sit-out-late":
     @patch(Session, "send")
     async def _(orig, self, msg):
         if isinstance(msg, P.RoundDone) and msg.round >= at:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.3)
             msg = P.RingFailed(round=msg.round, ring_epoch=msg.ring_epoch, reason="applied", sit_out=True)
         await orig(self, msg)
 elif kind == "repeat-progress":
