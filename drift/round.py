@@ -698,15 +698,15 @@ class Round:
         own: one frame a node, not two.) Units that overlap reported ones are the report's to
         account for (check_accounting), not counted again."""
         n = self.nodes[i]
-        sps = msg.samples / msg.busy_s if msg.busy_s > 0 else 0.0  # (its word: only shown)
+        claimed = msg.samples / msg.busy_s if msg.busy_s > 0 else 0.0  # (its word: only shown)
         for u in msg.trained:
             if not n.reported_any(u):
-                self._count(i, msg.round, u, msg.loss, sps)
+                self._count(i, msg.round, u, msg.loss, claimed)
 
-    def _count(self, i: str, rnd: int, u: P.WorkUnit, loss: float, sps: float) -> bool:
+    def _count(self, i: str, rnd: int, u: P.WorkUnit, loss: float, claimed_sps: float) -> bool:
         """Node i says it trained unit u (of round rnd): counted, and its time measured by our
-        clock, if we granted it those samples this round and it did not report them before.
-        Whether it counted."""
+        clock, if we granted it those samples this round and it did not report them before
+        (`claimed_sps`, its own word, is only shown). Whether it counted."""
         if rnd != self.rnd or not any(
             g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
         ):
@@ -724,12 +724,12 @@ class Round:
         # val loss: it evaluated θ0 before it).
         if n.trained == 0 and i == self.val_reporter and self.rnd == 0:
             n.t_unit = now
-        elif (sps_measured := n.measure(k, now)) is not None:
-            self.out.append(Measured(i, sps_measured))
+        elif (sps := n.measure(k, now)) is not None:
+            self.out.append(Measured(i, sps))
         n.trained += k
         n.units_after_stop += self.stop_sent or n.early
         n.last_progress = now
-        self.out.append(Progress(i, u, k, loss, sps))
+        self.out.append(Progress(i, u, k, loss, claimed_sps))
         return True
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
