@@ -126,7 +126,13 @@ def _fast_lower(value) -> iroh_ffi._UniffiRustBuffer:
 # "too many gaps in stream buffer").
 
 INLINE_MAX = 64
-_inline = threading.local()  # calls finished inside their own poll since this thread's loop last passed
+
+
+class _Inline(threading.local):
+    n = 0  # calls finished inside their own poll since this thread's loop last passed
+
+
+_inline = _Inline()
 
 
 def _loop_passed() -> None:
@@ -142,15 +148,13 @@ def _continuation(future_ptr, poll_code) -> None:
         here = False
     if not here:
         loop.call_soon_threadsafe(iroh_ffi._uniffi_set_future_result, future, poll_code)
-        return
-    n = getattr(_inline, "n", 0)
-    if n >= INLINE_MAX:
+    elif _inline.n >= INLINE_MAX:
         loop.call_soon(iroh_ffi._uniffi_set_future_result, future, poll_code)
-        return
-    if n == 0:
-        loop.call_soon(_loop_passed)
-    _inline.n = n + 1
-    iroh_ffi._uniffi_set_future_result(future, poll_code)
+    else:
+        if _inline.n == 0:
+            loop.call_soon(_loop_passed)
+        _inline.n += 1
+        iroh_ffi._uniffi_set_future_result(future, poll_code)
 
 
 def install_copy_fix() -> None:
