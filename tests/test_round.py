@@ -911,6 +911,21 @@ def test_a_late_sit_out_after_the_others_applied_does_not_void_the_round() -> No
     assert not sim.noted("round_abandoned")
 
 
+def test_a_sit_out_that_comes_after_the_round_settled_without_it_changes_nothing() -> None:
+    # tests/wrappers/fault_node.py's sit-out-late, its claim later than the others' window.
+    sim = Sim(["a", "b", "x"])
+    sim.start()
+    sim.ring()
+    sim.done("a")
+    sim.done("b")
+    assert sim.tick(GRACE + 60)  # x silent past its window: the round settles on a and b
+    assert sim.result.checksum == "theta1" and sim.struck() == {"x"}
+    sim.failed("x", sit_out=True)
+    sim.tick(1)
+    assert sim.rd.abandoned is None and sim.s.checksums[0] == "theta1"
+    assert not sim.noted("round_abandoned") and sim.struck() == {"x"}
+
+
 # --- 6. a unit counts once; asking again hoards nothing; speed is capped -----------------------
 
 
