@@ -138,7 +138,7 @@ def test_coordinator_drops_each_hostile_connection_once_and_keeps_admitting(
                 ticket,
                 CONTROL_ALPN,
                 hostile.control_attacks(other),
-                repeat=50,
+                repeat=25,
                 concurrency=32,
                 patience=PATIENCE,
             )
@@ -180,7 +180,7 @@ def test_coordinator_drops_each_hostile_connection_once_and_keeps_admitting(
     # Fewer frames than connections: 4 joining slots per node id refuse many before their first
     # frame, how many depends on scheduling (493 of 1050 in one CI run); the reasons below prove
     # that each kind of attack reached the server.
-    assert tally.connections >= 1000 and tally.frames >= tally.connections // 4, tally
+    assert tally.connections >= 500 and tally.frames >= tally.connections // 4, tally
     # One line each (no silence, no flood), but "busy, try again" (the joining slots full under the
     # barrage): those are counted, and a few lines a minute say so (a thousand nodes knock too).
     assert accounted == tally.connections
