@@ -702,9 +702,8 @@ class Endpoint:
 
     async def close(self) -> None:
         """Close every connection (each peer is told at once) and wait up to a second for iroh to
-        drain them. A dial still in its handshake when it was given up drains for three probe
-        timeouts, 3 s with no round trip measured: that wait served nobody, and every `drift join`
-        that found no coordinator spent it before its error."""
+        drain them. After a dial that was given up in its handshake the drain can take 3 s (on
+        loopback, after a 1 s connect timeout), a wait that serves nobody."""
         try:
             await asyncio.wait_for(self.ep.close(), 1.0)
         except Exception:
