@@ -261,13 +261,19 @@ def test_a_sit_out_with_its_round_done_of_the_earlier_attempt_is_accepted_withou
     assert [f["name"] for f in sim.noted("sat_out")] == ["a"]
 
 
-def test_a_retry_whose_members_applied_the_attempt_settles_it_instead_of_ending_the_run() -> None:
-    # Every member but one applied; the last one then leaves (or is dropped): the round stands.
+def _applied_by_a_and_b() -> Sim:
+    """a, b and x in the round's ring; a and b have applied it, x has said nothing yet."""
     sim = Sim(["a", "b", "x"])
     sim.start()
     sim.ring()
     sim.done("a")
     sim.done("b")
+    return sim
+
+
+def test_a_retry_whose_members_applied_the_attempt_settles_it_instead_of_ending_the_run() -> None:
+    # Every member but one applied; the last one then leaves (or is dropped): the round stands.
+    sim = _applied_by_a_and_b()
     sim.drop(sim.ids["x"], "connection closed")
     assert sim.tick()
     assert sim.rd.abandoned is None and sim.result.checksum == "theta1"
@@ -899,11 +905,7 @@ def test_below_the_quorum_nobody_is_cut_early() -> None:
 
 
 def test_a_late_sit_out_after_the_others_applied_does_not_void_the_round() -> None:
-    sim = Sim(["a", "b", "x"])
-    sim.start()
-    sim.ring()
-    sim.done("a")
-    sim.done("b")
+    sim = _applied_by_a_and_b()
     sim.failed("x", sit_out=True)  # a second after its RoundDone would have gone
     assert sim.tick(GRACE + 1)
     assert sim.rd.abandoned is None and sim.result.checksum == "theta1"
@@ -913,11 +915,7 @@ def test_a_late_sit_out_after_the_others_applied_does_not_void_the_round() -> No
 
 def test_a_sit_out_that_comes_after_the_round_settled_without_it_changes_nothing() -> None:
     # tests/wrappers/fault_node.py's sit-out-late, its claim later than the others' window.
-    sim = Sim(["a", "b", "x"])
-    sim.start()
-    sim.ring()
-    sim.done("a")
-    sim.done("b")
+    sim = _applied_by_a_and_b()
     assert sim.tick(GRACE + 60)  # x silent past its window: the round settles on a and b
     assert sim.result.checksum == "theta1" and sim.struck() == {"x"}
     sim.failed("x", sit_out=True)
