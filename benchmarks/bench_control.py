@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 MSG = json.dumps(
-    {"type": "TrainProgress", "v": 2, "round": 3, "unit": {"epoch": 0, "id": 17, "lo": 0, "hi": 16}, "steps": 2}
+    {"type": "TrainProgress", "v": 2, "round": 3, "units": [{"epoch": 0, "id": 17, "lo": 0, "hi": 16}], "steps": 2}
 ).encode()
 
 

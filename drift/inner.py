@@ -1,7 +1,7 @@
 """A node's share of one round: train granted work units until the coordinator says stop.
 
-The coordinator grants units one at a time (ShardAssignment, then AssignNext), so every unit is
-trained by exactly one node. This loop asks for the next unit *before* it runs out — as soon as
+The coordinator grants units as the node asks (ShardAssignment, then AssignNext), so every unit is
+trained by exactly one node. This loop asks for the next units *before* it runs out — as soon as
 the steps left in hand cover about one round trip to the coordinator — so a node never idles on
 the network. StopRound cuts the round at the next inner step: the part of a unit already trained
 counts (it is in θ_local), the rest is handed back and trained in a later round.
@@ -32,6 +32,7 @@ from drift.diloco import epoch_order, unit_indices
 log = logging.getLogger("drift.node")
 
 ASK_EARLY_S = 0.05  # an ask due this soon rides on a unit's report (one frame, not two)
+REPORT_S = 0.025  # a unit shorter than this, ending this soon after the last report, waits for the next report
 
 
 class StopTraining(Exception):
@@ -114,6 +115,7 @@ class InnerLoop:
         self.data = None  # drift.data.DataClient when the samples come from a data holder (node.py)
         self.step_s = 0.0  # EMA of one inner step (what the swarm sees)
         self.rtt_s = 0.05  # EMA of AskForMoreWork -> reply
+        self.report_s = REPORT_S
 
     @property
     def round(self) -> int:
@@ -167,8 +169,8 @@ class InnerLoop:
             case P.AssignNext() | P.NoMoreWork() | P.MoreWork() | P.StopRound() if msg.round != state["round"]:
                 pass  # a late reply to the previous round
             case P.AssignNext():
-                state["granted"].append(msg.unit)
-                self._prefetch([msg.unit])
+                state["granted"].extend(msg.units)
+                self._prefetch(msg.units)
                 state["asked"], state["no_more"] = False, msg.no_more
                 self.rtt_s = 0.8 * self.rtt_s + 0.2 * (time.perf_counter() - state["asked_at"])
             case P.NoMoreWork():
@@ -368,20 +370,27 @@ class InnerLoop:
             report.losses += p.losses
             msg = P.TrainProgress(
                 round=state["round"],
-                unit=done,
+                units=[done],
                 steps=k,
                 loss=mean_loss(p.losses),
                 samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
             )
             if ask:
                 await self._ask(state, msg)
-            elif last:
+            elif last or self._report_later(p, state):
                 state["unsent"].append(msg)
             else:
+                state["unsent"].append(msg)
                 await self._send_unsent(state)
-                await self._send_report(state, msg)
         if lo < unit.hi:
             report.returned.append(unit.model_copy(update={"lo": lo}))
+
+    def _report_later(self, p: _Piece, state: dict) -> bool:
+        """A unit's report may wait for the next one (one frame for several): it took less than
+        report_s and ended less than report_s after the last report, so another comes soon. Not
+        while an ask is out: the coordinator may hold that ask until it sees our progress."""
+        soon = time.perf_counter() - state["reported_at"] < self.report_s
+        return not state["asked"] and soon and sum(p.seconds) < self.report_s
 
     async def _ask_ahead(self, job: UnitSteps, pieces: deque[_Piece], state: dict) -> None:
         """Ask for the next unit when the steps still in hand cover about one round trip to the
@@ -446,25 +455,42 @@ class InnerLoop:
         return state["stop"]
 
     async def _ask(self, state: dict, report: P.TrainProgress | None = None) -> None:
-        """Ask for the next unit: on `report` if given, else on the last report not sent yet (units
-        came back after the round seemed over), else on its own (AskForMoreWork)."""
-        if report is None and state["unsent"]:
-            report = state["unsent"].pop()
-        await self._send_unsent(state)
-        state["asked"], state["asked_at"] = True, time.perf_counter()
+        """Ask for the next units: on `report` and the reports kept back (one frame), or on its own
+        (AskForMoreWork) when there are none."""
         if report is not None:
-            await self._send_report(state, report.model_copy(update={"ask": True}))
+            state["unsent"].append(report)
+        state["asked"], state["asked_at"] = True, time.perf_counter()
+        if state["unsent"]:
+            await self._send_unsent(state, ask=True)
         else:
             await self.send(P.AskForMoreWork(round=state["round"]))
 
-    async def _send_unsent(self, state: dict) -> None:
-        """The round goes on after all: the reports kept for the barrier go now, in order."""
-        while state["unsent"]:
-            await self._send_report(state, state["unsent"].pop(0))
+    async def _send_unsent(self, state: dict, ask: bool = False) -> None:
+        """The reports kept (for the next report, or for the barrier) go now, as one."""
+        if state["unsent"]:
+            msg = merged(state["unsent"]).model_copy(update={"ask": ask})
+            state["unsent"] = []
+            await self._send_report(state, msg)
 
     async def _send_report(self, state: dict, msg: P.TrainProgress) -> None:
         state["reported_at"] = time.perf_counter()
         await self.send(msg)
+
+
+def merged(reports: list[P.TrainProgress]) -> P.TrainProgress:
+    """Reports of one round as one, in order: their steps' mean loss (None if any was not
+    finite), their samples over their seconds."""
+    steps = sum(r.steps for r in reports)
+    losses = [r.loss for r in reports]
+    n = sum(u.hi - u.lo for r in reports for u in r.units)
+    seconds = sum(sum(u.hi - u.lo for u in r.units) / r.samples_per_s for r in reports if r.samples_per_s > 0)
+    return P.TrainProgress(
+        round=reports[0].round,
+        units=[u for r in reports for u in r.units],
+        steps=steps,
+        loss=None if None in losses else sum(r.loss * r.steps for r in reports) / max(steps, 1),
+        samples_per_s=n / seconds if seconds > 0 else 0.0,
+    )
 
 
 def mean_loss(losses: list[float]) -> float | None:

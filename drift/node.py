@@ -66,6 +66,7 @@ from drift.inner import (
     SwarmClosed,
     calibrate,
     mean_loss,
+    merged,
 )
 from drift.peers import Peers
 from drift.progress import Progress
@@ -864,9 +865,8 @@ class Session:
         if self.node.data is not None:
             await self.send(self.node.data.fetched())
         waits = t.pending is not None and not t.pending.settled.is_set()
-        if not rules.reports_ride(t.barrier_s, report.unreported_s, waits):
-            for msg in report.unsent:
-                await self.send(msg)
+        if report.unsent and not rules.reports_ride(t.barrier_s, report.unreported_s, waits):
+            await self.send(merged(report.unsent))
         if t.pending is not None:  # overlapped: the last round's outer step must land before this barrier
             await self._settled(t.pending)
         started = time.perf_counter()  # (Δ's time, rules.reports_ride: not the wait above)

@@ -41,8 +41,9 @@ from pydantic import (
 # (drift/ring.py), Forgery.level; 7: Tickets (BarrierReady names members by id), Forgery.part, a grid row's
 # all-gather forwards its column owners' signed chunks; 8: BarrierReady names the ring's order only when it
 # changed, and carries samples and a norm bound in place of every member's weight and norm; 9: no_more,
-# MoreWork; 10: BarrierReady.flat (the grid gives way to the flat ring after a failure nobody was named for)
-SCHEMA_VERSION = 10
+# MoreWork; 10: BarrierReady.flat (the grid gives way to the flat ring after a failure nobody was named for);
+# 11: AssignNext.units and TrainProgress.units (a grant and a report may hold several units)
+SCHEMA_VERSION = 11
 
 # Bounds on what a peer may send. Generous for any real swarm, small enough that no frame can
 # make the receiver do much work or hold much memory.
@@ -246,6 +247,7 @@ class WorkUnit(_Msg):
 
 
 Units = Annotated[list[WorkUnit], Field(max_length=MAX_UNITS)]  # (the frame's MAX_VALUES may bind first)
+SomeUnits = Annotated[list[WorkUnit], Field(min_length=1, max_length=MAX_UNITS)]
 
 
 class StateSource(_Msg):
@@ -313,7 +315,7 @@ class HolderReport(_Msg):
 class ShardAssignment(_Msg):
     """Coordinator -> node, at the start of a round: the units granted now, and the role.
 
-    `planned` is how many more units the plan holds for this node; they are granted one at a time
+    `planned` is how many more units the plan holds for this node; they are granted as it asks
     (AskForMoreWork -> AssignNext), so a faster node can take them instead (work stealing). `no_more`:
     nothing more will be granted to this node after these units (stealing: nothing is left for
     anyone; lockstep: its own plan is granted), so it does not ask, as if told NoMoreWork, until a
@@ -337,16 +339,17 @@ class ShardAssignment(_Msg):
 
 
 class TrainProgress(_Msg):
-    """Node -> coordinator: one unit finished. Not sent for the units a node ends its round with
-    (drift.rules.reports_ride): its BarrierSync lists them, and the coordinator counts them then."""
+    """Node -> coordinator: units finished, in the order trained (those of the last REPORT_S in one
+    frame: drift.inner). Not sent for the units a node ends its round with (drift.rules.reports_ride):
+    its BarrierSync lists them, and the coordinator counts them then."""
 
     type: Literal["TrainProgress"] = "TrainProgress"
     round: Round
-    unit: WorkUnit
+    units: SomeUnits
     steps: Count
     loss: Loss | None  # None: the node's loss was not finite (it says so at the barrier)
     samples_per_s: Rate
-    ask: bool = False  # ... and an AskForMoreWork with it (one frame a unit instead of two)
+    ask: bool = False  # ... and an AskForMoreWork with it (one frame instead of two)
 
 
 class AskForMoreWork(_Msg):
@@ -355,9 +358,12 @@ class AskForMoreWork(_Msg):
 
 
 class AssignNext(_Msg):
+    """Coordinator -> node: the answer to an ask, the units granted now (more than one to a node
+    whose measured speed trains one in less than drift.rules.GRANT_S)."""
+
     type: Literal["AssignNext"] = "AssignNext"
     round: Round
-    unit: WorkUnit
+    units: SomeUnits
     no_more: bool = False  # nothing more for this node after it: no asks (as ShardAssignment.no_more)
 
 

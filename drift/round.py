@@ -685,7 +685,7 @@ class Round:
                 self.warn(f"ignoring unexpected {msg.type} from {self.name(i)} in round {self.rnd}")
 
     def on_progress(self, i: str, msg: P.TrainProgress) -> None:
-        if not self._count(i, msg.round, msg.unit, msg.loss, msg.samples_per_s):
+        if not self._count(i, msg.round, msg.units, msg.loss, msg.samples_per_s):
             return
         if msg.ask:
             self.on_ask(i, P.AskForMoreWork(round=msg.round))
@@ -699,37 +699,41 @@ class Round:
         account for (check_accounting), not counted again."""
         n = self.nodes[i]
         claimed = msg.samples / msg.busy_s if msg.busy_s > 0 else 0.0  # (its word: only shown)
-        for u in msg.trained:
-            if not n.reported_any(u):
-                self._count(i, msg.round, u, msg.loss, claimed)
+        # (each checked as the one before is counted: a unit listed twice counts once, and
+        # check_accounting names the report)
+        self._count(i, msg.round, (u for u in msg.trained if not n.reported_any(u)), msg.loss, claimed)
 
-    def _count(self, i: str, rnd: int, u: P.WorkUnit, loss: float, claimed_sps: float) -> bool:
-        """Node i says it trained unit u (of round rnd): counted, and its time measured by our
-        clock, if we granted it those samples this round and it did not report them before
-        (`claimed_sps`, its own word, is only shown). Whether it counted."""
-        if rnd != self.rnd or not any(
-            g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi for g in self.plan.granted.get(i, [])
-        ):
-            return False  # a late report, or samples it was never granted: counts for nothing
-        n, now = self.nodes[i], self.now
-        if n.reported_any(u):
-            # Samples it reported before: a unit counts once, and honest code reports each once.
-            if not n.repeated:
-                n.repeated = True
-                self.lied(i, "false_claim", "it reported samples it had already reported trained", claim="progress")
+    def _count(self, i: str, rnd: int, units: Iterable[P.WorkUnit], loss: float, claimed_sps: float) -> bool:
+        """Node i says it trained these units (of round rnd), one after the other: each counted if
+        we granted it those samples this round and it did not report them before, and their time
+        measured by our clock (`claimed_sps`, its own word, is only shown). Whether any counted."""
+        n, now, first, k = self.nodes[i], self.now, self.nodes[i].trained == 0, 0
+        for u in units:
+            if rnd != self.rnd or not any(
+                g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi
+                for g in self.plan.granted.get(i, [])
+            ):
+                continue  # a late report, or samples it was never granted: counts for nothing
+            if n.reported_any(u):
+                # Samples it reported before: a unit counts once, and honest code reports each once.
+                if not n.repeated:
+                    n.repeated = True
+                    self.lied(i, "false_claim", "it reported samples it had already reported trained", claim="progress")
+                continue
+            n.reported.append((u.epoch, u.id, u.lo, u.hi))
+            k += u.hi - u.lo
+            n.units_after_stop += self.stop_sent or n.early
+            self.out.append(Progress(i, u, u.hi - u.lo, loss, claimed_sps))
+        if k == 0:
             return False
-        n.reported.append((u.epoch, u.id, u.lo, u.hi))
-        k = u.hi - u.lo
-        # Its speed by our clock, not its word (not round 0's first unit of the node asked for the
-        # val loss: it evaluated θ0 before it).
-        if n.trained == 0 and i == self.val_reporter and self.rnd == 0:
+        # Its speed by our clock, not its word, over the units reported together (not round 0's
+        # first report of the node asked for the val loss: it evaluated θ0 before it).
+        if first and i == self.val_reporter and self.rnd == 0:
             n.t_unit = now
         elif (sps := n.measure(k, now)) is not None:
             self.out.append(Measured(i, sps))
         n.trained += k
-        n.units_after_stop += self.stop_sent or n.early
         n.last_progress = now
-        self.out.append(Progress(i, u, k, loss, claimed_sps))
         return True
 
     def on_ask(self, i: str, msg: P.AskForMoreWork) -> None:
@@ -760,12 +764,18 @@ class Round:
     def _answer_ask(self, i: str, rnd: int) -> None:
         n = self.nodes[i]
         n.ask_held = False
-        nxt = None
+        units: list[P.WorkUnit] = []
         if rnd == self.rnd and not n.excluded and not n.early and n.synced is None and not self.stop_sent:
-            nxt = self.plan.next_for(i)
-        if nxt is not None:
+            measured = self.s.speed.get(i) if i in self.s.measured else None
+            size, most = (
+                rules.grant_size(self.r.unit_samples, measured),
+                rules.ask_allowance(self.r.unit_samples, measured),
+            )
+            while (not units or (samples(units) < size and self.in_hand(i) < most)) and (u := self.plan.next_for(i)):
+                units.append(u)
+        if units:
             n.last_progress = self.now
-            self.send(i, P.AssignNext(round=self.rnd, unit=nxt, no_more=self.plan.exhausted_for(i)))
+            self.send(i, P.AssignNext(round=self.rnd, units=units, no_more=self.plan.exhausted_for(i)))
             return
         self.send(i, P.NoMoreWork(round=rnd))
         if rnd == self.rnd:

@@ -23,6 +23,7 @@ Role = Literal["train", "evaluate", "wait", "late"]
 
 SPEED_WINDOW_S = 0.05  # the shortest time a speed is measured over: the coordinator's clock is no finer under load
 AHEAD_S = 0.25  # a node may hold granted work it has not reported trained worth this long at its measured speed
+GRANT_S = 0.025  # one grant covers this long of a node's work at its measured speed (units shorter: several)
 
 
 @dataclass
@@ -101,8 +102,20 @@ def ask_allowance(unit_samples: int, measured_sps: float | None) -> int:
     training, one asked ahead), or what our clock measured it trains in AHEAD_S if that is more
     (units shorter than a round trip would leave a fast node idle between grants). Its own word
     on its speed gives it nothing: an unmeasured node gets two units."""
-    ahead = int(measured_sps * AHEAD_S) if measured_sps is not None and math.isfinite(measured_sps) else 0
-    return max(2 * unit_samples, ahead)
+    return max(2 * unit_samples, _worth(measured_sps, AHEAD_S))
+
+
+def grant_size(unit_samples: int, measured_sps: float | None) -> int:
+    """The samples to grant a node at one ask: one unit, or what our clock measured it trains in
+    GRANT_S if that is more (units of a few milliseconds would cost a frame each way every few
+    milliseconds: the coordinator's CPU, and the node's next to its training). An unmeasured node
+    gets one unit."""
+    return max(unit_samples, _worth(measured_sps, GRANT_S))
+
+
+def _worth(measured_sps: float | None, seconds: float) -> int:
+    """The samples a node trains in `seconds` at the speed our clock measured (0: not measured)."""
+    return int(measured_sps * seconds) if measured_sps is not None and math.isfinite(measured_sps) else 0
 
 
 def samples(units: list[P.WorkUnit]) -> int:

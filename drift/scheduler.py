@@ -120,7 +120,7 @@ def split_proportional(units: list, speeds: list[float]) -> list[list]:
 
 @dataclass
 class RoundPlan:
-    """One round's units: planned per node by speed, granted one at a time.
+    """One round's units: planned per node by speed, granted as the nodes ask (next_for: one unit).
 
     With `steal`, a node whose plan is empty takes the last planned unit of the node expected to
     finish last (most planned samples per unit of speed). Without it (lockstep), nodes only ever

@@ -70,6 +70,7 @@ async def _round(
     unit_steps: int = 2,
     rnd: int = 0,
     rtt_s: float = 60.0,
+    report_s: float = 0.0,
     sent=None,
     no_more: bool = False,
     waiting: list[P._Msg] = (),
@@ -77,7 +78,8 @@ async def _round(
     during_step: int | None = None,
 ):
     """Run one round; `replies(ask_count, inbox)` is the coordinator's answer to each ask (an
-    AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent."""
+    AskForMoreWork, or one riding on a TrainProgress); `sent` collects what the node sent.
+    `report_s`: units this short wait for the next report (default 0: each unit reports alone)."""
     recipe = Recipe(
         name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=unit_steps
     )
@@ -99,6 +101,7 @@ async def _round(
 
     inner = InnerLoop(worker, recipe, inbox, send)
     inner.rtt_s = rtt_s  # default: a slow link next to a fast device: the node asks ahead at every step
+    inner.report_s = report_s
     report = await inner.run_round(P.ShardAssignment(round=rnd, epoch=0, units=first, no_more=no_more))
     return report
 
@@ -116,7 +119,7 @@ def test_stop_round_that_crosses_a_grant(worker) -> None:
     def replies(n: int, inbox: asyncio.Queue) -> None:
         device.during_step(inbox, P.StopRound(round=0))
         granted.append(_unit(2 + n))
-        _later(inbox, P.AssignNext(round=0, unit=granted[-1]))
+        _later(inbox, P.AssignNext(round=0, units=[granted[-1]]))
 
     report = run_async(_round(device, granted[:2], replies))
     assert check_accounting(granted, report.trained, report.returned) is None, (report.trained, report.returned)
@@ -141,7 +144,7 @@ def test_grants_until_no_more_work_train_everything(worker) -> None:
     def replies(n: int, inbox: asyncio.Queue) -> None:
         if n <= 3:
             granted.append(_unit(n))
-            _later(inbox, P.AssignNext(round=0, unit=granted[-1]), 0.01)
+            _later(inbox, P.AssignNext(round=0, units=[granted[-1]]), 0.01)
         else:
             _later(inbox, P.NoMoreWork(round=0), 0.01)
 
@@ -161,8 +164,8 @@ def test_a_node_told_nothing_is_left_trains_its_units_without_asking(worker) -> 
     assert sorted(u.id for u in report.trained) == [0, 1] and report.returned == []
     # The first unit's report goes at once; the last one's rides on the barrier report (it lists
     # that unit), one frame a node less: kept in the report, for when the barrier has to wait.
-    assert [(type(m), m.unit.id) for m in sent] == [(P.TrainProgress, 0)], sent
-    assert [m.unit.id for m in report.unsent] == [1] and report.unsent[0].unit in report.trained
+    assert [(type(m), m.units) for m in sent] == [(P.TrainProgress, [_unit(0)])], sent
+    assert [m.units for m in report.unsent] == [[_unit(1)]] and _unit(1) in report.trained
 
 
 def test_a_node_told_nothing_is_left_asks_again_when_units_come_back(worker) -> None:
@@ -171,7 +174,7 @@ def test_a_node_told_nothing_is_left_asks_again_when_units_come_back(worker) -> 
     def replies(n: int, inbox: asyncio.Queue) -> None:
         assert n == 1, "the node asked again after it was told nothing is left"
         granted.append(_unit(2))  # (the unit of a node that left)
-        _later(inbox, P.AssignNext(round=0, unit=granted[-1], no_more=True), 0.01)
+        _later(inbox, P.AssignNext(round=0, units=[granted[-1]], no_more=True), 0.01)
 
     for when in ("waiting", "during"):
         del granted[2:]
@@ -190,20 +193,20 @@ def test_a_report_waits_for_the_barrier_only_when_the_round_ended_with_its_unit(
 
     def replies(n: int, inbox: asyncio.Queue) -> None:
         assert n == 1, "the node asked again after the last grant"
-        _later(inbox, P.AssignNext(round=0, unit=granted[2], no_more=True), 0.01)
+        _later(inbox, P.AssignNext(round=0, units=[granted[2]], no_more=True), 0.01)
 
     # (step 4: unit 1's last; a node left, its unit is back in the plan)
     more = {"during": P.MoreWork(round=0), "during_step": 4}
     report = run_async(_round(worker, granted[:2], replies, sent=sent, no_more=True, **more))
     assert check_accounting(granted, report.trained, report.returned) is None
-    assert [m.unit.id for m in sent if isinstance(m, P.TrainProgress)] == [0, 1], sent
-    assert [m.unit.id for m in report.unsent] == [2]
+    assert [m.units for m in sent if isinstance(m, P.TrainProgress)] == [[_unit(0)], [_unit(1)]], sent
+    assert [m.units for m in report.unsent] == [[_unit(2)]]
 
 
 def test_units_back_after_the_round_seemed_over_send_the_kept_reports_the_last_with_the_ask(worker) -> None:
     """The node kept the reports of the units it thought it ended its round with; then units came
-    back (MoreWork) and it asks: the kept reports go first, in order, the last one carrying the
-    ask (one frame, not two). (Kept back, the coordinator would count them only at the barrier.)
+    back (MoreWork) and it asks: the kept reports go as one, in order, carrying the ask (one
+    frame, not three). (Kept back, the coordinator would count them only at the barrier.)
     The moment between a job's last step and the round loop's next look at its inbox cannot be
     hit by timing: this drives the ask itself."""
     sent: list[P._Msg] = []
@@ -213,10 +216,10 @@ def test_units_back_after_the_round_seemed_over_send_the_kept_reports_the_last_w
 
     recipe = Recipe(name="t", task="t.py", min_nodes=1, rounds=1, inner_steps=4, batch_size=BATCH, unit_steps=2)
     inner = InnerLoop(worker, recipe, asyncio.Queue(), send)
-    kept = [P.TrainProgress(round=0, unit=_unit(k), steps=2, loss=1.0, samples_per_s=1.0) for k in (0, 1)]
+    kept = [P.TrainProgress(round=0, units=[_unit(k)], steps=2, loss=1.0, samples_per_s=1.0) for k in (0, 1)]
     state = {"round": 0, "unsent": list(kept), "asked": False, "reported_at": 0.0}
     run_async(inner._ask(state))
-    assert [(m.unit.id, m.ask) for m in sent] == [(0, False), (1, True)], sent
+    assert [(m.units, m.steps, m.ask) for m in sent] == [([_unit(0), _unit(1)], 4, True)], sent
     assert state["unsent"] == [] and state["asked"] and state["reported_at"] > 0
 
 
@@ -226,7 +229,7 @@ def test_the_grant_of_the_last_unit_ends_the_asks(worker) -> None:
     def replies(n: int, inbox: asyncio.Queue) -> None:
         assert n == 1, "the node asked after the last unit was granted"
         granted.append(_unit(1))
-        _later(inbox, P.AssignNext(round=0, unit=granted[-1], no_more=True), 0.01)
+        _later(inbox, P.AssignNext(round=0, units=[granted[-1]], no_more=True), 0.01)
 
     report = run_async(_round(worker, granted[:1], replies, sent=sent))
     assert check_accounting(granted, report.trained, report.returned) is None
@@ -249,7 +252,7 @@ def test_a_node_asks_for_its_next_unit_on_the_report_of_the_last_one(worker) -> 
     def replies(n: int, inbox: asyncio.Queue) -> None:
         if n <= 6:
             granted.append(_unit(n))
-            device.during_step(inbox, P.AssignNext(round=0, unit=granted[-1]))
+            device.during_step(inbox, P.AssignNext(round=0, units=[granted[-1]]))
         else:
             device.during_step(inbox, P.NoMoreWork(round=0))
 
@@ -264,6 +267,28 @@ def test_a_node_asks_for_its_next_unit_on_the_report_of_the_last_one(worker) -> 
     ]
 
 
+def test_units_of_a_few_milliseconds_report_together_and_a_grant_of_several_is_trained(worker) -> None:
+    """Units shorter than `report_s` do not report one frame each: a report waits for the next
+    (the ask's, or the barrier's) unless an ask is out, each unit in exactly one report, in the
+    order trained. A grant of several units (AssignNext.units) is trained whole."""
+    granted, sent = [_unit(0)], []
+
+    def replies(n: int, inbox: asyncio.Queue) -> None:
+        if n <= 3:
+            more = [_unit(k) for k in range(len(granted), len(granted) + 3)]
+            granted.extend(more)
+            inbox.put_nowait(P.AssignNext(round=0, units=more))
+        else:
+            inbox.put_nowait(P.NoMoreWork(round=0))
+
+    report = run_async(_round(worker, granted[:1], replies, rtt_s=0.001, report_s=60.0, sent=sent))
+    assert check_accounting(granted, report.trained, report.returned) is None
+    assert sorted(u.id for u in report.trained) == list(range(10))
+    progress = [m for m in sent if isinstance(m, P.TrainProgress)]
+    assert [u for m in progress + report.unsent for u in m.units] == report.trained  # each once, in order
+    assert len(progress) <= len(report.trained) // 2, sent  # (one frame a unit without it)
+
+
 def test_before_its_first_step_is_timed_a_node_asks_for_one_unit_ahead_not_more(worker) -> None:
     """A coordinator that answers at once, while the node's first step still runs: the node does
     not know its speed yet, so it holds one unit ahead of the one training and asks again only
@@ -273,7 +298,7 @@ def test_before_its_first_step_is_timed_a_node_asks_for_one_unit_ahead_not_more(
     def replies(n: int, inbox: asyncio.Queue) -> None:
         if n <= 6:
             granted.append(_unit(n))
-            inbox.put_nowait(P.AssignNext(round=0, unit=granted[-1]))
+            inbox.put_nowait(P.AssignNext(round=0, units=[granted[-1]]))
         else:
             inbox.put_nowait(P.NoMoreWork(round=0))
 
@@ -290,12 +315,12 @@ def test_a_late_reply_of_the_round_before_changes_nothing(worker) -> None:
 
     def replies(n: int, inbox: asyncio.Queue) -> None:
         if n == 1:
-            inbox.put_nowait(P.AssignNext(round=0, unit=_unit(9)))
+            inbox.put_nowait(P.AssignNext(round=0, units=[_unit(9)]))
             inbox.put_nowait(P.StopRound(round=0))
             inbox.put_nowait(P.NoMoreWork(round=0))
         if n <= 2:
             granted.append(_unit(n))
-            _later(inbox, P.AssignNext(round=1, unit=granted[-1]), 0.01)
+            _later(inbox, P.AssignNext(round=1, units=[granted[-1]]), 0.01)
         else:
             _later(inbox, P.NoMoreWork(round=1), 0.01)
 
@@ -391,7 +416,7 @@ def test_who_wants_the_model_gets_it_at_the_next_step(worker) -> None:
     assert seen == [3]  # the step in flight finished, the next one waited
     assert report.steps == 8 and report.trained == [_unit(0, 8)] and report.returned == []
     # (reported once, whole: the round ended with it, so its report waits for the barrier's)
-    assert [(p.unit, p.steps) for p in progress + report.unsent] == [(_unit(0, 8), 8)]
+    assert [(p.units, p.steps) for p in progress + report.unsent] == [([_unit(0, 8)], 8)]
 
 
 def test_who_queued_behind_the_unit_gets_the_model_before_its_steps(worker) -> None:

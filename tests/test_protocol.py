@@ -23,9 +23,9 @@ SAMPLES = [
     P.Ping(nonce=3),
     P.Heartbeat(round=1),
     P.ShardAssignment(round=1, epoch=0, units=[P.WorkUnit(id=1, lo=0, hi=64)], planned=3, report_val=True),
-    P.TrainProgress(round=1, unit=P.WorkUnit(id=2, lo=0, hi=64), steps=2, loss=3.2, samples_per_s=100.0),
+    P.TrainProgress(round=1, units=[P.WorkUnit(id=2, lo=0, hi=64)], steps=2, loss=3.2, samples_per_s=100.0),
     P.AskForMoreWork(round=1),
-    P.AssignNext(round=1, unit=P.WorkUnit(id=9, lo=32, hi=64)),
+    P.AssignNext(round=1, units=[P.WorkUnit(id=9, lo=32, hi=64)]),
     P.NoMoreWork(round=1),
     P.MoreWork(round=1),
     P.StopRound(round=1),
@@ -80,12 +80,13 @@ def test_the_round_trip_covers_every_message() -> None:
         (b"[1,2]", "not a JSON object"),
         (b'{"v": 99, "type": "Ping"}', "schema version 99"),
         (b'{"v": %d, "type": "Launch"}' % P.SCHEMA_VERSION, "type"),
-        (b'{"v": %d, "type": "AssignNext", "round": 1}' % P.SCHEMA_VERSION, "unit"),
+        (b'{"v": %d, "type": "AssignNext", "round": 1}' % P.SCHEMA_VERSION, "units"),
+        (b'{"v": %d, "type": "AssignNext", "round": 1, "units": []}' % P.SCHEMA_VERSION, "units"),  # a grant of nothing
         (
-            b'{"v": %d, "type": "AssignNext", "round": 1, "unit": {"id": -1, "lo": 0, "hi": 1}}' % P.SCHEMA_VERSION,
-            "unit.id",
+            b'{"v": %d, "type": "AssignNext", "round": 1, "units": [{"id": -1, "lo": 0, "hi": 1}]}' % P.SCHEMA_VERSION,
+            "units.0.id",
         ),
-        (b'{"v": %d, "type": "AssignNext", "round": "x", "unit": 1}' % P.SCHEMA_VERSION, "round"),
+        (b'{"v": %d, "type": "AssignNext", "round": "x", "units": [1]}' % P.SCHEMA_VERSION, "round"),
         (b'{"v": %d, "type": "Ping", "evil": 1}' % P.SCHEMA_VERSION, "evil"),
     ],
 )
@@ -129,7 +130,7 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
         ),  # an int of 5000 digits
         (
             (
-                b'{"v": %d,"type":"TrainProgress","round":0,"unit":{"id":1,"lo":0,"hi":8},"steps":1,"loss":NaN,'
+                b'{"v": %d,"type":"TrainProgress","round":0,"units":[{"id":1,"lo":0,"hi":8}],"steps":1,"loss":NaN,'
                 b'"samples_per_s":1}' % P.SCHEMA_VERSION
             ),
             "NaN",
@@ -141,8 +142,9 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
         (b'{"v": %d,"type":"RoundDone","round":0,"checksum":"c","reduce_s":-Infinity}' % P.SCHEMA_VERSION, "-Infinity"),
         (b'{"v": %d,"type":"TrainingCancel","reason":"\xff"}' % P.SCHEMA_VERSION, "not JSON"),
         # WorkUnit: lo <= hi, both bounded (a negative size used to skew every node's weight)
-        (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 50, "hi": 3}), "lo 50 > hi 3"),
-        (_frame(type="AssignNext", round=0, unit={"id": 1, "lo": 0, "hi": 2**40}), "unit.hi"),
+        (_frame(type="AssignNext", round=0, units=[{"id": 1, "lo": 50, "hi": 3}]), "lo 50 > hi 3"),
+        (_frame(type="AssignNext", round=0, units=[{"id": 1, "lo": 0, "hi": 2**40}]), "units.0.hi"),
+        (_frame(type="TrainProgress", round=0, units=[], steps=1, loss=1.0, samples_per_s=1.0), "units"),
         (_frame(type="BarrierSync", round=0, samples=-5, steps=1, loss=1.0), "samples"),
         (_frame(type="BarrierSync", round=0, samples=0, steps=1, loss=1.0, trained=[UNIT]), "samples 0 is not the 8"),
         (_frame(type="BarrierSync", round=0, samples=8, steps=1, loss=1.0, trained=[0] * 70_000), "trained"),
@@ -151,7 +153,7 @@ UNIT = {"id": 1, "lo": 0, "hi": 8}
         (_frame(type="AskForMoreWork", round=2**40), "round"),
         (_frame(type="ShardAssignment", round=0, epoch=-1, units=[]), "epoch"),
         (_frame(type="RingFailed", round=0, ring_epoch=-1, reason="x"), "ring_epoch"),
-        (_frame(type="TrainProgress", round=0, unit=UNIT, steps=1, loss=1.0, samples_per_s=-1.0), "samples_per_s"),
+        (_frame(type="TrainProgress", round=0, units=[UNIT], steps=1, loss=1.0, samples_per_s=-1.0), "samples_per_s"),
         (_frame(type="RoundDone", round=0, checksum="c", bytes_sent=-1), "bytes_sent"),
         (_frame(type="BarrierReady", round=0, order=[A], samples=[-1]), "samples"),
         (_frame(type="BarrierReady", round=0, order=[A, A], samples=[1, 1]), "twice"),

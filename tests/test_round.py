@@ -148,7 +148,7 @@ class Sim:
                 break
             for u in list(rd.plan.granted.get(i, [])):
                 if (u.epoch, u.id, u.lo, u.hi) not in rd.nodes[i].reported:
-                    self.msg(name, P.TrainProgress(round=rd.rnd, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+                    self.msg(name, P.TrainProgress(round=rd.rnd, units=[u], steps=1, loss=1.0, samples_per_s=100.0))
             if self.told_no_more(name):
                 break  # (its last grant said nothing is left: it does not ask)
             before = len(self.sent)
@@ -768,7 +768,7 @@ def _late_round(quorum: float = 0.75) -> tuple[Sim, Round, P.WorkUnit]:
     sim = Sim(["a", "b", "c", "x"], speeds={"x": 10.0}, quorum=quorum)
     rd = sim.start()
     u = rd.plan.granted[sim.ids["x"]][0]
-    sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=10.0))
+    sim.msg("x", P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=10.0))
     for n in "abc":
         sim.train(n)
     return sim, rd, u
@@ -932,13 +932,14 @@ def test_repeated_progress_counts_once_and_is_named_and_struck_once_a_round() ->
     rd = sim.start()
     u = rd.plan.granted[sim.ids["x"]][0]
     half = u.model_copy(update={"hi": u.lo + (u.hi - u.lo) // 2})
-    sim.msg("x", P.TrainProgress(round=0, unit=half, steps=1, loss=1.0, samples_per_s=1e9))
+    sim.msg("x", P.TrainProgress(round=0, units=[half], steps=1, loss=1.0, samples_per_s=1e9))
     sim.msg(
-        "x", P.TrainProgress(round=0, unit=u.model_copy(update={"lo": half.hi}), steps=1, loss=1.0, samples_per_s=1.0)
+        "x",
+        P.TrainProgress(round=0, units=[u.model_copy(update={"lo": half.hi})], steps=1, loss=1.0, samples_per_s=1.0),
     )
     assert not sim.struck()  # the two halves of a unit are no repeat
     for _ in range(50):
-        sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1e9))
+        sim.msg("x", P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=1e9))
     assert rd.nodes[sim.ids["x"]].trained == u.hi - u.lo
     assert [(f["name"], f["claim"]) for f in sim.noted("false_claim")] == [("x", "progress")]
     assert sim.struck() == {"x"} and sim.s.strikes[sim.ids["x"]] == [0]
@@ -970,6 +971,45 @@ def test_a_unit_listed_twice_in_a_barrier_report_counts_once_and_is_a_bad_report
     assert [f["node_id"] for f in sim.noted("bad_report")] == [x] and not sim.noted("false_claim")
 
 
+def test_a_node_our_clock_measured_fast_gets_grant_s_of_units_at_an_ask_and_its_word_gets_it_one() -> None:
+    # Units of a few milliseconds: a frame each way a unit costs the coordinator (and the node)
+    # more than they save. How many at once is what our clock measured, never what it claims.
+    sim = Sim(["a", "x", "liar"], inner_steps=40, speeds={"liar": 1e9})
+    rd = sim.start()
+    x, u = sim.ids["x"], sim.recipe.unit_samples
+    sim.s.measured_speed(x, 10 * u / rules.GRANT_S)  # ten units in GRANT_S (averaged in with its claim)
+    want = -(-rules.grant_size(u, sim.s.speed[x]) // u)
+    held = rd.in_hand(x)
+    sim.msg("x", P.AskForMoreWork(round=0))
+    [grant] = sim.to("x", P.AssignNext)
+    assert want >= 3 and len(grant.units) == want and grant.units == rd.plan.granted[x][-want:]
+    assert rd.in_hand(x) == held + want * u <= rules.ask_allowance(u, sim.s.speed[x]) + u
+    sim.msg("liar", P.AskForMoreWork(round=0))
+    [grant] = sim.to("liar", P.AssignNext)
+    assert len(grant.units) == 1  # (its claim of 1e9 samples/s: measured, it is not)
+
+
+def test_units_reported_in_one_frame_count_once_each_and_their_speed_is_measured_over_all_of_them() -> None:
+    sim = Sim(["a", "x"], inner_steps=40)
+    rd = sim.start()
+    x = sim.ids["x"]
+    for _ in range(3):
+        sim.msg("x", P.AskForMoreWork(round=0))
+    units = list(rd.plan.granted[x])
+    assert len(units) >= 3
+    sim.now += 0.1
+    sim.msg("x", P.TrainProgress(round=0, units=units, steps=len(units), loss=1.0, samples_per_s=1.0))
+    assert rd.nodes[x].trained == rules.samples(units)
+    counted = [(a.unit.id, a.samples) for a in sim.actions if isinstance(a, R.Progress) and a.node == x]
+    assert counted == [(v.id, v.hi - v.lo) for v in units]
+    # (its first report, 0.1 s after the round started: all of them over that time, not the first)
+    assert [a.samples_per_s for a in sim.actions if isinstance(a, R.Measured) and a.node == x] == [
+        pytest.approx(rules.samples(units) / 0.1)
+    ]
+    sim.msg("x", P.TrainProgress(round=0, units=units[-1:], steps=1, loss=1.0, samples_per_s=1.0))
+    assert rd.nodes[x].trained == rules.samples(units) and [f["node_id"] for f in sim.noted("false_claim")] == [x]
+
+
 def test_asking_again_and_again_grants_at_most_two_units_ahead() -> None:
     sim = Sim(["a", "b", "x"])
     rd = sim.start()
@@ -993,7 +1033,7 @@ def test_an_ask_ahead_of_its_progress_is_answered_when_the_progress_comes_and_th
         for _ in range(3):  # its round trip is longer than a unit: it asks again as each answer
             sim.msg("x", P.AskForMoreWork(round=0))  # comes, its progress reports still on the way
         while reported < len(granted):  # (a report may answer the held ask: one more to train)
-            sim.msg("x", P.TrainProgress(round=0, unit=granted[reported], steps=1, loss=1.0, samples_per_s=1.0))
+            sim.msg("x", P.TrainProgress(round=0, units=[granted[reported]], steps=1, loss=1.0, samples_per_s=1.0))
             reported += 1
     assert rules.samples(rd.plan.granted[sim.ids["x"]]) == rd.budget  # the whole round's budget
     assert rd.plan.remaining() == 0
@@ -1018,7 +1058,7 @@ def test_a_grant_that_leaves_nothing_to_grant_says_so_and_nobody_asks_in_vain() 
     assert rd.plan.remaining() == 0
     assert all(sim.to(n, P.ShardAssignment)[0].no_more for n in "abc")
     (u,) = rd.plan.granted[sim.ids["b"]]
-    sim.msg("b", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+    sim.msg("b", P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=100.0))
     sim.train("a")  # reports its unit, does not ask, syncs: the others stop at their next step ...
     assert len(sim.to("c", P.StopRound)) == 1
     assert sim.to("b", P.StopRound) == []  # ... but b trained all it holds: nothing to stop
@@ -1062,7 +1102,7 @@ def test_units_that_come_back_after_nothing_was_left_are_trained_in_the_same_rou
         sim.now = sim.t0 + 5.0
         for n in "abc":
             (u,) = rd.plan.granted[sim.ids[n]]
-            sim.msg(n, P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=100.0))
+            sim.msg(n, P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=100.0))
         sim.tick(after=5.0)
         assert rd.nodes[d].excluded
     assert rd.plan.remaining() == lost.hi - lost.lo  # back in the plan ...
@@ -1111,12 +1151,12 @@ def test_the_budget_handed_out_stops_the_others_once_the_asker_has_trained_what_
         sim.msg("a", P.AskForMoreWork(round=0))
         granted = rd.plan.granted[a]
         while reported < len(granted) - 1:  # it always holds the unit it asked ahead for
-            sim.msg("a", P.TrainProgress(round=0, unit=granted[reported], steps=1, loss=1.0, samples_per_s=1.0))
+            sim.msg("a", P.TrainProgress(round=0, units=[granted[reported]], steps=1, loss=1.0, samples_per_s=1.0))
             reported += 1
     assert rd.plan.remaining() == 0 and rd.in_hand(a) > 0
     assert sim.to("b", P.StopRound) == [] and sim.to("a", P.StopRound) == []  # b trains on meanwhile
     last = rd.plan.granted[a][-1]
-    sim.msg("a", P.TrainProgress(round=0, unit=last, steps=1, loss=1.0, samples_per_s=1.0))
+    sim.msg("a", P.TrainProgress(round=0, units=[last], steps=1, loss=1.0, samples_per_s=1.0))
     assert sim.to("b", P.StopRound) == []
     trained, n = rd.plan.granted[a], rd.nodes[a].trained
     sim.msg("a", P.BarrierSync(round=0, samples=n, steps=n // BATCH, loss=1.0, trained=trained, delta_norm=1.0))
@@ -1147,11 +1187,11 @@ def test_an_ask_riding_on_a_progress_report_is_answered_as_one() -> None:
     sim = Sim(["a", "x"])
     rd = sim.start()
     u = rd.plan.granted[sim.ids["x"]][0]
-    sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1.0, ask=True))
+    sim.msg("x", P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=1.0, ask=True))
     assert rd.nodes[sim.ids["x"]].trained == u.hi - u.lo
     [grant] = sim.to("x", P.AssignNext)
-    assert grant.unit in rd.plan.granted[sim.ids["x"]] and grant.unit != u
-    sim.msg("x", P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1.0, ask=True))
+    assert grant.units == [rd.plan.granted[sim.ids["x"]][-1]] and u not in grant.units
+    sim.msg("x", P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=1.0, ask=True))
     assert len(sim.to("x", P.AssignNext)) == 1  # a repeated report's ask is not answered either
 
 
@@ -1370,7 +1410,7 @@ def test_random_interleavings_of_hostile_messages_keep_the_invariants(how: str, 
         if how == "dup_progress":
             u = rd.plan.granted[sim.ids[name]][0]
             for _ in range(5):
-                sim.msg(name, P.TrainProgress(round=0, unit=u, steps=1, loss=1.0, samples_per_s=1e6))
+                sim.msg(name, P.TrainProgress(round=0, units=[u], steps=1, loss=1.0, samples_per_s=1e6))
         if how == "hoard":
             for _ in range(10):
                 sim.msg(name, P.AskForMoreWork(round=0))

@@ -192,9 +192,9 @@ class VirtualSwarm:
                 if not msg.units and not msg.planned:
                     n.no_more = True
                 self.advance(n)
-            case P.AssignNext(round=rnd, unit=u) if rnd == n.rnd and not n.synced:
+            case P.AssignNext(round=rnd, units=us) if rnd == n.rnd and not n.synced:
                 n.asked, n.no_more = False, msg.no_more
-                (n.returned if n.stopping else n.queue).append(u)
+                (n.returned if n.stopping else n.queue).extend(us)
                 self.advance(n)
             case P.MoreWork(round=rnd) if rnd == n.rnd and not n.synced:
                 n.no_more = False
@@ -264,7 +264,9 @@ class VirtualSwarm:
             done = u.model_copy(update={"hi": hi})
             n.trained.append(done)
             n.steps += k
-            self.to_coordinator(n.id, P.TrainProgress(round=n.rnd, unit=done, steps=k, loss=1.0, samples_per_s=n.speed))
+            self.to_coordinator(
+                n.id, P.TrainProgress(round=n.rnd, units=[done], steps=k, loss=1.0, samples_per_s=n.speed)
+            )
         if hi < u.hi:
             n.returned.append(u.model_copy(update={"lo": hi}))
         self.advance(n)

@@ -429,7 +429,7 @@ elif kind == "repeat-progress":
         repeats = 20 if isinstance(msg, (P.TrainProgress, P.AskForMoreWork)) and msg.round >= at else 1
         if isinstance(msg, P.BarrierSync) and msg.round >= at:  # the units only its sync reports, too
             for u in msg.trained:
-                progress = P.TrainProgress(round=msg.round, unit=u, steps=1, loss=msg.loss, samples_per_s=1.0)
+                progress = P.TrainProgress(round=msg.round, units=[u], steps=1, loss=msg.loss, samples_per_s=1.0)
                 for _ in range(20):
                     await orig(self, progress)
         for _ in range(repeats):
