@@ -766,12 +766,11 @@ class Round:
         n.ask_held = False
         units: list[P.WorkUnit] = []
         if rnd == self.rnd and not n.excluded and not n.early and n.synced is None and not self.stop_sent:
-            measured = self.s.speed.get(i) if i in self.s.measured else None
-            size, most = (
-                rules.grant_size(self.r.unit_samples, measured),
-                rules.ask_allowance(self.r.unit_samples, measured),
-            )
-            while (not units or (samples(units) < size and self.in_hand(i) < most)) and (u := self.plan.next_for(i)):
+            measured, us = self.s.speed.get(i) if i in self.s.measured else None, self.r.unit_samples
+            most = rules.ask_allowance(us, measured)
+            for _ in range(rules.grant_units(us, measured, self.plan.remaining(), len(self.nodes))):
+                if (units and self.in_hand(i) >= most) or (u := self.plan.next_for(i)) is None:
+                    break
                 units.append(u)
         if units:
             n.last_progress = self.now

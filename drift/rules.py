@@ -105,12 +105,14 @@ def ask_allowance(unit_samples: int, measured_sps: float | None) -> int:
     return max(2 * unit_samples, _worth(measured_sps, AHEAD_S))
 
 
-def grant_size(unit_samples: int, measured_sps: float | None) -> int:
-    """The samples to grant a node at one ask: one unit, or what our clock measured it trains in
-    GRANT_S if that is more (units of a few milliseconds would cost a frame each way every few
-    milliseconds: the coordinator's CPU, and the node's next to its training). An unmeasured node
-    gets one unit."""
-    return max(unit_samples, _worth(measured_sps, GRANT_S))
+def grant_units(unit_samples: int, measured_sps: float | None, left: int, members: int) -> int:
+    """How many units to grant a node at one ask: the whole units our clock measured it trains
+    in GRANT_S (units of a few milliseconds would cost a frame each way every few milliseconds:
+    the coordinator's CPU, and the node's next to its training), but no more than an even share
+    of the `left` samples not yet granted among the round's `members` (the round's end hands
+    back what nodes hold), and at least one. An unmeasured node gets one unit."""
+    share = left // max(1, members)
+    return max(1, min(_worth(measured_sps, GRANT_S), share) // unit_samples)
 
 
 def _worth(measured_sps: float | None, seconds: float) -> int:

@@ -978,7 +978,7 @@ def test_a_node_our_clock_measured_fast_gets_grant_s_of_units_at_an_ask_and_its_
     rd = sim.start()
     x, u = sim.ids["x"], sim.recipe.unit_samples
     sim.s.measured_speed(x, 10 * u / rules.GRANT_S)  # ten units in GRANT_S (averaged in with its claim)
-    want = -(-rules.grant_size(u, sim.s.speed[x]) // u)
+    want = rules.grant_units(u, sim.s.speed[x], rd.plan.remaining(), 3)
     held = rd.in_hand(x)
     sim.msg("x", P.AskForMoreWork(round=0))
     [grant] = sim.to("x", P.AssignNext)

@@ -542,6 +542,17 @@ def test_a_node_may_hold_two_units_or_what_our_clock_measured_it_trains_in_a_qua
     assert rules.ask_allowance(16, float("inf")) == 32 and rules.ask_allowance(16, float("nan")) == 32
 
 
+def test_a_grant_is_the_units_our_clock_measured_a_node_trains_in_grant_s_within_an_even_share_of_whats_left() -> None:
+    fast = 16 * 10 / rules.GRANT_S  # ten units of 16 samples in GRANT_S
+    assert rules.grant_units(16, fast, 100_000, 4) == 10
+    assert rules.grant_units(16, None, 100_000, 4) == 1  # unmeasured (its own word counts for nothing)
+    assert rules.grant_units(16, 40.0, 100_000, 4) == 1  # a unit takes longer than GRANT_S
+    assert rules.grant_units(16, fast * 1.05, 100_000, 4) == 10  # whole units, never more than GRANT_S
+    assert rules.grant_units(16, fast, 16 * 12, 4) == 3  # the round's end: an even share of what is left
+    assert rules.grant_units(16, fast, 16, 4) == 1  # (at least one)
+    assert rules.grant_units(16, float("inf"), 100_000, 4) == 1 and rules.grant_units(16, float("nan"), 100_000, 4) == 1
+
+
 def test_a_failed_ring_is_decided_early_only_once_a_member_reported_the_failure() -> None:
     ring = ["a", "b", "c"]
 
