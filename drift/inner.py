@@ -375,12 +375,10 @@ class InnerLoop:
                 loss=mean_loss(p.losses),
                 samples_per_s=(lo - unit.lo) / max(sum(p.seconds), 1e-9),
             )
+            state["unsent"].append(msg)
             if ask:
-                await self._ask(state, msg)
-            elif last or self._report_later(p, state):
-                state["unsent"].append(msg)
-            else:
-                state["unsent"].append(msg)
+                await self._ask(state)
+            elif not last and not self._report_later(p, state):
                 await self._send_unsent(state)
         if lo < unit.hi:
             report.returned.append(unit.model_copy(update={"lo": lo}))
@@ -454,11 +452,9 @@ class InnerLoop:
         self._poll(state)
         return state["stop"]
 
-    async def _ask(self, state: dict, report: P.TrainProgress | None = None) -> None:
-        """Ask for the next units: on `report` and the reports kept back (one frame), or on its own
+    async def _ask(self, state: dict) -> None:
+        """Ask for the next units: on the reports kept back (one frame), or on its own
         (AskForMoreWork) when there are none."""
-        if report is not None:
-            state["unsent"].append(report)
         state["asked"], state["asked_at"] = True, time.perf_counter()
         if state["unsent"]:
             await self._send_unsent(state, ask=True)

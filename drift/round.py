@@ -707,13 +707,15 @@ class Round:
         """Node i says it trained these units (of round rnd), one after the other: each counted if
         we granted it those samples this round and it did not report them before, and their time
         measured by our clock (`claimed_sps`, its own word, is only shown). Whether any counted."""
+        if rnd != self.rnd:
+            return False  # a late report: counts for nothing
         n, now, first, k = self.nodes[i], self.now, self.nodes[i].trained == 0, 0
         for u in units:
-            if rnd != self.rnd or not any(
+            if not any(
                 g.epoch == u.epoch and g.id == u.id and g.lo <= u.lo and u.hi <= g.hi
                 for g in self.plan.granted.get(i, [])
             ):
-                continue  # a late report, or samples it was never granted: counts for nothing
+                continue  # samples it was never granted: count for nothing
             if n.reported_any(u):
                 # Samples it reported before: a unit counts once, and honest code reports each once.
                 if not n.repeated:
@@ -754,8 +756,11 @@ class Round:
     def _room(self, i: str) -> bool:
         """Node i may be granted one more unit: what it holds not yet reported trained is within
         its allowance."""
-        measured = self.s.speed.get(i) if i in self.s.measured else None
-        return self.in_hand(i) <= rules.ask_allowance(self.r.unit_samples, measured)
+        return self.in_hand(i) <= rules.ask_allowance(self.r.unit_samples, self._measured(i))
+
+    def _measured(self, i: str) -> float | None:
+        """Node i's speed as our clock measured it (None: not measured yet)."""
+        return self.s.speed.get(i) if i in self.s.measured else None
 
     def in_hand(self, i: str) -> int:
         """Samples granted to node i that it has not reported trained."""
@@ -766,12 +771,13 @@ class Round:
         n.ask_held = False
         units: list[P.WorkUnit] = []
         if rnd == self.rnd and not n.excluded and not n.early and n.synced is None and not self.stop_sent:
-            measured, us = self.s.speed.get(i) if i in self.s.measured else None, self.r.unit_samples
+            us, measured, held = self.r.unit_samples, self._measured(i), self.in_hand(i)
             most = rules.ask_allowance(us, measured)
             for _ in range(rules.grant_units(us, measured, self.plan.remaining(), len(self.nodes))):
-                if (units and self.in_hand(i) >= most) or (u := self.plan.next_for(i)) is None:
+                if (units and held >= most) or (u := self.plan.next_for(i)) is None:
                     break
                 units.append(u)
+                held += u.hi - u.lo
         if units:
             n.last_progress = self.now
             self.send(i, P.AssignNext(round=self.rnd, units=units, no_more=self.plan.exhausted_for(i)))
