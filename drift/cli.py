@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from drift import forks
 from drift.auth import AuthError, KeyLock, NodeKey, default_key_path, load_or_create_key
 from drift.coordinator import Coordinator, CoordinatorError
 from drift.dashboard import Dashboard, DashboardError, parse_addr
@@ -292,6 +293,8 @@ async def _coord(
     page = Dashboard() if page_addr else None
     board: WandbLog | None = None
     script = is_script(root / r.task)  # a user's own loop (drift.DiLoCo): --local runs it as `python SCRIPT TICKET`
+    # (started now: its imports run while the coordinator starts)
+    server = forks.Server() if local and not script and forks.available() else None
     # a script's node takes its key from $DRIFT_HOME/node.key: one home a node
     node_keys = [
         load_or_create_key(run_dir / "keys" / (f"node-{i}/node.key" if script else f"node-{i}.key"))
@@ -309,7 +312,7 @@ async def _coord(
         resume=checkpoint,
         repo=root,
     )
-    children: list[tuple[subprocess.Popen, Path]] = []
+    children: list[tuple[subprocess.Popen | forks.Forked, Path]] = []
     # Ctrl-C is ours from before the first line the user can react to (a signal that came before
     # the handler once hung the process: asyncio.run's own handler cancelled mid-startup).
     stop = asyncio.Event()
@@ -401,6 +404,10 @@ async def _coord(
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
+                if server is not None:
+                    title = f"drift join --name local-{i}"
+                    children.append((await asyncio.to_thread(server.fork, cmd[3:], env, logf, title, per_node), logf))
+                    continue
                 with open(logf, "w") as fh:
                     children.append(
                         (
@@ -501,7 +508,7 @@ def _say_reach(monitor: Monitor, endpoint, mode: str, local: int) -> None:
         monitor.say(f"note: no iroh relay reachable; the ticket carries this machine's addresses ({addrs})")
 
 
-async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout: float) -> bool:
+async def _wait_children(children: list[tuple[subprocess.Popen | forks.Forked, Path]], timeout: float) -> bool:
     """Wait for local nodes to exit (they were told why); kill what is left. True if all exited."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p, _ in children) and time.monotonic() < deadline:
@@ -516,7 +523,10 @@ async def _wait_children(children: list[tuple[subprocess.Popen, Path]], timeout:
 
 
 async def _watch_children(
-    children: list[tuple[subprocess.Popen, Path]], keys: list[NodeKey], coordinator: Coordinator, monitor: Monitor
+    children: list[tuple[subprocess.Popen | forks.Forked, Path]],
+    keys: list[NodeKey],
+    coordinator: Coordinator,
+    monitor: Monitor,
 ) -> None:
     """A --local node that dies leaves the run going: it is dropped at once (never asked for θ,
     its units back in the queue) and a line names it, its exit and its log's last line. When the

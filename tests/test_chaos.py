@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -157,7 +158,11 @@ def test_a_local_node_that_dies_leaves_the_run_going_and_the_last_one_ends_it(tm
 
     try:
         wait_round(lambda e: e["round"] >= 2)
-        nodes = {p.cmdline()[p.cmdline().index("--name") + 1]: p for p in psutil.Process(coord.pid).children()}
+        nodes = {  # (forked from a fork server on Linux: the coordinator's grandchildren)
+            m.group(1): p
+            for p in psutil.Process(coord.pid).children(recursive=True)
+            if (m := re.search(r"--name (local-\d+)", " ".join(p.cmdline())))
+        }
         assert sorted(nodes) == ["local-0", "local-1"], nodes
         first = next(e["name"] for e in _events(run) if e["event"] == "node_joined")
         (survivor,) = set(nodes) - {first}
