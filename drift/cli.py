@@ -406,7 +406,14 @@ async def _coord(
                 # for the last checkpoint. They leave when told, or when this process is gone.
                 if server is not None:
                     title = f"drift join --name local-{i}"
-                    children.append((await asyncio.to_thread(server.fork, cmd[3:], env, logf, title, per_node), logf))
+                    try:
+                        children.append(
+                            (await asyncio.to_thread(server.fork, cmd[3:], env, logf, title, per_node), logf)
+                        )
+                    except OSError as e:
+                        monitor.say(f"drift: error: --local: {e}")
+                        stop.set()
+                        break
                     continue
                 with open(logf, "w") as fh:
                     children.append(

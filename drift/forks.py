@@ -124,7 +124,10 @@ class Forked:
 def serve() -> None:
     """The fork server: import PRELOAD, then fork a node for each request until stdin ends."""
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # (a node that needs it says what is missing, as a fresh one would)
     out, buf, children = sys.stdout.buffer, b"", set()
 
     def say(line: str) -> None:
@@ -177,12 +180,11 @@ def _node(req: dict) -> None:
         pass
     os.environ.clear()
     os.environ.update(req["env"], DRIFT_PARENT_PID=str(os.getppid()))  # (the server: it leaves with the coordinator)
-    import torch
-
     # torch keeps its thread count per thread, and the server's main thread, this one, set its own
     # (all the cores) when it imported torch: the node's torch.set_num_threads, on another thread,
     # would not reach it (three nodes on two cores, each given one thread, trained on two: 3-7x slower).
-    torch.set_num_threads(req["threads"])
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(req["threads"])
     from drift.cli import main
 
     main(req["args"], prog_name="drift")
