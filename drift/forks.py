@@ -1,7 +1,7 @@
 """`drift coord --local N`'s nodes, forked on Linux from one process that imported torch once.
 
-Every node process imports torch and drift before it can join: about 2.5 s of one core each, 40 s
-of a two-core machine's CPU for `--local 32`, and the same again in every test that starts a swarm.
+Every node process imports torch and drift before it can join: about 2.5 s of one core each, 80 s
+of CPU for `--local 32`, which on two cores kept its nodes from joining for 34-48 s (now 7-9 s).
 On Linux the coordinator starts a fork server (`python -m drift.forks`, in a session of its own)
 that imports them once (`PRELOAD`) while the coordinator starts, and forks each node from it: the
 same `drift join` command line, in a process and a session of its own, writing to its own log.
