@@ -52,6 +52,9 @@ def _fail(msg: str, code: int = 1) -> None:
     sys.exit(code)
 
 
+LocalNode = subprocess.Popen | forks.Forked  # a --local node's process: fresh, or forked (drift/forks.py)
+
+
 def _absolute(path: Path | None) -> Path | None:
     """Every path the CLI takes is made absolute once, here at the edge: later code (git worktrees
     inside a mirror, child processes, checkpoints) may run in another working directory."""
@@ -312,7 +315,7 @@ async def _coord(
         resume=checkpoint,
         repo=root,
     )
-    children: list[tuple[subprocess.Popen | forks.Forked, Path]] = []
+    children: list[tuple[LocalNode, Path]] = []
     # Ctrl-C is ours from before the first line the user can react to (a signal that came before
     # the handler once hung the process: asyncio.run's own handler cancelled mid-startup).
     stop = asyncio.Event()
@@ -372,10 +375,7 @@ async def _coord(
             per_node = threads or max(1, (os.cpu_count() or 1) // local)
             for i in range(local):
                 logf = run_dir / f"node-{i}.log"
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "drift",
+                args = [
                     "join",
                     "--repo",
                     str(root),
@@ -390,6 +390,7 @@ async def _coord(
                     "--cache-dir",
                     str(run_dir / "repos"),
                 ]
+                cmd = [sys.executable, "-m", "drift", *args]
                 env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())}
                 cwd = None
                 if script:  # the script as a user runs it, in a clean checkout of the commit
@@ -407,9 +408,7 @@ async def _coord(
                 if server is not None:
                     title = f"drift join --name local-{i}"
                     try:
-                        children.append(
-                            (await asyncio.to_thread(server.fork, cmd[3:], env, logf, title, per_node), logf)
-                        )
+                        children.append((await asyncio.to_thread(server.fork, args, env, logf, title, per_node), logf))
                     except OSError as e:
                         monitor.say(f"drift: error: --local: {e}")
                         stop.set()
@@ -515,7 +514,7 @@ def _say_reach(monitor: Monitor, endpoint, mode: str, local: int) -> None:
         monitor.say(f"note: no iroh relay reachable; the ticket carries this machine's addresses ({addrs})")
 
 
-async def _wait_children(children: list[tuple[subprocess.Popen | forks.Forked, Path]], timeout: float) -> bool:
+async def _wait_children(children: list[tuple[LocalNode, Path]], timeout: float) -> bool:
     """Wait for local nodes to exit (they were told why); kill what is left. True if all exited."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p, _ in children) and time.monotonic() < deadline:
@@ -530,7 +529,7 @@ async def _wait_children(children: list[tuple[subprocess.Popen | forks.Forked, P
 
 
 async def _watch_children(
-    children: list[tuple[subprocess.Popen | forks.Forked, Path]],
+    children: list[tuple[LocalNode, Path]],
     keys: list[NodeKey],
     coordinator: Coordinator,
     monitor: Monitor,

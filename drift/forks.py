@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-PRELOAD = ["torch", "drift.cli", "drift.node"]
+PRELOAD = ["torch", "drift.cli"]  # (drift.cli imports drift.node)
 
 
 def available() -> bool:

@@ -1,10 +1,10 @@
 """`drift coord --local N`'s nodes as the user sees them: forked from one process that imported
 torch once (drift/forks.py, Linux), each still a node of its own: the torch threads it was given,
-its log, `drift join --name local-I` in `ps` without its ticket, and gone when the coordinator is."""
+its log, `drift join --name local-I` in `ps` without its ticket, and gone when the coordinator is.
+(Linux behaviour: elsewhere a node is a fresh process, its ticket in its command line.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -16,7 +16,7 @@ import psutil
 import pytest
 from conftest import drift_cmd
 
-from drift import forks
+from drift.monitor import read_events
 from harness.simulate import make_task_repo
 
 pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
@@ -42,6 +42,8 @@ def make_torch_model(cfg: dict, vocab_size: int) -> nn.Module:
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`drift coord recipes/told.yaml --local 2 --threads 1 --run-dir run` as typed in the task's
+    repo, in a session of its own as a shell's job: (the coordinator, its run dir, its output)."""
     task = tmp_path / "told_mlp.py"
     task.write_text(POINTS.read_text() + THREADS_TASK)
     recipe = {
@@ -55,21 +57,18 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
         "eval_batches": 2,
         "checkpoint_every": 1000,
     }
-    recipe = make_task_repo(tmp_path / "repo", recipe, task)
-    run, out = tmp_path / "run", tmp_path / "coord.log"
-    cmd = drift_cmd("coord", str(recipe), "--local", "2", "--threads", "1", "--run-dir", str(run))
+    repo = tmp_path / "repo"
+    make_task_repo(repo, recipe, task)
+    out = tmp_path / "coord.log"
+    cmd = drift_cmd("coord", "recipes/told.yaml", "--local", "2", "--threads", "1", "--run-dir", "run")
     with open(out, "w") as fh:
-        coord = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        coord = subprocess.Popen(cmd, cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    run = repo / "run"
     deadline = time.monotonic() + 300
-    while not any(e["event"] == "round" for e in _events(run)):
+    while not (run / "metrics.jsonl").exists() or not any(e["event"] == "round" for e in read_events(run)):
         assert coord.poll() is None and time.monotonic() < deadline, out.read_text()
         time.sleep(0.1)
     return coord, run, out
-
-
-def _events(run: Path) -> list[dict]:
-    f = run / "metrics.jsonl"
-    return [json.loads(x) for x in f.read_text().splitlines()[:-1]] if f.exists() else []
 
 
 def _nodes(coord: subprocess.Popen) -> dict[str, psutil.Process]:
@@ -119,7 +118,3 @@ def test_local_nodes_leave_when_their_coordinator_is_killed(tmp_path: Path) -> N
     for i in range(2):
         log = (run / f"node-{i}.log").read_text()
         assert "the coordinator that started this node is gone; leaving" in log, log[-2000:]
-
-
-if not forks.available():  # (macOS, Windows: each --local node is a fresh process, its ticket in its argv)
-    pytestmark = [pytestmark, pytest.mark.skip(reason="--local nodes are forked on Linux only")]
