@@ -379,8 +379,6 @@ async def _coord(
                     "join",
                     "--repo",
                     str(root),
-                    "--ticket",
-                    ticket,
                     "--name",
                     f"local-{i}",
                     "--threads",
@@ -391,7 +389,13 @@ async def _coord(
                     str(run_dir / "repos"),
                 ]
                 cmd = [sys.executable, "-m", "drift", *args]
-                env = {**os.environ, "PYTHONUNBUFFERED": "1", "DRIFT_PARENT_PID": str(os.getpid())}
+                # The ticket goes in the environment: a command line is readable by any user in ps.
+                env = {
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "DRIFT_PARENT_PID": str(os.getpid()),
+                    "DRIFT_TICKET": ticket,
+                }
                 cwd = None
                 if script:  # the script as a user runs it, in a clean checkout of the commit
                     try:
@@ -401,7 +405,7 @@ async def _coord(
                         stop.set()
                         break
                     cmd = [sys.executable, str(cwd / r.task), ticket]
-                    env.update(DRIFT_TICKET=ticket, DRIFT_HOME=str(node_keys[i].path.parent))
+                    env.update(DRIFT_HOME=str(node_keys[i].path.parent))
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
@@ -578,7 +582,12 @@ def _dirty(root: Path) -> bool:
     help="The git repo holding the task code (URL or path); drift clones it and runs "
     "exactly the commit the coordinator names, from a clean checkout.",
 )
-@click.option("--ticket", required=True, help="The ticket `drift coord` printed.")
+@click.option(
+    "--ticket",
+    required=True,
+    envvar="DRIFT_TICKET",
+    help="The ticket `drift coord` printed [or $DRIFT_TICKET, which keeps it out of `ps`].",
+)
 @click.option("--name", default=None, help="A name for this node in the coordinator's view.")
 @click.option(
     "--backend", default="auto", show_default=True, help="The framework this node trains with: auto, torch, mlx, numpy."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -15,8 +16,9 @@ from conftest import TINY_RECIPE, drift_cmd
 from drift.transport import loopback_only, parse_ticket
 
 
-def _drift(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(drift_cmd(*args), capture_output=True, text=True, timeout=timeout)
+def _drift(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env} if env else None
+    return subprocess.run(drift_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -64,6 +66,9 @@ def test_missing_and_unparsable_recipe_files(tmp_path: Path) -> None:
 @pytest.mark.swarm
 def test_malformed_ticket(repo_root: Path) -> None:
     line = _one_line_error(_drift("join", "--repo", str(repo_root), "--ticket", "garbage"))
+    assert "malformed ticket 'garbage'" in line
+    # The same ticket from the environment, where a command line (readable by anyone in ps) has none.
+    line = _one_line_error(_drift("join", "--repo", str(repo_root), env={"DRIFT_TICKET": "garbage"}))
     assert "malformed ticket 'garbage'" in line
 
 

@@ -1,7 +1,8 @@
 """`drift coord --local N`'s nodes as the user sees them: forked from one process that imported
 torch once (drift/forks.py, Linux), each still a node of its own: the torch threads it was given,
 its log, `drift join --name local-I` in `ps` without its ticket, and gone when the coordinator is.
-(Linux behaviour: elsewhere a node is a fresh process, its ticket in its command line.)"""
+Where nodes are not forked (macOS, Windows: tests/wrappers/fresh_nodes_coord.py), a node is a fresh
+process, and its ticket still stays out of `ps`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import drift_cmd
+from conftest import WRAPPERS, drift_cmd
 
 from drift.monitor import read_events
 from harness.simulate import make_task_repo
@@ -41,9 +42,10 @@ def make_torch_model(cfg: dict, vocab_size: int) -> nn.Module:
 """
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+def _start(tmp_path: Path, forked: bool = True) -> tuple[subprocess.Popen, Path, Path]:
     """`drift coord recipes/told.yaml --local 2 --threads 1 --run-dir run` as typed in the task's
-    repo, in a session of its own as a shell's job: (the coordinator, its run dir, its output)."""
+    repo, in a session of its own as a shell's job: (the coordinator, its run dir, its output).
+    Not `forked`: its nodes fresh processes, as where forking is not used."""
     task = tmp_path / "told_mlp.py"
     task.write_text(POINTS.read_text() + THREADS_TASK)
     recipe = {
@@ -61,6 +63,8 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     make_task_repo(repo, recipe, task)
     out = tmp_path / "coord.log"
     cmd = drift_cmd("coord", "recipes/told.yaml", "--local", "2", "--threads", "1", "--run-dir", "run")
+    if not forked:
+        cmd[1:3] = [str(WRAPPERS / "fresh_nodes_coord.py")]
     with open(out, "w") as fh:
         coord = subprocess.Popen(cmd, cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     run = repo / "run"
@@ -81,8 +85,9 @@ def _nodes(coord: subprocess.Popen) -> dict[str, psutil.Process]:
     return found
 
 
-def test_local_nodes_train_on_the_threads_they_were_given_and_show_no_ticket(tmp_path: Path) -> None:
-    coord, run, out = _start(tmp_path)
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_local_nodes_train_on_the_threads_they_were_given_and_show_no_ticket(tmp_path: Path, forked: bool) -> None:
+    coord, run, out = _start(tmp_path, forked)
     try:
         nodes = _nodes(coord)
         assert sorted(nodes) == ["local-0", "local-1"], [p.cmdline() for p in psutil.Process(coord.pid).children(True)]
