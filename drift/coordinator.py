@@ -953,13 +953,30 @@ class Coordinator:
 
     def _start_checkpoint(self, rnd: int, timeout: float = CHECKPOINT_FETCH_S) -> None:
         """Write the checkpoint of round `rnd` in the background: the rounds go on meanwhile (the
-        nodes keep serving that θ until their next outer step, which waits for the transfer).
+        nodes serve that θ until their next outer step; a transfer begun goes on from a copy).
         `timeout`: per node asked (see checkpoint)."""
         if self._saver is not None and not self._saver.done():
             log.warning("the checkpoint of an earlier round is still being written: none for round %d", rnd)
             self._skipped = rnd
             return
-        meta = {
+        self._saver = asyncio.ensure_future(self._save(rnd, timeout))
+
+    async def _save(self, rnd: int, timeout: float) -> None:
+        """The checkpoint of round `rnd`, or, when its holders have moved on, of the newest agreed
+        round (rules.checkpoint_instead)."""
+        tries = 0
+        while await self.checkpoint(rnd, self._checkpoint_meta(rnd), timeout) is None:
+            tries += 1
+            failed = self.stopping or (self.monitor is not None and self.monitor.error is not None)
+            newer = rules.checkpoint_instead(rnd, self.swarm.newest(), tries, failed)
+            if newer is None:
+                return
+            log.warning("checkpointing round %d in place of round %d", newer, rnd)
+            rnd = newer
+
+    def _checkpoint_meta(self, rnd: int) -> dict:
+        """What a checkpoint of round `rnd` records beside θ and the outer state."""
+        return {
             "checksum": self.swarm.checksums[rnd],
             "samples_seen": self.samples_at[rnd],
             "commit": self.commit,
@@ -970,7 +987,6 @@ class Coordinator:
             "queue": self.positions[rnd],
             "recipe": self.recipe.model_dump(mode="json", exclude={"wandb"}),  # --resume says what changed
         }
-        self._saver = asyncio.ensure_future(self.checkpoint(rnd, meta, timeout))
 
     async def _wait_checkpoint(self) -> None:
         if self._saver is not None:

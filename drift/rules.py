@@ -97,6 +97,21 @@ def checkpoint_owed(skipped: int | None, newest: int, last: int | None, failed: 
     return newest if newest > (last if last is not None else -1) else None
 
 
+def checkpoint_instead(failed_round: int, newest: int, tries: int, failed: bool) -> int | None:
+    """When the checkpoint of `failed_round` could not be fetched, the round to checkpoint in its
+    place: the newest agreed one, if newer. Its holders serve a round only until their next outer
+    step, and a coordinator that asks late (busy, or a round settled late after a retry) finds
+    them on a newer round: a checkpoint due is then written a round or two late, not skipped.
+    None after CHECKPOINT_TRIES tries (`tries` so far), when no round is newer, or when the run is
+    stopping or its dir failed (`failed`)."""
+    if failed or tries >= CHECKPOINT_TRIES or newest <= failed_round:
+        return None
+    return newest
+
+
+CHECKPOINT_TRIES = 3  # rounds tried for one checkpoint due: its own, then the newest agreed
+
+
 def ask_allowance(unit_samples: int, measured_sps: float | None) -> int:
     """The samples a node may hold granted but not yet reported trained: two units (one in
     training, one asked ahead), or what our clock measured it trains in AHEAD_S if that is more

@@ -78,7 +78,12 @@ def test_overlapped_swarm_trains_with_a_late_joiner_a_retry_and_a_checkpoint(tmp
     entered = next(e for e in events if e["event"] == "node_entered")
     assert entered["name"] == "late"
     assert any(r["nodes"].get("late", {"samples": 0})["samples"] > 0 for r in rounds[entered["round"] + 1 :])
-    assert [e["round"] for e in events if e["event"] == "checkpoint"] == [*range(2, n, 3)]  # (n - 1 is one)
+    # One checkpoint each 3 rounds, the last round's among them. A checkpoint due may be of a later
+    # round: round 2's is asked for once its retry settles, and the survivors may have applied
+    # round 3 by then (rules.checkpoint_instead).
+    saved, due = [e["round"] for e in events if e["event"] == "checkpoint"], [*range(2, n, 3)]
+    assert len(saved) == len(due) and all(d <= s < d + 3 for s, d in zip(saved, due)), saved
+    assert saved[-1] == n - 1
     initial = next(e["val_loss"] for e in events if e["event"] == "initial")
     assert rounds[-1]["val_loss"] < initial
     check_exactly_once(events, 2 * BATCH)

@@ -584,6 +584,14 @@ def test_a_run_that_ends_writes_the_checkpoint_it_skipped_while_saving_unless_a_
     assert rules.checkpoint_owed(skipped=0, newest=-1, last=None, failed=False) is None  # no round agreed
 
 
+def test_a_checkpoint_whose_holders_moved_on_is_taken_of_the_newest_round_a_bounded_number_of_times() -> None:
+    assert rules.checkpoint_instead(failed_round=2, newest=3, tries=1, failed=False) == 3  # asked after round 3's step
+    assert rules.checkpoint_instead(failed_round=3, newest=5, tries=2, failed=False) == 5  # moved on again
+    assert rules.checkpoint_instead(failed_round=5, newest=6, tries=rules.CHECKPOINT_TRIES, failed=False) is None
+    assert rules.checkpoint_instead(failed_round=2, newest=2, tries=1, failed=False) is None  # no holder had it at all
+    assert rules.checkpoint_instead(failed_round=2, newest=3, tries=1, failed=True) is None  # a full disk, or Ctrl-C
+
+
 def test_only_a_grid_failure_most_report_and_nobody_is_named_for_moves_the_swarm_to_the_flat_ring() -> None:
     assert rules.flat_from_now(True, [], [], ["a", "b"], 3)  # a grid, most failed, nobody caught, proven or gone
     assert not rules.flat_from_now(False, [], [], ["a", "b"], 3)  # the flat ring's timeouts name whom they waited for

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,28 @@ def test_the_last_rounds_checkpoint_is_written_when_rounds_are_shorter_than_a_sa
     assert "still being written: none for round" in swarm.log()  # (rounds 1 and 2 ended during round 0's save)
     ckpt, _ = latest_checkpoint(swarm.run_dir / "checkpoints")
     assert ckpt is not None and ckpt.round == 2
+
+
+@pytest.mark.swarm
+def test_a_checkpoint_asked_for_after_its_holders_moved_on_is_written_of_the_newest_round(tmp_path: Path) -> None:
+    # The coordinator asks for round 1's checkpoint only once round 2 is agreed (a busy one, or a
+    # round settled late after a retry): the nodes hold round 2's θ by then. Before, the
+    # checkpoint due was skipped ("have round 2"), and the run went 4 rounds without one.
+    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, checkpoint_every=2, **SIM)
+    cmd = [sys.executable, str(WRAPPERS / "late_checkpoint_coord.py"), "coord"]
+    out = subprocess.run(
+        [*cmd, str(recipe), "--local", "2", "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    saved = [e["round"] for e in events if e["event"] == "checkpoint"]
+    assert saved == [2, 3, 5], (saved, out.stderr)
+    assert "checkpointing round 2 in place of round 1" in out.stderr, out.stderr
+    ckpt, _ = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt is not None and ckpt.round == 5
 
 
 @pytest.mark.swarm
