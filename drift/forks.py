@@ -8,12 +8,13 @@ same `drift join` command line, in a process and a session of its own, writing t
 Elsewhere (macOS, whose system libraries are not safe to fork, and Windows) each node is a fresh
 `python -m drift join`.
 
-The server reads one request a line on stdin (JSON: args, env, log, title, threads) and answers on
+The server reads one request a line on stdin (JSON: args, env, log, title, threads, cwd and, for a
+script of the user's that calls drift.cli.main, its path) and answers on
 stdout, `started PID` at once and `exited PID CODE` when the node ends (it reaps them; CODE as
 `subprocess.Popen.returncode`: -N for signal N). It leaves when its stdin ends, that is when the
 coordinator is gone, whatever ended it; a node whose parent is gone leaves too (drift.node's
-heartbeat). A node's command line in `ps` is its title, `drift join --name local-I` (its ticket,
-a secret, is not in it as in a fresh process's).
+heartbeat). A node's command line in `ps` is its title, `drift join --name local-I`.
+The test suite's swarms (benchmarks/harness/simulate.py) fork their nodes the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -61,11 +63,16 @@ class Server:
         with self._heard:
             self._heard.notify_all()
 
-    def fork(self, args: list[str], env: dict[str, str], log: Path, title: str, threads: int) -> Forked:
-        """A node running `drift ARGS` with `env`, its output in `log`, `title` in ps, `threads`
-        torch threads; waits until it is started (the server's imports, the first time)."""
+    def fork(
+        self, args: list[str], env: dict[str, str], log: Path, title: str, threads: int, script: Path | None = None
+    ) -> Forked:
+        """A node running `drift ARGS` (or `python SCRIPT ARGS`, a script that calls drift.cli.main)
+        with `env` in this process's working directory, its output in `log`, `title` in ps,
+        `threads` torch threads; waits until it is started (the server's imports, the first time)."""
         log.write_text("")  # (there for whoever reads it, whatever the node gets to)
-        req = {"args": args, "env": env, "log": str(log), "title": title, "threads": threads}
+        req = {"args": args, "env": env, "log": str(log), "title": title, "threads": threads, "cwd": os.getcwd()}
+        if script is not None:
+            req["script"] = str(script)
         with self._lock:
             self._proc.stdin.write(json.dumps(req).encode() + b"\n")
             self._proc.stdin.flush()
@@ -75,6 +82,9 @@ class Server:
                 if not self._started:
                     raise OSError(f"the fork server exited with code {self._proc.poll()}")
                 return Forked(self, self._started.pop(0))
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
 
     def exit_code(self, pid: int) -> int | None:
         with self._heard:
@@ -105,8 +115,11 @@ class Forked:
     def poll(self) -> int | None:
         return self.returncode
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"drift (pid {self.pid})", timeout)
             time.sleep(0.05)
         return code
 
@@ -185,6 +198,12 @@ def _node(req: dict) -> None:
     # would not reach it (three nodes on two cores, each given one thread, trained on two: 3-7x slower).
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(req["threads"])
+    os.chdir(req["cwd"])
+    if "script" in req:  # as `python SCRIPT ARGS` runs it: its own directory first on sys.path
+        sys.argv = [req["script"], *req["args"]]
+        sys.path[0] = os.path.dirname(req["script"])
+        runpy.run_path(req["script"], run_name="__main__")
+        sys.exit(0)
     from drift.cli import main
 
     main(req["args"], prog_name="drift")

@@ -3,7 +3,9 @@
 A Swarm is a real `drift coord` plus `drift join` processes on real iroh (loopback) training the
 real task; a node's simulated step time (tests/wrappers/sim_node.py, $DRIFT_SIM_STEP) makes every inner step
 last exactly that long, so a 2-core machine can play a swarm of very different devices, and a
-simulated swarm means the same on any machine.
+simulated swarm means the same on any machine. On Linux the nodes are forked, as `drift coord
+--local`'s are, from one fork server a process (drift/forks.py): importing torch was most of a
+node's start.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from drift import forks
 from drift.monitor import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +36,16 @@ def run_events(run_dir: Path) -> list[dict]:
 # (without PYTHONDONTWRITEBYTECODE: a swarm's processes compile drift once, not each: tests/conftest.py)
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONUNBUFFERED": "1"}
 SIM_NODE = ROOT / "tests" / "wrappers" / "sim_node.py"  # `drift join` on a simulated device
+_SERVER: list[forks.Server] = []  # this process's fork server, started by its first node
+
+
+def _fork_server() -> forks.Server | None:
+    if not forks.available():
+        return None
+    if not _SERVER or not _SERVER[0].alive():
+        _SERVER[:] = [forks.Server()]
+    return _SERVER[0]
+
 
 # The simulated swarms' task: a tiny model, fast liveness, a simulated step time (tests/wrappers/sim_node.py) sets each node's pace.
 SIM_BATCH = 8
@@ -76,7 +89,7 @@ class Swarm:
         does (nodes can join that group: a terminal's Ctrl-C then reaches all of them)."""
         self.recipe, self.work = recipe, work
         self.run_dir = work / "run"
-        self.nodes: list[subprocess.Popen] = []
+        self.nodes: list[subprocess.Popen | forks.Forked] = []
         self.coord_log = work / log_name
         with open(self.coord_log, "w") as fh:
             self.coord = subprocess.Popen(
@@ -121,42 +134,48 @@ class Swarm:
         process_group: int | None = None,
         key: Path | None = None,
         args: tuple[str, ...] = (),
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen | forks.Forked:
         """Start `drift join`; `sim_step` is its simulated step time (tests/wrappers/sim_node.py:
         $DRIFT_SIM_STEP; None: the real speed), `wrap` prefixes
         the command (`ip netns exec NS`), `script` runs instead of `python -m drift` (a test's
-        wrapper that calls drift.cli.main, e.g. tests/held_node.py); `args` go after join's own."""
+        wrapper that calls drift.cli.main, e.g. tests/held_node.py); `args` go after join's own.
+        Forked where it can be (not wrapped, nor in another process group)."""
         i = len(self.nodes)
         name = name or f"n{i}"
         stem = name if re.fullmatch(r"[\w.-]+", name) else f"n{i}"  # a name made to break things is no file name
-        log = open(self.work / f"{stem}.log", "w")
+        log = self.work / f"{stem}.log"
         sim = {"DRIFT_SIM_STEP": sim_step} if sim_step else {}
         script = script or (SIM_NODE if sim_step else None)
-        launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
-        p = subprocess.Popen(
-            [
-                *(wrap or []),
-                *launcher,
-                "join",
-                "--repo",
-                str(self.recipe.parents[1]),
-                "--ticket",
-                self.ticket,
-                "--name",
-                name,
-                "--threads",
-                "1",
-                "--key",
-                str(key or self.work / f"{stem}.key"),
-                "--cache-dir",
-                str(self.work / "cache"),
-                *args,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**ENV, **sim, **(env or {})},
-            preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)),
-        )
+        join = [
+            "join",
+            "--repo",
+            str(self.recipe.parents[1]),
+            "--ticket",
+            self.ticket,
+            "--name",
+            name,
+            "--threads",
+            "1",
+            "--key",
+            str(key or self.work / f"{stem}.key"),
+            "--cache-dir",
+            str(self.work / "cache"),
+            *args,
+        ]
+        env = {**ENV, **sim, **(env or {})}
+        server = None if wrap or process_group is not None else _fork_server()
+        if server is not None:
+            p = server.fork(join, env, log, f"drift join --name {stem}", 1, script=script)
+        else:
+            launcher = [sys.executable, str(script)] if script else [sys.executable, "-m", "drift"]
+            with open(log, "w") as fh:
+                p = subprocess.Popen(
+                    [*(wrap or []), *launcher, *join],
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=None if process_group is None else (lambda: os.setpgid(0, process_group)),
+                )
         self.nodes.append(p)
         return p
 
@@ -174,7 +193,7 @@ class Swarm:
             time.sleep(0.05)
         raise AssertionError("event never came; coordinator log:\n" + self.log() + "\nnode logs:\n" + self.node_logs())
 
-    def kill(self, p: subprocess.Popen, sig: int = signal.SIGKILL) -> int:
+    def kill(self, p: subprocess.Popen | forks.Forked, sig: int = signal.SIGKILL) -> int:
         p.send_signal(sig)
         return p.wait(timeout=120)
 
