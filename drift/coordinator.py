@@ -961,18 +961,19 @@ class Coordinator:
             return
         self._saver = asyncio.ensure_future(self._save(rnd, timeout))
 
-    async def _save(self, rnd: int, timeout: float) -> None:
+    async def _save(self, rnd: int, timeout: float) -> Path | None:
         """The checkpoint of round `rnd`, or, when its holders have moved on, of the newest agreed
-        round (rules.checkpoint_instead)."""
+        round (rules.checkpoint_instead); its path, None when none was written."""
         tries = 0
-        while await self.checkpoint(rnd, self._checkpoint_meta(rnd), timeout) is None:
+        while (path := await self.checkpoint(rnd, self._checkpoint_meta(rnd), timeout)) is None:
             tries += 1
             failed = self.stopping or (self.monitor is not None and self.monitor.error is not None)
             newer = rules.checkpoint_instead(rnd, self.swarm.newest(), tries, failed)
             if newer is None:
-                return
+                return None
             log.warning("checkpointing round %d in place of round %d", newer, rnd)
             rnd = newer
+        return path
 
     def _checkpoint_meta(self, rnd: int) -> dict:
         """What a checkpoint of round `rnd` records beside θ and the outer state."""
