@@ -297,7 +297,7 @@ async def _coord(
     board: WandbLog | None = None
     script = is_script(root / r.task)  # a user's own loop (drift.DiLoCo): --local runs it as `python SCRIPT TICKET`
     # (started now: its imports run while the coordinator starts)
-    server = forks.Server() if local and not script and forks.available() else None
+    server = forks.Server() if local and forks.available() else None
     # a script's node takes its key from $DRIFT_HOME/node.key: one home a node
     node_keys = [
         load_or_create_key(run_dir / "keys" / (f"node-{i}/node.key" if script else f"node-{i}.key"))
@@ -388,7 +388,7 @@ async def _coord(
                     "--cache-dir",
                     str(run_dir / "repos"),
                 ]
-                cmd = [sys.executable, "-m", "drift", *args]
+                title, task, cwd = f"drift join --name local-{i}", None, None
                 # The ticket goes in the environment: a command line is readable by any user in ps.
                 env = {
                     **os.environ,
@@ -396,7 +396,6 @@ async def _coord(
                     "DRIFT_PARENT_PID": str(os.getpid()),
                     "DRIFT_TICKET": ticket,
                 }
-                cwd = None
                 if script:  # the script as a user runs it, in a clean checkout of the commit
                     try:
                         cwd = RepoCache(root, run_dir / "repos").checkout(commit)
@@ -404,34 +403,28 @@ async def _coord(
                         monitor.say(f"drift: error: --local: {e}")
                         stop.set()
                         break
-                    cmd = [sys.executable, str(cwd / r.task), ticket]
+                    task, args = cwd / r.task, [ticket]  # (forked, its title in ps has no ticket)
+                    title = f"python {r.task} (drift --local node {i})"
                     env.update(DRIFT_HOME=str(node_keys[i].path.parent))
                 # Their own session: a terminal's Ctrl-C goes to the whole foreground process group,
                 # and the nodes must outlive the coordinator's first moments of it to hand over θ
                 # for the last checkpoint. They leave when told, or when this process is gone.
                 if server is not None:
-                    title = f"drift join --name local-{i}"
+                    node_threads = None if script else per_node  # (a script's torch threads are its own)
                     try:
-                        children.append((await asyncio.to_thread(server.fork, args, env, logf, title, per_node), logf))
+                        forked = await asyncio.to_thread(server.fork, args, env, logf, title, node_threads, task, cwd)
                     except OSError as e:
                         monitor.say(f"drift: error: --local: {e}")
                         stop.set()
                         break
+                    children.append((forked, logf))
                     continue
+                cmd = [sys.executable, *([str(task)] if task else ["-m", "drift"]), *args]
                 with open(logf, "w") as fh:
-                    children.append(
-                        (
-                            subprocess.Popen(
-                                cmd,
-                                stdout=fh,
-                                stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                cwd=cwd,
-                                env=env,
-                            ),
-                            logf,
-                        )
+                    popen = subprocess.Popen(
+                        cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, env=env
                     )
+                children.append((popen, logf))
         run = asyncio.ensure_future(coordinator.run())
         watch = asyncio.ensure_future(_watch_children(children, node_keys, coordinator, monitor))
         stopper = asyncio.ensure_future(stop.wait())

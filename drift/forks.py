@@ -4,16 +4,17 @@ Every node process imports torch and drift before it can join: about 2.5 s of on
 of CPU for `--local 32`, which on two cores kept its nodes from joining for 34-48 s (now 7-9 s).
 On Linux the coordinator starts a fork server (`python -m drift.forks`, in a session of its own)
 that imports them once (`PRELOAD`) while the coordinator starts, and forks each node from it: the
-same `drift join` command line, in a process and a session of its own, writing to its own log.
-Elsewhere (macOS, whose system libraries are not safe to fork, and Windows) each node is a fresh
-`python -m drift join`.
+same `drift join` command line (or a user's own-loop `python SCRIPT TICKET`), in a process and a
+session of its own, writing to its own log. Elsewhere (macOS, whose system libraries are not safe
+to fork, and Windows) each node is a fresh process.
 
 The server reads one request a line on stdin (JSON: args, env, log, title, threads, cwd and, for a
-script of the user's that calls drift.cli.main, its path) and answers on
+script, its path: a user's own loop, or a test's wrapper of drift.cli.main) and answers on
 stdout, `started PID` at once and `exited PID CODE` when the node ends (it reaps them; CODE as
 `subprocess.Popen.returncode`: -N for signal N). It leaves when its stdin ends, that is when the
 coordinator is gone, whatever ended it; a node whose parent is gone leaves too (drift.node's
-heartbeat). A node's command line in `ps` is its title, `drift join --name local-I`.
+heartbeat). A node's command line in `ps` is its title, `drift join --name local-I` or `python
+SCRIPT (drift --local node I)`: no ticket.
 The test suite's swarms (benchmarks/harness/simulate.py) fork their nodes the same way.
 """
 
@@ -64,13 +65,28 @@ class Server:
             self._heard.notify_all()
 
     def fork(
-        self, args: list[str], env: dict[str, str], log: Path, title: str, threads: int, script: Path | None = None
+        self,
+        args: list[str],
+        env: dict[str, str],
+        log: Path,
+        title: str,
+        threads: int | None,
+        script: Path | None = None,
+        cwd: Path | None = None,
     ) -> Forked:
-        """A node running `drift ARGS` (or `python SCRIPT ARGS`, a script that calls drift.cli.main)
-        with `env` in this process's working directory, its output in `log`, `title` in ps,
-        `threads` torch threads; waits until it is started (the server's imports, the first time)."""
+        """A node running `drift ARGS` (or `python SCRIPT ARGS`: a user's own loop, a test's
+        wrapper) with `env` in `cwd` (default: this process's), its output in `log`, `title` in ps,
+        `threads` torch threads (None: torch's default, as in a fresh process); waits until it is
+        started (the server's imports, the first time)."""
         log.write_text("")  # (there for whoever reads it, whatever the node gets to)
-        req = {"args": args, "env": env, "log": str(log), "title": title, "threads": threads, "cwd": os.getcwd()}
+        req = {
+            "args": args,
+            "env": env,
+            "log": str(log),
+            "title": title,
+            "threads": threads,
+            "cwd": str(cwd or os.getcwd()),
+        }
         if script is not None:
             req["script"] = str(script)
         with self._lock:
@@ -196,7 +212,7 @@ def _node(req: dict) -> None:
     # torch keeps its thread count per thread, and the server's main thread, this one, set its own
     # (all the cores) when it imported torch: the node's torch.set_num_threads, on another thread,
     # would not reach it (three nodes on two cores, each given one thread, trained on two: 3-7x slower).
-    if "torch" in sys.modules:
+    if "torch" in sys.modules and req["threads"] is not None:
         sys.modules["torch"].set_num_threads(req["threads"])
     os.chdir(req["cwd"])
     if "script" in req:  # as `python SCRIPT ARGS` runs it: its own directory first on sys.path

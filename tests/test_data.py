@@ -221,8 +221,11 @@ def test_a_node_with_a_copy_serves_the_others_when_the_coordinator_cannot(tmp_pa
     shutil.copytree(homes["coord"] / "tokdata", homes["a"] / "tokdata")
     sw = Swarm(recipe, tmp_path, "--dashboard", "off", wrap=["env", f"HOME={homes['coord']}"])
     try:
-        sw.join(name="a", env={"HOME": str(homes["a"])})
-        sw.join(name="b", env={"HOME": str(homes["b"])})
+        # Steps of 0.1 s (simulated): a round lasts well beyond a fetch's switch to the next
+        # holder. At full speed its rounds took 60 ms, and b, switching, could find a round's
+        # units all trained by a (0 samples) without ever sitting out.
+        sw.join("0.1", name="a", env={"HOME": str(homes["a"])})
+        sw.join("0.1", name="b", env={"HOME": str(homes["b"])})
         holds = sw.wait_event(lambda e: e["event"] == "data_holds")
         assert holds["name"] == "a", holds
         sw.wait_event(lambda e: e["event"] == "round" and e["round"] >= 1)

@@ -18,7 +18,8 @@ import pytest
 from conftest import WRAPPERS, drift_cmd
 
 from drift.monitor import read_events
-from harness.simulate import make_task_repo
+from harness.simulate import git, make_task_repo
+from tests.test_own_loop import _repo as own_loop_repo
 
 pytestmark = pytest.mark.swarm  # starts drift processes (tests/conftest.py)
 
@@ -65,6 +66,12 @@ def _start(tmp_path: Path, forked: bool = True) -> tuple[subprocess.Popen, Path,
     cmd = drift_cmd("coord", "recipes/told.yaml", "--local", "2", "--threads", "1", "--run-dir", "run")
     if not forked:
         cmd[1:3] = [str(WRAPPERS / "fresh_nodes_coord.py")]
+    return _job(cmd, repo, out)
+
+
+def _job(cmd: list[str], repo: Path, out: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`cmd` (a coordinator writing to `repo`/run) started in `repo` as a shell's job, once its
+    first round is recorded."""
     with open(out, "w") as fh:
         coord = subprocess.Popen(cmd, cwd=repo, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     run = repo / "run"
@@ -75,14 +82,26 @@ def _start(tmp_path: Path, forked: bool = True) -> tuple[subprocess.Popen, Path,
     return coord, run, out
 
 
-def _nodes(coord: subprocess.Popen) -> dict[str, psutil.Process]:
+def _nodes(coord: subprocess.Popen, pattern: str = r"--name (local-\d+)") -> dict[str, psutil.Process]:
     """The coordinator's --local nodes by name, from their command lines."""
     found = {}
     for p in psutil.Process(coord.pid).children(recursive=True):
-        m = re.search(r"--name (local-\d+)", " ".join(p.cmdline()))
+        m = re.search(pattern, " ".join(p.cmdline()))
         if m:
             found[m.group(1)] = p
     return found
+
+
+def _stop_as_kill_percent_1(coord: subprocess.Popen, nodes: dict[str, psutil.Process], run: Path, out: Path) -> None:
+    """`kill %1` in the shell: SIGTERM to the job's process group. The coordinator stops as on
+    Ctrl-C; the nodes and their fork server, in sessions of their own, are told why."""
+    os.killpg(coord.pid, signal.SIGTERM)
+    assert coord.wait(timeout=120) == 130, out.read_text()
+    _, alive = psutil.wait_procs(list(nodes.values()), timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    for i in range(len(nodes)):
+        log = (run / f"node-{i}.log").read_text()
+        assert "coordinator was stopped" in log and "is gone" not in log, log[-2000:]
 
 
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
@@ -98,15 +117,29 @@ def test_local_nodes_train_on_the_threads_they_were_given_and_show_no_ticket(tmp
         for i in range(2):
             log = (run / f"node-{i}.log").read_text()
             assert "torch threads in a training step: 1" in log, log
-        # `kill %1` in the shell: SIGTERM to the job's process group. The coordinator stops as on
-        # Ctrl-C; the nodes and their fork server, in sessions of their own, are told why.
-        os.killpg(coord.pid, signal.SIGTERM)
-        assert coord.wait(timeout=120) == 130, out.read_text()
-        _, alive = psutil.wait_procs(list(nodes.values()), timeout=30)
-        assert not alive, [p.cmdline() for p in alive]
-        for i in range(2):
-            log = (run / f"node-{i}.log").read_text()
-            assert "coordinator was stopped" in log and "is gone" not in log, log[-2000:]
+        _stop_as_kill_percent_1(coord, nodes, run, out)
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+
+
+def test_an_own_loop_scripts_local_nodes_show_no_ticket_and_stop_with_their_coordinator(tmp_path: Path) -> None:
+    """README's own-loop script (`python train.py TICKET` for each node) under `drift coord
+    own-loop.yaml --local 2`: forked too, its ticket argument out of `ps`."""
+    repo = own_loop_repo(tmp_path)
+    recipe = repo / "own-loop.yaml"
+    recipe.write_text(recipe.read_text().replace("rounds: 3", "rounds: 400"))
+    git(repo, "commit", "-q", "-am", "a long run")
+    out = tmp_path / "coord.log"
+    coord, run, out = _job(drift_cmd("coord", "own-loop.yaml", "--local", "2", "--run-dir", "run"), repo, out)
+    try:
+        nodes = _nodes(coord, r"drift --local node (\d+)")
+        assert sorted(nodes) == ["0", "1"], [p.cmdline() for p in psutil.Process(coord.pid).children(True)]
+        ticket = re.search(r"--ticket (\S+)", out.read_text()).group(1)
+        for name, p in nodes.items():
+            assert "train.py" in " ".join(p.cmdline()) and ticket not in " ".join(p.cmdline()), p.cmdline()
+            assert os.getsid(p.pid) == p.pid, name
+        _stop_as_kill_percent_1(coord, nodes, run, out)
     finally:
         if coord.poll() is None:
             coord.kill()
