@@ -1,8 +1,9 @@
 """`drift coord --local N`'s nodes as the user sees them: forked from one process that imported
 torch once (drift/forks.py, Linux), each still a node of its own: the torch threads it was given,
 its log, `drift join --name local-I` in `ps` without its ticket, and gone when the coordinator is.
-Where nodes are not forked (macOS, Windows: tests/wrappers/fresh_nodes_coord.py), a node is a fresh
-process, and its ticket still stays out of `ps`."""
+A user's own-loop script is forked too, its ticket argument out of `ps`. Where nodes are not forked
+(macOS, Windows: tests/wrappers/fresh_nodes_coord.py), a node is a fresh process, and its ticket
+still stays out of `ps`."""
 
 from __future__ import annotations
 
@@ -128,10 +129,12 @@ def test_an_own_loop_scripts_local_nodes_show_no_ticket_and_stop_with_their_coor
     own-loop.yaml --local 2`: forked too, its ticket argument out of `ps`."""
     repo = own_loop_repo(tmp_path)
     recipe = repo / "own-loop.yaml"
-    recipe.write_text(recipe.read_text().replace("rounds: 3", "rounds: 400"))
+    assert "rounds: 3\n" in recipe.read_text()  # (README's: longer here, so the nodes are seen while they train)
+    recipe.write_text(recipe.read_text().replace("rounds: 3\n", "rounds: 400\n"))
     git(repo, "commit", "-q", "-am", "a long run")
-    out = tmp_path / "coord.log"
-    coord, run, out = _job(drift_cmd("coord", "own-loop.yaml", "--local", "2", "--run-dir", "run"), repo, out)
+    coord, run, out = _job(
+        drift_cmd("coord", "own-loop.yaml", "--local", "2", "--run-dir", "run"), repo, tmp_path / "coord.log"
+    )
     try:
         nodes = _nodes(coord, r"drift --local node (\d+)")
         assert sorted(nodes) == ["0", "1"], [p.cmdline() for p in psutil.Process(coord.pid).children(True)]
