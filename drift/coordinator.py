@@ -694,9 +694,8 @@ class Coordinator:
         if self.stopping:
             return self.results
         await self._wait_checkpoint()
-        failed = self.stopping or (self.monitor is not None and self.monitor.error is not None)
         if (
-            owed := rules.checkpoint_owed(self._skipped, self.swarm.newest(), self.last_checkpoint, failed)
+            owed := rules.checkpoint_owed(self._skipped, self.swarm.newest(), self.last_checkpoint, self._saves_over())
         ) is not None:
             self._start_checkpoint(owed)
             await self._wait_checkpoint()
@@ -967,13 +966,17 @@ class Coordinator:
         tries = 0
         while (path := await self.checkpoint(rnd, self._checkpoint_meta(rnd), timeout)) is None:
             tries += 1
-            failed = self.stopping or (self.monitor is not None and self.monitor.error is not None)
-            newer = rules.checkpoint_instead(rnd, self.swarm.newest(), tries, failed)
+            newer = rules.checkpoint_instead(rnd, self.swarm.newest(), tries, self._saves_over())
             if newer is None:
                 return None
             log.warning("checkpointing round %d in place of round %d", newer, rnd)
             rnd = newer
         return path
+
+    def _saves_over(self) -> bool:
+        """No checkpoint is tried any more: the run is stopping, or its dir failed (a full disk
+        would only fail again)."""
+        return self.stopping or (self.monitor is not None and self.monitor.error is not None)
 
     def _checkpoint_meta(self, rnd: int) -> dict:
         """What a checkpoint of round `rnd` records beside θ and the outer state."""

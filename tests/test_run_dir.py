@@ -16,7 +16,7 @@ import yaml
 from conftest import SIM, WRAPPERS, drift_cmd, make_task_repo
 
 from drift.checkpoint import latest_checkpoint
-from drift.monitor import Monitor
+from drift.monitor import Monitor, read_events
 from harness.simulate import Swarm
 
 
@@ -51,20 +51,20 @@ def test_a_checkpoint_asked_for_after_its_holders_moved_on_is_written_of_the_new
     # The coordinator asks for round 1's checkpoint only once round 2 is agreed (a busy one, or a
     # round settled late after a retry): the nodes hold round 2's θ by then. Before, the
     # checkpoint due was skipped ("have round 2"), and the run went 4 rounds without one.
-    recipe = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, checkpoint_every=2, **SIM)
-    cmd = [sys.executable, str(WRAPPERS / "late_checkpoint_coord.py"), "coord"]
+    repo = make_task_repo(tmp_path / "repo", min_nodes=2, rounds=6, checkpoint_every=2, **SIM).parents[1]
+    coord = [sys.executable, str(WRAPPERS / "late_checkpoint_coord.py"), "coord"]  # (`drift coord`, asking late)
     out = subprocess.run(
-        [*cmd, str(recipe), "--local", "2", "--run-dir", str(tmp_path / "run")],
+        [*coord, "recipes/tiny.yaml", "--local", "2", "--run-dir", "run"],  # as typed in the task's repo
+        cwd=repo,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    saved = [e["round"] for e in events if e["event"] == "checkpoint"]
+    saved = [e["round"] for e in read_events(repo / "run") if e["event"] == "checkpoint"]
     assert saved == [2, 3, 5], (saved, out.stderr)
     assert "checkpointing round 2 in place of round 1" in out.stderr, out.stderr
-    ckpt, _ = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    ckpt, _ = latest_checkpoint(repo / "run" / "checkpoints")
     assert ckpt is not None and ckpt.round == 5
 
 
