@@ -1,6 +1,8 @@
 """Per-node bytes a round, and the sync time a link model gives, by swarm size and collective
 (issue 39): the int8 ring (flat, and as a grid from GRID_FROM members: drift/ring.py, `Grid`), the
-sparse rule's flat all-gather, and its hierarchy (drift/hierarchy.py).
+sparse rule's flat all-gather, its hierarchy (drift/hierarchy.py), and its reduce-scatter
+(drift.sync.sparse.scatter_transfers: each member's payload in pieces to the segments' owners,
+then each owner's int8 sum of its segment to every member).
 
     python3 benchmarks/bench_collectives.py
     python3 benchmarks/bench_collectives.py --params 415232 1e9 7e9 --nodes 4 16 64 256 1000 --up-mbit 20 --down-mbit 100 --rtt-ms 40
@@ -15,7 +17,8 @@ Sync time is a model, not a measurement: each step of a collective takes the lon
 at --up-mbit and its download at --down-mbit, plus half an RTT; the ring runs 2(N-1) such steps of
 one segment each; the grid 2(q-1) steps of a row's segment (1/q of θ) and 2(rows-1) of a column's
 (1/(q rows)), plus one of a row's segment where a passenger rides (the busiest member); the flat
-all-gather one step of N-1 payloads, the hierarchy one step a level. --efficiency and --step-ms
+all-gather one step of N-1 payloads, the hierarchy one step a level, the reduce-scatter two (its
+pieces, then the sums). --efficiency and --step-ms
 calibrate it: benchmarks/bench_home.py fits both to real swarms on emulated home links.
 """
 
@@ -26,7 +29,7 @@ import argparse
 from drift import hierarchy
 from drift.compress import make_codec
 from drift.ring import grid
-from drift.sync.sparse import Codec, SparseParams
+from drift.sync.sparse import Codec, SparseParams, scatter_transfers
 
 Step = tuple[int, float, float]  # (how many such steps, bytes up, bytes down) of the busiest node
 
@@ -55,6 +58,12 @@ def rows(n_params: int, nodes: list[int], chunk: int, k: int, fanouts: list[int]
                 d = max(len(level.sources(m)) - 1 for m in range(n)) * payload
                 steps.append((1, u, d))
             yield n, f"sparse, hierarchy (fanout {fanout})", most_up * payload, most_down * payload, steps
+        if n > 1:
+            each = scatter_transfers(n_params, chunk, k, n)
+            steps = [(1, max(e[0] for e in each), max(e[1] for e in each))]
+            steps.append((1, max(e[2] for e in each), max(e[3] for e in each)))
+            up, down = max(e[0] + e[2] for e in each), max(e[1] + e[3] for e in each)
+            yield n, "sparse, reduce-scatter + int8 all-gather", up, down, steps
 
 
 def seconds(steps: list[Step], up: float, down: float, rtt: float, efficiency: float = 1.0, step_s: float = 0.0):

@@ -53,7 +53,7 @@ from drift.recipe import Recipe, load_recipe  # noqa: E402
 from drift.sync import collective, make_rule  # noqa: E402
 from drift.workers import load_task  # noqa: E402
 from drift.workers.torch_worker import TorchWorker  # noqa: E402
-from harness.tree import hierarchical_round  # noqa: E402
+from harness.tree import hierarchical_round, scattered_round  # noqa: E402
 
 
 def main() -> None:
@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="dense: each Δ through drift's int8 codec")
     ap.add_argument("--k", type=int, default=64, help="sparse: values kept per chunk")
     ap.add_argument("--fanout", type=int, default=0, help="sparse: the hierarchy's fanout (0: all-gather flat)")
+    ap.add_argument(
+        "--scatter", action="store_true", help="sparse: reduce-scatter to segment owners, all-gather their int8 sums"
+    )
     ap.add_argument("--chunk", type=int, default=4096, help="sparse: values per chunk")
     ap.add_argument(
         "--uneven",
@@ -157,6 +160,8 @@ def main() -> None:
         big = {"sync_params": {**sr.sync_params, "k": a.k_first, "lr": a.dense_lr, "dense_rounds": 0}}  # (--k-first)
         first_rules = [make_rule(layout, sr.model_copy(update=big)) for _ in range(N)] if a.k_first else []
         per_round = (hierarchy.transfers(N, a.fanout)[0] if a.fanout else N - 1) * rules[0].payload_nbytes
+        if a.scatter:
+            per_round = rules[0].scatter_nbytes(N)[0]
         scratch = np.zeros_like(theta)  # where the other replicas apply the same step
     else:
         codec = make_codec("int8" if a.int8 else "fp32")
@@ -203,6 +208,11 @@ def main() -> None:
         sent += per_round
         if a.hostile is not None:
             deltas[0] = deltas[0] * np.float32(a.hostile)
+        if a.sync == "sparse" and a.scatter:
+            scattered_round(rules, deltas, list(shares), rnd)
+            for rule in rules:
+                rule.apply(theta if rule is rules[0] else scratch)
+            return
         if a.sync == "sparse" and a.fanout:
             hierarchical_round(rules, deltas, list(shares), a.fanout, rnd)
             for rule in rules:

@@ -124,3 +124,25 @@ def transfers(n: int, fanout: int = FANOUT) -> tuple[int, int]:
             up[m] += len(level.targets(m))
             down[m] += len(level.sources(m)) - 1
     return max(up), max(down)
+
+
+# The reduce-scatter (not yet a collective of real swarms: benchmarks/harness/tree.py runs it in
+# one process). Each member owns a segment of θ's chunks; every member sends each owner its
+# payload's piece of that segment (SparseLoCo.piece), the owner sums them (SparseLoCo.reduce) and
+# sends the sum, int8, to every member (SparseLoCo.gathered). Every payload reaches the update
+# whole, as in the flat all-gather, and a node moves about θ at 8 bits each way whatever N is.
+# Chunks per segment unit: a payload's bit fields are byte-aligned at every 8th chunk, so a
+# segment of whole units is a payload of its own (drift.sync.sparse.SparseLoCo.piece).
+UNIT = 8
+
+
+def segments(chunks: int, n: int) -> list[range]:
+    """The reduce-scatter's segments: `chunks` top-k chunks in n runs of whole units (the last
+    unit may be short), member i (in ring order) owning the i-th; members past the units own an
+    empty range."""
+    units = -(-chunks // UNIT)
+    out, u = [], 0
+    for size in _split(units, n) if n <= units else [1] * units + [0] * (n - units):
+        out.append(range(min(u * UNIT, chunks), min((u + size) * UNIT, chunks)))
+        u += size
+    return out

@@ -1,7 +1,10 @@
 """The sparse rule's hierarchy (drift/hierarchy.py, SparseLoCo.merge), in milliseconds: every
 member receives each sibling block's payload exactly once a level, its bytes stay bounded as the
 swarm grows, and the round's update is the flat all-gather's less what stayed in the members'
-error feedback, the same bits on every member."""
+error feedback, the same bits on every member. And the reduce-scatter (drift.hierarchy.segments,
+SparseLoCo.piece / reduce / gathered): each segment's owner sums every member's piece of it, and
+the round applies the flat all-gather's update to within the int8 sums' rounding, nothing left
+waiting, at ~θ's int8 bytes a node whatever the swarm's size."""
 
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from drift.diloco import ParamLayout, checksum
 from drift.gather import Gather, signed_payload
 from drift.recipe import Recipe
 from drift.sync import make_rule
+from drift.sync.sparse import PayloadError
 from drift.transport import GATHER_ALPN, Endpoint
-from harness.tree import hierarchical_round
+from harness.tree import hierarchical_round, node_id, scattered_round
 
 LAYOUT = ParamLayout(("w",), ((12_000,),))
 SPARSE = Recipe.model_validate(
@@ -164,3 +168,110 @@ def test_real_endpoints_gather_level_by_level_and_land_on_the_in_process_result(
     local = [make_rule(LAYOUT, recipe) for _ in range(n)]
     hierarchical_round(local, [d.copy() for d in deltas], weights, fanout)
     assert {r.preview(theta) for r in local} == previews
+
+
+# The reduce-scatter: enough chunks that a dozen members each own a segment of several units.
+WIDE = ParamLayout(("w",), ((100_000,),))
+WIDE_SPARSE = SPARSE.model_copy(update={"sync_params": {**SPARSE.sync_params, "chunk": 512}})
+
+
+def _wide_deltas(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    common = rng.normal(0, 1e-3, WIDE.size).astype(np.float32)
+    return [common + rng.normal(0, 1e-3, WIDE.size).astype(np.float32) for _ in range(n)]
+
+
+def _landed(rules: list, theta0: np.ndarray) -> np.ndarray:
+    """θ0 after every member applies its round (member 0's θ returned)."""
+    theta = theta0.copy()
+    for i, rule in enumerate(rules):
+        rule.apply(theta if i == 0 else theta0.copy())
+    return theta
+
+
+@pytest.mark.parametrize("chunks", [1, 7, 8, 9, 196, 1000, 244_141])
+@pytest.mark.parametrize("n", [1, 2, 12, 25, 26, 64, 1000])
+def test_the_segments_cover_every_chunk_once_in_order_on_unit_boundaries(chunks: int, n: int) -> None:
+    segs = hierarchy.segments(chunks, n)
+    assert len(segs) == n
+    assert [c for s in segs for c in s] == list(range(chunks))
+    assert all(s.start % hierarchy.UNIT == 0 for s in segs if s)
+    units = [-(-len(s) // hierarchy.UNIT) for s in segs]
+    assert max(units) - min(units) <= 1  # spread evenly
+
+
+def test_a_payloads_piece_holds_exactly_its_segments_values() -> None:
+    rule = make_rule(WIDE, WIDE_SPARSE)
+    payload = rule.contribute(_wide_deltas(1, 4)[0], 1.0, 3)
+    whole = np.zeros(WIDE.size, np.float32)
+    for flat, vals in rule.codec.pieces(payload):
+        whole[flat] = vals
+    c = rule.codec.chunk
+    for chunks in hierarchy.segments(rule.codec.m, 7):
+        part = np.zeros(min(chunks.stop * c, WIDE.size) - chunks.start * c, np.float32)
+        for flat, vals in rule.segment_codec(chunks).pieces(rule.piece(payload, chunks)):
+            part[flat] = vals
+        np.testing.assert_array_equal(part, whole[chunks.start * c : chunks.start * c + part.size])
+
+
+@pytest.mark.parametrize("n", [3, 12, 30])
+def test_the_scattered_update_is_the_flat_one_within_int8_and_nothing_waits(n: int) -> None:
+    # Every payload reaches its segments' sums whole: the round applies what the flat all-gather
+    # would, to within the int8 sums' rounding, and every member's error feedback is the flat
+    # round's (the levels' hierarchy leaves much of it waiting there).
+    weights = list(np.random.default_rng(3).dirichlet(np.ones(n)))
+    deltas = _wide_deltas(n, 1)
+    flat = [make_rule(WIDE, WIDE_SPARSE) for _ in range(n)]
+    scattered = [make_rule(WIDE, WIDE_SPARSE) for _ in range(n)]
+    hierarchical_round(flat, [d.copy() for d in deltas], weights, fanout=n)
+    found = scattered_round(scattered, [d.copy() for d in deltas], weights)
+    assert found and all(f == [] for f in found)
+    theta0 = np.zeros(WIDE.size, np.float32)
+    previews = {rule.preview(theta0) for rule in scattered}
+    assert len(previews) == 1  # every member lands on the same θ
+    update_flat = -_landed(flat, theta0)
+    landed = _landed(scattered, theta0)
+    assert checksum(landed) == previews.pop()
+    # an int8 block's rounding is at most half a step of its largest value
+    np.testing.assert_allclose(-landed, update_flat, rtol=0, atol=1.01 * np.abs(update_flat).max() / 254)
+    assert np.linalg.norm(-landed - update_flat) < 0.02 * np.linalg.norm(update_flat)
+    for f, s in zip(flat, scattered):
+        np.testing.assert_array_equal(f.ef, s.ef)
+
+
+def test_an_owner_clips_and_names_a_liar_in_its_segment() -> None:
+    n, liar = 6, 2
+    recipe = WIDE_SPARSE.model_copy(update={"sync_params": {"chunk": 512, "k": 16}})  # the clip's defaults
+    deltas = _wide_deltas(n, 6)
+    deltas[liar] *= 100
+    honest = _wide_deltas(n, 6)
+    rules = [make_rule(WIDE, recipe) for _ in range(n)]
+    found = scattered_round(rules, deltas, [1 / n] * n)
+    assert found and all(f == [node_id(liar)] for f in found)  # every owner names it
+    fair = [make_rule(WIDE, recipe) for _ in range(n)]
+    scattered_round(fair, honest, [1 / n] * n)
+    theta0 = np.zeros(WIDE.size, np.float32)
+    # what the liar sent added nothing: the others' update, less the liar's own honest share
+    assert np.linalg.norm(_landed(rules, theta0)) < np.linalg.norm(_landed(fair, theta0))
+
+
+def test_a_segment_sum_that_does_not_decode_is_refused() -> None:
+    rule = make_rule(WIDE, WIDE_SPARSE)
+    chunks = hierarchy.segments(rule.codec.m, 4)[1]
+    good = rule.sums.encode(np.ones(rule.segment_codec(chunks).n, np.float32)).tobytes()
+    with pytest.raises(PayloadError, match="bytes, expected"):
+        rule.gathered([(chunks, good[:-1])], 4)
+    bad_scale = np.frombuffer(good, np.uint8).copy()
+    bad_scale[:4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    with pytest.raises(PayloadError, match="not finite"):
+        rule.gathered([(chunks, bad_scale.tobytes())], 4)
+
+
+def test_a_nodes_bytes_reduce_scattered_at_1000_stay_within_2x_of_the_flat_all_gather_at_16() -> None:
+    # θ of 1B float32 values at the rule's defaults: flat at 16 members moves 15 payloads each way
+    rule = make_rule(ParamLayout(("w",), ((1_000_000_000,),)), SPARSE.model_copy(update={"sync_params": {}}))
+    flat16 = 15 * rule.payload_nbytes
+    for n in (64, 256, 1000):
+        up, down = rule.scatter_nbytes(n)
+        assert up <= 2 * flat16 and down <= 2 * flat16, (n, up, down, flat16)
+    assert max(rule.scatter_nbytes(1000)) > (1000 - 1) / 1000 * 1_000_000_000  # ~θ at int8 each way

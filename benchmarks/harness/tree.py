@@ -49,3 +49,25 @@ def hierarchical_round(
             return found
         held = nxt
     raise AssertionError("a plan always has a top level")
+
+
+def scattered_round(
+    rules: list[SparseLoCo], deltas: list[np.ndarray], weights: list[float], rnd: int | None = None
+) -> list[list]:
+    """One reduce-scattered round: member i contributes deltas[i] at weights[i]; the owner of each
+    segment (drift.hierarchy.segments) sums its pieces of every payload (SparseLoCo.reduce), and
+    every member applies the gathered sums (SparseLoCo.gathered). What each owner found wrong."""
+    n = len(rules)
+    rnd = rules[0].params.dense_rounds if rnd is None else rnd
+    payloads = [rule.contribute(d, w, rnd) for rule, d, w in zip(rules, deltas, weights)]
+    ring = [P.RingMember(node_id=node_id(i), ticket="t", weight=w) for i, w in enumerate(weights)]
+    sums, found = [], []
+    for owner, chunks in enumerate(hierarchy.segments(rules[0].codec.m, n)):
+        if chunks:
+            data, combined = rules[owner].reduce([rules[owner].piece(p, chunks) for p in payloads], ring, chunks)
+            sums.append((chunks, data))
+            found.append(combined.outliers)
+    contributions = sum(1 for p, w in zip(payloads, weights) if p and w > 0)
+    for rule in rules:
+        rule.gathered(sums, contributions)
+    return found

@@ -41,7 +41,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from drift import hierarchy
-from drift.compress import Bf16
+from drift.compress import Bf16, Int8Block
 from drift.diloco import CHUNK, ParamLayout, checksum_of, sgd_preview, sgd_step
 from drift.sync import Combined, Params, SyncRule, checked_sum, weighted
 
@@ -233,6 +233,21 @@ class Codec:
         return math.sqrt(math.fsum(terms))
 
 
+def scatter_transfers(n_values: int, chunk: int, k: int, n: int) -> list[tuple[int, int, int, int]]:
+    """Each of n members' bytes in a reduce-scattered round of θ of n_values: (up, down) as it
+    sends its payload's pieces to the other owners and takes every member's piece of its own
+    segment, then (up, down) as it sends its segment's int8 sum to every other member and takes
+    the other segments' sums."""
+    segs = hierarchy.segments(Codec(n_values, chunk, k).m, n)
+    piece = [Codec(min(s.stop * chunk, n_values) - s.start * chunk, chunk, k).nbytes if s else 0 for s in segs]
+    sums = Int8Block()
+    summed = [sums.encoded_nbytes(min(s.stop * chunk, n_values) - s.start * chunk) if s else 0 for s in segs]
+    total_piece, total_summed = sum(piece), sum(summed)
+    return [
+        (total_piece - piece[o], (n - 1) * piece[o], (n - 1) * summed[o], total_summed - summed[o]) for o in range(n)
+    ]
+
+
 class SparseLoCo(SyncRule):
     name = "sparse"
     collective = "allgather"
@@ -247,6 +262,8 @@ class SparseLoCo(SyncRule):
         self._update: list[tuple[bytes, np.float32]] = []  # the round's: (payload, coefficient) in ring order
         self._lr = np.float32(self.params.lr)  # the round's (lr_growth)
         self._sum: np.ndarray | None = None  # a dense round's: what contribute gave the ring, then the sum
+        self._segments: list[tuple[int, int, bytes]] = []  # a reduce-scattered round's: (a, b, int8 sum of θ[a:b])
+        self.sums = Int8Block()  # the reduce-scatter's segment sums
 
     @classmethod
     def collective_at(cls, params: SparseParams, rnd: int) -> Literal["ring", "allgather"]:
@@ -298,29 +315,40 @@ class SparseLoCo(SyncRule):
         if self._sum is not None:
             assert result is self._sum
             return checked_sum(result, bound, self.ring_codec)
-        self._update = []
+        self._update, self._segments = [], []
+        kept, bad, far = self._clipped(result, ring, self.codec)
+        self._update = [(result[i], coef) for i, coef in kept]
+        self._lr = self.round_lr(len(self._update))
+        return Combined(outliers=bad + far)
+
+    def _clipped(
+        self, result: list[bytes | None], ring: list[RingMember], codec: Codec
+    ) -> tuple[list[tuple[int, np.float32]], list[str], list[str]]:
+        """(index, w_i x clip factor) of each payload that counts, in ring order; the members whose
+        payload does not decode; those far outside the median (three or more payloads: then every
+        member names the same)."""
         bad, norms = [], {}
         for m, payload in zip(ring, result):
             if m.weight == 0 or not payload:
                 continue
             try:
-                norms[m.node_id] = self.codec.norm(payload)
+                norms[m.node_id] = codec.norm(payload)
             except PayloadError:
                 bad.append(m.node_id)
         if not norms:
-            return Combined(outliers=bad)
+            return [], bad, []
         # A payload of norm 0 adds nothing and sets no limit: with two members, the lower median
         # would otherwise be 0 and clip every other contribution to nothing (θ stops).
         ordered = sorted(v for v in norms.values() if v > 0) or [0.0]
         median = ordered[(len(ordered) - 1) // 2]  # the lower one: with two, the smaller
         limit = self.params.clip * median
         far = [i for i, v in norms.items() if v > self.params.outlier * median] if len(norms) >= 3 else []
-        for m, payload in zip(ring, result):
+        kept = []
+        for i, m in enumerate(ring):
             if m.node_id in norms and m.node_id not in far:
                 scale = min(1.0, limit / norms[m.node_id]) if norms[m.node_id] > 0 else 1.0
-                self._update.append((payload, np.float32(m.weight * scale)))
-        self._lr = self.round_lr(len(self._update))
-        return Combined(outliers=bad + far)
+                kept.append((i, np.float32(m.weight * scale)))
+        return kept, bad, far
 
     def merge(self, result: list[bytes | None], ring: list[RingMember]) -> tuple[bytes, Combined]:
         """One level of the hierarchy below its top (drift/hierarchy.py): the payload of the block
@@ -348,11 +376,74 @@ class SparseLoCo(SyncRule):
             self._ef_next += total
         return payload, found
 
+    def segment_codec(self, chunks: range) -> Codec:
+        """The payload format of a segment's piece: chunks [start, stop) of θ's."""
+        c = self.codec.chunk
+        return Codec(min(chunks.stop * c, self.codec.n) - chunks.start * c, c, self.codec.k)
+
+    def piece(self, payload: bytes, chunks: range) -> bytes:
+        """The part of a payload that segment `chunks` (drift.hierarchy.segments: it starts on a
+        unit) needs: itself a payload of `segment_codec(chunks)`; b"" from a payload of nothing."""
+        if not payload:
+            return b""
+        c, (a, b) = self.codec, (chunks.start, chunks.stop)
+        sections = [
+            slice(2 * a, 2 * b),
+            c._bytes(c.i_index, c.k * c.low, a, b),
+            c._bytes(c.i_high, c.span, a, b),
+            c._bytes(c.i_values, c.k, a, b),
+        ]
+        return b"".join(payload[s] for s in sections)
+
+    def scatter_nbytes(self, n: int) -> tuple[int, int]:
+        """(most bytes any of n members uploads, most it downloads) in a reduce-scattered round."""
+        each = scatter_transfers(self.codec.n, self.codec.chunk, self.codec.k, n)
+        return max(ru + gu for ru, _, gu, _ in each), max(rd + gd for _, rd, _, gd in each)
+
+    def reduce(self, pieces: list[bytes | None], ring: list[RingMember], chunks: range) -> tuple[bytes, Combined]:
+        """A segment owner's part of the reduce-scatter: Σ_i w_i · clip(decode(piece_i)) over the
+        segment (each piece clipped to `clip` x the median of the segment's pieces, so an owner
+        needs nothing beyond them), int8-encoded for the all-gather; and the members whose piece
+        did not decode or was far outside the others'."""
+        codec = self.segment_codec(chunks)
+        kept, bad, far = self._clipped(pieces, ring, codec)
+        total = np.zeros(codec.n, np.float32)
+        for i, coef in kept:
+            for flat, vals in codec.pieces(pieces[i], coef):
+                total[flat] += vals
+        return self.sums.encode(total).tobytes(), Combined(outliers=bad + far)
+
+    def gathered(self, sums: list[tuple[range, bytes]], contributions: int) -> None:
+        """The round's update from the all-gathered segment sums (`reduce`'s bytes, each with its
+        chunks; a segment missing from the list adds nothing), `contributions` members having
+        sent a payload; PayloadError if a sum does not decode."""
+        c, n = self.codec.chunk, self.codec.n
+        self._update, self._segments = [], []
+        for chunks, data in sums:
+            a, b = chunks.start * c, min(chunks.stop * c, n)
+            if len(data) != self.sums.encoded_nbytes(b - a):
+                raise PayloadError(f"a segment sum of {len(data)} bytes, expected {self.sums.encoded_nbytes(b - a)}")
+            if not np.isfinite(np.frombuffer(data, np.float32, -(-(b - a) // self.sums.block))).all():
+                raise PayloadError("a segment sum's scale is not finite")
+            self._segments.append((a, b, data))
+        self._lr = self.round_lr(contributions)
+
     def _steps(self, theta: np.ndarray):
         """θ after the step, a block of chunks at a time: (a, b, θ[a:b]'s step, lr x the update
         on the parameters and the update itself on the buffers). The members' values are added in
         ring order, into a block of zeros: the same bits as one θ-sized sum."""
         n, params, lr = theta.size, self.layout.params_size, self._lr
+        if self._segments:
+            done = 0
+            for a, b, data in [*sorted(self._segments), (n, n, b"")]:
+                if a > done:  # a segment nobody summed: no step
+                    yield done, a, np.zeros(a - done, np.float32)
+                if b > a:
+                    step = self.sums.decode(data, np.empty(b - a, np.float32))
+                    step[: max(0, params - a)] *= lr
+                    yield a, b, step
+                done = b
+            return
         span = BLOCK_ROWS * self.codec.chunk
         block = np.empty(min(span, n), np.float32)
         streams = [self.codec.pieces(payload, coef) for payload, coef in self._update]
@@ -378,7 +469,7 @@ class SparseLoCo(SyncRule):
         if self._ef_next is not None:
             np.copyto(self.ef, self._ef_next)
             self._ef_next = None
-        self._update = []
+        self._update, self._segments = [], []
 
     def preview(self, theta: np.ndarray) -> str:
         if self._sum is not None:
@@ -388,4 +479,4 @@ class SparseLoCo(SyncRule):
 
     def abandon(self) -> None:
         self._ef_next = self._sum = None
-        self._update = []
+        self._update, self._segments = [], []
