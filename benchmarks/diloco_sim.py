@@ -26,14 +26,17 @@ to H + 1 each, at random from the seed DEAL, 7 by default, N x H in all: a real 
 and weights each Δ by its share of the round's samples, as drift does. `--hostile F`: replica 0
 sends F x its Δ (what an attacker achieves within the sparse rule's clip). `--fanout G`: the
 sparse payloads go up drift/hierarchy.py's levels of at most G blocks (benchmarks/harness/tree.py:
-each replica merges what its node would receive), where the default all-gathers them flat. The
+each replica merges what its node would receive), where the default all-gathers them flat.
+`--scatter`: they are reduce-scattered instead (harness.tree.scattered_round: each segment's owner
+sums every replica's piece of it, and every replica applies the owners' int8 sums).
 `--dense-first F`: a sparse run's first F rounds are the int8 ring's (outer lr `--dense-lr`, no
 momentum), its error feedback empty until the first sparse round: the rule's own `dense_rounds`
 and `dense_lr` (0 here unless given, as the runs in BENCHMARKS.md before the rule had them;
 `--lr-growth` likewise is the rule's `lr_growth`, 1 here unless given: `--outer-lr` at any size); with `--k-first K` they are the
 sparse rule's all-gather with K values a chunk (outer lr `--dense-lr`) instead. The
 last line counts what each node would send over the run: a ring sends 2(N-1)/N payloads per node
-per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers).
+per round, the direct all-gather N-1, the hierarchy the most any member uploads (hierarchy.transfers),
+the reduce-scatter the most any member uploads (drift.sync.sparse.scatter_transfers).
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ wrong stays in e and goes out later; BENCHMARKS.md, "One bit a value").
 Payloads are all-gathered (sums of sparse vectors are not sparse, so no ring): every member
 decodes every payload, clips each to `clip` x the round's median contribution norm, and adds
 w_i x them in ring order; θ -= lr x that (buffers: the plain weighted sum), the lr growing with
-the number of contributions summed (`round_lr`; in levels, the top level's).
+the number of contributions summed (`round_lr`; in levels, the top level's). The reduce-scatter
+(drift.hierarchy.segments; in-process only so far, benchmarks/harness/tree.py) sums the same
+payloads in segments: each member's payload goes in pieces to the segments' owners (`piece`),
+each owner clips its pieces to the median of its segment's and sums them (`reduce`), and every
+member applies the owners' sums, int8 (`gathered`): the flat all-gather's update to within the
+int8 rounding, at about θ's int8 bytes a node whatever the swarm's size.
 
 About 0.30 bits per value of θ per round with the defaults (160 of 4096), against 8.15 for int8.
 
