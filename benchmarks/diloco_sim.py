@@ -103,6 +103,7 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=None, help="θ0 and the sample order (default: the recipe's)")
     ap.add_argument("--inner-lr", type=float, default=None, help="AdamW's lr (default: the recipe's)")
+    ap.add_argument("--batch", type=int, default=None, help="samples an inner step (default: the recipe's)")
     ap.add_argument("--model", nargs="*", default=[], metavar="KEY=INT", help="task_config, e.g. n_layer=8 n_embd=512")
     a = ap.parse_args()
     if a.uneven is not None and a.overlapped:
@@ -111,6 +112,7 @@ def main() -> None:
     r = load_recipe(ROOT / "recipes" / "shakespeare.yaml")
     lr = a.inner_lr or r.inner_optimizer.lr
     run = {
+        "batch_size": a.batch or r.batch_size,
         "rounds": a.steps // a.H,
         "inner_steps": a.H,
         "min_nodes": a.nodes,
@@ -119,7 +121,7 @@ def main() -> None:
         "inner_optimizer": {**r.inner_optimizer.model_dump(), "lr": lr},
         "task_config": r.task_config | {k: int(v) for k, v in (kv.split("=", 1) for kv in a.model)},
     }
-    total = a.nodes * a.steps * r.batch_size
+    total = a.nodes * a.steps * run["batch_size"]
     if a.schedule:
         run["lr_schedule"] = {"warmup_samples": total // 20, "min_lr": lr * a.min_lr}
     r = Recipe.model_validate(r.model_dump() | run)
