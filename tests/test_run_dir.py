@@ -62,7 +62,9 @@ def test_a_checkpoint_asked_for_after_its_holders_moved_on_is_written_of_the_new
     )
     assert out.returncode == 0, out.stderr
     saved = [e["round"] for e in read_events(repo / "run") if e["event"] == "checkpoint"]
-    assert saved == [2, 3, 5], (saved, out.stderr)
+    # Round 1's comes as round 2's (it was skipped: [3, 5]); round 3's is written or, when round 3
+    # settles while that save is still being written, skipped (the test above).
+    assert saved[0] == 2 and saved[-1] == 5, (saved, out.stderr)
     assert "checkpointing round 2 in place of round 1" in out.stderr, out.stderr
     ckpt, _ = latest_checkpoint(repo / "run" / "checkpoints")
     assert ckpt is not None and ckpt.round == 5

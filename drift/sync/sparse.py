@@ -210,6 +210,17 @@ class Codec:
             idx += (np.arange(r0, r1, dtype=np.int64) * c)[:, None]
             yield idx.reshape(-1), negative, scales[r0:r1]
 
+    def rows(self, payload: bytes, r0: int, r1: int) -> bytes:
+        """Chunks [r0, r1) of a payload (r0 a multiple of 8, where every bit field starts on a
+        byte), itself a payload of those chunks: each field's rows, in the fields' order."""
+        fields = [
+            slice(2 * r0, 2 * r1),
+            self._bytes(self.i_index, self.k * self.low, r0, r1),
+            self._bytes(self.i_high, self.span, r0, r1),
+            self._bytes(self.i_values, self.k, r0, r1),
+        ]
+        return b"".join(payload[f] for f in fields)
+
     def _values(self, negative: np.ndarray, scales: np.ndarray) -> np.ndarray:
         """A block's values: its chunk's magnitude (`scales`, float32), signed."""
         vals = np.repeat(scales, self.k)
@@ -391,14 +402,7 @@ class SparseLoCo(SyncRule):
         unit) needs: itself a payload of `segment_codec(chunks)`; b"" from a payload of nothing."""
         if not payload:
             return b""
-        c, (a, b) = self.codec, (chunks.start, chunks.stop)
-        sections = [
-            slice(2 * a, 2 * b),
-            c._bytes(c.i_index, c.k * c.low, a, b),
-            c._bytes(c.i_high, c.span, a, b),
-            c._bytes(c.i_values, c.k, a, b),
-        ]
-        return b"".join(payload[s] for s in sections)
+        return self.codec.rows(payload, chunks.start, chunks.stop)
 
     def scatter_nbytes(self, n: int) -> tuple[int, int]:
         """(most bytes any of n members uploads, most it downloads) in a reduce-scattered round."""
