@@ -29,7 +29,7 @@ import argparse
 from drift import hierarchy
 from drift.compress import make_codec
 from drift.ring import grid
-from drift.sync.sparse import Codec, SparseParams, scatter_transfers
+from drift.sync.sparse import Codec, SparseParams, scatter_nbytes, scatter_transfers
 
 Step = tuple[int, float, float]  # (how many such steps, bytes up, bytes down) of the busiest node
 
@@ -62,8 +62,7 @@ def rows(n_params: int, nodes: list[int], chunk: int, k: int, fanouts: list[int]
             each = scatter_transfers(n_params, chunk, k, n)
             steps = [(1, max(e[0] for e in each), max(e[1] for e in each))]
             steps.append((1, max(e[2] for e in each), max(e[3] for e in each)))
-            up, down = max(e[0] + e[2] for e in each), max(e[1] + e[3] for e in each)
-            yield n, "sparse, reduce-scatter + int8 all-gather", up, down, steps
+            yield n, "sparse, reduce-scatter + int8 all-gather", *scatter_nbytes(n_params, chunk, k, n), steps
 
 
 def seconds(steps: list[Step], up: float, down: float, rtt: float, efficiency: float = 1.0, step_s: float = 0.0):

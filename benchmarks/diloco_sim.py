@@ -164,9 +164,10 @@ def main() -> None:
         rules = [make_rule(layout, sr) for _ in range(N)]  # each replica's own error feedback
         big = {"sync_params": {**sr.sync_params, "k": a.k_first, "lr": a.dense_lr, "dense_rounds": 0}}  # (--k-first)
         first_rules = [make_rule(layout, sr.model_copy(update=big)) for _ in range(N)] if a.k_first else []
-        per_round = (hierarchy.transfers(N, a.fanout)[0] if a.fanout else N - 1) * rules[0].payload_nbytes
         if a.scatter:
             per_round = rules[0].scatter_nbytes(N)[0]
+        else:
+            per_round = (hierarchy.transfers(N, a.fanout)[0] if a.fanout else N - 1) * rules[0].payload_nbytes
         scratch = np.zeros_like(theta)  # where the other replicas apply the same step
     else:
         codec = make_codec("int8" if a.int8 else "fp32")

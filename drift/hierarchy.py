@@ -142,7 +142,7 @@ def segments(chunks: int, n: int) -> list[range]:
     empty range."""
     units = -(-chunks // UNIT)
     out, u = [], 0
-    for size in _split(units, n) if n <= units else [1] * units + [0] * (n - units):
+    for size in _split(units, n):  # (more members than units: the first own one each)
         out.append(range(min(u * UNIT, chunks), min((u + size) * UNIT, chunks)))
         u += size
     return out

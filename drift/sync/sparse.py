@@ -249,19 +249,29 @@ class Codec:
         return math.sqrt(math.fsum(terms))
 
 
+def segment_values(chunks: range, chunk: int, n_values: int) -> range:
+    """The values of θ (of n_values) that a segment's chunks hold (the last chunk may be short)."""
+    return range(chunks.start * chunk, min(chunks.stop * chunk, n_values))
+
+
 def scatter_transfers(n_values: int, chunk: int, k: int, n: int) -> list[tuple[int, int, int, int]]:
     """Each of n members' bytes in a reduce-scattered round of θ of n_values: (up, down) as it
     sends its payload's pieces to the other owners and takes every member's piece of its own
     segment, then (up, down) as it sends its segment's int8 sum to every other member and takes
     the other segments' sums."""
-    segs = hierarchy.segments(Codec(n_values, chunk, k).m, n)
-    piece = [Codec(min(s.stop * chunk, n_values) - s.start * chunk, chunk, k).nbytes if s else 0 for s in segs]
-    sums = Int8Block()
-    summed = [sums.encoded_nbytes(min(s.stop * chunk, n_values) - s.start * chunk) if s else 0 for s in segs]
+    sizes = [len(segment_values(s, chunk, n_values)) for s in hierarchy.segments(Codec(n_values, chunk, k).m, n)]
+    piece = [Codec(v, chunk, k).nbytes if v else 0 for v in sizes]
+    summed = [Int8Block().encoded_nbytes(v) if v else 0 for v in sizes]
     total_piece, total_summed = sum(piece), sum(summed)
     return [
         (total_piece - piece[o], (n - 1) * piece[o], (n - 1) * summed[o], total_summed - summed[o]) for o in range(n)
     ]
+
+
+def scatter_nbytes(n_values: int, chunk: int, k: int, n: int) -> tuple[int, int]:
+    """(most bytes any of n members uploads, most it downloads) in a reduce-scattered round."""
+    each = scatter_transfers(n_values, chunk, k, n)
+    return max(ru + gu for ru, _, gu, _ in each), max(rd + gd for _, rd, _, gd in each)
 
 
 class SparseLoCo(SyncRule):
@@ -394,8 +404,8 @@ class SparseLoCo(SyncRule):
 
     def segment_codec(self, chunks: range) -> Codec:
         """The payload format of a segment's piece: chunks [start, stop) of θ's."""
-        c = self.codec.chunk
-        return Codec(min(chunks.stop * c, self.codec.n) - chunks.start * c, c, self.codec.k)
+        c = self.codec
+        return Codec(len(segment_values(chunks, c.chunk, c.n)), c.chunk, c.k)
 
     def piece(self, payload: bytes, chunks: range) -> bytes:
         """The part of a payload that segment `chunks` (drift.hierarchy.segments: it starts on a
@@ -406,8 +416,7 @@ class SparseLoCo(SyncRule):
 
     def scatter_nbytes(self, n: int) -> tuple[int, int]:
         """(most bytes any of n members uploads, most it downloads) in a reduce-scattered round."""
-        each = scatter_transfers(self.codec.n, self.codec.chunk, self.codec.k, n)
-        return max(ru + gu for ru, _, gu, _ in each), max(rd + gd for _, rd, _, gd in each)
+        return scatter_nbytes(self.codec.n, self.codec.chunk, self.codec.k, n)
 
     def reduce(self, pieces: list[bytes | None], ring: list[RingMember], chunks: range) -> tuple[bytes, Combined]:
         """A segment owner's part of the reduce-scatter: Σ_i w_i · clip(decode(piece_i)) over the
@@ -426,15 +435,14 @@ class SparseLoCo(SyncRule):
         """The round's update from the all-gathered segment sums (`reduce`'s bytes, each with its
         chunks; a segment missing from the list adds nothing), `contributions` members having
         sent a payload; PayloadError if a sum does not decode."""
-        c, n = self.codec.chunk, self.codec.n
         self._update, self._segments = [], []
         for chunks, data in sums:
-            a, b = chunks.start * c, min(chunks.stop * c, n)
-            if len(data) != self.sums.encoded_nbytes(b - a):
-                raise PayloadError(f"a segment sum of {len(data)} bytes, expected {self.sums.encoded_nbytes(b - a)}")
-            if not np.isfinite(np.frombuffer(data, np.float32, -(-(b - a) // self.sums.block))).all():
+            values = segment_values(chunks, self.codec.chunk, self.codec.n)
+            if len(data) != (want := self.sums.encoded_nbytes(len(values))):
+                raise PayloadError(f"a segment sum of {len(data)} bytes, expected {want}")
+            if not np.isfinite(np.frombuffer(data, np.float32, -(-len(values) // self.sums.block))).all():
                 raise PayloadError("a segment sum's scale is not finite")
-            self._segments.append((a, b, data))
+            self._segments.append((values.start, values.stop, data))
         self._lr = self.round_lr(contributions)
 
     def _steps(self, theta: np.ndarray):
